@@ -1,0 +1,51 @@
+"""The command-line flags every recipe shares, so `--help` reads the same on all three."""
+
+from __future__ import annotations
+
+import argparse
+
+from .modeling import DEFAULT_MODEL
+from .data import DEFAULT_DATASET
+
+
+def recipe_parser(doc: str) -> argparse.ArgumentParser:
+    summary, _, details = doc.partition("\n")
+    parser = argparse.ArgumentParser(
+        description=summary, epilog=details, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add = parser.add_argument
+    add("--model", default=str(DEFAULT_MODEL),
+        help="hub id or local folder (default: the bundled tiny Llama, built on first use)")
+    add("--dataset", default=None,
+        help="hub id, local folder, or .jsonl/.json/.parquet/.txt file (default: the bundled data/)")
+    add("--output-dir", default="outputs/run", help="where run.json, metrics, checkpoints and the result go")
+    add("--epochs", type=float, default=1, help="passes over the training data (ignored when --max-steps > 0)")
+    add("--max-steps", type=int, default=0, help="optimizer steps to run; 0 = use --epochs")
+    add("--batch-size", type=int, default=8, help="micro-batch size per process")
+    add("--grad-accum", type=int, default=1, help="micro-batches accumulated per optimizer step")
+    add("--lr", type=float, default=2e-4, help="peak learning rate (linear warm-up, cosine decay)")
+    add("--warmup-ratio", type=float, default=0.03, help="fraction of the steps spent warming up")
+    add("--weight-decay", type=float, default=0.0)
+    add("--max-grad-norm", type=float, default=1.0, help="gradient clipping, the same on every strategy")
+    add("--max-length", type=int, default=512, help="tokens per example; longer examples are truncated")
+    add("--seed", type=int, default=42)
+    add("--eval-every", type=int, default=0, help="evaluate every N steps (0: only at the end)")
+    add("--save-every", type=int, default=0, help="checkpoint every N steps (0: only at the end)")
+    add("--resume", default=None, help="a checkpoint folder to resume from, or `auto` for the newest")
+    add("--gradient-checkpointing", action="store_true", help="recompute activations to save memory")
+    add("--log-every", type=int, default=1, help="print a progress line every N steps")
+    return parser
+
+
+def add_lora_args(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument
+    add("--lora-r", type=int, default=16, help="adapter rank")
+    add("--lora-alpha", type=int, default=32, help="adapter scale numerator (scale = alpha / r)")
+    add("--lora-dropout", type=float, default=0.05)
+    add("--lora-targets", default="all-linear",
+        help="comma-separated module names to adapt, or `all-linear` (default)")
+    add("--merge", action="store_true", help="also write merged/ : the adapter merged into the base weights")
+
+
+def lora_targets(value: str):
+    return value if value == "all-linear" else [name.strip() for name in value.split(",") if name.strip()]

@@ -1,0 +1,171 @@
+"""Any supported dataset -> tokenised rows with the prompt masked -> padded micro-batches.
+
+Formats, detected from the columns:
+  text                                    plain language modelling, every token is a target
+  instruction [+ input] + output|response the response is the target, the prompt is masked
+  prompt + completion                     the completion is the target
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch.utils.data import DataLoader
+
+from .preflight import refuse
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_DATASET = REPO_ROOT / "data"
+IGNORE = -100  # label of a token that is not a target (prompt, padding)
+
+FILE_LOADERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text", ".csv": "csv"}
+EVAL_SPLIT_NAMES = ("eval", "validation", "valid", "test")
+PROMPT_TEMPLATE = "### Instruction:\n{instruction}\n\n### Response:\n"
+PROMPT_WITH_INPUT_TEMPLATE = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
+
+
+def load_splits(spec: str | None, seed: int):
+    """(train, eval) `datasets.Dataset`s from a hub id, a folder, or a single file."""
+    import datasets
+
+    spec = str(spec or DEFAULT_DATASET)
+    path = Path(spec)
+    if path.is_file():
+        loaded = datasets.load_dataset(FILE_LOADERS.get(path.suffix, "json"), data_files={"train": str(path)})
+    elif path.is_dir():
+        loaded = load_folder(path)
+    else:
+        loaded = datasets.load_dataset(spec)
+    train = loaded["train"] if "train" in loaded else next(iter(loaded.values()))
+    eval_name = next((name for name in EVAL_SPLIT_NAMES if name in loaded), None)
+    if eval_name is not None:
+        return train, loaded[eval_name]
+    if len(train) < 2:
+        refuse(f"--dataset {spec} has {len(train)} rows; it needs at least 2 (some are held out for evaluation)")
+    held_out = max(1, min(256, len(train) // 20))
+    split = train.train_test_split(test_size=held_out, seed=seed)
+    return split["train"], split["test"]
+
+
+def load_folder(folder: Path):
+    import datasets
+
+    files = sorted(p for p in folder.iterdir() if p.suffix in FILE_LOADERS)
+    if not files:
+        refuse(f"--dataset {folder} holds no .jsonl/.json/.parquet/.txt/.csv file")
+    def split_of(file: Path):
+        return next((name for name in ("train", *EVAL_SPLIT_NAMES) if file.stem.lower().startswith(name)), None)
+
+    # Files named train*/eval*/validation*/test* are the splits; other files are data only when
+    # nothing is named so (a folder may also hold configs or notes).
+    named = [f for f in files if split_of(f)]
+    by_split = {}
+    for file in named or files:
+        by_split.setdefault(split_of(file) or "train", []).append(str(file))
+    loader = FILE_LOADERS[(named or files)[0].suffix]
+    return datasets.load_dataset(loader, data_files=by_split)
+
+
+def detect_format(columns) -> str:
+    columns = set(columns)
+    if "instruction" in columns and ({"output", "response"} & columns):
+        return "instruction"
+    if {"prompt", "completion"} <= columns:
+        return "prompt_completion"
+    if "text" in columns:
+        return "text"
+    refuse(f"the dataset has no usable text columns (found {sorted(columns)}); expected `text`, "
+           "`instruction` + `output`/`response`, or `prompt` + `completion`")
+
+
+def split_prompt(row: dict, fmt: str) -> tuple[str, str]:
+    """(prompt, target) of one row; the prompt is not trained on."""
+    if fmt == "instruction":
+        target = row.get("output", row.get("response"))
+        template = PROMPT_WITH_INPUT_TEMPLATE if row.get("input") else PROMPT_TEMPLATE
+        return template.format(instruction=row["instruction"], input=row.get("input", "")), target
+    if fmt == "prompt_completion":
+        return row["prompt"], row["completion"]
+    return "", row["text"]
+
+
+def tokenize_row(row: dict, tokenizer, fmt: str, max_length: int) -> dict:
+    prompt, target = split_prompt(row, fmt)
+    prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"] if prompt else []
+    target_ids = tokenizer(target, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    prefix = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    input_ids = (prefix + prompt_ids + target_ids)[:max_length]
+    masked = len(prefix) + len(prompt_ids)
+    labels = [IGNORE] * masked + target_ids
+    return {"input_ids": input_ids, "labels": labels[:max_length]}
+
+
+def tokenize(dataset, tokenizer, max_length: int):
+    fmt = detect_format(dataset.column_names)
+    tokenized = dataset.map(
+        lambda row: tokenize_row(row, tokenizer, fmt, max_length),
+        remove_columns=dataset.column_names,
+        desc="tokenising",
+    )
+    # A row whose targets were all cut off by --max-length teaches nothing.
+    return tokenized.filter(lambda row: any(label != IGNORE for label in row["labels"][1:])), fmt
+
+
+class PadToLongest:
+    """Pads a micro-batch to its longest row; padding is masked out of attention and loss."""
+
+    def __init__(self, pad_token_id: int):
+        self.pad_token_id = pad_token_id
+
+    def __call__(self, rows: list[dict]) -> dict:
+        longest = max(len(row["input_ids"]) for row in rows)
+        batch = {"input_ids": [], "attention_mask": [], "labels": []}
+        for row in rows:
+            pad = longest - len(row["input_ids"])
+            batch["input_ids"].append(row["input_ids"] + [self.pad_token_id] * pad)
+            batch["attention_mask"].append([1] * len(row["input_ids"]) + [0] * pad)
+            batch["labels"].append(row["labels"] + [IGNORE] * pad)
+        return {key: torch.tensor(value) for key, value in batch.items()}
+
+
+def make_loaders(train, evaluation, tokenizer, batch_size: int):
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    collate = PadToLongest(pad_id)
+    train_loader = DataLoader(train, batch_size=batch_size, shuffle=True, drop_last=True, collate_fn=collate)
+    eval_loader = DataLoader(evaluation, batch_size=batch_size, shuffle=False, collate_fn=collate)
+    return train_loader, eval_loader
+
+
+def target_tokens(batch: dict) -> torch.Tensor:
+    """How many tokens of the batch are predicted and scored (labels are shifted by one)."""
+    return (batch["labels"][:, 1:] != IGNORE).sum()
+
+
+def optimizer_steps(train_loader, grad_accum: int, start_step: int = 0):
+    """Endless stream of (epoch, [grad_accum micro-batches]) from `start_step` on.
+
+    An epoch's ragged tail is dropped, and a resumed run sees exactly the batches that the
+    uninterrupted run would have seen.
+    """
+    from accelerate import skip_first_batches
+
+    epoch, done = divmod(start_step, steps_per_epoch(len(train_loader), grad_accum))
+    while True:
+        loader = skip_first_batches(train_loader, done * grad_accum) if done else train_loader
+        loader.set_epoch(epoch)  # the shuffle order depends on the seed and the epoch only
+        group = []
+        for batch in loader:
+            group.append(batch)
+            if len(group) == grad_accum:
+                yield epoch, group
+                group = []
+        epoch, done = epoch + 1, 0
+
+
+def steps_per_epoch(batches_per_process: int, grad_accum: int) -> int:
+    steps = batches_per_process // grad_accum
+    if steps == 0:
+        refuse(f"one optimizer step needs --grad-accum {grad_accum} micro-batches per process, but the "
+               f"training data gives only {batches_per_process} per process; lower --batch-size or --grad-accum")
+    return steps

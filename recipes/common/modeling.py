@@ -1,0 +1,116 @@
+"""Loading the model so that it suits the strategy: dtype, device placement and quantisation."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from accelerate.utils import DistributedType
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_MODEL = REPO_ROOT / "models" / "tiny-llama"
+
+
+def ensure_default_model(name: str, accelerator) -> None:
+    """Build the bundled tiny model the first time it is asked for (random init, a few seconds)."""
+    if Path(name).resolve() != DEFAULT_MODEL.resolve():
+        return
+    with accelerator.local_main_process_first():
+        if accelerator.is_local_main_process and not (DEFAULT_MODEL / "config.json").exists():
+            builder = REPO_ROOT / "scripts" / "build_tiny_model.py"
+            subprocess.run([sys.executable, str(builder), "--output-dir", str(DEFAULT_MODEL)], check=True)
+
+
+def load_tokenizer(name: str, trust_remote_code: bool = False):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def mixed_precision(accelerator) -> str:
+    # DeepSpeed keeps its precision in its own config; the launcher's setting names it for all strategies.
+    return os.environ.get("ACCELERATE_MIXED_PRECISION", accelerator.mixed_precision or "no").lower()
+
+
+def float_dtype(accelerator, frozen: bool) -> torch.dtype:
+    """Trained weights stay fp32 (autocast runs the maths in 16 bits); frozen ones may be 16-bit."""
+    precision = mixed_precision(accelerator)
+    if frozen and precision == "bf16":
+        return torch.bfloat16
+    if frozen and precision == "fp16":
+        return torch.float16
+    return torch.float32
+
+
+def is_model_parallel(accelerator) -> bool:
+    """One process that sees several GPUs: spread the layers over them."""
+    return accelerator.distributed_type == DistributedType.NO and torch.cuda.device_count() > 1
+
+
+def shards_parameters(accelerator) -> bool:
+    if accelerator.distributed_type == DistributedType.FSDP:
+        return True
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        return accelerator.state.deepspeed_plugin.zero_stage == 3
+    return False
+
+
+def load_model(name: str, accelerator, *, frozen: bool, quantization=None, trust_remote_code: bool = False):
+    """The model placed for the launched strategy.
+
+    - model parallel: `device_map="auto"` spreads the layers over the visible GPUs;
+    - quantised weights under DDP / ZeRO-1/2: each process loads its own copy on its device;
+    - everything else loads on CPU and `accelerator.prepare` places or shards it.
+    """
+    from transformers import AutoModelForCausalLM
+
+    kwargs = dict(dtype=float_dtype(accelerator, frozen), use_safetensors=True, trust_remote_code=trust_remote_code)
+    if is_model_parallel(accelerator):
+        kwargs["device_map"] = "auto"
+    if quantization is not None:
+        kwargs["quantization_config"] = quantization
+        if not shards_parameters(accelerator) and not is_model_parallel(accelerator):
+            kwargs["device_map"] = {"": accelerator.device}
+    return AutoModelForCausalLM.from_pretrained(name, **kwargs)
+
+
+def model_parallel_device_map(config, gpu_memory: dict, dtype=torch.bfloat16) -> dict:
+    """The layer -> GPU plan `device_map="auto"` makes for `config`, computed without any GPU.
+
+    `gpu_memory` maps GPU index to its budget, e.g. {0: "40GiB", 1: "40GiB"}.
+    """
+    from accelerate import infer_auto_device_map, init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return infer_auto_device_map(model, max_memory=gpu_memory, no_split_module_classes=model._no_split_modules,
+                                 dtype=dtype)
+
+
+def parameter_counts(model) -> dict:
+    """Elements of all parameters, of the trainable ones, and of those this rank holds.
+
+    FSDP2 parameters are DTensors (numel is global, the local shard is `to_local()`); ZeRO-3
+    keeps the full size in `ds_numel` and this rank's partition in `ds_tensor`.
+    """
+    from torch.distributed.tensor import DTensor
+
+    total = trainable = held = 0
+    for param in model.parameters():
+        if hasattr(param, "ds_tensor"):
+            full, local = param.ds_numel, param.ds_tensor.numel()
+        elif isinstance(param, DTensor):
+            full, local = param.numel(), param.to_local().numel()
+        else:
+            full = local = param.numel()
+        total += full
+        held += local
+        trainable += full if param.requires_grad else 0
+    return {"total": total, "trainable": trainable, "held_by_this_rank": held}

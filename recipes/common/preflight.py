@@ -1,0 +1,120 @@
+"""Checks that refuse a launch that cannot work, before any model is loaded.
+
+Each refusal is one line naming the problem and the fix, printed once, and the process exits
+with status 2. Every rank reaches the same verdict because every check reads only the launch
+environment and the arguments, which are the same on every rank.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+EXIT_REFUSED = 2
+
+
+class Refusal(SystemExit):
+    """A launch that cannot work; raised so tests can catch it, printed as one line otherwise."""
+
+    def __init__(self, message: str):
+        super().__init__(EXIT_REFUSED)
+        self.message = message
+
+
+def refuse(message: str) -> None:
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"error: {message}", file=sys.stderr, flush=True)
+    raise Refusal(message)
+
+
+def env_flag(name: str) -> bool:
+    return os.environ.get(name, "false").lower() == "true"
+
+
+def requested_processes_of_launcher() -> int:
+    """`--num_processes N` given to the `accelerate launch` that started this single process.
+
+    With `distributed_type: 'NO'` accelerate starts one process whatever `--num_processes`
+    says; only the launcher's own command line still shows what the user asked for.
+    """
+    try:
+        argv = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().decode().split("\0")
+    except OSError:
+        return 1
+    for i, arg in enumerate(argv):
+        if arg.startswith("--num_processes="):
+            return int(arg.split("=", 1)[1])
+        if arg in ("--num_processes", "--num-processes") and i + 1 < len(argv) and argv[i + 1].isdigit():
+            return int(argv[i + 1])
+    return 1
+
+
+def check_launch(args, recipe: str) -> None:
+    """Everything that can be known to fail before the model loads."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    deepspeed = env_flag("ACCELERATE_USE_DEEPSPEED")
+    fsdp = env_flag("ACCELERATE_USE_FSDP")
+
+    if world == 1 and not (deepspeed or fsdp) and requested_processes_of_launcher() > 1:
+        refuse("model parallel runs as ONE process that spreads the layers over the GPUs, but "
+               "--num_processes > 1 was asked; drop --num_processes, or use "
+               "accelerate_configs/ddp.yaml (model fits one GPU) or fsdp.yaml (it does not)")
+
+    for name in ("max_steps", "epochs"):
+        value = getattr(args, name)
+        if value is not None and value < 0:
+            refuse(f"--{name.replace('_', '-')} must be >= 0, got {value}")
+    for name in ("batch_size", "grad_accum", "max_length"):
+        value = getattr(args, name)
+        if value < 1:
+            refuse(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if args.max_steps == 0 and args.epochs == 0:
+        refuse("nothing to train: give --max-steps N or --epochs N (> 0)")
+
+    if deepspeed:
+        ds_accum = os.environ.get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "auto")
+        if ds_accum.isdigit() and int(ds_accum) != args.grad_accum:
+            refuse(f"the DeepSpeed config accumulates {ds_accum} micro-batches but --grad-accum is "
+                   f"{args.grad_accum}; delete `gradient_accumulation_steps` from the accelerate "
+                   "config (the recipe's --grad-accum then applies) or make them equal")
+        ds_clip = os.environ.get("ACCELERATE_GRADIENT_CLIPPING", "auto")
+        if ds_clip not in ("auto", "none") and float(ds_clip) != args.max_grad_norm:
+            refuse(f"the DeepSpeed config clips gradients at {ds_clip} but --max-grad-norm is "
+                   f"{args.max_grad_norm}; delete `gradient_clipping` from the accelerate config "
+                   "or pass the same --max-grad-norm")
+
+    if recipe == "qlora" and getattr(args, "bits", 4) == 8 and fsdp:
+        refuse("8-bit weights cannot be sharded by FSDP; use --bits 4 (QLoRA) with fsdp.yaml, or "
+               "8-bit with accelerate_configs/ddp.yaml or zero3.yaml")
+    if fsdp and env_flag("FSDP_ACTIVATION_CHECKPOINTING") and args.gradient_checkpointing:
+        refuse("activation checkpointing is asked twice (fsdp_activation_checkpointing in the "
+               "accelerate config and --gradient-checkpointing); keep one of them")
+
+    if looks_local(args.model) and not Path(args.model).exists() and not is_default_model(args.model):
+        refuse(f"--model {args.model} does not exist; give a local folder or a hub id such as "
+               "TinyLlama/TinyLlama-1.1B-Chat-v1.0")
+    if args.dataset and looks_local(args.dataset) and not Path(args.dataset).exists():
+        refuse(f"--dataset {args.dataset} does not exist; give a .jsonl/.json/.parquet/.txt file, "
+               "a folder of them, or a hub id")
+
+
+def refuse_if_cpu_cannot_run(strategy: str) -> None:
+    """Strategies that have no CPU form are named, never silently replaced by another."""
+    hybrid = int(os.environ.get("PARALLELISM_CONFIG_DP_REPLICATE_SIZE", "1")) > 1 or "HYBRID" in os.environ.get(
+        "FSDP_SHARDING_STRATEGY", ""
+    ).upper()
+    if strategy == "fsdp" and hybrid:
+        refuse("hybrid sharding needs GPUs (torch's device mesh refuses CPU process groups); on "
+               "this machine try accelerate_configs/fsdp.yaml, and use fsdp_hybrid.yaml on the cluster")
+
+
+def looks_local(name: str) -> bool:
+    """A path rather than a hub id (`org/name`)."""
+    return name.startswith((".", "/", "~")) or name.count("/") != 1 or Path(name).suffix != ""
+
+
+def is_default_model(name: str) -> bool:
+    from .modeling import DEFAULT_MODEL
+
+    return Path(name).resolve() == DEFAULT_MODEL.resolve()

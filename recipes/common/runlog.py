@@ -1,0 +1,140 @@
+"""What a run leaves behind about itself: run.json, metrics.jsonl and the progress bar.
+
+Only the main process writes or prints; the other ranks take part in the gathers only.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from .modeling import mixed_precision, parameter_counts
+
+LIBRARIES = ("torch", "transformers", "accelerate", "peft", "datasets", "bitsandbytes", "deepspeed")
+
+
+def library_versions() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = {}
+    for name in LIBRARIES:
+        try:
+            found[name] = version(name)
+        except PackageNotFoundError:
+            pass
+    return found
+
+
+def strategy_details(accelerator) -> dict:
+    state = accelerator.state
+    details = {}
+    if getattr(state, "fsdp_plugin", None) is not None and accelerator.distributed_type.value == "FSDP":
+        plugin = state.fsdp_plugin
+        details["fsdp"] = {
+            "version": plugin.fsdp_version,
+            "reshard_after_forward": str(plugin.reshard_after_forward),
+            "cpu_offload": type(plugin.cpu_offload).__name__,
+        }
+    if accelerator.distributed_type.value == "DEEPSPEED":
+        zero = state.deepspeed_plugin.deepspeed_config.get("zero_optimization", {})
+        details["deepspeed"] = {
+            "zero_stage": zero.get("stage"),
+            "offload_optimizer": zero.get("offload_optimizer", {}).get("device", "none"),
+            "offload_param": zero.get("offload_param", {}).get("device", "none"),
+        }
+    return details
+
+
+class RunLog:
+    def __init__(self, accelerator, args, recipe: str):
+        self.accelerator = accelerator
+        self.args = args
+        self.recipe = recipe
+        self.output_dir = Path(args.output_dir)
+        self.main = accelerator.is_main_process
+        self.started = time.perf_counter()
+        self.tokens_seen = 0
+        self.bar = None
+        if self.main:
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            self.metrics = open(self.output_dir / "metrics.jsonl", "a", buffering=1)
+
+    def say(self, message: str) -> None:
+        if self.main:
+            writer = self.bar.write if self.bar is not None else print
+            writer(message)
+            sys.stdout.flush()
+
+    def write_run_json(self, model, data_format: str) -> None:
+        """Record what really ran: strategy, processes, precision, parameters held by each rank."""
+        counts = parameter_counts(model)
+        held = torch.tensor([counts["held_by_this_rank"]], device=self.accelerator.device)
+        per_rank = self.accelerator.gather(held).tolist()
+        record = {
+            "recipe": self.recipe,
+            "arguments": vars(self.args),
+            "base_model": self.args.model,
+            "data_format": data_format,
+            "distributed_type": self.accelerator.distributed_type.value,
+            "num_processes": self.accelerator.num_processes,
+            "mixed_precision": mixed_precision(self.accelerator),
+            "device": str(self.accelerator.device.type),
+            "parameters": {
+                "total": counts["total"],
+                "trainable": counts["trainable"],
+                "held_by_rank": per_rank,
+            },
+            "strategy": strategy_details(self.accelerator),
+            "versions": library_versions(),
+        }
+        if self.main:
+            (self.output_dir / "run.json").write_text(json.dumps(record, indent=2, default=str) + "\n")
+            share = per_rank[0] / max(counts["total"], 1)
+            self.say(
+                f"{self.recipe}: {self.accelerator.distributed_type.value} x {self.accelerator.num_processes} "
+                f"process(es), {mixed_precision(self.accelerator)} precision, {counts['total']:,} parameters "
+                f"({counts['trainable']:,} trainable, rank 0 holds {share:.0%}), data format: {data_format}"
+            )
+
+    def start(self, first_step: int, total_steps: int) -> None:
+        if self.main:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=total_steps, initial=first_step, desc="training", unit="step",
+                            dynamic_ncols=True, mininterval=1.0)
+
+    def log_step(self, step: int, epoch: int, loss: float, lr: float, grad_norm, tokens: int) -> None:
+        self.tokens_seen += tokens
+        if not self.main:
+            return
+        elapsed = time.perf_counter() - self.started
+        record = {
+            "type": "train", "step": step, "epoch": epoch, "loss": loss, "lr": lr,
+            "grad_norm": None if grad_norm is None else float(grad_norm),
+            "tokens": tokens, "tokens_seen": self.tokens_seen, "elapsed_s": round(elapsed, 3),
+            "tokens_per_s": round(self.tokens_seen / max(elapsed, 1e-9), 1),
+        }
+        self.metrics.write(json.dumps(record) + "\n")
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{record['tokens_per_s']:.0f}", refresh=False)
+            if self.args.log_every and step % self.args.log_every == 0:
+                self.bar.write(f"step {step}: loss {loss:.4f}  lr {lr:.2e}  grad_norm {record['grad_norm'] or 0:.3f}")
+
+    def log_eval(self, step: int, metrics: dict) -> None:
+        if self.main:
+            self.metrics.write(json.dumps({"type": "eval", "step": step, **metrics}) + "\n")
+            shown = "  ".join(f"{key} {value:.4f}" for key, value in metrics.items())
+            self.say(f"eval at step {step}: {shown}")
+
+    def close(self, message: str) -> None:
+        if self.main:
+            if self.bar is not None:
+                self.bar.close()
+                self.bar = None
+            self.metrics.close()
+            self.say(message)

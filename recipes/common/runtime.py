@@ -1,0 +1,123 @@
+"""The Accelerator for this launch, and the one place that knows about machines without a GPU.
+
+`accelerate launch --config_file accelerate_configs/<strategy>.yaml` describes a GPU cluster.
+On a machine with no GPU the same command should still exercise the same strategy, so a user
+can try a config on a laptop and the tests can run everywhere. Stock accelerate does not do
+that by itself (see the notes in `cpu_strategy`), so this module adapts the launch on CPU only;
+on GPUs it builds a plain `Accelerator` and changes nothing.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch
+from accelerate import Accelerator, DataLoaderConfiguration
+from accelerate.utils import DistributedType, GradientAccumulationPlugin, InitProcessGroupKwargs
+
+from . import preflight
+
+# A rank that dies must not leave the others waiting forever in a collective.
+COLLECTIVE_TIMEOUT = timedelta(minutes=int(os.environ.get("RECIPES_COLLECTIVE_TIMEOUT_MIN", "30")))
+
+
+def launched_strategy() -> str:
+    """The strategy the accelerate launcher asked for, read from the environment it sets."""
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
+        return "deepspeed"
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
+        return "fsdp"
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return "ddp"
+    return "single"
+
+
+def has_gpu() -> bool:
+    return torch.cuda.is_available()
+
+
+def make_accelerator(args) -> Accelerator:
+    """An Accelerator set up for `args` and for whatever `accelerate launch` asked for."""
+    strategy = launched_strategy()
+    on_cpu = not has_gpu()
+    if on_cpu:
+        preflight.refuse_if_cpu_cannot_run(strategy)
+        share_cpu_cores()
+    kwargs = dict(
+        # The recipes hand the loop exactly `grad_accum` micro-batches per optimizer step, so
+        # the end of an epoch never forces an early, partial step.
+        gradient_accumulation_plugin=GradientAccumulationPlugin(
+            num_steps=args.grad_accum, sync_with_dataloader=False
+        ),
+        # One scheduler step per optimizer step, whatever the number of processes.
+        step_scheduler_with_optimizer=False,
+        # The data order depends on the seed and epoch only, so a resumed run sees the same batches.
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
+        kwargs_handlers=[InitProcessGroupKwargs(timeout=COLLECTIVE_TIMEOUT, **cpu_process_group(strategy, on_cpu))],
+    )
+    # DeepSpeed discovers its own CPU accelerator; every other strategy must be told it runs on CPU.
+    if on_cpu and strategy != "deepspeed":
+        kwargs["cpu"] = True
+    accelerator = Accelerator(**kwargs)
+    if on_cpu and strategy == "fsdp":
+        enable_fsdp_on_cpu(accelerator)
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        align_deepspeed_with_recipe(accelerator, args)
+    return accelerator
+
+
+def share_cpu_cores() -> None:
+    """One slice of the cores per local process: oversubscribed OpenMP threads spin and run ~100x slower."""
+    local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_processes))
+
+
+def cpu_process_group(strategy: str, on_cpu: bool) -> dict:
+    # Without GPUs the collectives go through gloo; DeepSpeed would otherwise look for oneCCL.
+    return {"backend": "gloo"} if on_cpu and strategy == "deepspeed" else {}
+
+
+def enable_fsdp_on_cpu(accelerator: Accelerator) -> None:
+    """Turn the CPU process group into a real FSDP run.
+
+    accelerate only selects FSDP for GPU-like devices and falls back to plain DDP on CPU
+    (silently). torch's FSDP2 itself shards on CPU with gloo, so hand it the plugin that the
+    launcher's environment describes.
+    """
+    from accelerate.state import AcceleratorState, PartialState
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    plugin = FullyShardedDataParallelPlugin()
+    if plugin.fsdp_version != 2:
+        preflight.refuse("FSDP1 cannot be checked on CPU (its full state dict save crashes there); "
+                         "set `fsdp_version: 2` in the accelerate config")
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    if isinstance(plugin.cpu_offload, CPUOffloadPolicy):
+        # Pinned memory needs a GPU.
+        plugin.cpu_offload = CPUOffloadPolicy(pin_memory=False)
+    # On CPU every rank loads the weights itself; rank-0 loading relies on GPU broadcasts.
+    plugin.cpu_ram_efficient_loading = False
+    os.environ["FSDP_CPU_RAM_EFFICIENT_LOADING"] = "false"
+    if accelerator.mixed_precision != "no":
+        plugin.set_mixed_precision(accelerator.mixed_precision)
+    state = AcceleratorState()
+    state.fsdp_plugin = plugin
+    state.distributed_type = DistributedType.FSDP
+    PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+
+
+def align_deepspeed_with_recipe(accelerator: Accelerator, args) -> None:
+    """Make DeepSpeed clip like every other strategy and keep the full weights savable."""
+    config = accelerator.state.deepspeed_plugin.deepspeed_config
+    # DeepSpeed clips inside its own step; the value must be the recipe's, as on DDP and FSDP.
+    config["gradient_clipping"] = args.max_grad_norm
+    zero = config.setdefault("zero_optimization", {})
+    if zero.get("stage") == 3:
+        # Saving the final model needs the gathered 16-bit weights; without it save fails at the end.
+        zero["stage3_gather_16bit_weights_on_model_save"] = True
+    if not has_gpu() and zero.get("offload_optimizer", {}).get("device", "none") != "none":
+        # DeepSpeed's CPU Adam needs a compiled extension; on a CPU-only machine torch's AdamW
+        # runs the same update without the build.
+        config["zero_force_ds_cpu_optimizer"] = False
