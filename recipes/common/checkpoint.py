@@ -7,7 +7,10 @@ has finished writing, so a crash mid-save leaves the previous checkpoint as the 
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -15,6 +18,9 @@ import torch
 from .preflight import refuse
 
 STATE_FILE = "recipe_state.json"
+# What `accelerate launch` puts in the environment; the merge process must not inherit it.
+LAUNCH_ENV_PREFIXES = ("ACCELERATE_", "FSDP_", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
+                       "MASTER_", "GROUP_RANK", "ROLE_", "TORCHELASTIC_", "PARALLELISM_CONFIG_")
 
 
 def checkpoints_dir(output_dir) -> Path:
@@ -112,34 +118,17 @@ def check_adapter(path: Path) -> None:
         raise RuntimeError(f"{path}: every lora_B is zero; the adapter was never trained or was saved empty")
 
 
-def merge_adapter(accelerator, base_model: str, adapter: Path, merged: Path, quantization=None) -> None:
+def merge_adapter(accelerator, base_model: str, adapter, merged, base_4bit: bool = False) -> None:
     """`merged/`: the adapter merged into the base weights, as a plain transformers model.
 
-    For a 4-bit base the adapter is merged onto the dequantized weights it was trained against.
-    Runs on the main process only, so ZeRO-3's partitioned loading is switched off around it.
+    Done by the main process in a fresh Python (merge.py): a process outside the training's
+    process group loads the base without any FSDP or ZeRO-3 collective, so nothing can hang.
     """
     if accelerator.is_main_process:
-        from contextlib import nullcontext
-
-        from peft import PeftModel
-        from transformers import AutoModelForCausalLM
-
-        plugin = accelerator.state.deepspeed_plugin if accelerator.distributed_type.value == "DEEPSPEED" else None
-        unpartitioned = plugin.zero3_init_context_manager(enable=False) if plugin is not None else nullcontext()
-        with unpartitioned:
-            if quantization is not None:
-                device = accelerator.device if accelerator.device.type != "cpu" else "cpu"
-                base = AutoModelForCausalLM.from_pretrained(
-                    base_model, quantization_config=quantization, device_map={"": device},
-                    dtype=quantization.bnb_4bit_compute_dtype)
-                base = base.dequantize()
-            else:
-                base = AutoModelForCausalLM.from_pretrained(base_model, dtype="auto")
-            model = PeftModel.from_pretrained(base, str(adapter)).merge_and_unload()
-            model.save_pretrained(merged, safe_serialization=True)
-        from transformers import AutoTokenizer
-
-        AutoTokenizer.from_pretrained(str(adapter)).save_pretrained(merged)
+        command = [sys.executable, str(Path(__file__).with_name("merge.py")),
+                   "--base", str(base_model), "--adapter", str(adapter), "--output", str(merged)]
+        clean_env = {k: v for k, v in os.environ.items() if not k.startswith(LAUNCH_ENV_PREFIXES)}
+        subprocess.run(command + (["--base-4bit"] if base_4bit else []), check=True, env=clean_env)
     accelerator.wait_for_everyone()
 
 

@@ -114,3 +114,24 @@ def parameter_counts(model) -> dict:
         held += local
         trainable += full if param.requires_grad else 0
     return {"total": total, "trainable": trainable, "held_by_this_rank": held}
+
+
+def quantization_config(accelerator, bits: int):
+    """NF4 with double quantisation (QLoRA), or 8-bit, computing in the run's float dtype.
+
+    Under FSDP and ZeRO-3 the packed 4-bit weights are stored in that float dtype too: both
+    shard flat tensors of one dtype, and integer storage breaks them (or silently zeroes the loss).
+    """
+    from transformers import BitsAndBytesConfig
+
+    compute_dtype = float_dtype(accelerator, frozen=True)
+    if bits == 8:
+        return BitsAndBytesConfig(load_in_8bit=True)
+    storage = compute_dtype if shards_parameters(accelerator) else torch.uint8
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=compute_dtype,
+        bnb_4bit_quant_storage=storage,
+    )

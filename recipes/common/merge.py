@@ -1,0 +1,48 @@
+"""Merge a LoRA adapter into its base model and save a plain transformers model.
+
+    python recipes/common/merge.py --base BASE --adapter OUT/adapter --output OUT/merged [--base-4bit]
+
+The recipes run this in a fresh process after training (a clean process needs no FSDP or
+ZeRO-3 collectives to load a model); it also works on its own, any time after a run. With
+--base-4bit the base is loaded in NF4, as QLoRA trained against it, and dequantized before the
+merge, so the merged weights are the ones the adapter was trained with.
+"""
+
+import argparse
+
+import torch
+
+
+def merge(base: str, adapter: str, output: str, base_4bit: bool = False) -> None:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
+
+    if base_4bit:
+        compute_dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
+        quantization = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=compute_dtype,
+        )
+        device = "cuda:0" if torch.cuda.is_available() else "cpu"
+        model = AutoModelForCausalLM.from_pretrained(
+            base, quantization_config=quantization, device_map={"": device}, dtype=compute_dtype
+        ).dequantize()
+    else:
+        model = AutoModelForCausalLM.from_pretrained(base, dtype="auto")
+    merged = PeftModel.from_pretrained(model, adapter).merge_and_unload()
+    merged.save_pretrained(output, safe_serialization=True)
+    AutoTokenizer.from_pretrained(adapter).save_pretrained(output)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--base", required=True, help="the base model the adapter was trained on")
+    parser.add_argument("--adapter", required=True, help="folder written as adapter/ by a recipe")
+    parser.add_argument("--output", required=True, help="where to write the merged model")
+    parser.add_argument("--base-4bit", action="store_true", help="the adapter was trained on an NF4 base (QLoRA)")
+    args = parser.parse_args()
+    merge(args.base, args.adapter, args.output, args.base_4bit)
+
+
+if __name__ == "__main__":
+    main()

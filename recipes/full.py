@@ -1,0 +1,110 @@
+"""Full fine-tuning of a causal language model under any accelerate strategy.
+
+Launch (pick any file in accelerate_configs/, or your own `accelerate config` file):
+
+    accelerate launch --config_file accelerate_configs/fsdp.yaml recipes/full.py \\
+        --model TinyLlama/TinyLlama-1.1B-Chat-v1.0 --dataset my_data.jsonl --output-dir outputs/full
+
+With no --model / --dataset it trains the bundled tiny model on the bundled data, also on a
+machine without GPUs (add `--num_processes 2 --mixed_precision no` to the launcher).
+
+Writes to --output-dir: run.json (what ran), metrics.jsonl (one line per step and per
+evaluation), checkpoints/step-N/ (resumable) and model/ (AutoModelForCausalLM.from_pretrained).
+"""
+
+import math
+
+import torch
+from accelerate.utils import set_seed
+from transformers import get_cosine_schedule_with_warmup
+
+from common import args as cli
+from common import checkpoint, data, modeling, preflight, runtime
+from common.evaluation import evaluate
+from common.runlog import RunLog
+
+
+def parse_args():
+    parser = cli.recipe_parser(__doc__)
+    parser.set_defaults(lr=2e-5)
+    return parser.parse_args()
+
+
+def main():
+    args = parse_args()
+    preflight.check_launch(args, recipe="full")
+    checkpoint.refuse_foreign_checkpoints(args)
+    accelerator = runtime.make_accelerator(args)
+    set_seed(args.seed)
+
+    # Model: every weight is trained, so it stays in fp32 (mixed precision runs the maths in 16 bits).
+    modeling.ensure_default_model(args.model, accelerator)
+    tokenizer = modeling.load_tokenizer(args.model)
+    model = modeling.load_model(args.model, accelerator, frozen=False)
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+    # Data: prompt tokens are masked, so the loss covers the responses only.
+    with accelerator.main_process_first():
+        train_rows, eval_rows = data.load_splits(args.dataset, args.seed)
+        train_set, data_format = data.tokenize(train_rows, tokenizer, args.max_length)
+        eval_set, _ = data.tokenize(eval_rows, tokenizer, args.max_length)
+    train_loader, eval_loader = data.make_loaders(train_set, eval_set, tokenizer, args.batch_size)
+    probe = next(iter(eval_loader))
+
+    optimizer = torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad], lr=args.lr, weight_decay=args.weight_decay
+    )
+    steps_per_epoch = data.steps_per_epoch(len(train_loader) // accelerator.num_processes, args.grad_accum)
+    total_steps = args.max_steps or math.ceil(args.epochs * steps_per_epoch)
+    scheduler = get_cosine_schedule_with_warmup(optimizer, int(args.warmup_ratio * total_steps), total_steps)
+    model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
+        model, optimizer, train_loader, eval_loader, scheduler
+    )
+
+    log = RunLog(accelerator, args, recipe="full")
+    log.write_run_json(model, data_format)
+    start_step = checkpoint.resume_from(accelerator, args)
+
+    # The loop: one iteration = one optimizer step over grad_accum micro-batches on every rank.
+    model.train()
+    log.start(start_step, total_steps)
+    steps = data.optimizer_steps(train_loader, args.grad_accum, start_step)
+    for step in range(start_step + 1, total_steps + 1):
+        epoch, micro_batches = next(steps)
+        # The step's loss is the mean over every target token of the global batch, so count them
+        # first: across the micro-batches here and across all ranks.
+        step_tokens = accelerator.reduce(sum(data.target_tokens(b) for b in micro_batches), "sum")
+        step_loss = 0.0
+        for batch in micro_batches:
+            with accelerator.accumulate(model):
+                outputs = model(**batch, num_items_in_batch=step_tokens)  # loss = token sum / step_tokens
+                step_loss += outputs.loss.detach()
+                # accelerate divides by grad_accum and the gradient all-reduce averages over ranks:
+                # undo both so the gradient is that of the global token mean.
+                accelerator.backward(outputs.loss * args.grad_accum * accelerator.num_processes)
+        grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+
+        loss = accelerator.reduce(step_loss, "sum").item()
+        log.log_step(step, epoch, loss, scheduler.get_last_lr()[0], grad_norm, int(step_tokens))
+        if not math.isfinite(loss):
+            preflight.refuse(f"the loss became {loss} at step {step}; lower --lr or check the data")
+        if args.eval_every and step % args.eval_every == 0:
+            log.log_eval(step, evaluate(accelerator, model, eval_loader))
+        if args.save_every and step % args.save_every == 0:
+            checkpoint.save_checkpoint(accelerator, args.output_dir, step)
+
+    # Final evaluation and export.
+    log.log_eval(total_steps, evaluate(accelerator, model, eval_loader))
+    checkpoint.save_probe(accelerator, model, probe, args.output_dir)
+    model_dir = f"{args.output_dir}/model"
+    checkpoint.save_full_model(accelerator, model, tokenizer, model_dir)
+    log.close(f"done: {total_steps} steps; model saved to {model_dir}")
+    accelerator.end_training()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,76 @@
+"""The configs that cannot run on CPU are still checked: they parse, they say what they are
+for, and the model-parallel plan really splits a model over the GPUs it is told about."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from accelerate.commands.config.config_args import load_config_from_file
+
+from conftest import CONFIGS, REPO, assert_no_traceback_of_ours, launch
+
+ALL_CONFIGS = sorted(CONFIGS.glob("*.yaml"))
+EXPECTED = {"model_parallel", "ddp", "fsdp", "fsdp_grad_op", "fsdp_hybrid", "fsdp_offload",
+            "zero1", "zero2", "zero3", "zero3_offload", "multi_node"}
+
+
+def test_every_strategy_has_its_config():
+    assert {path.stem for path in ALL_CONFIGS} == EXPECTED
+
+
+@pytest.mark.parametrize("path", ALL_CONFIGS, ids=lambda p: p.stem)
+def test_config_parses_and_explains_itself(path: Path):
+    config = load_config_from_file(str(path))
+    keys = yaml.safe_load(path.read_text())
+    assert 5 <= len(keys) <= 15, f"{path.name} has {len(keys)} keys"
+    assert path.read_text().startswith("# "), f"{path.name} should open with a comment saying when to use it"
+    assert config.mixed_precision == "bf16"
+    if path.stem == "multi_node":
+        assert config.num_machines == 2
+    elif path.stem == "model_parallel":
+        assert config.num_processes == 1
+    else:
+        assert config.num_processes == 4  # the reference setup: 4 GPUs on one machine
+    if path.stem.startswith("fsdp") or path.stem == "multi_node":
+        assert config.fsdp_config["fsdp_version"] == 2
+    if path.stem.startswith("zero"):
+        assert config.deepspeed_config["zero_stage"] == int(path.stem[4])
+        # Accumulation and clipping come from the recipe flags on every strategy.
+        assert "gradient_accumulation_steps" not in config.deepspeed_config
+        assert "gradient_clipping" not in config.deepspeed_config
+
+
+def test_hybrid_shard_config_asks_for_a_two_by_two_mesh():
+    parallelism = load_config_from_file(str(CONFIGS / "fsdp_hybrid.yaml")).parallelism_config
+    assert parallelism["parallelism_config_dp_replicate_size"] * parallelism["parallelism_config_dp_shard_size"] == 4
+
+
+@pytest.mark.parametrize("model", ["tinyllama-1.1b", "codellama-34b"])
+def test_model_parallel_plan_spreads_layers_over_all_gpus(model):
+    import sys
+
+    import json
+
+    from transformers import AutoConfig
+
+    sys.path.insert(0, str(REPO / "recipes"))
+    from common.modeling import model_parallel_device_map
+
+    config = AutoConfig.for_model(**json.loads((REPO / "data" / "model_configs" / f"{model}.json").read_text()))
+    weights_gib = {"tinyllama-1.1b": 2.2, "codellama-34b": 68}[model]
+    budget = f"{weights_gib / 4 * 1.25:.1f}GiB"  # each GPU takes a bit more than a quarter
+    plan = model_parallel_device_map(config, {gpu: budget for gpu in range(4)})
+    layer_devices = {device for name, device in plan.items() if ".layers." in name}
+    assert layer_devices == {0, 1, 2, 3}, plan
+    assert "disk" not in plan.values() and "cpu" not in plan.values()
+
+
+def test_hybrid_shard_refuses_on_cpu_in_one_line(tmp_path):
+    run = launch("lora", tmp_path / "out", "--max-steps", "1", config="fsdp_hybrid", processes=4)
+    assert run.returncode != 0
+    refusals = [line for line in run.output.splitlines() if line.startswith("error: hybrid sharding needs GPUs")]
+    assert len(refusals) == 1, run.output[-3000:]
+    assert "fsdp.yaml" in refusals[0]
+    assert_no_traceback_of_ours(run.output)
