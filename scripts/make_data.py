@@ -1,0 +1,175 @@
+#!/usr/bin/env python
+"""Regenerate the bundled toy dataset and its tokenizer.
+
+Writes, relative to the repository root:
+
+* ``data/train.jsonl`` (2048 rows) and ``data/eval.jsonl`` (128 rows, no
+  instruction shared with train). Each row is
+  ``{"instruction": "...", "response": "..."}``.
+* ``data/tokenizer/``: a byte-level BPE tokenizer (vocabulary <= 512) trained
+  on the training rows, saved with ``PreTrainedTokenizerFast.save_pretrained``.
+
+The task is a small mix of deterministic list operations over short digit
+sequences written with spaces (one correct response per instruction)::
+
+    Copy: 3 9 1     -> 3 9 1
+    Reverse: 3 9 1  -> 1 9 3
+    Sort: 3 9 1     -> 1 3 9
+
+Everything is seeded (pure-Python ``random.Random``), so running the script
+twice gives byte-identical files.
+
+Usage::
+
+    python scripts/make_data.py [--seed 0] [--data-dir data]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from pathlib import Path
+from typing import Callable
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_DATA_DIR = REPO_ROOT / "data"
+
+NUM_TRAIN = 2048
+NUM_EVAL = 128
+MIN_ITEMS = 3
+MAX_ITEMS = 4
+ALPHABET = "0123456789"
+
+VOCAB_SIZE = 512
+MODEL_MAX_LENGTH = 1024
+BOS_TOKEN = "<s>"
+EOS_TOKEN = "</s>"
+PAD_TOKEN = "<pad>"
+UNK_TOKEN = "<unk>"
+# Order fixes the ids: <unk>=0, <s>=1, </s>=2, <pad>=3.
+SPECIAL_TOKENS = [UNK_TOKEN, BOS_TOKEN, EOS_TOKEN, PAD_TOKEN]
+
+# Prompt template used by the recipes; the tokenizer is trained on it too so
+# that its pieces become single tokens.
+PROMPT_TEMPLATE = "### Instruction:\n{instruction}\n\n### Response:\n"
+
+OPERATIONS: dict[str, Callable[[list[str]], list[str]]] = {
+    "Copy": lambda items: list(items),
+    "Reverse": lambda items: list(reversed(items)),
+    "Sort": lambda items: sorted(items),
+}
+
+
+def make_row(rng: random.Random) -> dict[str, str]:
+    op = rng.choice(sorted(OPERATIONS))
+    n = rng.randint(MIN_ITEMS, MAX_ITEMS)
+    items = [rng.choice(ALPHABET) for _ in range(n)]
+    return {
+        "instruction": f"{op}: {' '.join(items)}",
+        "response": " ".join(OPERATIONS[op](items)),
+    }
+
+
+def make_splits(seed: int = 0) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
+    """Return (train_rows, eval_rows); eval instructions never occur in train."""
+    rng = random.Random(seed)
+    eval_rows: list[dict[str, str]] = []
+    seen: set[str] = set()
+    while len(eval_rows) < NUM_EVAL:
+        row = make_row(rng)
+        if row["instruction"] not in seen:
+            seen.add(row["instruction"])
+            eval_rows.append(row)
+    # Train rows are unique too, and disjoint from eval.
+    train_rows: list[dict[str, str]] = []
+    while len(train_rows) < NUM_TRAIN:
+        row = make_row(rng)
+        if row["instruction"] not in seen:
+            seen.add(row["instruction"])
+            train_rows.append(row)
+    return train_rows, eval_rows
+
+
+def write_jsonl(path: Path, rows: list[dict[str, str]]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8", newline="\n") as f:
+        for row in rows:
+            f.write(json.dumps(row, ensure_ascii=False, sort_keys=False) + "\n")
+
+
+def training_texts(rows: list[dict[str, str]]) -> list[str]:
+    return [PROMPT_TEMPLATE.format(instruction=r["instruction"]) + r["response"] for r in rows]
+
+
+def build_tokenizer(rows: list[dict[str, str]], output_dir: Path) -> None:
+    """Train a byte-level BPE on ``rows`` and save it as a HF fast tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE(unk_token=UNK_TOKEN))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        min_frequency=2,
+        special_tokens=SPECIAL_TOKENS,
+        # Every byte is in the vocabulary, so any text can be tokenised.
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(training_texts(rows), trainer=trainer)
+
+    hf_tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        bos_token=BOS_TOKEN,
+        eos_token=EOS_TOKEN,
+        pad_token=PAD_TOKEN,
+        unk_token=UNK_TOKEN,
+        model_max_length=MODEL_MAX_LENGTH,
+        padding_side="right",
+        clean_up_tokenization_spaces=False,
+    )
+    output_dir.mkdir(parents=True, exist_ok=True)
+    for old in output_dir.iterdir():
+        if old.is_file():
+            old.unlink()
+    hf_tokenizer.save_pretrained(str(output_dir))
+
+
+def check_tokenizer(output_dir: Path, rows: list[dict[str, str]]) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(output_dir))
+    assert tok.bos_token_id is not None and tok.eos_token_id is not None and tok.pad_token_id is not None
+    assert len(tok) <= VOCAB_SIZE, len(tok)
+    for text in training_texts(rows) + ["héllo wörld ✓ 🙂"]:
+        ids = tok.encode(text, add_special_tokens=False)
+        assert tok.decode(ids) == text, (text, tok.decode(ids))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
+    parser.add_argument(
+        "--data-dir",
+        type=Path,
+        default=DEFAULT_DATA_DIR,
+        help="output folder (default: <repo>/data)",
+    )
+    args = parser.parse_args(argv)
+    data_dir: Path = args.data_dir.resolve()
+
+    train_rows, eval_rows = make_splits(args.seed)
+    write_jsonl(data_dir / "train.jsonl", train_rows)
+    write_jsonl(data_dir / "eval.jsonl", eval_rows)
+
+    tok_dir = data_dir / "tokenizer"
+    build_tokenizer(train_rows, tok_dir)
+    check_tokenizer(tok_dir, train_rows + eval_rows)
+
+    print(f"wrote {len(train_rows)} train rows, {len(eval_rows)} eval rows and a tokenizer to {data_dir}")
+
+
+if __name__ == "__main__":
+    main()
