@@ -21,6 +21,9 @@ class Refusal(SystemExit):
         super().__init__(EXIT_REFUSED)
         self.message = message
 
+    def __str__(self) -> str:
+        return self.message
+
 
 def refuse(message: str) -> None:
     if int(os.environ.get("RANK", "0")) == 0:
