@@ -77,7 +77,19 @@ def load_model(name: str, accelerator, *, frozen: bool, quantization=None, trust
         kwargs["quantization_config"] = quantization
         if not shards_parameters(accelerator) and not is_model_parallel(accelerator):
             kwargs["device_map"] = {"": accelerator.device}
-    return AutoModelForCausalLM.from_pretrained(name, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(name, **kwargs)
+    if quantization is not None and not torch.cuda.is_available():
+        keep_4bit_weights_unpacked_on_cpu(model)
+    return model
+
+
+def keep_4bit_weights_unpacked_on_cpu(model) -> None:
+    """bitsandbytes repacks 4-bit weights in place for a bf16 CPU kernel the first time a module
+    runs in eval mode. Under FSDP the repacked buffer is thrown away at the next reshard while
+    the layout flag stays, which corrupts later forwards; the plain path computes the same in fp32."""
+    for module in model.modules():
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
 
 
 def model_parallel_device_map(config, gpu_memory: dict, dtype=torch.bfloat16) -> dict:
