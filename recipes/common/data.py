@@ -155,12 +155,25 @@ def optimizer_steps(train_loader, grad_accum: int, start_step: int = 0):
         loader = skip_first_batches(train_loader, done * grad_accum) if done else train_loader
         loader.set_epoch(epoch)  # the shuffle order depends on the seed and the epoch only
         group = []
-        for batch in loader:
+        for batch in without_touching_the_global_rng(loader):
             group.append(batch)
             if len(group) == grad_accum:
                 yield epoch, group
                 group = []
         epoch, done = epoch + 1, 0
+
+
+def without_touching_the_global_rng(loader):
+    """Iterate `loader`; starting an iterator draws from torch's global RNG (the workers' base
+    seed), which would shift every dropout mask after a resume. The draw is undone here, so a
+    resumed run and an uninterrupted one see the same random numbers."""
+    iterator = iter(loader)
+    with torch.random.fork_rng(devices=[]):
+        first = next(iterator, None)
+    if first is None:
+        return
+    yield first
+    yield from iterator
 
 
 def steps_per_epoch(batches_per_process: int, grad_accum: int) -> int:
