@@ -12,6 +12,12 @@ Writes to --output-dir: run.json (what ran), metrics.jsonl (one line per step an
 evaluation), checkpoints/step-N/ (resumable), adapter/ (PeftModel.from_pretrained) and, with
 --merge, merged/ (AutoModelForCausalLM.from_pretrained): the adapter merged onto the
 dequantized 4-bit base, i.e. onto the weights it was trained against.
+
+Flags: --model --dataset --output-dir --epochs --max-steps --batch-size --grad-accum --lr
+       --warmup-ratio --weight-decay --max-grad-norm --max-length --seed --eval-every
+       --save-every --resume --gradient-checkpointing --log-every
+LoRA:  --lora-r --lora-alpha --lora-dropout --lora-targets --merge
+QLoRA: --bits
 """
 
 import math
@@ -109,13 +115,12 @@ def main():
         log.log_step(step, epoch, loss, scheduler.get_last_lr()[0], grad_norm, int(step_tokens))
         if not math.isfinite(loss):
             preflight.refuse(f"the loss became {loss} at step {step}; lower --lr or check the data")
-        if args.eval_every and step % args.eval_every == 0:
+        if step == total_steps or (args.eval_every and step % args.eval_every == 0):
             log.log_eval(step, evaluate(accelerator, model, eval_loader))
         if args.save_every and step % args.save_every == 0:
             checkpoint.save_checkpoint(accelerator, args.output_dir, step)
 
-    # Final evaluation and export.
-    log.log_eval(total_steps, evaluate(accelerator, model, eval_loader))
+    # Export: what the trained model computes, then the files that reproduce it.
     checkpoint.save_probe(accelerator, model, probe, args.output_dir)
     adapter_dir = f"{args.output_dir}/adapter"
     checkpoint.save_adapter(accelerator, model, tokenizer, adapter_dir)

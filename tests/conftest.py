@@ -35,10 +35,14 @@ class Launch:
 
 def launch(recipe: str, output_dir: Path, *recipe_args: str, config: str | None = None,
            processes: int = 2, timeout: int = 600, env: dict | None = None) -> Launch:
-    """`accelerate launch --config_file accelerate_configs/<config>.yaml --num_processes N recipes/<recipe>.py ...`"""
+    """`accelerate launch --config_file accelerate_configs/<config>.yaml --num_processes N recipes/<recipe>.py ...`
+
+    `config` is a name in accelerate_configs/ or a path to a .yaml file; None runs one CPU process.
+    """
     command = [sys.executable, "-m", "accelerate.commands.launch"]
     if config is not None:
-        command += ["--config_file", str(CONFIGS / f"{config}.yaml"), "--num_processes", str(processes)]
+        config_file = config if config.endswith(".yaml") else str(CONFIGS / f"{config}.yaml")
+        command += ["--config_file", config_file, "--num_processes", str(processes)]
     else:
         command += ["--cpu", "--num_processes", "1", "--num_machines", "1", "--dynamo_backend", "no"]
     command += ["--mixed_precision", "no", str(REPO / "recipes" / f"{recipe}.py"), "--output-dir", str(output_dir)]
@@ -59,3 +63,20 @@ def tiny_model():
 def assert_no_traceback_of_ours(output: str) -> None:
     """A refusal is one line: no frame of the recipes (the launcher may still report the exit code)."""
     assert "recipes/" not in "\n".join(line for line in output.splitlines() if line.strip().startswith("File ")), output[-3000:]
+
+
+@pytest.fixture(scope="session")
+def trained(tmp_path_factory):
+    """`trained(recipe, config)`: the matrix launch of strategies.py, run once per session."""
+    from strategies import CPU_STRATEGIES, matrix_args
+
+    runs = {}
+
+    def run(recipe: str, config: str) -> Launch:
+        if (recipe, config) not in runs:
+            output_dir = tmp_path_factory.mktemp(f"{recipe}-{config}") / "out"
+            runs[recipe, config] = launch(recipe, output_dir, *matrix_args(recipe, config),
+                                          config=config, processes=CPU_STRATEGIES[config][1])
+        return runs[recipe, config]
+
+    return run

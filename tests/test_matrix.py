@@ -13,30 +13,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import REPO, TINY_MODEL, launch
+from conftest import REPO, TINY_MODEL
+from strategies import CPU_STRATEGIES, RECIPES, STEPS, matrix_args
 
 sys.path.insert(0, str(REPO / "recipes"))
 from common.modeling import keep_4bit_weights_unpacked_on_cpu  # noqa: E402
-
-# config -> (distributed type seen on CPU, processes, parameters sharded across ranks?)
-CPU_STRATEGIES = {
-    "model_parallel": ("NO", 1, False),
-    "ddp": ("MULTI_CPU", 2, False),
-    "fsdp": ("FSDP", 2, True),
-    "fsdp_grad_op": ("FSDP", 2, True),
-    "fsdp_offload": ("FSDP", 2, True),
-    "zero1": ("DEEPSPEED", 2, False),
-    "zero2": ("DEEPSPEED", 2, False),
-    "zero3": ("DEEPSPEED", 2, True),
-    "zero3_offload": ("DEEPSPEED", 2, True),
-}
-RECIPE_ARGS = {
-    "full": ["--lr", "2e-3"],
-    "lora": ["--lr", "5e-3", "--merge"],
-    "qlora": ["--lr", "5e-3", "--merge"],
-}
-COMMON_ARGS = ["--max-steps", "8", "--batch-size", "4", "--grad-accum", "2", "--log-every", "4"]
-
 
 def reload_logits(recipe: str, output_dir, input_ids, attention_mask) -> dict:
     """Logits of each saved artifact, reloaded the way a user would."""
@@ -64,10 +45,10 @@ def reload_logits(recipe: str, output_dir, input_ids, attention_mask) -> dict:
 
 
 @pytest.mark.parametrize("config", list(CPU_STRATEGIES))
-@pytest.mark.parametrize("recipe", list(RECIPE_ARGS))
-def test_recipe_runs_strategy(recipe, config, tmp_path):
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_recipe_runs_strategy(recipe, config, trained):
     distributed_type, processes, sharded = CPU_STRATEGIES[config]
-    run = launch(recipe, tmp_path / "out", *COMMON_ARGS, *RECIPE_ARGS[recipe], config=config, processes=processes)
+    run = trained(recipe, config)
     assert run.returncode == 0, run.output[-4000:]
 
     # 1. The strategy that was asked for is the one that ran.
@@ -84,7 +65,7 @@ def test_recipe_runs_strategy(recipe, config, tmp_path):
 
     # 2. It learned: the loss of the last steps is below that of the first ones.
     losses = run.losses()
-    assert len(losses) == 8
+    assert len(losses) == STEPS
     assert sum(losses[-2:]) < sum(losses[:2]), losses
 
     # 3. What it saved reloads and computes what the trained model computed.

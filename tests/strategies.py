@@ -1,0 +1,32 @@
+"""The CPU launch matrix shared by the matrix and equivalence tests: one launch per recipe x
+config, reused by both (a launch costs ~10 s; the suite budgets them)."""
+
+from __future__ import annotations
+
+# config -> (distributed type seen on CPU, processes, parameters sharded across ranks?)
+CPU_STRATEGIES = {
+    "model_parallel": ("NO", 1, False),
+    "ddp": ("MULTI_CPU", 2, False),
+    "fsdp": ("FSDP", 2, True),
+    "fsdp_grad_op": ("FSDP", 2, True),
+    "fsdp_offload": ("FSDP", 2, True),
+    "zero1": ("DEEPSPEED", 2, False),
+    "zero2": ("DEEPSPEED", 2, False),
+    "zero3": ("DEEPSPEED", 2, True),
+    "zero3_offload": ("DEEPSPEED", 2, True),
+}
+RECIPES = ("full", "lora", "qlora")
+GLOBAL_BATCH = 16  # rows per optimizer step, the same on every strategy
+GRAD_ACCUM = 2
+STEPS = 8
+
+
+def matrix_args(recipe: str, config: str) -> list[str]:
+    """The same seed and global batch everywhere: the one-process launch takes the whole batch."""
+    processes = CPU_STRATEGIES[config][1]
+    args = ["--max-steps", str(STEPS), "--grad-accum", str(GRAD_ACCUM), "--log-every", "4",
+            "--batch-size", str(GLOBAL_BATCH // GRAD_ACCUM // processes)]
+    if recipe == "full":
+        return args + ["--lr", "2e-3"]
+    # Dropout draws differ between one process and several; without it the curves must agree.
+    return args + ["--lr", "5e-3", "--merge", "--lora-dropout", "0"]

@@ -1,0 +1,67 @@
+"""The same seed and global batch give the same loss curve on every strategy.
+
+The one-process launch (model_parallel.yaml on CPU) is the reference; every 2-process
+strategy of the matrix must match it step by step. The loss is a mean over the target tokens
+of the whole global batch, so this also fails when the normalisation depends on how the
+batch is split over ranks or micro-batches.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import launch
+from strategies import CPU_STRATEGIES
+
+# fp32 on CPU. QLoRA measured: identical to the printed digits on every strategy (max relative
+# difference below 1e-6); the bound leaves room for a different CPU kernel order.
+TOLERANCE = {"full": 1e-5, "lora": 1e-5, "qlora": 1e-5}
+DISTRIBUTED = [config for config in CPU_STRATEGIES if config != "model_parallel"]
+
+
+def max_relative_difference(a: list[float], b: list[float]) -> float:
+    assert len(a) == len(b) > 0
+    return max(abs(x - y) / abs(x) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("config", DISTRIBUTED)
+@pytest.mark.parametrize("recipe", list(TOLERANCE))
+def test_same_loss_curve_as_one_process(recipe, config, trained):
+    reference = trained(recipe, "model_parallel")
+    other = trained(recipe, config)
+    assert reference.returncode == other.returncode == 0
+    difference = max_relative_difference(reference.losses(), other.losses())
+    assert difference <= TOLERANCE[recipe], (reference.losses(), other.losses())
+
+
+def varied_length_rows(path):
+    """Rows whose targets range from 1 to ~60 tokens, so per-micro-batch means would differ."""
+    with open(path, "w") as file:
+        for i in range(64):
+            completion = " ".join(str((i * 7 + k) % 10) for k in range(1 + (i * 13) % 40))
+            file.write(json.dumps({"prompt": f"Count to {i}: ", "completion": completion}) + "\n")
+
+
+def test_accumulation_does_not_change_the_updates(tmp_path):
+    """micro-batch 1 x accumulation 4 == micro-batch 4 x accumulation 1, rows of very different lengths."""
+    dataset = tmp_path / "varied.jsonl"
+    varied_length_rows(dataset)
+    common = ["--dataset", str(dataset), "--max-steps", "6", "--lr", "5e-3", "--lora-dropout", "0"]
+    accumulated = launch("lora", tmp_path / "accumulated", *common, "--batch-size", "1", "--grad-accum", "4")
+    whole = launch("lora", tmp_path / "whole", *common, "--batch-size", "4", "--grad-accum", "1")
+    assert accumulated.returncode == whole.returncode == 0, accumulated.output[-2000:] + whole.output[-2000:]
+    assert max_relative_difference(whole.losses(), accumulated.losses()) <= 1e-5
+    # Same updates: the gradient norms agree too, not only the losses.
+    norms = [[r["grad_norm"] for r in run.metrics()] for run in (whole, accumulated)]
+    assert max_relative_difference(*norms) <= 1e-4
+
+
+def test_two_identical_runs_write_identical_losses(trained, tmp_path):
+    first = trained("lora", "ddp")
+    from strategies import matrix_args
+
+    again = launch("lora", tmp_path / "again", *matrix_args("lora", "ddp"), config="ddp")
+    assert again.returncode == 0, again.output[-2000:]
+    assert again.losses() == first.losses()
