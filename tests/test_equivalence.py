@@ -65,3 +65,18 @@ def test_two_identical_runs_write_identical_losses(trained, tmp_path):
     again = launch("lora", tmp_path / "again", *matrix_args("lora", "ddp"), config="ddp")
     assert again.returncode == 0, again.output[-2000:]
     assert again.losses() == first.losses()
+
+
+@pytest.mark.parametrize("recipe", ["lora", "qlora"])
+def test_adapters_from_the_same_seed_agree_across_strategies(recipe, trained):
+    """The saved adapters themselves, not only the losses: DDP, FSDP2 and ZeRO-3 write the same tensors."""
+    import torch
+    from safetensors.torch import load_file
+
+    adapters = {config: load_file(str(trained(recipe, config).output_dir / "adapter" / "adapter_model.safetensors"))
+                for config in ("ddp", "fsdp", "zero3")}
+    reference = adapters["ddp"]
+    for config, tensors in adapters.items():
+        assert tensors.keys() == reference.keys(), config
+        for name, tensor in tensors.items():
+            assert torch.allclose(tensor, reference[name], rtol=1e-4, atol=1e-6), f"{config}: {name}"
