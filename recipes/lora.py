@@ -84,6 +84,7 @@ def main():
 
     # The loop: one iteration = one optimizer step over grad_accum micro-batches on every rank.
     model.train()
+    stop_requested = runtime.StopRequest(accelerator)
     log.start(start_step, total_steps)
     steps = data.optimizer_steps(train_loader, args.grad_accum, start_step)
     for step in range(start_step + 1, total_steps + 1):
@@ -106,12 +107,17 @@ def main():
 
         loss = accelerator.reduce(step_loss, "sum").item()
         log.log_step(step, epoch, loss, scheduler.get_last_lr()[0], grad_norm, int(step_tokens))
-        if not math.isfinite(loss):
-            preflight.refuse(f"the loss became {loss} at step {step}; lower --lr or check the data")
+        if not math.isfinite(loss):  # stop before saving anything from a diverged model
+            preflight.refuse(f"the loss became {loss} at step {step}; the last good checkpoint is kept; "
+                             "lower --lr or check the data, then --resume auto")
         if step == total_steps or (args.eval_every and step % args.eval_every == 0):
             log.log_eval(step, evaluate(accelerator, model, eval_loader))
         if args.save_every and step % args.save_every == 0:
             checkpoint.save_checkpoint(accelerator, args.output_dir, step)
+        if stop_requested:  # pre-empted: keep the progress, let the scheduler requeue the job
+            checkpoint.save_checkpoint(accelerator, args.output_dir, step)
+            log.close(f"stopped by SIGTERM after step {step}; continue with --resume auto")
+            return
 
     # Export: what the trained model computes, then the files that reproduce it.
     checkpoint.save_probe(accelerator, model, probe, args.output_dir)

@@ -27,7 +27,9 @@ class Refusal(SystemExit):
 
 def refuse(message: str) -> None:
     if int(os.environ.get("RANK", "0")) == 0:
-        print(f"error: {message}", file=sys.stderr, flush=True)
+        from tqdm import tqdm
+
+        tqdm.write(f"error: {message}", file=sys.stderr)  # on a line of its own, even under a progress bar
     raise Refusal(message)
 
 

@@ -10,6 +10,7 @@ on GPUs it builds a plain `Accelerator` and changes nothing.
 from __future__ import annotations
 
 import os
+import signal
 from datetime import timedelta
 
 import torch
@@ -121,3 +122,23 @@ def align_deepspeed_with_recipe(accelerator: Accelerator, args) -> None:
         # DeepSpeed's CPU Adam needs a compiled extension; on a CPU-only machine torch's AdamW
         # runs the same update without the build.
         config["zero_force_ds_cpu_optimizer"] = False
+
+
+class StopRequest:
+    """SIGTERM (how SLURM pre-empts a job) asks the run to checkpoint and stop at the next step.
+
+    The signal may reach one rank before another, so the ranks decide together: a step ends
+    with a tiny all-reduce of the flag, and every rank stops at the same step.
+    """
+
+    def __init__(self, accelerator):
+        self.accelerator = accelerator
+        self.signalled = False
+        signal.signal(signal.SIGTERM, self._on_signal)
+
+    def _on_signal(self, signum, frame) -> None:
+        self.signalled = True
+
+    def __bool__(self) -> bool:
+        flag = torch.tensor([float(self.signalled)], device=self.accelerator.device)
+        return bool(self.accelerator.reduce(flag, "max").item())

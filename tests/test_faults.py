@@ -1,0 +1,51 @@
+"""Faults lose nothing: pre-emption checkpoints and stops cleanly; a diverged loss stops the run."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from conftest import CONFIGS, REPO, launch
+
+
+def test_sigterm_checkpoints_and_the_run_resumes(tmp_path):
+    output_dir = tmp_path / "out"
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / "ddp.yaml"),
+               "--num_processes", "2", "--mixed_precision", "no", str(REPO / "recipes" / "lora.py"),
+               "--output-dir", str(output_dir), "--max-steps", "100000", "--batch-size", "2", "--log-every", "0"]
+    job = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    metrics = output_dir / "metrics.jsonl"
+    deadline = time.time() + 180
+    while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 5):
+        time.sleep(0.5)
+    job.send_signal(signal.SIGTERM)  # what SLURM sends to a pre-empted job
+    output, _ = job.communicate(timeout=120)
+
+    assert "stopped by SIGTERM after step" in output, output[-3000:]
+    checkpoints = sorted((output_dir / "checkpoints").glob("step-*"))
+    assert len(checkpoints) == 1 and (checkpoints[0] / "recipe_state.json").is_file()
+    stopped_at = int(checkpoints[0].name.split("-")[1])
+    assert stopped_at >= 5
+
+    resumed = launch("lora", output_dir, "--max-steps", str(stopped_at + 2), "--batch-size", "2",
+                     "--resume", "auto", config="ddp")
+    assert resumed.returncode == 0, resumed.output[-3000:]
+    assert f"resumed from {checkpoints[0]} at step {stopped_at}" in resumed.output
+    assert [r["step"] for r in resumed.metrics()][-2:] == [stopped_at + 1, stopped_at + 2]
+
+
+def test_a_diverging_loss_stops_the_run_with_one_line(tmp_path):
+    run = launch("full", tmp_path / "out", "--lr", "1e12", "--max-grad-norm", "1e30", "--max-steps", "50",
+                 "--save-every", "1", "--batch-size", "4", config="ddp")
+    assert run.returncode != 0
+    lines = [line for line in run.output.splitlines() if line.startswith("error: the loss became")]
+    assert len(lines) == 1, run.output[-3000:]
+    bad_step = int(lines[0].split(" at step ")[1].split(";")[0])
+    # Every checkpoint kept is from before the divergence, and none is half-written.
+    steps = sorted(int(p.name.split("-")[1]) for p in (tmp_path / "out" / "checkpoints").glob("step-*"))
+    assert steps == list(range(1, bad_step))
+    assert not list((tmp_path / "out" / "checkpoints").glob(".*partial"))
