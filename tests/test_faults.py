@@ -49,3 +49,46 @@ def test_a_diverging_loss_stops_the_run_with_one_line(tmp_path):
     steps = sorted(int(p.name.split("-")[1]) for p in (tmp_path / "out" / "checkpoints").glob("step-*"))
     assert steps == list(range(1, bad_step))
     assert not list((tmp_path / "out" / "checkpoints").glob(".*partial"))
+
+
+def start_training(output_dir, *extra, env=None) -> subprocess.Popen:
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / "ddp.yaml"),
+               "--num_processes", "2", "--mixed_precision", "no", str(REPO / "recipes" / "lora.py"),
+               "--output-dir", str(output_dir), "--batch-size", "2", "--log-every", "0", *extra]
+    return subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+
+
+def test_killing_one_rank_ends_the_whole_job_quickly(tmp_path):
+    import psutil
+
+    job = start_training(tmp_path / "out", "--max-steps", "100000")
+    metrics = tmp_path / "out" / "metrics.jsonl"
+    deadline = time.time() + 180
+    while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 5):
+        time.sleep(0.5)
+    workers = [p for p in psutil.Process(job.pid).children(recursive=True) if "recipes/lora.py" in " ".join(p.cmdline())]
+    assert len(workers) == 2
+    killed_at = time.time()
+    workers[1].kill()  # kill -9 of one rank in the middle of training
+    job.communicate(timeout=120)
+    assert job.returncode != 0
+    assert time.time() - killed_at < 60
+    assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in workers)
+
+
+def test_a_kill_while_saving_leaves_the_previous_checkpoint_as_the_newest(tmp_path):
+    output_dir = tmp_path / "out"
+    job = start_training(output_dir, "--max-steps", "6", "--save-every", "2",
+                         env={"RECIPES_TEST_KILL_DURING_SAVE": "4"})
+    output, _ = job.communicate(timeout=300)
+    assert job.returncode != 0, output[-3000:]
+    folder = output_dir / "checkpoints"
+    assert (folder / "step-2" / "recipe_state.json").is_file()
+    assert not (folder / "step-4").exists() and (folder / ".step-4.partial").exists()
+
+    resumed = launch("lora", output_dir, "--max-steps", "6", "--save-every", "2", "--batch-size", "2",
+                     "--resume", "auto", config="ddp")
+    assert resumed.returncode == 0, resumed.output[-3000:]
+    assert f"resumed from {folder / 'step-2'} at step 2" in resumed.output
+    assert (folder / "step-4" / "recipe_state.json").is_file() and not (folder / ".step-4.partial").exists()

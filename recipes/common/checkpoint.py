@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -44,6 +45,8 @@ def save_checkpoint(accelerator, output_dir, step: int) -> Path:
         partial.mkdir(parents=True)
     accelerator.wait_for_everyone()
     accelerator.save_state(str(partial))  # model, optimizer, scheduler, RNG: every rank writes its part
+    if os.environ.get("RECIPES_TEST_KILL_DURING_SAVE") == str(step):  # fault-injection hook for the tests
+        os.kill(os.getpid(), signal.SIGKILL)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         (partial / STATE_FILE).write_text(json.dumps({"step": step}) + "\n")
