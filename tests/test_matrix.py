@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import REPO, TINY_MODEL
-from strategies import CPU_STRATEGIES, RECIPES, STEPS, matrix_args
+from strategies import CPU_STRATEGIES, PLANNER_NAME, RECIPES, STEPS, matrix_args
 
 sys.path.insert(0, str(REPO / "recipes"))
 from common.modeling import keep_4bit_weights_unpacked_on_cpu  # noqa: E402
@@ -62,6 +62,8 @@ def test_recipe_runs_strategy(recipe, config, trained):
         assert abs(rank_share - expected) <= 0.05 * total, (held, total)
     if config.startswith("zero"):
         assert ran["strategy"]["deepspeed"]["zero_stage"] == int(config[4])
+    # The start-up memory plan was made for this very launch.
+    assert f"plan: {recipe} with {PLANNER_NAME[config]} on {processes} process(es): " in run.output
 
     # 2. It learned: the loss of the last steps is below that of the first ones.
     losses = run.losses()

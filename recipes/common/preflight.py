@@ -102,6 +102,69 @@ def check_launch(args, recipe: str) -> None:
     if args.dataset and looks_local(args.dataset) and not Path(args.dataset).exists():
         refuse(f"--dataset {args.dataset} does not exist; give a .jsonl/.json/.parquet/.txt file, "
                "a folder of them, or a hub id")
+    announce_plan(args, recipe)
+
+
+def planned_strategy() -> tuple[str, int]:
+    """The planner's name for what `accelerate launch` asked for, and the number of GPUs it spans."""
+    import torch
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if env_flag("ACCELERATE_USE_DEEPSPEED"):
+        stage = os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2")
+        offload = os.environ.get("ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE", "none") != "none"
+        return ("zero3_offload" if stage == "3" and offload else f"zero{stage}"), world
+    if env_flag("ACCELERATE_USE_FSDP"):
+        if env_flag("FSDP_OFFLOAD_PARAMS"):
+            return "fsdp_offload", world
+        if int(os.environ.get("PARALLELISM_CONFIG_DP_REPLICATE_SIZE", "1")) > 1:
+            return "fsdp_hybrid", world
+        if os.environ.get("FSDP_RESHARD_AFTER_FORWARD", "true").lower() == "false":
+            return "fsdp_grad_op", world
+        return "fsdp_full_shard", world
+    if world == 1 and torch.cuda.device_count() > 1:
+        return "model_parallel", torch.cuda.device_count()
+    return "ddp", world
+
+
+def announce_plan(args, recipe: str) -> None:
+    """Print the memory plan of this very run, and warn before loading when it will not fit."""
+    if int(os.environ.get("RANK", "0")) != 0:
+        return
+    import torch
+
+    from . import memory
+
+    source = "tiny-llama" if is_default_model(args.model) else args.model  # before its first build
+    try:
+        shape = memory.load_shape(source)
+    except Exception:  # a hub id while offline: the plan is a courtesy, never a blocker
+        print("plan: skipped (no readable config for --model)", flush=True)
+        return
+    strategy, gpus = planned_strategy()
+    precision = "bf16" if os.environ.get("ACCELERATE_MIXED_PRECISION", "no") in ("bf16", "fp16") else "fp32"
+    lora = {}
+    if recipe != "full":
+        targets = args.lora_targets if args.lora_targets == "all-linear" else args.lora_targets.split(",")
+        lora = dict(lora_rank=args.lora_r, lora_targets=targets, lora_dropout=args.lora_dropout)
+    need = memory.per_gpu_bytes(shape, recipe, strategy, gpus, batch_size=args.batch_size, seq_len=args.max_length,
+                                gradient_checkpointing=args.gradient_checkpointing, precision=precision, **lora)
+    parts = ", ".join(f"{key} {size(need[key])}" for key in ("weights", "gradients", "optimizer", "activations"))
+    line = (f"plan: {recipe} with {strategy} on {gpus} process(es): {size(need['total'])} per GPU ({parts}) "
+            f"at --max-length {args.max_length}")
+    if not torch.cuda.is_available():
+        print(line, flush=True)
+        return
+    gpu_gib = torch.cuda.get_device_properties(0).total_memory / memory.GiB
+    print(f"{line}; the GPU has {gpu_gib:.0f} GiB", flush=True)
+    if not memory.fits(need["total"], gpu_gib):
+        print(f"warning: the plan says this will not fit; see `python scripts/plan.py --model {args.model} "
+              f"--method {recipe} --gpus {gpus} --gpu-memory {gpu_gib:.0f} --batch-size {args.batch_size} "
+              f"--seq-len {args.max_length}` for a config and micro-batch that fit", flush=True)
+
+
+def size(num_bytes: float) -> str:
+    return f"{num_bytes / 2**30:.2f} GiB" if num_bytes >= 2**30 else f"{num_bytes / 2**20:.1f} MiB"
 
 
 def refuse_if_cpu_cannot_run(strategy: str) -> None:

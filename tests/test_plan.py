@@ -1,0 +1,365 @@
+"""The memory planner (recipes/common/memory.py) and its command line (scripts/plan.py).
+
+Parameter counts are checked against transformers and peft on the tiny model, the per-layer
+activation formula against what autograd really saves there, and the byte conventions and
+recommendations on the two reference workloads. No training runs; the whole file takes seconds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import CONFIGS, REPO
+
+sys.path.insert(0, str(REPO / "recipes"))
+from common import memory  # noqa: E402
+
+TINY_CONFIG = REPO / "data" / "tiny-llama-config.json"
+PLAN = REPO / "scripts" / "plan.py"
+GIB = memory.GiB
+
+
+@pytest.fixture(scope="module")
+def tinyllama():
+    return memory.load_shape("tinyllama-1.1b")
+
+
+@pytest.fixture(scope="module")
+def codellama():
+    return memory.load_shape("codellama-34b")
+
+
+def tiny_llama_model(layers: int | None = None, attention: str = "sdpa"):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = json.loads(TINY_CONFIG.read_text())
+    if layers is not None:
+        config["num_hidden_layers"] = layers
+    config = LlamaConfig(**config)
+    config._attn_implementation = attention
+    return LlamaForCausalLM(config)
+
+
+# ---------------------------------------------------------------------------- parameters
+
+def test_reference_models_have_their_published_sizes(tinyllama, codellama):
+    assert tinyllama.parameters == 1_100_048_384
+    assert codellama.parameters == 33_743_970_304
+    counts = codellama.parameter_counts()
+    assert counts["embedding"] == counts["lm_head"] == 32000 * 8192
+    assert counts["linear_per_layer"]["k_proj"] == 8192 * 1024  # 8 key/value heads of 128
+    assert counts["norms"] == (2 * 48 + 1) * 8192
+    assert counts["total"] == counts["embedding"] + counts["lm_head"] + counts["linear"] + counts["norms"]
+
+
+def test_tiny_model_counts_match_transformers():
+    model = tiny_llama_model()
+    shape = memory.load_shape(str(TINY_CONFIG))
+    counts = shape.parameter_counts()
+    by_name = {name: p.numel() for name, p in model.named_parameters()}
+    assert shape.parameters == sum(by_name.values())
+    assert counts["embedding"] == by_name["model.embed_tokens.weight"]
+    assert counts["lm_head"] == by_name["lm_head.weight"]
+    assert counts["norms"] == sum(n for name, n in by_name.items() if "norm" in name)
+    for module, n in counts["linear_per_layer"].items():
+        assert n == sum(v for name, v in by_name.items() if f".{module}." in name) // shape.layers
+
+
+def test_shape_from_a_config_object_and_a_model_folder(tmp_path):
+    from_object = memory.ModelShape.from_config(tiny_llama_model().config)
+    (tmp_path / "config.json").write_text(TINY_CONFIG.read_text())
+    from_folder = memory.load_shape(str(tmp_path))
+    assert from_object.parameters == from_folder.parameters == memory.load_shape("tiny-llama").parameters
+    assert from_folder.head_dim == 16 and from_folder.kv_heads == 2
+
+
+def test_an_unreadable_model_names_the_offline_aliases():
+    with pytest.raises(ValueError, match="tinyllama-1.1b, codellama-34b"):
+        memory.load_shape("no/such/model")  # not a valid hub id: transformers refuses it without the network
+    with pytest.raises(ValueError, match="tinyllama-1.1b, codellama-34b"):
+        memory.load_shape("./missing/config.json")
+
+
+@pytest.mark.parametrize("rank, targets", [(8, "all-linear"), (4, ["q_proj", "v_proj"]), (2, "down_proj,lm_head")])
+def test_lora_parameters_match_peft(rank, targets):
+    from peft import LoraConfig, get_peft_model
+
+    peft_targets = targets.split(",") if isinstance(targets, str) and targets != "all-linear" else targets
+    model = get_peft_model(tiny_llama_model(), LoraConfig(r=rank, target_modules=peft_targets, task_type="CAUSAL_LM"))
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert memory.lora_parameters(memory.load_shape("tiny-llama"), rank, targets) == trainable
+
+
+def test_unknown_lora_targets_are_refused(tinyllama):
+    with pytest.raises(ValueError, match="q_proj"):
+        memory.lora_parameters(tinyllama, 8, ["attention"])
+
+
+# ---------------------------------------------------------------------------- bytes per parameter
+
+def test_full_fine_tuning_costs_16_bytes_per_parameter(tinyllama):
+    params = tinyllama.parameters
+    one = memory.per_gpu_bytes(tinyllama, "full", "ddp", 1, 1, 128)
+    assert (one["weights"], one["gradients"], one["optimizer"]) == (4 * params, 4 * params, 8 * params)
+    # On several GPUs DDP's reducer keeps a second copy of the gradients in its buckets.
+    four = memory.per_gpu_bytes(tinyllama, "full", "ddp", 4, 1, 128)
+    assert four["gradients"] == 8 * params and four["weights"] + four["optimizer"] == 12 * params
+    # DeepSpeed: bf16 weight 2 + bf16 grad 2 + fp32 master and Adam 12 (+ its reduce bucket).
+    zero = memory.per_gpu_bytes(tinyllama, "full", "zero1", 1, 1, 128)
+    bucket = min(params, memory.DEEPSPEED_REDUCE_BUCKET) * 2
+    assert (zero["weights"], zero["gradients"] - bucket, zero["optimizer"]) == (2 * params, 2 * params, 12 * params)
+
+
+def test_lora_base_is_two_bytes_and_qlora_base_about_half_a_byte(codellama):
+    counts = codellama.parameter_counts()
+    lora = memory.per_gpu_bytes(codellama, "lora", "model_parallel", 1, 1, 128)["weights"]
+    assert lora - memory.lora_parameters(codellama, 16) * 4 == 2 * codellama.parameters  # bf16 base + fp32 adapters
+    assert memory.quantized_bytes_per_weight() == pytest.approx(0.5159, abs=1e-4)
+    # QLoRA on FSDP: everything sharded; the NF4 constants (not parameters) stay whole on each GPU.
+    q = memory.state_bytes_per_parameter("qlora", "fsdp_full_shard")
+    assert q["frozen"] == 2 and q["quantized"] == memory.quantized_bytes_per_weight()
+    qlora = memory.per_gpu_bytes(codellama, "qlora", "ddp", 1, 1, 128)["weights"]
+    dequantised = 8192 * 22016 * 2
+    adapters = memory.lora_parameters(codellama, 16) * 4
+    edges = (counts["embedding"] + counts["lm_head"] + counts["norms"]) * 4  # upcast by prepare_model_for_kbit_training
+    assert qlora - dequantised - adapters - edges == pytest.approx(counts["linear"] * 0.5159, rel=1e-3)
+    assert 0.5 < (qlora - adapters - edges) / counts["linear"] < 0.53
+
+
+@pytest.mark.parametrize("storage", ["uint8", "bfloat16", "float32"])
+def test_nf4_storage_is_half_a_byte_per_weight_in_any_storage_dtype(storage):
+    """What bitsandbytes allocates for the recipes' NF4 + double quantisation, in each storage dtype
+    the recipes use (uint8 on DDP, the float dtype under FSDP / ZeRO-3)."""
+    torch = pytest.importorskip("torch")
+    functional = pytest.importorskip("bitsandbytes.functional")
+    weight = torch.randn(256, 1024)
+    packed, state = functional.quantize_4bit(weight, blocksize=64, compress_statistics=True, quant_type="nf4",
+                                             quant_storage=getattr(torch, storage))
+    assert packed.numel() * packed.element_size() == weight.numel() // 2
+    constants = state.absmax.numel() * state.absmax.element_size() + state.state2.absmax.numel() * 4
+    assert (packed.numel() * packed.element_size() + constants) / weight.numel() == pytest.approx(
+        memory.quantized_bytes_per_weight(), rel=1e-6)
+
+
+# ---------------------------------------------------------------------------- sharding
+
+def test_sharding_divides_what_each_strategy_says(codellama):
+    def usage(strategy, gpus, method="full"):
+        return memory.per_gpu_bytes(codellama, method, strategy, gpus, 1, 256, precision="fp32")
+
+    ddp = usage("model_parallel", 1)  # the whole model on one GPU, no buckets
+    for strategy in ("fsdp_full_shard", "zero3"):
+        flight = memory.in_flight_weight_bytes(codellama, "full", strategy, "fp32")
+        assert usage(strategy, 4)["weights"] - flight == pytest.approx(ddp["weights"] / 4, abs=2)
+        assert ddp["weights"] / 4 < usage(strategy, 4)["weights"] < ddp["weights"] / 4 * 1.25
+    bucket = memory.DEEPSPEED_REDUCE_BUCKET * 4
+    zero1_1, zero1_4 = usage("zero1", 1), usage("zero1", 4)
+    assert zero1_4["weights"] == zero1_1["weights"] and zero1_4["gradients"] == zero1_1["gradients"]
+    assert zero1_4["optimizer"] == pytest.approx(zero1_1["optimizer"] / 4, abs=1)
+    zero2_1, zero2_4 = usage("zero2", 1), usage("zero2", 4)
+    assert zero2_4["weights"] == zero2_1["weights"]
+    assert zero2_4["gradients"] - bucket == pytest.approx((zero2_1["gradients"] - bucket) / 4, abs=1)
+    assert zero2_4["optimizer"] == pytest.approx(zero2_1["optimizer"] / 4, abs=1)
+    # Hybrid shard on 4 GPUs: groups of 2, so half of full replication.
+    assert memory.hybrid_shard_size(4) == 2 and memory.hybrid_shard_size(8) == 2
+    assert memory.hybrid_shard_size(16) == 4 and memory.hybrid_shard_size(1) == 1
+    assert usage("fsdp_hybrid", 4)["optimizer"] == pytest.approx(usage("fsdp_full_shard", 2)["optimizer"], abs=1)
+    # Offload keeps nothing of the state on the GPU but the layers in flight.
+    offload = usage("fsdp_offload", 4)
+    assert offload["gradients"] == offload["optimizer"] == 0
+    assert offload["weights"] == memory.in_flight_weight_bytes(codellama, "full", "fsdp_offload", "fp32")
+    # Grad-op holds the whole model gathered between forward and backward.
+    assert usage("fsdp_grad_op", 4)["weights"] > ddp["weights"]
+
+
+def test_model_parallel_holds_a_quarter_of_the_layers_on_the_busiest_gpu(codellama):
+    layers = codellama.parameter_counts()["linear"] // codellama.layers
+    usage = memory.per_gpu_bytes(codellama, "lora", "model_parallel", 4, 1, 512, gradient_checkpointing=True)
+    assert usage["weights"] == pytest.approx((12 * layers + 32000 * 8192) * 2, rel=0.02)
+    whole = memory.per_gpu_bytes(codellama, "lora", "model_parallel", 1, 1, 512)
+    split = memory.per_gpu_bytes(codellama, "lora", "model_parallel", 4, 1, 512)
+    assert split["activations"] < whole["activations"] / 3
+
+
+# ---------------------------------------------------------------------------- activations
+
+@pytest.mark.parametrize("method, precision, attention", [
+    ("full", "fp32", "sdpa"), ("full", "bf16", "sdpa"), ("lora", "fp32", "eager"), ("lora", "bf16", "sdpa"),
+])
+def test_layer_activations_are_what_autograd_saves(method, precision, attention):
+    """The per-layer formula against the tensors autograd keeps in the tiny Llama (one layer = the
+    difference between a 2-layer and a 1-layer model). bf16 runs under CPU autocast with the
+    frozen base in bf16, as DDP does; no LoRA dropout (CPU's dropout mask is a float, CUDA's a bool)."""
+    torch = pytest.importorskip("torch")
+    from peft import LoraConfig, get_peft_model
+
+    batch, seq = 2, 24
+
+    def saved_bytes(layers):
+        torch.manual_seed(0)
+        model = tiny_llama_model(layers, attention)
+        if method == "lora":
+            model = model.to(torch.bfloat16) if precision == "bf16" else model
+            model = get_peft_model(model, LoraConfig(r=8, target_modules="all-linear", lora_dropout=0.0,
+                                                     task_type="CAUSAL_LM"))
+        model.train()
+        ids = torch.randint(4, 300, (batch, seq))
+        mask = torch.ones(batch, seq, dtype=torch.long)
+        mask[0, -5:] = 0  # padding, as in training: the masked attention path
+        parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        saved = {}
+
+        def pack(tensor):
+            storage = tensor.untyped_storage()
+            if storage.data_ptr() not in parameters:
+                saved[storage.data_ptr()] = storage.nbytes()
+            return tensor
+
+        autocast = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" else contextlib.nullcontext()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), autocast:
+            model(input_ids=ids, attention_mask=mask, labels=ids)
+        return sum(saved.values())
+
+    shape = memory.load_shape("tiny-llama")
+    expected = memory.layer_activation_bytes_per_token(shape, method, "ddp", seq, lora_rank=8, precision=precision,
+                                                       attention=attention, lora_dropout=0.0) * batch * seq
+    if precision == "bf16" and memory.compute_dtypes(method, "ddp", precision)["autocast_copies"]:
+        trained = sum(shape.linear_parameters_per_layer().values()) if method == "full" else \
+            memory.lora_parameters_per_layer(shape, 8)
+        expected += 2 * trained  # autocast's bf16 copies of the layer's fp32 trained weights
+    assert saved_bytes(2) - saved_bytes(1) == expected
+
+
+def test_checkpointing_lowers_activations(tinyllama, codellama):
+    for shape in (tinyllama, codellama):
+        for method in memory.METHODS:
+            for strategy in ("ddp", "fsdp_full_shard", "zero3", "model_parallel"):
+                plain = memory.per_gpu_bytes(shape, method, strategy, 4, 4, 1024)["activations"]
+                checkpointed = memory.per_gpu_bytes(shape, method, strategy, 4, 4, 1024, True)["activations"]
+                assert checkpointed < plain, (shape.name, method, strategy)
+                if strategy != "model_parallel":  # (its last GPU keeps the logits whatever happens)
+                    assert checkpointed < plain / 2, (shape.name, method, strategy)
+
+
+def test_activations_grow_linearly_with_the_batch(tinyllama):
+    for attention in memory.ATTENTIONS:
+        a = [memory.per_gpu_bytes(tinyllama, "lora", "ddp", 4, b, 512, attention=attention)["activations"]
+             for b in (1, 2, 4)]
+        assert a[2] - a[1] == pytest.approx(2 * (a[1] - a[0]), abs=4)
+
+
+def test_sdpa_keeps_no_attention_matrix(tinyllama):
+    """Activations are linear in the sequence length with flash attention; with sdpa the only s^2
+    term is the padding mask (b*s^2 bytes once, c*b*s^2 per layer), eager adds a*s^2 scores."""
+    def curvature(attention, batch=2, s=512):
+        a = [memory.per_gpu_bytes(tinyllama, "lora", "ddp", 4, batch, n * s, attention=attention)["activations"]
+             for n in (1, 2, 3)]
+        return (a[2] - 2 * a[1] + a[0]) / (2 * s * s) / batch  # bytes per (sequence * s^2)
+
+    assert curvature("flash") == pytest.approx(0, abs=1e-3)
+    assert curvature("sdpa") == pytest.approx(tinyllama.layers * 2 + 1, abs=1e-3)
+    assert curvature("eager") > tinyllama.layers * tinyllama.heads * (4 + 2)
+    at_1024 = memory.per_gpu_bytes(tinyllama, "lora", "ddp", 4, 16, 1024)["activations"]
+    assert (tinyllama.layers * 2 + 1) * 16 * 1024**2 < 0.02 * at_1024
+
+
+# ---------------------------------------------------------------------------- recommendations
+
+def test_tinyllama_lora_recommends_ddp_on_one_gpu(tinyllama):
+    plan = memory.plan(tinyllama, "lora", 4, 48, 16, 1024, gradient_checkpointing=True)
+    rec = plan["recommendation"]
+    assert rec["fastest"]["strategy"] == "ddp" and rec["fastest"]["config"] == "accelerate_configs/ddp.yaml"
+    assert rec["fewest_gpus"] == {"strategy": "ddp", "config": "accelerate_configs/ddp.yaml", "gpus": 1,
+                                  "max_micro_batch": rec["fastest"]["max_micro_batch"]}
+    assert rec["fastest"]["max_micro_batch"] >= 64
+    assert memory.summary_line(plan).startswith("plan: lora tinyllama-1.1b on 4 GPUs x 48 GiB: fastest that fits: "
+                                                "ddp.yaml, ")
+    # Without checkpointing the activations, not the weights, cap the micro-batch (16 x 1024 does
+    # not fit 48 GB on any strategy that runs the whole model on each GPU; 8 does, on DDP).
+    ddp = memory.max_micro_batch(tinyllama, "lora", "ddp", 4, 48, 1024)
+    assert 8 <= ddp < 16
+    assert memory.plan(tinyllama, "lora", 4, 48, 8, 1024)["recommendation"]["fastest"]["strategy"] == "ddp"
+
+
+def test_codellama_lora_needs_sharding_and_checkpointing(codellama):
+    sharded = {"fsdp_grad_op", "fsdp_hybrid", "fsdp_full_shard", "zero3"}
+    plain = {e["strategy"]: e for e in memory.plan(codellama, "lora", 4, 48, 4, 1024)["strategies"]}
+    assert not plain["ddp"]["fits"] and plain["ddp"]["per_gpu_bytes"]["weights"] > 62 * GIB  # 67.5 GB of bf16 base
+    assert not any(plain[s]["fits"] for s in sharded)  # 4 x 1024 tokens of activations alone exceed 48 GB
+    plan = memory.plan(codellama, "lora", 4, 48, 4, 1024, gradient_checkpointing=True)
+    fits = {e["strategy"]: e["fits"] for e in plan["strategies"]}
+    assert fits["fsdp_full_shard"] and fits["zero3"] and not fits["ddp"]
+    assert plan["recommendation"]["fastest"]["strategy"] in sharded
+
+
+def test_codellama_qlora_fits_one_48_gb_gpu_with_ddp(codellama):
+    plan = memory.plan(codellama, "qlora", 1, 48, 4, 1024, gradient_checkpointing=True)
+    assert plan["recommendation"]["fastest"]["strategy"] == "ddp"
+    ddp = plan["strategies"][0]
+    assert ddp["strategy"] == "ddp" and ddp["fits"] and ddp["per_gpu_bytes"]["weights"] < 20 * GIB
+
+
+def test_nothing_fits_gives_a_reason(codellama):
+    rec = memory.plan(codellama, "full", 2, 24, 8, 4096)["recommendation"]
+    assert rec["fastest"] is None and rec["fewest_gpus"] is None and "--gradient-checkpointing" in rec["reason"]
+    assert "nothing fits" in memory.summary_line(memory.plan(codellama, "full", 2, 24, 8, 4096))
+
+
+def test_every_strategy_names_an_existing_config():
+    assert set(memory.STRATEGIES) == set(memory.SPEED_ORDER) and len(memory.STRATEGIES) == 10
+    for config in memory.STRATEGIES.values():
+        assert (REPO / config).is_file(), config
+    assert {p.stem for p in CONFIGS.glob("*.yaml")} - {"multi_node"} == {
+        (REPO / c).stem for c in memory.STRATEGIES.values()}
+
+
+# ---------------------------------------------------------------------------- command line
+
+def run_plan(*args, cwd):
+    return subprocess.run([sys.executable, str(PLAN), *args], cwd=cwd, capture_output=True, text=True, timeout=60)
+
+
+def test_cli_json_has_the_documented_shape(tmp_path):
+    done = run_plan("--json", "--model", "codellama-34b", "--method", "qlora", "--gpus", "2", "--gpu-memory", "48",
+                    "--batch-size", "2", "--seq-len", "1024", "--gradient-checkpointing", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    plan = json.loads(done.stdout)
+    assert set(plan) == {"model", "method", "gpus", "gpu_memory_gb", "strategies", "recommendation"}
+    assert (plan["model"], plan["method"], plan["gpus"], plan["gpu_memory_gb"]) == ("codellama-34b", "qlora", 2, 48)
+    assert [e["strategy"] for e in plan["strategies"]] == list(memory.SPEED_ORDER)
+    for entry in plan["strategies"]:
+        assert set(entry) == {"strategy", "config", "per_gpu_bytes", "fits"}
+        assert set(entry["per_gpu_bytes"]) == {"weights", "gradients", "optimizer", "activations", "total"}
+        usage = entry["per_gpu_bytes"]
+        assert usage["total"] == usage["weights"] + usage["gradients"] + usage["optimizer"] + usage["activations"]
+    rec = plan["recommendation"]
+    assert set(rec["fewest_gpus"]) == {"strategy", "config", "gpus", "max_micro_batch"}
+    assert set(rec["fastest"]) == {"strategy", "config", "max_micro_batch"}
+    assert rec["fastest"]["config"].startswith("accelerate_configs/")
+
+
+def test_cli_table_help_and_errors(tmp_path):
+    table = run_plan("--model", "tinyllama-1.1b", "--gpus", "4", "--gpu-memory", "48", "--batch-size", "16",
+                     "--seq-len", "1024", "--gradient-checkpointing", cwd=tmp_path)
+    assert table.returncode == 0, table.stderr
+    assert "accelerate_configs/zero3_offload.yaml" in table.stdout
+    assert "Fastest that fits on 4 GPUs: ddp (accelerate_configs/ddp.yaml)" in table.stdout
+    assert "Fewest GPUs: 1 GPU with ddp" in table.stdout
+    help_ = run_plan("--help", cwd=tmp_path)
+    assert help_.returncode == 0 and "--gpu-memory" in help_.stdout and "--gradient-checkpointing" in help_.stdout
+    missing = run_plan("--model", "no-such-config.json", cwd=tmp_path)
+    assert missing.returncode == 2 and "tinyllama-1.1b" in missing.stderr and not missing.stdout
+
+
+def test_cli_does_not_import_torch():
+    """The aliases need no torch: the planner starts in a fraction of a second."""
+    code = (f"import runpy, sys; plan = runpy.run_path({str(PLAN)!r}, run_name='plan'); "
+            f"plan['main'](['--json', '--model', 'codellama-34b']); print('torch' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "False"
