@@ -79,7 +79,7 @@ def main():
     )
 
     log = RunLog(accelerator, args, recipe="lora")
-    log.write_run_json(model, data_format)
+    log.write_run_json(model, data_format, optimizer)
     start_step = checkpoint.resume_from(accelerator, args)
 
     # The loop: one iteration = one optimizer step over grad_accum micro-batches on every rank.

@@ -86,7 +86,7 @@ def main():
     )
 
     log = RunLog(accelerator, args, recipe="qlora")
-    log.write_run_json(model, data_format)
+    log.write_run_json(model, data_format, optimizer)
     start_step = checkpoint.resume_from(accelerator, args)
 
     # The loop: one iteration = one optimizer step over grad_accum micro-batches on every rank.

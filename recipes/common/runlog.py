@@ -49,6 +49,41 @@ def strategy_details(accelerator) -> dict:
     return details
 
 
+MEMORY_KINDS = ("weights", "gradients", "optimizer")
+
+
+def local_tensor(tensor):
+    """The part of `tensor` this rank stores: ZeRO-3 partition, FSDP2 shard, or the tensor itself."""
+    from torch.distributed.tensor import DTensor
+
+    if hasattr(tensor, "ds_tensor"):
+        return tensor.ds_tensor
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def held_bytes(model, optimizer) -> dict:
+    """Bytes this rank holds as model weights, gradients and optimizer state.
+
+    DeepSpeed trains flat fp32 partitions of its own (the optimizer's parameters are not the
+    model's): they count as optimizer state, and their gradients as gradients.
+    """
+    def nbytes(tensor):
+        tensor = local_tensor(tensor)
+        return tensor.numel() * tensor.element_size()
+
+    model_params = list(model.parameters())
+    own = {id(p) for p in model_params}
+    extra = [p for group in optimizer.param_groups for p in group["params"] if id(p) not in own]
+    grads = [p.grad for p in model_params + extra if p.grad is not None]
+    states = [t for state in optimizer.state.values() for t in state.values()
+              if torch.is_tensor(t) and t.numel() > 1]  # the step counters are scalars
+    return {
+        "weights": sum(nbytes(p) for p in model_params),
+        "gradients": sum(nbytes(g) for g in grads),
+        "optimizer": sum(nbytes(t) for t in states) + sum(nbytes(p) for p in extra),
+    }
+
+
 class RunLog:
     def __init__(self, accelerator, args, recipe: str):
         self.accelerator = accelerator
@@ -69,8 +104,12 @@ class RunLog:
             writer(message)
             sys.stdout.flush()
 
-    def write_run_json(self, model, data_format: str) -> None:
-        """Record what really ran: strategy, processes, precision, parameters held by each rank."""
+    def write_run_json(self, model, data_format: str, optimizer=None) -> None:
+        """Record what really ran: strategy, processes, precision, parameters held by each rank.
+
+        With `optimizer`, run.json also gets `memory_by_rank` after the first optimizer step:
+        the bytes of weights, gradients and optimizer state each rank really holds.
+        """
         counts = parameter_counts(model)
         held = torch.tensor([counts["held_by_this_rank"]], device=self.accelerator.device)
         per_rank = self.accelerator.gather(held).tolist()
@@ -91,6 +130,9 @@ class RunLog:
             "strategy": strategy_details(self.accelerator),
             "versions": library_versions(),
         }
+        self.record = record
+        if optimizer is not None:
+            self.watch_first_step(model, optimizer)
         if self.main:
             (self.output_dir / "run.json").write_text(json.dumps(record, indent=2, default=str) + "\n")
             share = per_rank[0] / max(counts["total"], 1)
@@ -99,6 +141,23 @@ class RunLog:
                 f"process(es), {mixed_precision(self.accelerator)} precision, {counts['total']:,} parameters "
                 f"({counts['trainable']:,} trainable, rank 0 holds {share:.0%}), data format: {data_format}"
             )
+
+    def watch_first_step(self, model, optimizer) -> None:
+        """Measure, once, what each rank holds at the end of its first optimizer step."""
+        inner = optimizer
+        while not isinstance(inner, torch.optim.Optimizer) or hasattr(inner, "accelerator_state"):
+            inner = inner.optimizer  # accelerate's wrapper, DeepSpeed's ZeRO optimizer, ... -> torch's
+
+        def measure(opt, args, kwargs):
+            handle.remove()
+            held = held_bytes(model, opt)
+            values = torch.tensor([held[k] for k in MEMORY_KINDS], dtype=torch.float64, device=self.accelerator.device)
+            gathered = self.accelerator.gather(values.unsqueeze(0)).tolist()
+            self.record["memory_by_rank"] = [dict(zip(MEMORY_KINDS, map(int, row))) for row in gathered]
+            if self.main:
+                (self.output_dir / "run.json").write_text(json.dumps(self.record, indent=2, default=str) + "\n")
+
+        handle = inner.register_step_post_hook(measure)
 
     def start(self, first_step: int, total_steps: int) -> None:
         if self.main:
