@@ -11,6 +11,10 @@ from pathlib import Path
 
 import pytest
 
+# Nothing is downloaded at test time: every model and dataset is local.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "accelerate_configs"
 TINY_MODEL = REPO / "models" / "tiny-llama"
