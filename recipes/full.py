@@ -13,7 +13,7 @@ evaluation), checkpoints/step-N/ (resumable) and model/ (AutoModelForCausalLM.fr
 
 Flags: --model --dataset --output-dir --epochs --max-steps --batch-size --grad-accum --lr
        --warmup-ratio --weight-decay --max-grad-norm --max-length --seed --eval-every
-       --save-every --resume --gradient-checkpointing --log-every
+       --save-every --resume --gradient-checkpointing --log-every --trust-remote-code
 """
 
 import math
@@ -43,8 +43,8 @@ def main():
 
     # Model: every weight is trained, so it stays in fp32 (mixed precision runs the maths in 16 bits).
     modeling.ensure_default_model(args.model, accelerator)
-    tokenizer = modeling.load_tokenizer(args.model)
-    model = modeling.load_model(args.model, accelerator, frozen=False)
+    tokenizer = modeling.load_tokenizer(args.model, args.trust_remote_code)
+    model = modeling.load_model(args.model, accelerator, frozen=False, trust_remote_code=args.trust_remote_code)
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 

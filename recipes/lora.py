@@ -14,7 +14,7 @@ evaluation), checkpoints/step-N/ (resumable), adapter/ (PeftModel.from_pretraine
 
 Flags: --model --dataset --output-dir --epochs --max-steps --batch-size --grad-accum --lr
        --warmup-ratio --weight-decay --max-grad-norm --max-length --seed --eval-every
-       --save-every --resume --gradient-checkpointing --log-every
+       --save-every --resume --gradient-checkpointing --log-every --trust-remote-code
 LoRA:  --lora-r --lora-alpha --lora-dropout --lora-targets --merge
 """
 
@@ -46,8 +46,8 @@ def main():
 
     # Model: the frozen base in 16 bits where mixed precision allows, trainable adapters on top.
     modeling.ensure_default_model(args.model, accelerator)
-    tokenizer = modeling.load_tokenizer(args.model)
-    model = modeling.load_model(args.model, accelerator, frozen=True)
+    tokenizer = modeling.load_tokenizer(args.model, args.trust_remote_code)
+    model = modeling.load_model(args.model, accelerator, frozen=True, trust_remote_code=args.trust_remote_code)
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.enable_input_require_grads()  # the frozen embeddings would otherwise cut the graph

@@ -15,7 +15,7 @@ dequantized 4-bit base, i.e. onto the weights it was trained against.
 
 Flags: --model --dataset --output-dir --epochs --max-steps --batch-size --grad-accum --lr
        --warmup-ratio --weight-decay --max-grad-norm --max-length --seed --eval-every
-       --save-every --resume --gradient-checkpointing --log-every
+       --save-every --resume --gradient-checkpointing --log-every --trust-remote-code
 LoRA:  --lora-r --lora-alpha --lora-dropout --lora-targets --merge
 QLoRA: --bits
 """
@@ -49,9 +49,11 @@ def main():
 
     # Model: the frozen base quantised to 4 bits while it loads, trainable adapters on top.
     modeling.ensure_default_model(args.model, accelerator)
-    tokenizer = modeling.load_tokenizer(args.model)
+    tokenizer = modeling.load_tokenizer(args.model, args.trust_remote_code)
     quantization = modeling.quantization_config(accelerator, args.bits)
-    model = modeling.load_model(args.model, accelerator, frozen=True, quantization=quantization)
+    model = modeling.load_model(
+        args.model, accelerator, frozen=True, quantization=quantization, trust_remote_code=args.trust_remote_code
+    )
     if not modeling.shards_parameters(accelerator):
         # Upcasts norms for stability; FSDP / ZeRO-3 need one dtype throughout, so they skip it.
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)

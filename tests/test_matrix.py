@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import REPO, TINY_MODEL
-from strategies import CPU_STRATEGIES, PLANNER_NAME, RECIPES, STEPS, matrix_args
+from strategies import CPU_STRATEGIES, PLANNER_NAME, RECIPES, STEPS
 
 sys.path.insert(0, str(REPO / "recipes"))
 from common.modeling import keep_4bit_weights_unpacked_on_cpu  # noqa: E402

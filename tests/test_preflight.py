@@ -2,7 +2,19 @@
 
 from __future__ import annotations
 
-from conftest import assert_no_traceback_of_ours, launch
+import argparse
+import sys
+from collections import namedtuple
+
+import pytest
+
+from conftest import REPO, assert_no_traceback_of_ours, launch
+
+sys.path.insert(0, str(REPO / "recipes"))
+from common import preflight  # noqa: E402
+from common.args import add_lora_args, recipe_parser  # noqa: E402
+from common.data import load_splits  # noqa: E402
+from common.preflight import Refusal  # noqa: E402
 
 
 def refusal_lines(output: str) -> list[str]:
@@ -31,3 +43,53 @@ def test_missing_dataset_is_refused(tmp_path):
     assert run.returncode != 0
     [line] = refusal_lines(run.output)
     assert "nope.jsonl does not exist" in line
+
+
+# The checks themselves, in-process: each refusal names the problem and the fix.
+
+
+def recipe_args(*argv: str) -> argparse.Namespace:
+    parser = recipe_parser("test recipe\n")
+    add_lora_args(parser)
+    return parser.parse_args(list(argv))
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--max-length", "4096"], "--max-length 4096 is beyond the model's context of 1024 tokens; pass --max-length 1024"),
+    (["--batch-size", "0"], "--batch-size must be >= 1, got 0"),
+    (["--grad-accum", "-1"], "--grad-accum must be >= 1, got -1"),
+    (["--max-steps", "-5"], "--max-steps must be >= 0, got -5"),
+    (["--max-steps", "0", "--epochs", "0"], "nothing to train: give --max-steps N or --epochs N"),
+    (["--model", "/no/such/model"], "--model /no/such/model does not exist"),
+])
+def test_bad_arguments_are_refused_with_the_fix(argv, message, tmp_path):
+    with pytest.raises(Refusal, match=message.replace("(", r"\(")):
+        preflight.check_launch(recipe_args("--output-dir", str(tmp_path), *argv), "lora")
+
+
+def test_not_enough_disk_for_a_checkpoint_is_refused(tmp_path, monkeypatch):
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(preflight.shutil, "disk_usage", lambda path: usage(10**9, 10**9 - 1000, 1000))
+    with pytest.raises(Refusal, match="has 0.0 MiB free but this run writes about .*; free some disk or choose another --output-dir"):
+        preflight.check_launch(recipe_args("--output-dir", str(tmp_path / "new" / "run"), "--save-every", "10"), "full")
+
+
+def test_deepspeed_accumulation_that_disagrees_with_the_recipe_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.setenv("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "1")
+    with pytest.raises(Refusal, match="accumulates 1 micro-batches but --grad-accum is 4; delete `gradient_accumulation_steps`"):
+        preflight.check_launch(recipe_args("--output-dir", str(tmp_path), "--grad-accum", "4"), "lora")
+
+
+def test_fsdp_activation_checkpointing_twice_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("FSDP_ACTIVATION_CHECKPOINTING", "true")
+    with pytest.raises(Refusal, match="activation checkpointing is asked twice"):
+        preflight.check_launch(recipe_args("--output-dir", str(tmp_path), "--gradient-checkpointing"), "lora")
+
+
+def test_an_empty_dataset_is_refused(tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(Refusal, match="is an empty file"):
+        load_splits(str(empty), seed=0)

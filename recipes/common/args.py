@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 
 from .modeling import DEFAULT_MODEL
-from .data import DEFAULT_DATASET
 
 
 def recipe_parser(doc: str) -> argparse.ArgumentParser:
@@ -34,6 +33,8 @@ def recipe_parser(doc: str) -> argparse.ArgumentParser:
     add("--resume", default=None, help="a checkpoint folder to resume from, or `auto` for the newest")
     add("--gradient-checkpointing", action="store_true", help="recompute activations to save memory")
     add("--log-every", type=int, default=1, help="print a progress line every N steps")
+    add("--trust-remote-code", action="store_true",
+        help="run the model repository's own Python code (off: only transformers' built-in models)")
     return parser
 
 

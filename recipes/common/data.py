@@ -31,6 +31,8 @@ def load_splits(spec: str | None, seed: int):
 
     spec = str(spec or DEFAULT_DATASET)
     path = Path(spec)
+    if path.is_file() and path.stat().st_size == 0:
+        refuse(f"--dataset {spec} is an empty file; point it at a file or folder with training data")
     if path.is_file():
         loaded = datasets.load_dataset(FILE_LOADERS.get(path.suffix, "json"), data_files={"train": str(path)})
     elif path.is_dir():
@@ -38,6 +40,8 @@ def load_splits(spec: str | None, seed: int):
     else:
         loaded = datasets.load_dataset(spec)
     train = loaded["train"] if "train" in loaded else next(iter(loaded.values()))
+    if len(train) == 0:
+        refuse(f"--dataset {spec} has no rows; point it at a file or folder with training data")
     eval_name = next((name for name in EVAL_SPLIT_NAMES if name in loaded), None)
     if eval_name is not None:
         return train, loaded[eval_name]

@@ -7,7 +7,9 @@ environment and the arguments, which are the same on every rank.
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -102,7 +104,49 @@ def check_launch(args, recipe: str) -> None:
     if args.dataset and looks_local(args.dataset) and not Path(args.dataset).exists():
         refuse(f"--dataset {args.dataset} does not exist; give a .jsonl/.json/.parquet/.txt file, "
                "a folder of them, or a hub id")
+    context = context_length(args.model)
+    if context and args.max_length > context:
+        refuse(f"--max-length {args.max_length} is beyond the model's context of {context} tokens; "
+               f"pass --max-length {context} or less")
+    refuse_if_disk_too_small(args, recipe)
     announce_plan(args, recipe)
+
+
+def model_config(model: str) -> dict | None:
+    """The model's config.json when it is local (the default model's before its first build)."""
+    path = Path(model) / "config.json"
+    if is_default_model(model) and not path.is_file():
+        path = Path(__file__).resolve().parents[2] / "data" / "tiny-llama-config.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def context_length(model: str) -> int | None:
+    config = model_config(model) or {}
+    return config.get("max_position_embeddings")
+
+
+def refuse_if_disk_too_small(args, recipe: str) -> None:
+    """A checkpoint (weights + optimizer state) or the final export must fit on the output disk."""
+    from . import memory
+
+    config = model_config(args.model)
+    if config is None:
+        return
+    shape = memory.ModelShape.from_config(config)
+    trained = shape.parameters if recipe == "full" else memory.lora_parameters(shape, args.lora_r, args.lora_targets
+                                                                                if args.lora_targets == "all-linear"
+                                                                                else args.lora_targets.split(","))
+    # fp32 weights and AdamW's two moments; an adapter export holds only the adapter.
+    checkpoint = shape.parameters * 4 + trained * 8
+    export = trained * 4 if recipe != "full" else shape.parameters * 4
+    need = max(checkpoint if args.save_every else 0, export)
+    folder = Path(args.output_dir).resolve()
+    while not folder.exists():
+        folder = folder.parent
+    free = shutil.disk_usage(folder).free
+    if free < need:
+        refuse(f"{folder} has {size(free)} free but this run writes about {size(need)}; free some disk or "
+               "choose another --output-dir")
 
 
 def planned_strategy() -> tuple[str, int]:
