@@ -93,3 +93,53 @@ def test_an_empty_dataset_is_refused(tmp_path):
     empty.write_text("")
     with pytest.raises(Refusal, match="is an empty file"):
         load_splits(str(empty), seed=0)
+
+
+def test_random_launches_get_a_clean_start_or_one_refusal(tmp_path, monkeypatch, capsys):
+    """Many combinations of strategy settings and flags: every one either passes the checks or
+    is refused with our one line; no other exception, and every rank reaches the same verdict."""
+    import random
+
+    rng = random.Random(0)
+    environments = [
+        {}, {"ACCELERATE_USE_FSDP": "true"}, {"ACCELERATE_USE_FSDP": "true", "FSDP_ACTIVATION_CHECKPOINTING": "true"},
+        {"ACCELERATE_USE_FSDP": "true", "FSDP_OFFLOAD_PARAMS": "true"},
+        {"ACCELERATE_USE_FSDP": "true", "FSDP_RESHARD_AFTER_FORWARD": "false"},
+        {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3"},
+        {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_GRADIENT_ACCUMULATION_STEPS": "2"},
+        {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_GRADIENT_CLIPPING": "0.5"},
+    ]
+    flag_choices = {
+        "--batch-size": ["0", "1", "8", "-2"], "--grad-accum": ["1", "2", "0"], "--max-length": ["16", "1024", "5000"],
+        "--max-steps": ["0", "5", "-1"], "--epochs": ["0", "1", "0.5"], "--max-grad-norm": ["1.0", "0.5"],
+        "--model": [None, "/missing/model", "org/some-hub-model"], "--dataset": [None, "/missing/data.jsonl"],
+        "--lora-targets": ["all-linear", "q_proj,v_proj"],
+    }
+    verdicts = 0
+    for _ in range(150):
+        env = rng.choice(environments)
+        argv = ["--output-dir", str(tmp_path / "out")]
+        for flag, values in flag_choices.items():
+            value = rng.choice(values)
+            if value is not None:
+                argv += [flag, value]
+        if rng.random() < 0.3:
+            argv.append("--gradient-checkpointing")
+        recipe = rng.choice(["full", "lora", "qlora"])
+        outcomes = []
+        for rank in ("0", "1"):
+            with monkeypatch.context() as patch:
+                for key, value in env.items():
+                    patch.setenv(key, value)
+                patch.setenv("RANK", rank)
+                try:
+                    preflight.check_launch(recipe_args(*argv), recipe)
+                    outcomes.append("ok")
+                except Refusal as refusal:
+                    assert "\n" not in refusal.message
+                    outcomes.append(refusal.message)
+        assert outcomes[0] == outcomes[1], (env, argv)
+        verdicts += outcomes[0] != "ok"
+    refused_lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
+    assert len(refused_lines) == verdicts  # printed once (by rank 0), one line each
+    assert 0 < verdicts < 150
