@@ -1,0 +1,46 @@
+"""Two "machines" on 127.0.0.1, one process each: the multi-node path of every sharding family
+trains exactly as one machine with two processes does."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from conftest import CONFIGS, REPO
+from strategies import matrix_args
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.parametrize("config", ["ddp", "fsdp", "zero3"])
+def test_two_machines_train_like_one(config, trained, tmp_path):
+    port = str(free_port())
+    machines = []
+    for rank in ("0", "1"):
+        command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / f"{config}.yaml"),
+                   "--num_machines", "2", "--num_processes", "2", "--machine_rank", rank,
+                   "--main_process_ip", "127.0.0.1", "--main_process_port", port, "--mixed_precision", "no",
+                   str(REPO / "recipes" / "lora.py"), "--output-dir", str(tmp_path / f"machine{rank}"),
+                   *matrix_args("lora", config)]
+        machines.append(subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                         text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}))
+    outputs = [machine.communicate(timeout=300)[0] for machine in machines]
+    assert [machine.returncode for machine in machines] == [0, 0], outputs[0][-2000:] + outputs[1][-2000:]
+
+    ran = json.loads((tmp_path / "machine0" / "run.json").read_text())
+    one_machine = trained("lora", config)
+    assert ran["num_processes"] == 2
+    assert ran["distributed_type"] == one_machine.run_json()["distributed_type"]
+    losses = [json.loads(line)["loss"] for line in (tmp_path / "machine0" / "metrics.jsonl").read_text().splitlines()
+              if '"train"' in line]
+    assert losses == pytest.approx(one_machine.losses(), rel=1e-5)
+    assert not (tmp_path / "machine1" / "run.json").exists()  # only the main process writes
