@@ -11,8 +11,8 @@ machine without GPUs (add `--num_processes 2 --mixed_precision no` to the launch
 Writes to --output-dir: run.json (what ran), metrics.jsonl (one line per step and per
 evaluation), checkpoints/step-N/ (resumable) and model/ (AutoModelForCausalLM.from_pretrained).
 
-Flags: --model --dataset --output-dir --epochs --max-steps --batch-size --grad-accum --lr
-       --warmup-ratio --weight-decay --max-grad-norm --max-length --seed --eval-every
+Flags: --model --dataset --columns --packing --output-dir --epochs --max-steps --batch-size
+       --grad-accum --lr --warmup-ratio --weight-decay --max-grad-norm --max-length --seed --eval-every
        --save-every --resume --gradient-checkpointing --log-every --trust-remote-code
 """
 
@@ -50,8 +50,8 @@ def main():
 
     # Data: prompt tokens are masked, so the loss covers the responses only.
     with accelerator.main_process_first():
-        train_rows, eval_rows = data.load_splits(args.dataset, args.seed)
-        train_set, data_format = data.tokenize(train_rows, tokenizer, args.max_length)
+        train_rows, eval_rows = data.load_splits(args.dataset, args.seed, args.columns)
+        train_set, data_format = data.tokenize(train_rows, tokenizer, args.max_length, args.packing)
         eval_set, _ = data.tokenize(eval_rows, tokenizer, args.max_length)
     train_loader, eval_loader = data.make_loaders(train_set, eval_set, tokenizer, args.batch_size)
     probe = next(iter(eval_loader))
@@ -83,7 +83,8 @@ def main():
         step_loss = 0.0
         for batch in micro_batches:
             with accelerator.accumulate(model):
-                outputs = model(**batch, num_items_in_batch=step_tokens)  # loss = token sum / step_tokens
+                # loss = token sum / step_tokens; no KV cache in training (it would also hide packing)
+                outputs = model(**batch, use_cache=False, num_items_in_batch=step_tokens)
                 step_loss += outputs.loss.detach()
                 # accelerate divides by grad_accum and the gradient all-reduce averages over ranks:
                 # undo both so the gradient is that of the global token mean.

@@ -84,3 +84,60 @@ def test_a_single_file_gets_a_held_out_split(tmp_path):
     file.write_text("".join(f'{{"text": "row {i}"}}\n' for i in range(100)))
     train, evaluation = data.load_splits(str(file), seed=0)
     assert len(train) == 95 and len(evaluation) == 5
+
+
+def test_chat_messages_train_on_assistant_turns_only(tokenizer):
+    from common import formats
+
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Sort: 3 1 2"},
+                {"role": "assistant", "content": "1 2 3"}, {"role": "user", "content": "Reverse: 1 2"},
+                {"role": "assistant", "content": "2 1"}]
+    assert data.detect_format(["messages"]) == "messages"
+    row = data.tokenize_row({"messages": messages}, tokenizer, "messages", 512)
+    whole = tokenizer.decode(row["input_ids"])
+    trained = tokenizer.decode([t for t, label in zip(row["input_ids"], row["labels"]) if label != data.IGNORE])
+    assert "Be brief." in whole and "<|user|>" in whole  # the default template renders every turn
+    assert trained.replace("\n", "") == f"1 2 3{tokenizer.eos_token}2 1{tokenizer.eos_token}"
+    assert tokenizer.chat_template is None and formats.DEFAULT_CHAT_TEMPLATE
+
+
+def test_columns_can_be_mapped_to_a_known_format(tmp_path):
+    file = tmp_path / "qa.jsonl"
+    file.write_text("".join(f'{{"question": "q{i}", "answer": "a{i}"}}\n' for i in range(40)))
+    train, _ = data.load_splits(str(file), seed=0, columns="prompt=question,completion=answer")
+    assert data.detect_format(train.column_names) == "prompt_completion"
+    with pytest.raises(Refusal, match=r"--columns names \['nope'\]"):
+        data.load_splits(str(file), seed=0, columns="prompt=nope")
+
+
+def test_packing_keeps_attention_inside_each_row(tokenizer):
+    """A packed sequence computes, for every row in it, the logits of that row alone."""
+    import datasets
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(TINY_MODEL, use_cache=False).eval()  # as the recipes load it
+    rows = [{"instruction": "Sort: 3 1 2", "response": "1 2 3"}, {"instruction": "Copy: 7 7", "response": "7 7"},
+            {"instruction": "Reverse: 1 2 3 4", "response": "4 3 2 1"}]
+    packed, _ = data.tokenize(datasets.Dataset.from_list(rows), tokenizer, max_length=512, packing=True)
+    assert len(packed) == 1
+    batch = data.PadToLongest(tokenizer.pad_token_id)([packed[0]])
+    assert "attention_mask" not in batch
+    with torch.no_grad():
+        packed_logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits[0]
+        start = 0
+        for row in rows:
+            ids = data.tokenize_row(row, tokenizer, "instruction", 512)["input_ids"]
+            alone = model(input_ids=torch.tensor([ids])).logits[0]
+            assert torch.allclose(packed_logits[start:start + len(ids)], alone, atol=1e-5)
+            start += len(ids)
+
+
+def test_packing_respects_max_length_and_keeps_every_target(tokenizer):
+    train, _ = data.load_splits(None, seed=0)
+    subset = train.select(range(200))
+    plain, _ = data.tokenize(subset, tokenizer, max_length=128)
+    packed, _ = data.tokenize(subset, tokenizer, max_length=128, packing=True)
+    assert len(packed) < len(plain) / 3
+    assert max(len(ids) for ids in packed["input_ids"]) <= 128
+    count = lambda rows: sum(label != data.IGNORE for labels in rows["labels"] for label in labels)  # noqa: E731
+    assert count(packed) == count(plain)

@@ -17,6 +17,10 @@ def recipe_parser(doc: str) -> argparse.ArgumentParser:
         help="hub id or local folder (default: the bundled tiny Llama, built on first use)")
     add("--dataset", default=None,
         help="hub id, local folder, or .jsonl/.json/.parquet/.txt file (default: the bundled data/)")
+    add("--columns", default=None,
+        help="rename dataset columns to a known format, e.g. instruction=question,response=answer")
+    add("--packing", action="store_true",
+        help="pack several rows into each --max-length sequence (attention stays within each row)")
     add("--output-dir", default="outputs/run", help="where run.json, metrics, checkpoints and the result go")
     add("--epochs", type=float, default=1, help="passes over the training data (ignored when --max-steps > 0)")
     add("--max-steps", type=int, default=0, help="optimizer steps to run; 0 = use --epochs")

@@ -1,9 +1,7 @@
-"""Any supported dataset -> tokenised rows with the prompt masked -> padded micro-batches.
+"""Any supported dataset -> tokenised rows with the prompt masked -> (packed) micro-batches.
 
-Formats, detected from the columns:
-  text                                    plain language modelling, every token is a target
-  instruction [+ input] + output|response the response is the target, the prompt is masked
-  prompt + completion                     the completion is the target
+Where the rows come from (hub, folder, file) and how they are batched lives here; how a row
+of each format becomes tokens and labels lives in formats.py.
 """
 
 from __future__ import annotations
@@ -13,20 +11,22 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader
 
+from .formats import IGNORE, detect_format, tokenize_row
 from .preflight import refuse
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_DATASET = REPO_ROOT / "data"
-IGNORE = -100  # label of a token that is not a target (prompt, padding)
 
 FILE_LOADERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text", ".csv": "csv"}
 EVAL_SPLIT_NAMES = ("eval", "validation", "valid", "test")
-PROMPT_TEMPLATE = "### Instruction:\n{instruction}\n\n### Response:\n"
-PROMPT_WITH_INPUT_TEMPLATE = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
 
 
-def load_splits(spec: str | None, seed: int):
-    """(train, eval) `datasets.Dataset`s from a hub id, a folder, or a single file."""
+def load_splits(spec: str | None, seed: int, columns: str | None = None):
+    """(train, eval) `datasets.Dataset`s from a hub id, a folder, or a single file.
+
+    `columns` renames the dataset's columns to the ones a format expects, e.g.
+    "instruction=question,response=answer".
+    """
     import datasets
 
     spec = str(spec or DEFAULT_DATASET)
@@ -42,6 +42,13 @@ def load_splits(spec: str | None, seed: int):
     train = loaded["train"] if "train" in loaded else next(iter(loaded.values()))
     if len(train) == 0:
         refuse(f"--dataset {spec} has no rows; point it at a file or folder with training data")
+    if columns:
+        mapping = dict(reversed(pair.split("=", 1)) for pair in columns.split(",") if "=" in pair)
+        missing = sorted(set(mapping) - set(train.column_names))
+        if missing:
+            refuse(f"--columns names {missing}, which --dataset does not have (it has {sorted(train.column_names)})")
+        loaded = loaded.rename_columns(mapping) if hasattr(loaded, "rename_columns") else loaded
+        train = loaded["train"] if "train" in loaded else next(iter(loaded.values()))
     eval_name = next((name for name in EVAL_SPLIT_NAMES if name in loaded), None)
     if eval_name is not None:
         return train, loaded[eval_name]
@@ -71,41 +78,9 @@ def load_folder(folder: Path):
     return datasets.load_dataset(loader, data_files=by_split)
 
 
-def detect_format(columns) -> str:
-    columns = set(columns)
-    if "instruction" in columns and ({"output", "response"} & columns):
-        return "instruction"
-    if {"prompt", "completion"} <= columns:
-        return "prompt_completion"
-    if "text" in columns:
-        return "text"
-    refuse(f"the dataset has no usable text columns (found {sorted(columns)}); expected `text`, "
-           "`instruction` + `output`/`response`, or `prompt` + `completion`")
-
-
-def split_prompt(row: dict, fmt: str) -> tuple[str, str]:
-    """(prompt, target) of one row; the prompt is not trained on."""
-    if fmt == "instruction":
-        target = row.get("output", row.get("response"))
-        template = PROMPT_WITH_INPUT_TEMPLATE if row.get("input") else PROMPT_TEMPLATE
-        return template.format(instruction=row["instruction"], input=row.get("input", "")), target
-    if fmt == "prompt_completion":
-        return row["prompt"], row["completion"]
-    return "", row["text"]
-
-
-def tokenize_row(row: dict, tokenizer, fmt: str, max_length: int) -> dict:
-    prompt, target = split_prompt(row, fmt)
-    prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"] if prompt else []
-    target_ids = tokenizer(target, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-    prefix = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
-    input_ids = (prefix + prompt_ids + target_ids)[:max_length]
-    masked = len(prefix) + len(prompt_ids)
-    labels = [IGNORE] * masked + target_ids
-    return {"input_ids": input_ids, "labels": labels[:max_length]}
-
-
-def tokenize(dataset, tokenizer, max_length: int):
+def tokenize(dataset, tokenizer, max_length: int, packing: bool = False):
+    """(tokenised dataset, format name); with `packing`, rows are packed into sequences of up to
+    `max_length` tokens whose `position_ids` restart at every row."""
     fmt = detect_format(dataset.column_names)
     tokenized = dataset.map(
         lambda row: tokenize_row(row, tokenizer, fmt, max_length),
@@ -113,23 +88,60 @@ def tokenize(dataset, tokenizer, max_length: int):
         desc="tokenising",
     )
     # A row whose targets were all cut off by --max-length teaches nothing.
-    return tokenized.filter(lambda row: any(label != IGNORE for label in row["labels"][1:])), fmt
+    tokenized = tokenized.filter(lambda row: any(label != IGNORE for label in row["labels"][1:]))
+    return (pack(tokenized, max_length) if packing else tokenized), fmt
+
+
+def pack(tokenized, max_length: int):
+    """Greedy packing, in order, without splitting a row.
+
+    Each packed sequence carries `position_ids` that restart at 0 for every row; transformers
+    reads them as packed sequences and keeps attention inside each row (sdpa / eager build a
+    block-diagonal causal mask, flash-attention uses the varlen kernel). A row's first label is
+    its masked BOS or prompt, so no target crosses a boundary.
+    """
+    import datasets
+
+    packed = {"input_ids": [], "labels": [], "position_ids": []}
+    current = {key: [] for key in packed}
+    for row in tokenized:
+        length = len(row["input_ids"])
+        if current["input_ids"] and len(current["input_ids"]) + length > max_length:
+            for key in packed:
+                packed[key].append(current[key])
+            current = {key: [] for key in packed}
+        current["input_ids"] += row["input_ids"]
+        current["labels"] += row["labels"]
+        current["position_ids"] += list(range(length))
+    if current["input_ids"]:
+        for key in packed:
+            packed[key].append(current[key])
+    return datasets.Dataset.from_dict(packed)
 
 
 class PadToLongest:
-    """Pads a micro-batch to its longest row; padding is masked out of attention and loss."""
+    """Pads a micro-batch to its longest row; padding is masked out of attention and loss.
+
+    Packed rows have no attention mask: their padding gets positions of its own (a separate
+    "row"), so nothing real attends to it, and its labels are ignored.
+    """
 
     def __init__(self, pad_token_id: int):
         self.pad_token_id = pad_token_id
 
     def __call__(self, rows: list[dict]) -> dict:
         longest = max(len(row["input_ids"]) for row in rows)
-        batch = {"input_ids": [], "attention_mask": [], "labels": []}
+        packed = "position_ids" in rows[0]
+        batch = {"input_ids": [], "labels": [], ("position_ids" if packed else "attention_mask"): []}
         for row in rows:
-            pad = longest - len(row["input_ids"])
+            length = len(row["input_ids"])
+            pad = longest - length
             batch["input_ids"].append(row["input_ids"] + [self.pad_token_id] * pad)
-            batch["attention_mask"].append([1] * len(row["input_ids"]) + [0] * pad)
             batch["labels"].append(row["labels"] + [IGNORE] * pad)
+            if packed:
+                batch["position_ids"].append(row["position_ids"] + list(range(pad)))
+            else:
+                batch["attention_mask"].append([1] * length + [0] * pad)
         return {key: torch.tensor(value) for key, value in batch.items()}
 
 

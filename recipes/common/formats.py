@@ -1,0 +1,94 @@
+"""How a row of each supported format becomes tokens and labels (-100 = not trained on).
+
+Formats, detected from the columns:
+  messages                                chat turns rendered with the tokenizer's chat template
+                                          (a plain default when it has none); assistant turns are
+                                          the targets
+  instruction [+ input] + output|response the response is the target, the prompt is masked
+  prompt + completion                     the completion is the target
+  text                                    plain language modelling, every token is a target
+"""
+
+from __future__ import annotations
+
+from .preflight import refuse
+
+IGNORE = -100  # label of a token that is not a target (prompt, padding)
+PROMPT_TEMPLATE = "### Instruction:\n{instruction}\n\n### Response:\n"
+PROMPT_WITH_INPUT_TEMPLATE = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
+# For tokenizers without a chat template: one header line per turn, EOS closes an assistant turn.
+DEFAULT_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ '<|' + message['role'] + '|>\\n' + message['content'] }}"
+    "{% if message['role'] == 'assistant' %}{{ eos_token }}{% endif %}{{ '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
+)
+
+
+def detect_format(columns) -> str:
+    columns = set(columns)
+    if "messages" in columns:
+        return "messages"
+    if "instruction" in columns and ({"output", "response"} & columns):
+        return "instruction"
+    if {"prompt", "completion"} <= columns:
+        return "prompt_completion"
+    if "text" in columns:
+        return "text"
+    refuse(f"the dataset has no usable text columns (found {sorted(columns)}); expected `messages`, `text`, "
+           "`instruction` + `output`/`response`, or `prompt` + `completion` (map yours with --columns)")
+
+
+def split_prompt(row: dict, fmt: str) -> tuple[str, str]:
+    """(prompt, target) of one row; the prompt is not trained on."""
+    if fmt == "instruction":
+        target = row.get("output", row.get("response"))
+        template = PROMPT_WITH_INPUT_TEMPLATE if row.get("input") else PROMPT_TEMPLATE
+        return template.format(instruction=row["instruction"], input=row.get("input", "")), target
+    if fmt == "prompt_completion":
+        return row["prompt"], row["completion"]
+    return "", row["text"]
+
+
+def tokenize_row(row: dict, tokenizer, fmt: str, max_length: int) -> dict:
+    if fmt == "messages":
+        return tokenize_chat(row["messages"], tokenizer, max_length)
+    prompt, target = split_prompt(row, fmt)
+    prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"] if prompt else []
+    target_ids = tokenizer(target, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    prefix = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    input_ids = (prefix + prompt_ids + target_ids)[:max_length]
+    masked = len(prefix) + len(prompt_ids)
+    labels = [IGNORE] * masked + target_ids
+    return {"input_ids": input_ids, "labels": labels[:max_length]}
+
+
+
+
+def tokenize_chat(messages: list[dict], tokenizer, max_length: int) -> dict:
+    """Render the conversation turn by turn; the tokens of each assistant reply (and its end
+    marker) are targets, everything else (system, user, role headers) is masked."""
+    template = tokenizer.chat_template or DEFAULT_CHAT_TEMPLATE
+
+    def render(turns, generation_prompt=False):
+        return tokenizer.apply_chat_template(turns, tokenize=False, chat_template=template,
+                                             add_generation_prompt=generation_prompt)
+
+    input_ids, labels, rendered = [], [], ""
+    bos = tokenizer.bos_token
+    if bos and not render(messages[:1]).startswith(bos):
+        input_ids, labels = [tokenizer.bos_token_id], [IGNORE]
+    for i, message in enumerate(messages):
+        pieces = []
+        if message["role"] == "assistant":
+            header = render(messages[:i], generation_prompt=True)
+            pieces.append((header, False))
+        pieces.append((render(messages[: i + 1]), message["role"] == "assistant"))
+        for text, trained in pieces:
+            if not text.startswith(rendered):
+                refuse("the chat template re-renders earlier turns differently, so assistant turns cannot "
+                       "be located; use a template whose output grows turn by turn")
+            ids = tokenizer(text[len(rendered):], add_special_tokens=False)["input_ids"]
+            input_ids += ids
+            labels += ids if trained else [IGNORE] * len(ids)
+            rendered = text
+    return {"input_ids": input_ids[:max_length], "labels": labels[:max_length]}
