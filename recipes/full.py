@@ -23,7 +23,7 @@ from accelerate.utils import set_seed
 from transformers import get_cosine_schedule_with_warmup
 
 from common import args as cli
-from common import checkpoint, data, modeling, preflight, runtime
+from common import checkpoint, data, modeling, preflight, report, runtime
 from common.evaluation import evaluate
 from common.runlog import RunLog
 
@@ -110,8 +110,10 @@ def main():
 
     # Export: what the trained model computes, then the files that reproduce it.
     checkpoint.save_probe(accelerator, model, probe, args.output_dir)
+    samples = report.sample_generations(accelerator, model, tokenizer, eval_set, args.output_dir)
     model_dir = f"{args.output_dir}/model"
     checkpoint.save_full_model(accelerator, model, tokenizer, model_dir)
+    report.write_model_card(accelerator, args, "full", "model", samples)
     log.close(f"done: {total_steps} steps; model saved to {model_dir}")
     accelerator.end_training()
 

@@ -26,7 +26,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import get_cosine_schedule_with_warmup
 
 from common import args as cli
-from common import checkpoint, data, modeling, preflight, runtime
+from common import checkpoint, data, modeling, preflight, report, runtime
 from common.evaluation import evaluate
 from common.runlog import RunLog
 
@@ -122,10 +122,12 @@ def main():
 
     # Export: what the trained model computes, then the files that reproduce it.
     checkpoint.save_probe(accelerator, model, probe, args.output_dir)
+    samples = report.sample_generations(accelerator, model, tokenizer, eval_set, args.output_dir)
     adapter_dir = f"{args.output_dir}/adapter"
     checkpoint.save_adapter(accelerator, model, tokenizer, adapter_dir)
     if args.merge:
         checkpoint.merge_adapter(accelerator, args.model, adapter_dir, f"{args.output_dir}/merged")
+    report.write_model_card(accelerator, args, "lora", "adapter", samples)
     log.close(f"done: {total_steps} steps; adapter saved to {adapter_dir}")
     accelerator.end_training()
 

@@ -7,6 +7,7 @@ peft and reproduce the trained model's logits.
 
 from __future__ import annotations
 
+import json
 import sys
 
 import pytest
@@ -69,6 +70,13 @@ def test_recipe_runs_strategy(recipe, config, trained):
     losses = run.losses()
     assert len(losses) == STEPS
     assert sum(losses[-2:]) < sum(losses[:2]), losses
+
+    # A person sees sample answers and a model card saying how to load the result.
+    samples = [json.loads(line) for line in (run.output_dir / "samples.jsonl").read_text().splitlines()]
+    assert len(samples) == 3 and all(sample["prompt"] and "generated" in sample for sample in samples)
+    card = (run.output_dir / "README.md").read_text()
+    assert ("PeftModel.from_pretrained" if recipe != "full" else "AutoModelForCausalLM.from_pretrained") in card
+    assert f"{ran['distributed_type']} x {processes} process(es)" in card
 
     # 3. What it saved reloads and computes what the trained model computed.
     probe = load_file(str(run.output_dir / "probe_logits.safetensors"))

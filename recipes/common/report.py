@@ -1,0 +1,82 @@
+"""What a finished run shows a person: sample generations and a model card (README.md)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from .formats import IGNORE
+from .modeling import shards_parameters
+
+
+@torch.no_grad()
+def sample_generations(accelerator, model, tokenizer, eval_set, output_dir, count: int = 3,
+                       max_new_tokens: int = 32) -> list[dict]:
+    """Greedy answers of the trained model to the first evaluation prompts; printed and saved
+    to samples.jsonl. Every rank generates (sharded weights need every rank's forward)."""
+    generator = accelerator.unwrap_model(model)
+    generator.eval()
+    samples = []
+    for row in eval_set.select(range(min(count, len(eval_set)))):
+        prompt_length = next((i for i, label in enumerate(row["labels"]) if label != IGNORE), len(row["labels"]))
+        prompt = torch.tensor([row["input_ids"][:prompt_length]], device=accelerator.device)
+        output = generator.generate(
+            input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=max_new_tokens,
+            do_sample=False, pad_token_id=tokenizer.pad_token_id,
+            synced_gpus=shards_parameters(accelerator),  # ranks keep stepping together until all finish
+        )
+        reference = [t for t, label in zip(row["input_ids"], row["labels"]) if label != IGNORE]
+        samples.append({
+            "prompt": tokenizer.decode(prompt[0], skip_special_tokens=True),
+            "reference": tokenizer.decode(reference, skip_special_tokens=True),
+            "generated": tokenizer.decode(output[0, prompt_length:], skip_special_tokens=True),
+        })
+    generator.train()
+    if accelerator.is_main_process:
+        with open(Path(output_dir) / "samples.jsonl", "w") as file:
+            for sample in samples:
+                file.write(json.dumps(sample) + "\n")
+        for sample in samples:
+            print(f"sample: {sample['prompt']!r} -> {sample['generated']!r} (reference {sample['reference']!r})")
+    return samples
+
+
+def write_model_card(accelerator, args, recipe: str, artifact: str, samples: list[dict]) -> None:
+    """README.md in the output folder: what was trained, on what, how well, and how to load it."""
+    if not accelerator.is_main_process:
+        return
+    output_dir = Path(args.output_dir)
+    run = json.loads((output_dir / "run.json").read_text())
+    lines = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+    train = [line for line in lines if line["type"] == "train"]
+    evals = [line for line in lines if line["type"] == "eval"]
+    load = {
+        "model": f'AutoModelForCausalLM.from_pretrained("{output_dir / "model"}")',
+        "adapter": (f'PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained("{args.model}"), '
+                    f'"{output_dir / "adapter"}")'),
+    }[artifact]
+    card = [
+        f"# {Path(args.model).name} fine-tuned with {recipe}.py",
+        "",
+        f"- base model: `{args.model}`",
+        f"- data: `{args.dataset or 'bundled data/'}` ({run['data_format']} format{', packed' if args.packing else ''})",
+        f"- strategy: {run['distributed_type']} x {run['num_processes']} process(es), "
+        f"{'fp32' if run['mixed_precision'] == 'no' else run['mixed_precision']} precision",
+        f"- steps: {len(train)}, micro-batch {args.batch_size} x accumulation {args.grad_accum}, lr {args.lr}, "
+        f"max length {args.max_length}, seed {args.seed}",
+        f"- parameters: {run['parameters']['total']:,} ({run['parameters']['trainable']:,} trained)",
+    ]
+    if train:
+        card.append(f"- training loss: {train[0]['loss']:.4f} at the first step, {train[-1]['loss']:.4f} at the last")
+    if evals:
+        card.append("- evaluation: " + ", ".join(f"{key} {value:.4f}" for key, value in evals[-1].items()
+                                                   if key not in ("type", "step")))
+    card += ["", "## Load it", "", "```python", "from transformers import AutoModelForCausalLM",
+             *(["from peft import PeftModel"] if artifact == "adapter" else []), f"model = {load}", "```"]
+    if samples:
+        card += ["", "## Samples (greedy, evaluation prompts)", ""]
+        card += [f"- `{s['prompt']!r}` -> `{s['generated']!r}` (reference `{s['reference']!r}`)" for s in samples]
+    card += ["", "Files: run.json (what ran), metrics.jsonl (per step), samples.jsonl, checkpoints/."]
+    (output_dir / "README.md").write_text("\n".join(card) + "\n")
