@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import signal
+import warnings
 from datetime import timedelta
 
 import torch
@@ -38,8 +39,18 @@ def has_gpu() -> bool:
     return torch.cuda.is_available()
 
 
+# Library notices about their own internals, repeated by every rank at every step; nothing a
+# user of the recipes can act on.
+QUIET_WARNINGS = (
+    r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated",
+    r"`is_gradient_checkpointing` is deprecated",
+)
+
+
 def make_accelerator(args) -> Accelerator:
     """An Accelerator set up for `args` and for whatever `accelerate launch` asked for."""
+    for message in QUIET_WARNINGS:
+        warnings.filterwarnings("ignore", message=message)
     strategy = launched_strategy()
     on_cpu = not has_gpu()
     if on_cpu:
