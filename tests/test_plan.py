@@ -3,6 +3,7 @@
 Parameter counts are checked against transformers and peft on the tiny model, the per-layer
 activation formula against what autograd really saves there, and the byte conventions and
 recommendations on the two reference workloads. No training runs; the whole file takes seconds.
+(tests/test_plan_vs_ranks.py checks the at-rest bytes against what real 2-process runs hold.)
 """
 
 from __future__ import annotations
@@ -113,6 +114,84 @@ def test_full_fine_tuning_costs_16_bytes_per_parameter(tinyllama):
     zero = memory.per_gpu_bytes(tinyllama, "full", "zero1", 1, 1, 128)
     bucket = min(params, memory.DEEPSPEED_REDUCE_BUCKET) * 2
     assert (zero["weights"], zero["gradients"] - bucket, zero["optimizer"]) == (2 * params, 2 * params, 12 * params)
+
+
+def test_deepspeed_keeps_an_fp32_master_in_fp32_too(tinyllama):
+    """In fp32 DeepSpeed's ZeRO optimizer still trains flat fp32 partitions of its own, a copy of the
+    fp32 weights: 4 + 4 + (4 + 8) = 20 B per trained parameter; DDP / FSDP stay at 4 + 4 + 8. Measured
+    on 2 CPU ranks (test_plan_vs_ranks.py): 6 B of optimizer state per parameter on each ZeRO rank."""
+    for strategy in memory.DEEPSPEED:
+        per = memory.state_bytes_per_parameter("full", strategy, "fp32")
+        assert (per["trained_weight"], per["trained_grad"], per["trained_optimizer"]) == (4, 4, 12)
+    for strategy in ("ddp", "fsdp_full_shard", "model_parallel"):
+        per = memory.state_bytes_per_parameter("full", strategy, "fp32")
+        assert (per["trained_weight"], per["trained_grad"], per["trained_optimizer"]) == (4, 4, 8)
+    params = tinyllama.parameters
+    zero = memory.per_gpu_bytes(tinyllama, "full", "zero1", 1, 1, 128, precision="fp32")
+    bucket = min(params, memory.DEEPSPEED_REDUCE_BUCKET) * 4
+    assert (zero["weights"], zero["gradients"] - bucket, zero["optimizer"]) == (4 * params, 4 * params, 12 * params)
+    offload = memory.cpu_offload_bytes(tinyllama, "full", "zero3_offload", 4, precision="fp32")
+    assert offload == 20 * params
+
+
+def test_at_rest_bytes_per_rank_on_two_ranks():
+    """What each of 2 ranks holds at rest, in bytes per trained parameter (full fine-tuning, fp32): the
+    numbers the real 2-process runs measure (test_plan_vs_ranks.py checks them tensor by tensor)."""
+    shape = memory.load_shape("tiny-llama")
+    params = shape.parameters
+    expected = {"ddp": (4, 4, 8), "fsdp_full_shard": (2, 2, 4), "fsdp_grad_op": (2, 2, 4), "zero1": (4, 2, 6),
+                "zero2": (4, 2, 6), "zero3": (2, 2, 6)}
+    for strategy, (weights, gradients, optimizer) in expected.items():
+        held = memory.resident_bytes(shape, "full", strategy, 2, precision="fp32")
+        assert held == {"weights": weights * params, "gradients": gradients * params,
+                        "optimizer": optimizer * params}, strategy
+    # Offload: nothing of it on the GPU; anywhere (in CPU RAM), the shards of the twin config.
+    for offloaded, twin in (("fsdp_offload", "fsdp_full_shard"), ("zero3_offload", "zero3")):
+        assert set(memory.resident_bytes(shape, "full", offloaded, 2, precision="fp32").values()) == {0}
+        assert memory.resident_bytes(shape, "full", offloaded, 2, precision="fp32", where="anywhere") == \
+            memory.resident_bytes(shape, "full", twin, 2, precision="fp32")
+    with pytest.raises(ValueError, match="where"):
+        memory.resident_bytes(shape, "full", "ddp", 2, where="cpu")
+
+
+@pytest.mark.parametrize("method", memory.METHODS)
+def test_per_gpu_state_builds_on_the_resident_bytes(codellama, method):
+    """One source of truth: the per-GPU weights, gradients and optimizer state are the at-rest bytes
+    plus only what is transient (in flight, communication buffers) and the NF4 constants."""
+    for strategy in memory.STRATEGIES:
+        for gpus, precision in ((1, "bf16"), (4, "bf16"), (4, "fp32"), (8, "bf16")):
+            if strategy == "model_parallel":  # the GPU that holds the embedding: its own layers only
+                stage = memory.model_parallel_stages(codellama, gpus)[0]
+            else:
+                stage = memory.Stage(codellama.layers)
+            common = dict(precision=precision, stage=stage)
+            usage = {"weights": memory.weight_bytes(codellama, method, strategy, gpus, **common),
+                     "gradients": memory.gradient_bytes(codellama, method, strategy, gpus, **common),
+                     "optimizer": memory.optimizer_bytes(codellama, method, strategy, gpus, **common)}
+            if strategy != "model_parallel":
+                per_gpu = memory.per_gpu_bytes(codellama, method, strategy, gpus, 1, 256, precision=precision)
+                assert {kind: per_gpu[kind] for kind in usage} == usage
+            held = memory.resident_bytes(codellama, method, strategy, gpus, **common)
+            flight = memory.in_flight_weight_bytes(codellama, method, strategy, precision)
+            constants = memory.quantization_constant_bytes(codellama, method, stage)
+            trained = memory._stage_parameters(codellama, method, stage, 16, "all-linear")["trained"]
+            assert usage["weights"] == held["weights"] + constants + flight, (strategy, gpus)
+            assert usage["optimizer"] == held["optimizer"], (strategy, gpus)
+            grad = memory.state_bytes_per_parameter(method, strategy, precision)["trained_grad"]
+            transient = usage["gradients"] - held["gradients"]
+            if strategy == "ddp":  # the reducer's bucket copy
+                assert transient == (trained * grad if gpus > 1 else 0)
+            elif strategy == "zero1":  # the whole gradient of the backward, plus the reduce bucket
+                bucket = min(trained, memory.DEEPSPEED_REDUCE_BUCKET) * grad
+                assert usage["gradients"] == trained * grad + bucket
+                assert held["gradients"] == pytest.approx(trained * grad / gpus, abs=1)
+            elif strategy in memory.DEEPSPEED:
+                assert transient == min(trained, memory.DEEPSPEED_REDUCE_BUCKET) * grad
+            else:
+                assert transient == 0, (strategy, gpus)
+    assert memory.quantization_constant_bytes(codellama, method) == (
+        int(codellama.parameter_counts()["linear"] * (memory.quantized_bytes_per_weight() - 0.5))
+        if method == "qlora" else 0)
 
 
 def test_lora_base_is_two_bytes_and_qlora_base_about_half_a_byte(codellama):

@@ -9,6 +9,14 @@ and counts what the recipes in this folder really allocate on the busiest GPU, i
 - optimizer: AdamW's two moments (plus DeepSpeed's fp32 master copy);
 - activations: what autograd keeps from the forward for the backward, the logits and the loss.
 
+The first three build on `resident_bytes()`: what each rank keeps at rest, i.e. the local part
+of every parameter, its gradient and its optimizer state as they stand when the optimizer steps.
+That is what every launch measures into run.json's `memory_by_rank` (`runlog.held_bytes`), and
+tests/test_plan_vs_ranks.py checks the two against each other on every strategy. The per-GPU
+numbers add what is only transient: gathered layers in flight, DDP's bucket copy, DeepSpeed's
+reduce bucket, ZeRO-1's unpartitioned gradients of the backward, and the NF4 constants (which
+are not parameters).
+
 `plan()` evaluates every strategy of `accelerate_configs/` and recommends two of them:
 the one that needs the fewest GPUs and the fastest one that fits on all of them.
 
@@ -21,7 +29,10 @@ Bytes per parameter (they follow `modeling.float_dtype` and each strategy's own 
 
 (*) QLoRA's embedding, lm_head and norms are 4 on DDP / model parallel: the QLoRA recipe runs
 peft's `prepare_model_for_kbit_training` there, which upcasts them to fp32.
-With `precision="fp32"` (what the CPU tests run) every float is 4 bytes and nothing is cast.
+With `precision="fp32"` (what the CPU tests run) every float is 4 bytes and nothing is cast, but
+DeepSpeed still trains flat fp32 master partitions of its own, copies of the (already fp32)
+weights: a trained parameter costs weight 4 + grad 4 + master 4 + AdamW 8 = 20 B there, against
+16 B on DDP / FSDP (measured: 6 B per parameter of optimizer state on each of 2 ZeRO ranks).
 
 Sizes are bytes; the tables print GiB (2**30), and `gpu_memory_gb` is the size a GPU is sold
 as ("a 48 GB L40S", "an 80 GB H100"), which is GiB in practice.
@@ -279,7 +290,8 @@ def state_bytes_per_parameter(method: str, strategy: str, precision: str = "bf16
       in bf16), fp32 grad 4, AdamW m + v 8 = 16 B.
       bf16 on DeepSpeed: DeepSpeed casts the module to bf16 and keeps an fp32 master copy in its
       optimizer: weight 2, grad 2, optimizer 4 + 8 = 12 -> 16 B as well, split differently.
-      fp32: 4 + 4 + 8.
+      fp32: 4 + 4 + 8 = 16, except on DeepSpeed: 4 + 4 + 12 = 20, since its ZeRO optimizer keeps
+      the flat fp32 master partitions whatever the module's dtype (a copy of fp32 weights in fp32).
     - `frozen`: LoRA's base (bf16: 2, fp32: 4); QLoRA's non-quantised parts (embedding, lm_head,
       norms): 4 on DDP / model parallel in bf16 because peft's `prepare_model_for_kbit_training`
       (which the QLoRA recipe runs there) upcasts them, 2 under FSDP / DeepSpeed (which keep one
@@ -294,7 +306,7 @@ def state_bytes_per_parameter(method: str, strategy: str, precision: str = "bf16
     return {
         "trained_weight": 2 if deepspeed_bf16 else 4,
         "trained_grad": 2 if deepspeed_bf16 else 4,
-        "trained_optimizer": 12 if deepspeed_bf16 else 8,
+        "trained_optimizer": 12 if strategy in DEEPSPEED else 8,  # DeepSpeed: + its fp32 master, in any precision
         "frozen": frozen,
         "quantized": quantized_bytes_per_weight(),
     }
@@ -439,25 +451,33 @@ def in_flight_weight_bytes(shape: ModelShape, method: str, strategy: str, precis
     return int(flight)
 
 
-def _divisors(strategy: str, gpus: int) -> tuple[int, int, int]:
-    """How many ways (weights, gradients, optimizer) are split; 0 = kept in CPU RAM.
+WHERE = ("gpu", "anywhere")
+# The offload configs and the config that holds the same shards when nothing is offloaded.
+OFFLOADED = {"fsdp_offload": "fsdp_full_shard", "zero3_offload": "zero3"}
 
-    ddp: 1, 1, 1 (all replicated); zero1: 1, 1, N; zero2: 1, N, N; zero3 / fsdp_full_shard /
-    fsdp_grad_op: N, N, N (grad-op's weights are sharded at rest, its gathered copy is in flight);
-    fsdp_hybrid: G, G, G with G = `hybrid_shard_size(N)`; offload: 0, 0, 0; model_parallel: its
-    stage holds everything of its own layers.
+
+def _divisors(strategy: str, gpus: int, where: str = "gpu") -> tuple[int, int, int]:
+    """How many ways (weights, gradients, optimizer) are split at rest; 0 = none of it is there.
+
+    ddp: 1, 1, 1 (all replicated); zero1 and zero2: 1, N, N (ZeRO-1 too holds only its gradient
+    partition once the step has reduced the gradients; its unpartitioned gradients of the backward
+    are transient, see `gradient_bytes`); zero3 / fsdp_full_shard / fsdp_grad_op: N, N, N (grad-op's
+    weights are sharded at rest, its gathered copy is in flight); fsdp_hybrid: G, G, G with
+    G = `hybrid_shard_size(N)`; model_parallel: its stage holds everything of its own layers.
+    Offload (fsdp_offload, zero3_offload): where="gpu": 0, 0, 0 (in CPU RAM); where="anywhere":
+    N, N, N, the shards of their twins fsdp_full_shard / zero3, held in the rank's CPU RAM.
     """
+    if where not in WHERE:
+        raise ValueError(f"where must be one of {WHERE}, not {where!r}")
+    if strategy in OFFLOADED:
+        return (0, 0, 0) if where == "gpu" else _divisors(OFFLOADED[strategy], gpus)
     if strategy in ("ddp", "model_parallel"):
         return 1, 1, 1
-    if strategy == "zero1":
-        return 1, 1, gpus
-    if strategy == "zero2":
+    if strategy in ("zero1", "zero2"):
         return 1, gpus, gpus
     if strategy == "fsdp_hybrid":
         g = hybrid_shard_size(gpus)
         return g, g, g
-    if strategy in ("fsdp_offload", "zero3_offload"):
-        return 0, 0, 0
     return gpus, gpus, gpus
 
 
@@ -465,22 +485,81 @@ def _share(value: float, divisor: int) -> float:
     return 0 if divisor == 0 else value / divisor
 
 
-def weight_bytes(shape: ModelShape, method: str, strategy: str, gpus: int, lora_rank: int = 16,
-                 lora_targets="all-linear", precision: str = "bf16", stage: Stage | None = None) -> int:
-    """Weights on the busiest GPU = stored / weight divisor + in-flight copies (+ QLoRA constants).
+def _unsharded_state_bytes(shape: ModelShape, method: str, strategy: str, stage: Stage, lora_rank: int,
+                           lora_targets, precision: str) -> dict:
+    """{"weights", "gradients", "optimizer"} of a stage before any sharding (all ranks' shares together).
 
-    stored = trained * trained_weight + frozen * frozen_bytes + quantized * 0.5 (packed NF4);
-    the NF4 constants (quantized * (0.5159 - 0.5)) are replicated on every GPU that computes:
-    they are attributes of the 4-bit weights, not parameters, so FSDP / ZeRO-3 do not shard them
-    (with offload they stay on the GPU too).
+    weights = trained * trained_weight + frozen * frozen bytes + quantized * 0.5 (the packed NF4
+    weights: n/2 bytes in any storage dtype); gradients = trained * trained_grad; optimizer =
+    trained * trained_optimizer (`state_bytes_per_parameter`).
     """
-    stage = stage or Stage(shape.layers)
     per = state_bytes_per_parameter(method, strategy, precision)
     params = _stage_parameters(shape, method, stage, lora_rank, lora_targets)
-    stored = params["trained"] * per["trained_weight"] + params["frozen"] * per["frozen"] + params["quantized"] * 0.5
-    constants = params["quantized"] * (per["quantized"] - 0.5)
+    return {
+        "weights": params["trained"] * per["trained_weight"] + params["frozen"] * per["frozen"]
+        + params["quantized"] * 0.5,
+        "gradients": params["trained"] * per["trained_grad"],
+        "optimizer": params["trained"] * per["trained_optimizer"],
+    }
+
+
+def resident_bytes(shape: ModelShape, method: str, strategy: str, gpus: int, lora_rank: int = 16,
+                   lora_targets="all-linear", precision: str = "bf16", stage: Stage | None = None,
+                   where: str = "gpu") -> dict:
+    """What one rank keeps at rest: {"weights", "gradients", "optimizer"} in bytes, as they stand
+    when its optimizer steps (the moment run.json's `memory_by_rank` is measured).
+
+    - weights: this rank's part of every model parameter (its ZeRO-3 partition, its FSDP shard or
+      the whole tensor): trained * trained_weight + frozen * frozen bytes + quantized * 0.5, / the
+      weight divisor. The NF4 constants are not parameters and not in it (`weight_bytes` adds them).
+    - gradients: trained * trained_grad / the gradient divisor: DDP's and FSDP's `param.grad` (the
+      FSDP shard), DeepSpeed's gradient of its fp32 partition (ZeRO-1 and ZeRO-2: by the step the
+      other ranks' parts are freed).
+    - optimizer: trained * trained_optimizer / the optimizer divisor: AdamW's m and v, plus
+      DeepSpeed's flat fp32 master partitions.
+
+    `where="gpu"` (what the per-GPU plan adds up): the offload configs keep none of it on the GPU.
+    `where="anywhere"`: in any memory of the rank (GPU or its CPU RAM): the offload configs hold
+    the shards their twins (fsdp_full_shard, zero3) hold on the GPU, in CPU RAM; this is what a
+    CPU run measures, where everything is in RAM.
+
+    Not in it, because it comes and goes within a step (`weight_bytes` and `gradient_bytes` add it):
+    unsharded layers in flight, DDP's bucket copy, DeepSpeed's reduce bucket, ZeRO-1's
+    unpartitioned gradients of the backward; nor the activations.
+
+    The shares are exact fractions, total / divisor, as the ranks hold them when every split
+    divides. Where a size does not, the ranks' shares differ by a few elements per parameter (FSDP2
+    chunks every parameter's dim 0, so a rank holds up to one row more or less of it; ZeRO-3 pads
+    each parameter's partition, ZeRO-1/2 their flat group, to a multiple of the ranks), which the
+    planner leaves out.
+    """
+    _check(method, strategy, precision)
+    stage = stage or Stage(shape.layers)
+    state = _unsharded_state_bytes(shape, method, strategy, stage, lora_rank, lora_targets, precision)
+    divisors = _divisors(strategy, gpus, where)
+    return {kind: int(_share(state[kind], divisor)) for kind, divisor in zip(state, divisors)}
+
+
+def quantization_constant_bytes(shape: ModelShape, method: str, stage: Stage | None = None) -> int:
+    """The NF4 constants of QLoRA's 4-bit linears: quantized * (0.5159 - 0.5) bytes, replicated on
+    every GPU that computes: they are attributes of the 4-bit weights, not parameters, so FSDP /
+    ZeRO-3 do not shard them (with offload they stay on the GPU too). 0 for full and LoRA."""
+    if method != "qlora":
+        return 0
+    stage = stage or Stage(shape.layers)
+    quantized = sum(shape.linear_parameters_per_layer().values()) * stage.layers
+    return int(quantized * (quantized_bytes_per_weight() - 0.5))
+
+
+def weight_bytes(shape: ModelShape, method: str, strategy: str, gpus: int, lora_rank: int = 16,
+                 lora_targets="all-linear", precision: str = "bf16", stage: Stage | None = None) -> int:
+    """Weights on the busiest GPU = resident (`resident_bytes`: the stored parameters / the weight
+    divisor) + the NF4 constants (`quantization_constant_bytes`) + the unsharded copies in flight
+    (`in_flight_weight_bytes`)."""
+    stage = stage or Stage(shape.layers)
+    resident = resident_bytes(shape, method, strategy, gpus, lora_rank, lora_targets, precision, stage)["weights"]
     flight = in_flight_weight_bytes(shape, method, strategy, precision, lora_rank, lora_targets)
-    return int(_share(stored, _divisors(strategy, gpus)[0]) + constants + flight)
+    return int(resident + quantization_constant_bytes(shape, method, stage) + flight)
 
 
 def trained_parameters(shape: ModelShape, method: str, lora_rank: int = 16, lora_targets="all-linear") -> int:
@@ -490,11 +569,14 @@ def trained_parameters(shape: ModelShape, method: str, lora_rank: int = 16, lora
 
 def gradient_bytes(shape: ModelShape, method: str, strategy: str, gpus: int, lora_rank: int = 16,
                    lora_targets="all-linear", precision: str = "bf16", stage: Stage | None = None) -> int:
-    """Gradients of the trained parameters on the busiest GPU = trained * grad bytes / divisor +
-    communication buffers:
+    """Gradients of the trained parameters on the busiest GPU = resident (`resident_bytes`:
+    trained * grad bytes / the gradient divisor) + what only lives within a step:
 
     - DDP (gpus > 1): its reducer keeps the gradients in flat buckets *besides* `param.grad`
       (accelerate's default `gradient_as_bucket_view=False`): one more copy, + trained * grad bytes.
+    - ZeRO-1: the backward accumulates whole gradients in `param.grad`; only the step reduces
+      them to this rank's partition and frees the rest: the peak is the whole gradient,
+      + trained * grad bytes * (1 - 1/N) on top of the partition.
     - DeepSpeed: the reduce bucket, min(trained, 5e8) elements * grad bytes (its default
       `reduce_bucket_size`), also with offload (the gradients are reduced on the GPU).
     - FSDP: nothing extra (the reduce-scatter output is the sharded gradient); offload: none on GPU.
@@ -502,9 +584,12 @@ def gradient_bytes(shape: ModelShape, method: str, strategy: str, gpus: int, lor
     stage = stage or Stage(shape.layers)
     per = state_bytes_per_parameter(method, strategy, precision)
     trained = _stage_parameters(shape, method, stage, lora_rank, lora_targets)["trained"]
-    grads = _share(trained * per["trained_grad"], _divisors(strategy, gpus)[1])
+    whole = trained * per["trained_grad"]
+    grads = resident_bytes(shape, method, strategy, gpus, lora_rank, lora_targets, precision, stage)["gradients"]
     if strategy == "ddp" and gpus > 1:
-        grads += trained * per["trained_grad"]
+        grads += whole
+    if strategy == "zero1":  # the whole gradient of the backward, which the partition is cut from
+        grads = whole
     if strategy in DEEPSPEED:
         grads += min(trained, DEEPSPEED_REDUCE_BUCKET) * per["trained_grad"]
     return int(grads)
@@ -512,25 +597,22 @@ def gradient_bytes(shape: ModelShape, method: str, strategy: str, gpus: int, lor
 
 def optimizer_bytes(shape: ModelShape, method: str, strategy: str, gpus: int, lora_rank: int = 16,
                     lora_targets="all-linear", precision: str = "bf16", stage: Stage | None = None) -> int:
-    """AdamW state on the busiest GPU = trained * (8, or 12 with DeepSpeed bf16's fp32 master) /
-    divisor (N for ZeRO-1/2/3 and FSDP, the shard group for hybrid, 0 with offload)."""
-    stage = stage or Stage(shape.layers)
-    per = state_bytes_per_parameter(method, strategy, precision)
-    trained = _stage_parameters(shape, method, stage, lora_rank, lora_targets)["trained"]
-    return int(_share(trained * per["trained_optimizer"], _divisors(strategy, gpus)[2]))
+    """AdamW state on the busiest GPU, all of it resident (`resident_bytes`): trained * (8, or 12
+    with DeepSpeed's fp32 master partitions) / divisor (N for ZeRO-1/2/3 and FSDP, the shard group
+    for hybrid, 0 with offload)."""
+    return resident_bytes(shape, method, strategy, gpus, lora_rank, lora_targets, precision, stage)["optimizer"]
 
 
 def cpu_offload_bytes(shape: ModelShape, method: str, strategy: str, gpus: int, lora_rank: int = 16,
                       lora_targets="all-linear", precision: str = "bf16") -> int:
     """CPU RAM the offload variants need for the training state, all processes of a machine
-    together: the stored weights, the gradients and the optimizer state, unsharded (0 for the
-    strategies that keep everything on the GPUs)."""
-    if strategy not in ("fsdp_offload", "zero3_offload"):
+    together: what `resident_bytes` holds anywhere but not on the GPU, i.e. the stored weights, the
+    gradients and the optimizer state, unsharded (0 for the strategies that keep everything on the
+    GPUs)."""
+    if strategy not in OFFLOADED:
         return 0
-    per = state_bytes_per_parameter(method, strategy, precision)
-    params = _stage_parameters(shape, method, Stage(shape.layers), lora_rank, lora_targets)
-    trained = params["trained"] * (per["trained_weight"] + per["trained_grad"] + per["trained_optimizer"])
-    return int(trained + params["frozen"] * per["frozen"] + params["quantized"] * 0.5)
+    state = _unsharded_state_bytes(shape, method, strategy, Stage(shape.layers), lora_rank, lora_targets, precision)
+    return int(sum(state.values()))
 
 
 # --------------------------------------------------------------------------------------------
