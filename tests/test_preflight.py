@@ -143,3 +143,25 @@ def test_random_launches_get_a_clean_start_or_one_refusal(tmp_path, monkeypatch,
     refused_lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
     assert len(refused_lines) == verdicts  # printed once (by rank 0), one line each
     assert 0 < verdicts < 150
+
+
+@pytest.mark.parametrize("fields, file_config, message", [
+    ("mixed_precision,zero_stage", {}, "sets mixed_precision, zero_stage beside deepspeed_config_file; move them into"),
+    ("", {"optimizer": {"type": "AdamW"}}, "defines a DeepSpeed optimizer, but the recipe builds its own AdamW"),
+    ("", {"gradient_accumulation_steps": 8}, "accumulates 8 micro-batches but --grad-accum is 1"),
+    ("", {"gradient_clipping": 0.3}, "clips gradients at 0.3 but --max-grad-norm is 1.0"),
+])
+def test_a_deepspeed_config_file_that_contradicts_the_launch_is_refused(fields, file_config, message, tmp_path,
+                                                                        monkeypatch):
+    import json
+
+    ds_file = tmp_path / "ds.json"
+    ds_file.write_text(json.dumps({"zero_optimization": {"stage": 2}, **file_config}))
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", str(ds_file))
+    monkeypatch.setenv("ACCELERATE_CONFIG_DS_FIELDS", fields)
+    with pytest.raises(Refusal, match=message):
+        preflight.check_launch(recipe_args("--output-dir", str(tmp_path / "out")), "lora")
+    monkeypatch.setenv("ACCELERATE_CONFIG_DS_FIELDS", "")
+    ds_file.write_text(json.dumps({"zero_optimization": {"stage": 2}, "gradient_accumulation_steps": "auto"}))
+    preflight.check_launch(recipe_args("--output-dir", str(tmp_path / "out")), "lora")  # a clean file passes

@@ -79,6 +79,8 @@ def check_launch(args, recipe: str) -> None:
     if args.max_steps == 0 and args.epochs == 0:
         refuse("nothing to train: give --max-steps N or --epochs N (> 0)")
 
+    if deepspeed and os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE"):
+        check_deepspeed_config_file(os.environ["ACCELERATE_DEEPSPEED_CONFIG_FILE"], args)
     if deepspeed:
         ds_accum = os.environ.get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "auto")
         if ds_accum.isdigit() and int(ds_accum) != args.grad_accum:
@@ -110,6 +112,37 @@ def check_launch(args, recipe: str) -> None:
                f"pass --max-length {context} or less")
     refuse_if_disk_too_small(args, recipe)
     announce_plan(args, recipe)
+
+
+# accelerate ignores these beside a `deepspeed_config_file` (and refuses with a long message).
+DEEPSPEED_FILE_CONFLICTS = ("gradient_accumulation_steps", "gradient_clipping", "zero_stage",
+                            "offload_optimizer_device", "offload_param_device", "offload_param_nvme_path",
+                            "offload_optimizer_nvme_path", "zero3_save_16bit_model", "mixed_precision")
+
+
+def check_deepspeed_config_file(path: str, args) -> None:
+    """A DeepSpeed JSON beside the accelerate YAML: one source of truth, and the recipe's loop."""
+    inline = [name for name in os.environ.get("ACCELERATE_CONFIG_DS_FIELDS", "").split(",")
+              if name in DEEPSPEED_FILE_CONFLICTS]
+    if inline:
+        refuse(f"the accelerate config sets {', '.join(inline)} beside deepspeed_config_file; move them into "
+               f"{path} (or drop deepspeed_config_file and keep the inline keys)")
+    try:
+        config = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as error:
+        refuse(f"deepspeed_config_file {path} cannot be read as JSON ({error}); fix the file or its path")
+    for key in ("optimizer", "scheduler"):
+        if key in config:
+            refuse(f"{path} defines a DeepSpeed {key}, but the recipe builds its own AdamW and schedule "
+                   f"(the same on every strategy); delete the `{key}` section")
+    accum = config.get("gradient_accumulation_steps", "auto")
+    if accum != "auto" and int(accum) != args.grad_accum:
+        refuse(f"{path} accumulates {accum} micro-batches but --grad-accum is {args.grad_accum}; set "
+               "\"gradient_accumulation_steps\": \"auto\" in the file or make them equal")
+    clipping = config.get("gradient_clipping", "auto")
+    if clipping != "auto" and float(clipping) != args.max_grad_norm:
+        refuse(f"{path} clips gradients at {clipping} but --max-grad-norm is {args.max_grad_norm}; set "
+               "\"gradient_clipping\": \"auto\" in the file or pass the same --max-grad-norm")
 
 
 def model_config(model: str) -> dict | None:
