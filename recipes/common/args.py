@@ -37,6 +37,8 @@ def recipe_parser(doc: str) -> argparse.ArgumentParser:
     add("--resume", default=None, help="a checkpoint folder to resume from, or `auto` for the newest")
     add("--gradient-checkpointing", action="store_true", help="recompute activations to save memory")
     add("--log-every", type=int, default=1, help="print a progress line every N steps")
+    add("--report-to", default="auto", choices=("auto", "none", "tensorboard", "wandb", "trackio"),
+        help="accelerate tracker that receives the metrics too (auto: TensorBoard when installed)")
     add("--trust-remote-code", action="store_true",
         help="run the model repository's own Python code (off: only transformers' built-in models)")
     return parser

@@ -131,6 +131,11 @@ class RunLog:
             "versions": library_versions(),
         }
         self.record = record
+        if self.accelerator.log_with:
+            # Trackers get the same numbers as metrics.jsonl; their config only takes plain values.
+            config = {key: value for key, value in vars(self.args).items()
+                      if isinstance(value, (int, float, str, bool))}
+            self.accelerator.init_trackers(self.output_dir.name or "run", config=config)
         if optimizer is not None:
             self.watch_first_step(model, optimizer)
         if self.main:
@@ -168,8 +173,6 @@ class RunLog:
 
     def log_step(self, step: int, epoch: int, loss: float, lr: float, grad_norm, tokens: int) -> None:
         self.tokens_seen += tokens
-        if not self.main:
-            return
         elapsed = time.perf_counter() - self.started
         record = {
             "type": "train", "step": step, "epoch": epoch, "loss": loss, "lr": lr,
@@ -177,6 +180,9 @@ class RunLog:
             "tokens": tokens, "tokens_seen": self.tokens_seen, "elapsed_s": round(elapsed, 3),
             "tokens_per_s": round(self.tokens_seen / max(elapsed, 1e-9), 1),
         }
+        self.track(record, step)
+        if not self.main:
+            return
         self.metrics.write(json.dumps(record) + "\n")
         if self.bar is not None:
             self.bar.update(1)
@@ -184,7 +190,16 @@ class RunLog:
             if self.args.log_every and step % self.args.log_every == 0:
                 self.bar.write(f"step {step}: loss {loss:.4f}  lr {lr:.2e}  grad_norm {record['grad_norm'] or 0:.3f}")
 
+    def track(self, record: dict, step: int) -> None:
+        """Send the numbers of a metrics.jsonl line to the accelerate trackers (main process only)."""
+        if self.accelerator.log_with:
+            prefix = f"{record['type']}/"
+            values = {prefix + key: value for key, value in record.items()
+                      if key not in ("type", "step") and isinstance(value, (int, float))}
+            self.accelerator.log(values, step=step)
+
     def log_eval(self, step: int, metrics: dict) -> None:
+        self.track({"type": "eval", **metrics}, step)
         if self.main:
             self.metrics.write(json.dumps({"type": "eval", "step": step, **metrics}) + "\n")
             shown = "  ".join(f"{key} {value:.4f}" for key, value in metrics.items())

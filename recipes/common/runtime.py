@@ -68,6 +68,9 @@ def make_accelerator(args) -> Accelerator:
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
         kwargs_handlers=[InitProcessGroupKwargs(timeout=COLLECTIVE_TIMEOUT, **cpu_process_group(strategy, on_cpu))],
     )
+    tracker = chosen_tracker(args.report_to)
+    if tracker is not None:
+        kwargs.update(log_with=tracker, project_dir=args.output_dir)
     # DeepSpeed discovers its own CPU accelerator; every other strategy must be told it runs on CPU.
     if on_cpu and strategy != "deepspeed":
         kwargs["cpu"] = True
@@ -83,6 +86,17 @@ def share_cpu_cores() -> None:
     """One slice of the cores per local process: oversubscribed OpenMP threads spin and run ~100x slower."""
     local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_processes))
+
+
+def chosen_tracker(report_to: str) -> str | None:
+    """`auto` means TensorBoard when it is installed; W&B and trackio only when asked for."""
+    if report_to == "none":
+        return None
+    if report_to == "auto":
+        from importlib.util import find_spec
+
+        return "tensorboard" if find_spec("tensorboard") is not None else None
+    return report_to
 
 
 def cpu_process_group(strategy: str, on_cpu: bool) -> dict:
