@@ -163,9 +163,10 @@ def refuse_if_disk_too_small(args, recipe: str) -> None:
     from . import memory
 
     config = model_config(args.model)
-    if config is None:
+    try:
+        shape = memory.ModelShape.from_config(config)
+    except Exception:  # not a local config, or an architecture the planner cannot size
         return
-    shape = memory.ModelShape.from_config(config)
     trained = shape.parameters if recipe == "full" else memory.lora_parameters(shape, args.lora_r, args.lora_targets
                                                                                 if args.lora_targets == "all-linear"
                                                                                 else args.lora_targets.split(","))
@@ -215,8 +216,9 @@ def announce_plan(args, recipe: str) -> None:
     source = "tiny-llama" if is_default_model(args.model) else args.model  # before its first build
     try:
         shape = memory.load_shape(source)
-    except Exception:  # a hub id while offline: the plan is a courtesy, never a blocker
-        print("plan: skipped (no readable config for --model)", flush=True)
+    except Exception as error:  # offline hub id, unknown architecture: a courtesy, never a blocker
+        reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+        print(f"plan: skipped ({reason})", flush=True)
         return
     strategy, gpus = planned_strategy()
     precision = "bf16" if os.environ.get("ACCELERATE_MIXED_PRECISION", "no") in ("bf16", "fp16") else "fp32"
