@@ -76,7 +76,11 @@ def test_adapters_from_the_same_seed_agree_across_strategies(recipe, trained):
     adapters = {config: load_file(str(trained(recipe, config).output_dir / "adapter" / "adapter_model.safetensors"))
                 for config in ("ddp", "fsdp", "zero3")}
     reference = adapters["ddp"]
+    # AdamW divides by sqrt(v): elements whose gradients are ~0 amplify float rounding, so after 8
+    # steps they differ by up to ~1e-5 (measured) on weights of magnitude ~0.1. A lost shard or an
+    # untrained tensor differs by the full magnitude.
     for config, tensors in adapters.items():
         assert tensors.keys() == reference.keys(), config
         for name, tensor in tensors.items():
-            assert torch.allclose(tensor, reference[name], rtol=1e-4, atol=1e-6), f"{config}: {name}"
+            bound = 5e-4 * reference[name].abs().max()
+            assert (tensor - reference[name]).abs().max() <= bound, f"{config}: {name}"
