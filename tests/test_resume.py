@@ -34,3 +34,10 @@ def test_a_second_run_into_the_same_folder_is_refused(tmp_path):
     second = launch("lora", tmp_path / "out", "--max-steps", "2", config="ddp")
     assert second.returncode != 0
     assert "already holds checkpoints of another run; pass --resume auto" in second.output
+
+
+def test_a_fresh_run_does_not_mix_into_an_older_metrics_file(tmp_path):
+    for steps in ("2", "3"):  # no checkpoints, so the second run is allowed and starts afresh
+        run = launch("full", tmp_path / "out", "--max-steps", steps, "--batch-size", "4", "--lr", "1e-3")
+        assert run.returncode == 0, run.output[-3000:]
+    assert [record["step"] for record in run.metrics()] == [1, 2, 3]

@@ -96,7 +96,8 @@ class RunLog:
         self.bar = None
         if self.main:
             self.output_dir.mkdir(parents=True, exist_ok=True)
-            self.metrics = open(self.output_dir / "metrics.jsonl", "a", buffering=1)
+            # A resumed run continues its curve; a fresh one must not mix into an older run's file.
+            self.metrics = open(self.output_dir / "metrics.jsonl", "a" if args.resume else "w", buffering=1)
 
     def say(self, message: str) -> None:
         if self.main:
