@@ -181,6 +181,9 @@ class RunLog:
             "tokens": tokens, "tokens_seen": self.tokens_seen, "elapsed_s": round(elapsed, 3),
             "tokens_per_s": round(self.tokens_seen / max(elapsed, 1e-9), 1),
         }
+        if torch.cuda.is_available():  # this rank's peak since the start, for benchmarks and the planner
+            record["peak_allocated_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 3)
+            record["peak_reserved_gib"] = round(torch.cuda.max_memory_reserved() / 2**30, 3)
         self.track(record, step)
         if not self.main:
             return
