@@ -113,10 +113,10 @@ def main():
                              "lower --lr or check the data, then --resume auto")
         if step == total_steps or (args.eval_every and step % args.eval_every == 0):
             log.log_eval(step, evaluate(accelerator, model, eval_loader))
-        if args.save_every and step % args.save_every == 0:
+        stopping = bool(stop_requested)  # pre-empted: keep the progress, let the scheduler requeue the job
+        if stopping or (args.save_every and step % args.save_every == 0):
             checkpoint.save_checkpoint(accelerator, args.output_dir, step)
-        if stop_requested:  # pre-empted: keep the progress, let the scheduler requeue the job
-            checkpoint.save_checkpoint(accelerator, args.output_dir, step)
+        if stopping:
             log.close(f"stopped by SIGTERM after step {step}; continue with --resume auto")
             return
 

@@ -37,8 +37,8 @@ class Launch:
         return [record["loss"] for record in self.metrics()]
 
 
-def launch(recipe: str, output_dir: Path, *recipe_args: str, config: str | None = None,
-           processes: int = 2, timeout: int = 600, env: dict | None = None) -> Launch:
+def launch_command(recipe: str, output_dir: Path, *recipe_args: str, config: str | None = None,
+                   processes: int = 2, launcher_args: tuple = ()) -> list[str]:
     """`accelerate launch --config_file accelerate_configs/<config>.yaml --num_processes N recipes/<recipe>.py ...`
 
     `config` is a name in accelerate_configs/ or a path to a .yaml file; None runs one CPU process.
@@ -49,11 +49,30 @@ def launch(recipe: str, output_dir: Path, *recipe_args: str, config: str | None 
         command += ["--config_file", config_file, "--num_processes", str(processes)]
     else:
         command += ["--cpu", "--num_processes", "1", "--num_machines", "1", "--dynamo_backend", "no"]
-    command += ["--mixed_precision", "no", str(REPO / "recipes" / f"{recipe}.py"), "--output-dir", str(output_dir)]
-    command += list(recipe_args)
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
-    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=full_env)
+    command += [*launcher_args, "--mixed_precision", "no", str(REPO / "recipes" / f"{recipe}.py"),
+                "--output-dir", str(output_dir)]
+    return command + list(recipe_args)
+
+
+def launch_env(env: dict | None = None) -> dict:
+    return {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
+
+
+def launch(recipe: str, output_dir: Path, *recipe_args: str, config: str | None = None,
+           processes: int = 2, timeout: int = 600, env: dict | None = None) -> Launch:
+    """Run a launch (see `launch_command`) to its end."""
+    command = launch_command(recipe, output_dir, *recipe_args, config=config, processes=processes)
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=launch_env(env))
     return Launch(done.returncode, done.stdout + done.stderr, Path(output_dir))
+
+
+def start(recipe: str, output_dir: Path, *recipe_args: str, config: str | None = None, processes: int = 2,
+          launcher_args: tuple = (), env: dict | None = None) -> subprocess.Popen:
+    """Start a launch in the background (its output merged into `stdout`)."""
+    command = launch_command(recipe, output_dir, *recipe_args, config=config, processes=processes,
+                             launcher_args=launcher_args)
+    return subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=launch_env(env))
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -70,7 +70,6 @@ def test_two_identical_runs_write_identical_losses(trained, tmp_path):
 @pytest.mark.parametrize("recipe", ["lora", "qlora"])
 def test_adapters_from_the_same_seed_agree_across_strategies(recipe, trained):
     """The saved adapters themselves, not only the losses: DDP, FSDP2 and ZeRO-3 write the same tensors."""
-    import torch
     from safetensors.torch import load_file
 
     adapters = {config: load_file(str(trained(recipe, config).output_dir / "adapter" / "adapter_model.safetensors"))

@@ -2,26 +2,17 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
-import sys
 import time
 
-from conftest import CONFIGS, REPO, launch
+from conftest import launch, start
 
 
 def test_sigterm_checkpoints_and_the_run_resumes(tmp_path):
     output_dir = tmp_path / "out"
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / "ddp.yaml"),
-               "--num_processes", "2", "--mixed_precision", "no", str(REPO / "recipes" / "lora.py"),
-               "--output-dir", str(output_dir), "--max-steps", "100000", "--batch-size", "2", "--log-every", "0"]
-    job = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                           env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    metrics = output_dir / "metrics.jsonl"
-    deadline = time.time() + 180
-    while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 5):
-        time.sleep(0.5)
+    job = start_training(output_dir, "--max-steps", "100000")
+    wait_for_steps(output_dir, 5)
     job.send_signal(signal.SIGTERM)  # what SLURM sends to a pre-empted job
     output, _ = job.communicate(timeout=120)
 
@@ -52,21 +43,21 @@ def test_a_diverging_loss_stops_the_run_with_one_line(tmp_path):
 
 
 def start_training(output_dir, *extra, env=None) -> subprocess.Popen:
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / "ddp.yaml"),
-               "--num_processes", "2", "--mixed_precision", "no", str(REPO / "recipes" / "lora.py"),
-               "--output-dir", str(output_dir), "--batch-size", "2", "--log-every", "0", *extra]
-    return subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+    return start("lora", output_dir, "--batch-size", "2", "--log-every", "0", *extra, config="ddp", env=env)
+
+
+def wait_for_steps(output_dir, steps: int, limit_s: float = 180) -> None:
+    metrics = output_dir / "metrics.jsonl"
+    deadline = time.time() + limit_s
+    while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= steps):
+        time.sleep(0.5)
 
 
 def test_killing_one_rank_ends_the_whole_job_quickly(tmp_path):
     import psutil
 
     job = start_training(tmp_path / "out", "--max-steps", "100000")
-    metrics = tmp_path / "out" / "metrics.jsonl"
-    deadline = time.time() + 180
-    while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 5):
-        time.sleep(0.5)
+    wait_for_steps(tmp_path / "out", 5)
     workers = [p for p in psutil.Process(job.pid).children(recursive=True) if "recipes/lora.py" in " ".join(p.cmdline())]
     assert len(workers) == 2
     killed_at = time.time()

@@ -4,14 +4,11 @@ trains exactly as one machine with two processes does."""
 from __future__ import annotations
 
 import json
-import os
 import socket
-import subprocess
-import sys
 
 import pytest
 
-from conftest import CONFIGS, REPO
+from conftest import start
 from strategies import matrix_args
 
 
@@ -26,13 +23,10 @@ def test_two_machines_train_like_one(config, trained, tmp_path):
     port = str(free_port())
     machines = []
     for rank in ("0", "1"):
-        command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / f"{config}.yaml"),
-                   "--num_machines", "2", "--num_processes", "2", "--machine_rank", rank,
-                   "--main_process_ip", "127.0.0.1", "--main_process_port", port, "--mixed_precision", "no",
-                   str(REPO / "recipes" / "lora.py"), "--output-dir", str(tmp_path / f"machine{rank}"),
-                   *matrix_args("lora", config)]
-        machines.append(subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                         text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}))
+        machine = ("--num_machines", "2", "--machine_rank", rank, "--main_process_ip", "127.0.0.1",
+                   "--main_process_port", port)
+        machines.append(start("lora", tmp_path / f"machine{rank}", *matrix_args("lora", config), config=config,
+                              launcher_args=machine))
     outputs = [machine.communicate(timeout=300)[0] for machine in machines]
     assert [machine.returncode for machine in machines] == [0, 0], outputs[0][-2000:] + outputs[1][-2000:]
 

@@ -97,13 +97,13 @@ def save_full_model(accelerator, model, tokenizer, path: Path) -> None:
 
 
 def save_adapter(accelerator, model, tokenizer, path: Path) -> None:
-    """`adapter/`: loadable by `PeftModel.from_pretrained`, checked tensor by tensor."""
-    state_dict = accelerator.get_state_dict(model)
+    """`adapter/`: loadable by `PeftModel.from_pretrained`, checked tensor by tensor.
+
+    peft's `save_pretrained` keeps only the adapter's tensors of the gathered state dict.
+    """
+    save_full_model(accelerator, model, tokenizer, path)
     if accelerator.is_main_process:
-        accelerator.unwrap_model(model).save_pretrained(path, state_dict=state_dict, safe_serialization=True)
-        tokenizer.save_pretrained(path)
         check_adapter(path)
-    accelerator.wait_for_everyone()
 
 
 def check_adapter(path: Path) -> None:

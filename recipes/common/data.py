@@ -47,7 +47,7 @@ def load_splits(spec: str | None, seed: int, columns: str | None = None):
         missing = sorted(set(mapping) - set(train.column_names))
         if missing:
             refuse(f"--columns names {missing}, which --dataset does not have (it has {sorted(train.column_names)})")
-        loaded = loaded.rename_columns(mapping) if hasattr(loaded, "rename_columns") else loaded
+        loaded = loaded.rename_columns(mapping)
         train = loaded["train"] if "train" in loaded else next(iter(loaded.values()))
     eval_name = next((name for name in EVAL_SPLIT_NAMES if name in loaded), None)
     if eval_name is not None:

@@ -162,14 +162,12 @@ def refuse_if_disk_too_small(args, recipe: str) -> None:
     """A checkpoint (weights + optimizer state) or the final export must fit on the output disk."""
     from . import memory
 
-    config = model_config(args.model)
     try:
-        shape = memory.ModelShape.from_config(config)
-    except Exception:  # not a local config, or an architecture the planner cannot size
+        shape = memory.ModelShape.from_config(model_config(args.model))
+        trained = shape.parameters if recipe == "full" else memory.lora_parameters(shape, args.lora_r,
+                                                                                    args.lora_targets)
+    except Exception:  # not a local config, or a model or targets the planner cannot size
         return
-    trained = shape.parameters if recipe == "full" else memory.lora_parameters(shape, args.lora_r, args.lora_targets
-                                                                                if args.lora_targets == "all-linear"
-                                                                                else args.lora_targets.split(","))
     # fp32 weights and AdamW's two moments; an adapter export holds only the adapter.
     checkpoint = shape.parameters * 4 + trained * 8
     export = trained * 4 if recipe != "full" else shape.parameters * 4
@@ -224,10 +222,14 @@ def announce_plan(args, recipe: str) -> None:
     precision = "bf16" if os.environ.get("ACCELERATE_MIXED_PRECISION", "no") in ("bf16", "fp16") else "fp32"
     lora = {}
     if recipe != "full":
-        targets = args.lora_targets if args.lora_targets == "all-linear" else args.lora_targets.split(",")
-        lora = dict(lora_rank=args.lora_r, lora_targets=targets, lora_dropout=args.lora_dropout)
-    need = memory.per_gpu_bytes(shape, recipe, strategy, gpus, batch_size=args.batch_size, seq_len=args.max_length,
-                                gradient_checkpointing=args.gradient_checkpointing, precision=precision, **lora)
+        lora = dict(lora_rank=args.lora_r, lora_targets=args.lora_targets, lora_dropout=args.lora_dropout)
+    try:
+        need = memory.per_gpu_bytes(shape, recipe, strategy, gpus, batch_size=args.batch_size,
+                                    seq_len=args.max_length, gradient_checkpointing=args.gradient_checkpointing,
+                                    precision=precision, **lora)
+    except ValueError as error:  # e.g. LoRA targets the planner does not know
+        print(f"plan: skipped ({str(error).splitlines()[0]})", flush=True)
+        return
     parts = ", ".join(f"{key} {size(need[key])}" for key in ("weights", "gradients", "optimizer", "activations"))
     line = (f"plan: {recipe} with {strategy} on {gpus} process(es): {size(need['total'])} per GPU ({parts}) "
             f"at --max-length {args.max_length}")

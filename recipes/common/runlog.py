@@ -140,13 +140,16 @@ class RunLog:
         if optimizer is not None:
             self.watch_first_step(model, optimizer)
         if self.main:
-            (self.output_dir / "run.json").write_text(json.dumps(record, indent=2, default=str) + "\n")
+            self.save_record()
             share = per_rank[0] / max(counts["total"], 1)
             self.say(
                 f"{self.recipe}: {self.accelerator.distributed_type.value} x {self.accelerator.num_processes} "
                 f"process(es), {mixed_precision(self.accelerator)} precision, {counts['total']:,} parameters "
                 f"({counts['trainable']:,} trainable, rank 0 holds {share:.0%}), data format: {data_format}"
             )
+
+    def save_record(self) -> None:
+        (self.output_dir / "run.json").write_text(json.dumps(self.record, indent=2, default=str) + "\n")
 
     def watch_first_step(self, model, optimizer) -> None:
         """Measure, once, what each rank holds at the end of its first optimizer step."""
@@ -161,7 +164,7 @@ class RunLog:
             gathered = self.accelerator.gather(values.unsqueeze(0)).tolist()
             self.record["memory_by_rank"] = [dict(zip(MEMORY_KINDS, map(int, row))) for row in gathered]
             if self.main:
-                (self.output_dir / "run.json").write_text(json.dumps(self.record, indent=2, default=str) + "\n")
+                self.save_record()
 
         handle = inner.register_step_post_hook(measure)
 
