@@ -14,6 +14,7 @@ evaluation), checkpoints/step-N/ (resumable) and model/ (AutoModelForCausalLM.fr
 Flags: --model --dataset --columns --packing --output-dir --epochs --max-steps --batch-size
        --grad-accum --lr --warmup-ratio --weight-decay --max-grad-norm --max-length --seed --eval-every
        --save-every --resume --gradient-checkpointing --log-every --report-to --trust-remote-code
+Speed: --compile --liger --attention --dataloader-workers
 """
 
 import math
@@ -44,20 +45,26 @@ def main():
     # Model: every weight is trained, so it stays in fp32 (mixed precision runs the maths in 16 bits).
     modeling.ensure_default_model(args.model, accelerator)
     tokenizer = modeling.load_tokenizer(args.model, args.trust_remote_code)
-    model = modeling.load_model(args.model, accelerator, frozen=False, trust_remote_code=args.trust_remote_code)
-    if args.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model = modeling.load_model(args.model, accelerator, frozen=False, attention=args.attention, liger=args.liger,
+                                trust_remote_code=args.trust_remote_code)
+    if args.gradient_checkpointing:  # recompute every Nth layer's activations in the backward instead of keeping them
+        model.activation_checkpointing_enable(every_n_layers=args.gradient_checkpointing)
+    if args.compile:
+        modeling.compile_layers(model)  # the first steps are slower while each shape compiles
 
     # Data: prompt tokens are masked, so the loss covers the responses only.
     with accelerator.main_process_first():
         train_rows, eval_rows = data.load_splits(args.dataset, args.seed, args.columns)
         train_set, data_format = data.tokenize(train_rows, tokenizer, args.max_length, args.packing)
         eval_set, _ = data.tokenize(eval_rows, tokenizer, args.max_length)
-    train_loader, eval_loader = data.make_loaders(train_set, eval_set, tokenizer, args.batch_size)
+    train_loader, eval_loader = data.make_loaders(
+        train_set, eval_set, tokenizer, args.batch_size, args.dataloader_workers
+    )
     probe = next(iter(eval_loader))
 
+    # fused: one kernel updates every tensor (a loop over tensors otherwise; README "Speed options")
     optimizer = torch.optim.AdamW(
-        [p for p in model.parameters() if p.requires_grad], lr=args.lr, weight_decay=args.weight_decay
+        [p for p in model.parameters() if p.requires_grad], lr=args.lr, weight_decay=args.weight_decay, fused=True
     )
     steps_per_epoch = data.steps_per_epoch(len(train_loader) // accelerator.num_processes, args.grad_accum)
     total_steps = args.max_steps or math.ceil(args.epochs * steps_per_epoch)

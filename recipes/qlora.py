@@ -16,6 +16,7 @@ dequantized 4-bit base, i.e. onto the weights it was trained against.
 Flags: --model --dataset --columns --packing --output-dir --epochs --max-steps --batch-size
        --grad-accum --lr --warmup-ratio --weight-decay --max-grad-norm --max-length --seed --eval-every
        --save-every --resume --gradient-checkpointing --log-every --report-to --trust-remote-code
+Speed: --compile --liger --attention --dataloader-workers
 LoRA:  --lora-r --lora-alpha --lora-dropout --lora-targets --merge
 QLoRA: --bits
 """
@@ -52,14 +53,14 @@ def main():
     tokenizer = modeling.load_tokenizer(args.model, args.trust_remote_code)
     quantization = modeling.quantization_config(accelerator, args.bits)
     model = modeling.load_model(
-        args.model, accelerator, frozen=True, quantization=quantization, trust_remote_code=args.trust_remote_code
+        args.model, accelerator, frozen=True, quantization=quantization, attention=args.attention, liger=args.liger,
+        trust_remote_code=args.trust_remote_code,
     )
     if not modeling.shards_parameters(accelerator):
         # Upcasts norms for stability; FSDP / ZeRO-3 need one dtype throughout, so they skip it.
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
-    if args.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.enable_input_require_grads()  # the frozen embeddings would otherwise cut the graph
+    if args.gradient_checkpointing:  # recompute every Nth layer's activations in the backward instead of keeping them
+        model.activation_checkpointing_enable(every_n_layers=args.gradient_checkpointing)
     lora_config = LoraConfig(
         r=args.lora_r,
         lora_alpha=args.lora_alpha,
@@ -68,17 +69,22 @@ def main():
         task_type="CAUSAL_LM",
     )
     model = get_peft_model(model, lora_config)
+    if args.compile:
+        modeling.compile_layers(model)  # the first steps are slower while each shape compiles
 
     # Data: prompt tokens are masked, so the loss covers the responses only.
     with accelerator.main_process_first():
         train_rows, eval_rows = data.load_splits(args.dataset, args.seed, args.columns)
         train_set, data_format = data.tokenize(train_rows, tokenizer, args.max_length, args.packing)
         eval_set, _ = data.tokenize(eval_rows, tokenizer, args.max_length)
-    train_loader, eval_loader = data.make_loaders(train_set, eval_set, tokenizer, args.batch_size)
+    train_loader, eval_loader = data.make_loaders(
+        train_set, eval_set, tokenizer, args.batch_size, args.dataloader_workers
+    )
     probe = next(iter(eval_loader))
 
+    # fused: one kernel updates every tensor (a loop over tensors otherwise; README "Speed options")
     optimizer = torch.optim.AdamW(
-        [p for p in model.parameters() if p.requires_grad], lr=args.lr, weight_decay=args.weight_decay
+        [p for p in model.parameters() if p.requires_grad], lr=args.lr, weight_decay=args.weight_decay, fused=True
     )
     steps_per_epoch = data.steps_per_epoch(len(train_loader) // accelerator.num_processes, args.grad_accum)
     total_steps = args.max_steps or math.ceil(args.epochs * steps_per_epoch)

@@ -41,7 +41,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     add("--gpu-memory", type=float, default=80.0, help="memory of one GPU in GB, as sold (default: 80)")
     add("--batch-size", type=int, default=8, help="micro-batch per GPU, the recipes' --batch-size (default: 8)")
     add("--seq-len", type=int, default=512, help="tokens per sequence, the recipes' --max-length (default: 512)")
-    add("--gradient-checkpointing", action="store_true", help="the recipes' --gradient-checkpointing")
+    add("--gradient-checkpointing", nargs="?", type=int, const=1, default=0, metavar="EVERY_N",
+        help="the recipes' --gradient-checkpointing (bare: every layer, N: every Nth layer)")
     add("--lora-r", type=int, default=16, help="adapter rank (default: 16, as the recipes)")
     add("--lora-targets", default="all-linear", help="comma-separated module names, or all-linear (default)")
     add("--lora-dropout", type=float, default=0.05, help="adapter dropout; its masks cost memory (default: 0.05)")
@@ -77,7 +78,9 @@ def describe(shape, args) -> list[str]:
     if method != "full":
         trainable = memory.lora_parameters(shape, args.lora_r, args.lora_targets)
         method += f", r={args.lora_r}, {args.lora_targets} ({count(trainable)} trainable)"
-    checkpointing = "gradient checkpointing" if args.gradient_checkpointing else "no gradient checkpointing"
+    every = args.gradient_checkpointing
+    checkpointing = ("no gradient checkpointing" if not every else "gradient checkpointing"
+                     + (f" of one layer in {every}" if every > 1 else ""))
     return [
         f"model: {shape.name} ({count(shape.parameters)} parameters); method: {method}",
         f"workload: micro-batch {args.batch_size} x {args.seq_len} tokens per GPU, {args.precision}, "
@@ -112,7 +115,8 @@ def launch_command(config: str, strategy: str, args, batch_size: int, grad_accum
     if grad_accum > 1:
         command += f" --grad-accum {grad_accum}"
     if args.gradient_checkpointing:
-        command += " --gradient-checkpointing"
+        every = args.gradient_checkpointing
+        command += " --gradient-checkpointing" + (f" {every}" if every > 1 else "")
     return command
 
 

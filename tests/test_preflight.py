@@ -61,6 +61,11 @@ def recipe_args(*argv: str) -> argparse.Namespace:
     (["--max-steps", "-5"], "--max-steps must be >= 0, got -5"),
     (["--max-steps", "0", "--epochs", "0"], "nothing to train: give --max-steps N or --epochs N"),
     (["--model", "/no/such/model"], "--model /no/such/model does not exist"),
+    (["--gradient-checkpointing", "-2"], "--gradient-checkpointing must be >= 0, got -2"),
+    (["--dataloader-workers", "-1"], "--dataloader-workers must be >= 0, got -1"),
+    # Neither liger-kernel nor flash-attn is installed here, and there is no GPU.
+    (["--liger"], "--liger needs Liger's kernels: `pip install liger-kernel`, or drop --liger"),
+    (["--attention", "flash_attention_2"], "--attention flash_attention_2 needs `pip install flash-attn`"),
 ])
 def test_bad_arguments_are_refused_with_the_fix(argv, message, tmp_path):
     with pytest.raises(Refusal, match=message.replace("(", r"\(")):

@@ -35,7 +35,17 @@ def recipe_parser(doc: str) -> argparse.ArgumentParser:
     add("--eval-every", type=int, default=0, help="evaluate every N steps (0: only at the end)")
     add("--save-every", type=int, default=0, help="checkpoint every N steps (0: only at the end)")
     add("--resume", default=None, help="a checkpoint folder to resume from, or `auto` for the newest")
-    add("--gradient-checkpointing", action="store_true", help="recompute activations to save memory")
+    add("--gradient-checkpointing", nargs="?", type=int, const=1, default=0, metavar="EVERY_N",
+        help="recompute activations in the backward to save memory; bare: every layer, N: every Nth layer "
+             "only (selective: less recompute, more memory)")
+    # Speed: the defaults are the measured winners (README, "Speed options"); these switch extras on.
+    add("--compile", action="store_true", help="torch.compile each decoder layer (regional compilation)")
+    add("--liger", action="store_true", help="Liger's Triton kernels (fused cross-entropy, RMSNorm, ...); "
+        "needs `pip install liger-kernel` and a CUDA GPU")
+    add("--attention", default=None, choices=("sdpa", "eager", "flash_attention_2", "flex_attention"),
+        help="attention implementation (default: transformers' choice, SDPA)")
+    add("--dataloader-workers", type=int, default=None,
+        help="processes that collate batches beside each rank (default: 2 with a GPU, 0 without)")
     add("--log-every", type=int, default=1, help="print a progress line every N steps")
     add("--report-to", default="auto", choices=("auto", "none", "tensorboard", "wandb", "trackio"),
         help="accelerate tracker that receives the metrics too (auto: TensorBoard when installed)")

@@ -694,16 +694,17 @@ def layer_activation_bytes_per_token(shape: ModelShape, method: str, strategy: s
 
 
 def activation_bytes(shape: ModelShape, method: str, strategy: str, batch_size: int, seq_len: int,
-                     gradient_checkpointing: bool = False, lora_rank: int = 16, lora_targets="all-linear",
+                     gradient_checkpointing: int = 0, lora_rank: int = 16, lora_targets="all-linear",
                      precision: str = "bf16", attention: str = "sdpa", lora_dropout: float = 0.05,
                      stage: Stage | None = None) -> int:
     """Activation memory of one micro-batch (b sequences of s tokens, T = b*s) on a GPU running
     `stage` (the whole model unless model parallel). Not sharded by FSDP / ZeRO: every GPU runs its
     own micro-batch.
 
-    - blocks: T * layers * `layer_activation_bytes_per_token`; with gradient checkpointing each
-      block keeps only its input, T * r*h (2*b*s*h in bf16), plus one block's full activations
-      while it is recomputed in the backward.
+    - blocks: T * layers * `layer_activation_bytes_per_token`; with gradient checkpointing a
+      recomputed block keeps only its input, T * r*h (2*b*s*h in bf16), plus one block's full
+      activations while it is recomputed in the backward. `gradient_checkpointing` = N recomputes
+      every Nth layer (1 or True: all; 0 or False: none), as transformers' `every_n_layers`.
     - per token, once: input ids and labels 16; RoPE cos/sin 2*r*d; the boolean 4D padding mask
       s (sdpa / eager); the final RMSNorm 4h + 4 (+ r*h trained); lm_head's input c*h when it is
       trained (or LoRA-adapted).
@@ -721,7 +722,9 @@ def activation_bytes(shape: ModelShape, method: str, strategy: str, batch_size: 
     per_layer = layer_activation_bytes_per_token(shape, method, strategy, seq_len, lora_rank, lora_targets,
                                                  precision, attention, lora_dropout)
     if gradient_checkpointing:
-        blocks = stage.layers * r * h + (per_layer if stage.layers else 0)
+        recomputed = math.ceil(stage.layers / int(gradient_checkpointing))
+        kept = stage.layers - recomputed
+        blocks = recomputed * r * h + kept * per_layer + (per_layer if recomputed else 0)
     else:
         blocks = stage.layers * per_layer
     once = 16 + 2 * r * d + (seq_len if attention != "flash" else 0)
@@ -747,7 +750,7 @@ def activation_bytes(shape: ModelShape, method: str, strategy: str, batch_size: 
 # --------------------------------------------------------------------------------------------
 
 def per_gpu_bytes(shape: ModelShape, method: str, strategy: str, gpus: int, batch_size: int = 8,
-                  seq_len: int = 512, gradient_checkpointing: bool = False, lora_rank: int = 16,
+                  seq_len: int = 512, gradient_checkpointing: int = 0, lora_rank: int = 16,
                   lora_targets="all-linear", precision: str = "bf16", attention: str = "sdpa",
                   lora_dropout: float = 0.05) -> dict:
     """Memory of the busiest GPU: {"weights", "gradients", "optimizer", "activations", "total"} in
@@ -784,7 +787,7 @@ def fits(total_bytes: int, gpu_memory_gb: float) -> bool:
 
 
 def max_micro_batch(shape: ModelShape, method: str, strategy: str, gpus: int, gpu_memory_gb: float,
-                    seq_len: int = 512, gradient_checkpointing: bool = False, lora_rank: int = 16,
+                    seq_len: int = 512, gradient_checkpointing: int = 0, lora_rank: int = 16,
                     lora_targets="all-linear", precision: str = "bf16", attention: str = "sdpa",
                     lora_dropout: float = 0.05) -> int:
     """The largest micro-batch (1..256) that fits, by bisection (memory grows with the batch);
@@ -806,7 +809,7 @@ def max_micro_batch(shape: ModelShape, method: str, strategy: str, gpus: int, gp
 
 
 def plan(shape: ModelShape, method: str, gpus: int, gpu_memory_gb: float, batch_size: int = 8,
-         seq_len: int = 512, gradient_checkpointing: bool = False, lora_rank: int = 16,
+         seq_len: int = 512, gradient_checkpointing: int = 0, lora_rank: int = 16,
          lora_targets="all-linear", precision: str = "bf16", attention: str = "sdpa",
          lora_dropout: float = 0.05) -> dict:
     """Every strategy on `gpus` GPUs of `gpu_memory_gb`, and the two recommendations.

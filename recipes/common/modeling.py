@@ -61,8 +61,10 @@ def shards_parameters(accelerator) -> bool:
     return False
 
 
-def load_model(name: str, accelerator, *, frozen: bool, quantization=None, trust_remote_code: bool = False):
-    """The model placed for the launched strategy.
+def load_model(name: str, accelerator, *, frozen: bool, quantization=None, trust_remote_code: bool = False,
+               attention: str | None = None, liger: bool = False):
+    """The model placed for the launched strategy, with the attention kernel asked for (default:
+    transformers' choice, SDPA) and, with `liger`, Liger's fused Triton kernels patched in.
 
     - model parallel: `device_map="auto"` spreads the layers over the visible GPUs;
     - quantised weights under DDP / ZeRO-1/2: each process loads its own copy on its device;
@@ -71,6 +73,8 @@ def load_model(name: str, accelerator, *, frozen: bool, quantization=None, trust
     from transformers import AutoModelForCausalLM
 
     kwargs = dict(dtype=float_dtype(accelerator, frozen), use_safetensors=True, trust_remote_code=trust_remote_code)
+    if attention is not None:
+        kwargs["attn_implementation"] = attention
     if is_model_parallel(accelerator):
         kwargs["device_map"] = "auto"
     if quantization is not None:
@@ -80,7 +84,25 @@ def load_model(name: str, accelerator, *, frozen: bool, quantization=None, trust
     model = AutoModelForCausalLM.from_pretrained(name, **kwargs)
     if quantization is not None and not torch.cuda.is_available():
         keep_4bit_weights_unpacked_on_cpu(model)
+    if liger:
+        from transformers.integrations.liger import apply_liger_kernel
+
+        apply_liger_kernel(model, None)
     return model
+
+
+def compile_layers(model) -> None:
+    """torch.compile every decoder layer in place (regional compilation).
+
+    The layers share one compiled graph, so compiling costs about one layer's time, not the
+    model's. In place, the module tree stays as it was: DDP, FSDP2 and DeepSpeed wrap it, hooks
+    still fire, and checkpoints and exports keep their parameter names.
+    """
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    layers = [module for module in model.modules() if isinstance(module, GradientCheckpointingLayer)]
+    for layer in layers or [model]:  # a model without transformers' layer class: compile it whole
+        layer.compile()
 
 
 def keep_4bit_weights_unpacked_on_cpu(model) -> None:

@@ -78,6 +78,11 @@ def check_launch(args, recipe: str) -> None:
             refuse(f"--{name.replace('_', '-')} must be >= 1, got {value}")
     if args.max_steps == 0 and args.epochs == 0:
         refuse("nothing to train: give --max-steps N or --epochs N (> 0)")
+    for name in ("gradient_checkpointing", "dataloader_workers"):
+        value = getattr(args, name)
+        if value is not None and value < 0:
+            refuse(f"--{name.replace('_', '-')} must be >= 0, got {value}")
+    check_speed_options(args)
 
     if deepspeed and os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE"):
         check_deepspeed_config_file(os.environ["ACCELERATE_DEEPSPEED_CONFIG_FILE"], args)
@@ -112,6 +117,23 @@ def check_launch(args, recipe: str) -> None:
                f"pass --max-length {context} or less")
     refuse_if_disk_too_small(args, recipe)
     announce_plan(args, recipe)
+
+
+def check_speed_options(args) -> None:
+    """Kernels that exist only for CUDA GPUs, or only once installed, are refused before loading."""
+    from importlib.util import find_spec
+
+    import torch
+
+    if args.liger and find_spec("liger_kernel") is None:
+        refuse("--liger needs Liger's kernels: `pip install liger-kernel`, or drop --liger")
+    if args.liger and not torch.cuda.is_available():
+        refuse("--liger runs Triton kernels, which need a CUDA GPU; drop --liger on this machine")
+    if args.attention == "flash_attention_2" and find_spec("flash_attn") is None:
+        refuse("--attention flash_attention_2 needs `pip install flash-attn`; or use --attention sdpa "
+               "(the default, which picks a flash kernel itself where it can)")
+    if args.attention == "flash_attention_2" and not torch.cuda.is_available():
+        refuse("--attention flash_attention_2 needs a CUDA GPU; use --attention sdpa on this machine")
 
 
 # accelerate ignores these beside a `deepspeed_config_file` (and refuses with a long message).

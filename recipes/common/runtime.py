@@ -65,7 +65,8 @@ def make_accelerator(args) -> Accelerator:
         # One scheduler step per optimizer step, whatever the number of processes.
         step_scheduler_with_optimizer=False,
         # The data order depends on the seed and epoch only, so a resumed run sees the same batches.
-        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
+        # Copies to the GPU from pinned memory need not wait for the GPU to finish its work.
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, non_blocking=not on_cpu),
         kwargs_handlers=[InitProcessGroupKwargs(timeout=COLLECTIVE_TIMEOUT, **cpu_process_group(strategy, on_cpu))],
     )
     tracker = chosen_tracker(args.report_to)

@@ -1,0 +1,105 @@
+"""The speed options change how fast a step runs, never what it computes; and the script that
+measures them reports what it ran."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO, TINY_MODEL, launch, launch_env
+from strategies import matrix_args
+
+sys.path.insert(0, str(REPO / "recipes"))
+sys.path.insert(0, str(REPO / "scripts"))
+from common import memory  # noqa: E402
+from common.args import recipe_parser  # noqa: E402
+
+
+def max_relative_difference(losses, reference) -> float:
+    assert len(losses) == len(reference) > 0
+    return max(abs(a - b) / abs(b) for a, b in zip(losses, reference))
+
+
+# The matrix's DDP LoRA launch (no dropout) is the reference; each option runs the same steps.
+@pytest.mark.parametrize("flags, tolerance", [
+    (["--compile"], 1e-5),  # inductor's fused kernels round differently
+    (["--dataloader-workers", "2"], 0.0),  # the same batches, collated elsewhere
+    (["--gradient-checkpointing", "2"], 1e-6),  # recomputing repeats the same forward
+    (["--attention", "eager"], 1e-5),  # the same softmax, another kernel
+], ids=lambda value: " ".join(value) if isinstance(value, list) else None)
+def test_a_speed_option_keeps_the_loss_curve(trained, tmp_path, flags, tolerance):
+    reference = trained("lora", "ddp")
+    assert reference.returncode == 0, reference.output[-3000:]
+    run = launch("lora", tmp_path / "out", *matrix_args("lora", "ddp"), *flags, config="ddp")
+    assert run.returncode == 0, run.output[-3000:]
+    assert run.run_json()["arguments"][flags[0].lstrip("-").replace("-", "_")] not in (None, False, 0)
+    assert max_relative_difference(run.losses(), reference.losses()) <= tolerance
+
+
+def test_compile_layers_compiles_every_decoder_layer_in_place():
+    from transformers import AutoModelForCausalLM
+
+    from common.modeling import compile_layers
+
+    model = AutoModelForCausalLM.from_pretrained(TINY_MODEL)
+    names_before = [name for name, _ in model.named_parameters()]
+    compile_layers(model)
+    layers = model.model.layers
+    assert len(layers) == 2 and all(layer._compiled_call_impl is not None for layer in layers)
+    assert model._compiled_call_impl is None  # only the repeated blocks
+    assert [name for name, _ in model.named_parameters()] == names_before  # checkpoints keep their keys
+
+
+def test_gradient_checkpointing_takes_every_n():
+    parser = recipe_parser("recipe\n")
+    assert parser.parse_args([]).gradient_checkpointing == 0
+    assert parser.parse_args(["--gradient-checkpointing"]).gradient_checkpointing == 1
+    assert parser.parse_args(["--gradient-checkpointing", "3", "--lr", "1"]).gradient_checkpointing == 3
+
+
+def test_the_planner_puts_selective_checkpointing_between_none_and_all():
+    shape = memory.load_shape(str(REPO / "data" / "model_configs" / "tinyllama-1.1b.json"))
+
+    def activations(every):
+        return memory.activation_bytes(shape, "lora", "ddp", 4, 1024, gradient_checkpointing=every)
+
+    none, every_layer, every_second, every_fourth = activations(0), activations(1), activations(2), activations(4)
+    assert none > every_fourth > every_second > every_layer
+    assert activations(True) == every_layer
+
+
+def test_steady_state_leaves_the_warmup_out():
+    from speed_options import steady_state
+
+    lines = [{"type": "train", "step": step, "elapsed_s": elapsed, "tokens": 100, "loss": 1.0}
+             for step, elapsed in enumerate([30.0, 31.0, 32.0, 32.5, 33.0, 33.5], start=1)]
+    result = steady_state(lines + [{"type": "eval", "step": 6}], warmup_steps=2)
+    # Steps 4-6 took 0.5 s each: the 30 s compile and the 1 s steps are warm-up.
+    assert result["step_s"] == pytest.approx(0.5)
+    assert result["epoch_s"] == pytest.approx(3.0)
+    assert result["tokens_per_s"] == pytest.approx(200.0)
+    with pytest.raises(ValueError, match="too few"):
+        steady_state(lines[:3], warmup_steps=2)
+
+
+def test_speed_options_script_measures_and_writes_its_table(tmp_path):
+    done = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "speed_options.py"), "--cpu", "--variants", "defaults,packing,liger",
+         "--rounds", "1", "--max-steps", "8", "--warmup-steps", "2", "--output-dir", str(tmp_path)],
+        cwd=REPO, capture_output=True, text=True, timeout=600, env=launch_env(),
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    [document_path] = tmp_path.glob("*_speed_options.json")
+    document = json.loads(document_path.read_text())
+    defaults, packing = document["variants"]["defaults"], document["variants"]["packing"]
+    assert defaults["status"] == packing["status"] == "ok"
+    assert defaults["tokens_per_s"] > 0 and packing["tokens_per_s"] > 0
+    assert "--packing" in packing["command"] and "--packing" not in defaults["command"]
+    assert document["variants"]["liger"] == {"status": "skipped", "reason": "needs a CUDA GPU", "flags": ["--liger"]}
+    assert [row["parameters"] for row in document["adamw"]] == ["LoRA r=16, all-linear", "full fine-tuning"]
+    assert all(row["fused_ms"] > 0 and row["foreach_ms"] > 0 for row in document["adamw"])
+    table = document_path.with_suffix(".md").read_text()
+    assert "| packing | `--packing` |" in table and "needs a CUDA GPU" in table
