@@ -58,6 +58,7 @@ import math
 import os
 import random
 import re
+import shlex
 import shutil
 import socket
 import statistics
@@ -609,7 +610,7 @@ def free_port() -> int:
 
 def launch_command(strategy: Strategy, processes: int, model: Path, data: Path, output: Path, workload: Workload,
                    batch_size: int, grad_accum: int, smoke: bool, gradient_checkpointing: bool,
-                   port: int | None = None, python: str = sys.executable) -> list[str]:
+                   port: int | None = None, python: str = sys.executable, recipe_args: tuple = ()) -> list[str]:
     command = [python, "-m", "accelerate.commands.launch", "--config_file",
                str(CONFIGS / f"{strategy.config}.yaml"), "--num_processes", str(processes)]
     if port is not None and processes > 1:
@@ -622,7 +623,7 @@ def launch_command(strategy: Strategy, processes: int, model: Path, data: Path, 
                 "--report-to", "none", "--log-every", "0", "--eval-every", "0"]
     if gradient_checkpointing:
         command.append("--gradient-checkpointing")
-    return command
+    return command + list(recipe_args)
 
 
 def shell_line(command: list[str]) -> str:
@@ -651,7 +652,8 @@ def run_strategy(strategy: Strategy, settings: dict, env: dict, sampler_ids: lis
     devices = processes if settings["smoke"] else settings["devices"]
     command = launch_command(strategy, processes, settings["model"], settings["data"], output,
                              settings["workload"], settings["batch_size"], settings["grad_accum"],
-                             settings["smoke"], settings["gradient_checkpointing"], port=free_port())
+                             settings["smoke"], settings["gradient_checkpointing"], port=free_port(),
+                             recipe_args=settings["recipe_args"])
     row = {
         "workload": settings["workload"].name, "workload_label": settings["workload"].label,
         "strategy": strategy.name, "strategy_label": strategy.label, "config": f"accelerate_configs/{strategy.config}.yaml",
@@ -949,6 +951,8 @@ def parse_args(argv=None):
     add("--grad-accum", type=int, default=None, help="override the workload's gradient accumulation")
     add("--gradient-checkpointing", action="store_true",
         help="pass --gradient-checkpointing to the recipe; utilisation then counts the recompute (6N + 16 L h s)")
+    add("--recipe-args", default="",
+        help='more flags for every recipe launch, e.g. "--compile --packing" (scripts/speed_options.py measures them)')
     add("--peak-tflops", type=float, default=None,
         help="dense bf16 peak per GPU in TFLOP/s for MFU (default: the table by GPU name; smoke: "
              f"{CPU_NOMINAL_PEAK_TFLOPS} per CPU process, nominal)")
@@ -1035,7 +1039,8 @@ def main(argv=None) -> int:
     settings = {"workload": workload, "model": model, "data": data, "runs": folder / "runs", "devices": devices,
                 "device_label": device_label, "smoke": args.smoke, "batch_size": batch_size, "grad_accum": grad_accum,
                 "gradient_checkpointing": args.gradient_checkpointing, "timeout": args.timeout, "shape": shape,
-                "layers": layers, "full_layers": full_layers, "peak_tflops": peak}
+                "layers": layers, "full_layers": full_layers, "peak_tflops": peak,
+                "recipe_args": tuple(shlex.split(args.recipe_args))}
 
     if args.dry_run:
         for name in names:
@@ -1043,7 +1048,8 @@ def main(argv=None) -> int:
             processes = 1 if name == "model_parallel" else devices
             output = folder / "runs" / workload.name / name
             print(shell_line(launch_command(strategy, processes, model, data, output, workload, batch_size,
-                                            grad_accum, args.smoke, args.gradient_checkpointing)))
+                                            grad_accum, args.smoke, args.gradient_checkpointing,
+                                            recipe_args=settings["recipe_args"])))
         return 0
 
     ensure_data(data, workload.rows, workload.max_length)
