@@ -5,7 +5,7 @@
     python scripts/speed_options.py --cpu    # any machine: the bundled tiny model and data, 2 CPU processes, fp32
 
 Each variant is `accelerate launch --config_file accelerate_configs/ddp.yaml recipes/lora.py` with the
-recipe's defaults plus the variant's flags (below), one epoch of the same data, and the variants take
+recipe's defaults plus the variant's flags (below), one epoch of the same data (two on CPU), and the variants take
 turns for --rounds rounds so that a slow minute of the machine does not land on one variant only.
 
 Per variant: the steady-state epoch time (the mean step time after the first --warmup-steps steps, which
@@ -17,7 +17,8 @@ AdamW's fused kernel is not a flag (the recipes always use it); it is timed apar
 optimizer step over the model's trainable parameters (LoRA, and every weight for full fine-tuning),
 fused vs foreach (a loop of multi-tensor kernels) vs for-loop (one kernel per tensor).
 
-Writes <output-dir>/<date>_<device>_speed_options.md and .json (default output-dir: results/).
+Writes <output-dir>/<date>_<device>_speed_options/speed_options.md and .json (default output-dir:
+results/); each launch's files are in runs/ beside them.
 """
 
 from __future__ import annotations
@@ -85,7 +86,7 @@ def steady_state(lines: list[dict], warmup_steps: int) -> dict:
 def launch(name: str, flags: list[str], settings: dict, round_index: int) -> dict:
     output = settings["runs"] / f"{name}-round{round_index}"
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / "ddp.yaml"),
-               "--num_processes", str(settings["processes"]), "--main_process_port", str(free_port())]
+               "--num_processes", str(settings["processes"])]
     if settings["cpu"]:
         command += ["--mixed_precision", "no"]
     command += [str(REPO / "recipes" / "lora.py"), "--model", str(settings["model"]), "--dataset", str(settings["data"]),
@@ -93,13 +94,18 @@ def launch(name: str, flags: list[str], settings: dict, round_index: int) -> dic
                 "--batch-size", str(settings["batch_size"]), "--grad-accum", str(settings["grad_accum"]),
                 "--report-to", "none", "--log-every", "0", *settings["length"], *flags]
     output.mkdir(parents=True, exist_ok=True)
+    shown = shell_line(command)
+    port = ["--main_process_port", str(free_port())]  # a free one per launch; not part of what is shown
     with open(output / "launch.log", "w") as log:
-        done = subprocess.run(command, cwd=REPO, env=settings["env"], stdout=log, stderr=subprocess.STDOUT)
+        done = subprocess.run(command[:3] + port + command[3:], cwd=REPO, env=settings["env"], stdout=log, stderr=subprocess.STDOUT)
     if done.returncode != 0:
         tail = (output / "launch.log").read_text(errors="replace").strip().splitlines()[-3:]
-        return {"status": "failed", "error": " | ".join(tail)[-300:], "command": shell_line(command)}
+        return {"status": "failed", "error": " | ".join(tail)[-300:], "command": shown}
     lines = [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return {"status": "ok", "command": shell_line(command), **steady_state(lines, settings["warmup_steps"])}
+    try:
+        return {"status": "ok", "command": shown, **steady_state(lines, settings["warmup_steps"])}
+    except ValueError as error:
+        return {"status": "failed", "error": str(error), "command": shown}
 
 
 def time_adamw(model_dir: Path, device: str, repeats: int = 20) -> list[dict]:
@@ -141,7 +147,7 @@ def markdown(document: dict) -> str:
              f"{document['date']}, {document['device']}, {document['rounds']} round(s) per variant (median shown); "
              f"torch {document['versions'].get('torch')}, transformers {document['versions'].get('transformers')}.",
              f"Steady state: steps after the first {document['warmup_steps']} (warm-up, compilation).", "",
-             "| variant | flags | epoch (steady) | target tokens/s | vs defaults | peak GiB | final loss |",
+             "| variant | flags | training time (steady) | target tokens/s | vs defaults | peak GiB | final loss |",
              "|---|---|---:|---:|---:|---:|---:|"]
     for name, result in document["variants"].items():
         if result.get("status") != "ok":
@@ -170,9 +176,9 @@ def parse_args(argv=None):
     add("--cpu", action="store_true", help="bundled tiny model and data on 2 CPU processes, fp32 (also on a GPU box)")
     add("--variants", default=",".join(VARIANTS), help=f"comma-separated among {', '.join(VARIANTS)}")
     add("--rounds", type=int, default=3, help="times each variant runs, in turns (median reported)")
-    add("--max-steps", type=int, default=0, help="stop each run after N steps (default: one epoch)")
+    add("--max-steps", type=int, default=0, help="stop each run after N steps (default: one epoch; CPU: two)")
     add("--warmup-steps", type=int, default=5, help="first steps left out of the steady state")
-    add("--batch-size", type=int, default=None, help="micro-batch per process (default: 8 on CPU, 16 on a GPU)")
+    add("--batch-size", type=int, default=None, help="micro-batch per process (default: 4 on CPU, 16 on a GPU)")
     add("--output-dir", default=str(REPO / "results"))
     return parser.parse_args(argv)
 
@@ -201,17 +207,20 @@ def main(argv=None) -> int:
                            workload.rows, workload.max_length)
         device = torch.cuda.get_device_name(0)
         settings = dict(processes=1, max_length=workload.max_length, batch_size=args.batch_size or 16, grad_accum=2,
-                        label="TinyLlama-1.1B shape + LoRA, 1024 rows x 1024 tokens, 1 GPU, bf16")
+                        epochs=1, label="TinyLlama-1.1B shape + LoRA, 1024 rows x 1024 tokens, 1 GPU, bf16")
     else:
         model = ensure_model(WORKLOADS["smoke"], 2, output_root / "models")
         data = REPO / "data"
         device = "2 CPU processes"
-        settings = dict(processes=2, max_length=512, batch_size=args.batch_size or 8, grad_accum=1,
-                        label="bundled tiny Llama + LoRA, bundled data (2048 short rows), 2 CPU processes, fp32")
+        # The bundled rows are short (~15 tokens): at --max-length 128 packing puts ~8 in a sequence and
+        # still leaves enough steps to time; two epochs give every variant a few hundred steps.
+        settings = dict(processes=2, max_length=128, batch_size=args.batch_size or 4, grad_accum=1, epochs=2,
+                        label="bundled tiny Llama + LoRA, bundled data (1920 short rows x 2 epochs), "
+                              "--max-length 128, 2 CPU processes, fp32")
     folder_name = f"{date}_{slug(device.replace('NVIDIA ', ''))}_speed_options"
     settings.update(cpu=not on_gpu, model=model, data=data, env=env, warmup_steps=args.warmup_steps,
-                    runs=output_root / folder_name,
-                    length=["--max-steps", str(args.max_steps)] if args.max_steps else ["--epochs", "1"])
+                    runs=output_root / folder_name / "runs",
+                    length=["--max-steps", str(args.max_steps)] if args.max_steps else ["--epochs", str(settings["epochs"])])
     print(f"speed options: {settings['label']}; {args.rounds} round(s) of {', '.join(names)}", flush=True)
 
     results = {name: [] for name in names}
@@ -244,11 +253,12 @@ def main(argv=None) -> int:
                 "warmup_steps": args.warmup_steps, "versions": library_versions(), "variants": variants,
                 "adamw": time_adamw(model, "cuda" if on_gpu else "cpu")}
     text = markdown(document)
-    output_root.mkdir(parents=True, exist_ok=True)
-    (output_root / f"{folder_name}.md").write_text(text)
-    (output_root / f"{folder_name}.json").write_text(json.dumps(document, indent=2) + "\n")
+    folder = output_root / folder_name
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "speed_options.md").write_text(text)
+    (folder / "speed_options.json").write_text(json.dumps(document, indent=2) + "\n")
     print("\n" + text)
-    print(f"written: {output_root / (folder_name + '.md')}")
+    print(f"written: {folder / 'speed_options.md'}")
     return 1 if any(v.get("status") == "failed" for v in variants.values()) else 0
 
 

@@ -92,7 +92,7 @@ def test_speed_options_script_measures_and_writes_its_table(tmp_path):
         cwd=REPO, capture_output=True, text=True, timeout=600, env=launch_env(),
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    [document_path] = tmp_path.glob("*_speed_options.json")
+    [document_path] = tmp_path.glob("*_speed_options/speed_options.json")
     document = json.loads(document_path.read_text())
     defaults, packing = document["variants"]["defaults"], document["variants"]["packing"]
     assert defaults["status"] == packing["status"] == "ok"
