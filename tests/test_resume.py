@@ -11,15 +11,18 @@ from conftest import launch
 ARGS = ["--max-steps", "8", "--save-every", "4", "--batch-size", "4", "--grad-accum", "2", "--lr", "5e-3"]
 
 
-@pytest.mark.parametrize("config", ["ddp", "fsdp", "zero3"])
-def test_resume_continues_the_same_loss_curve(config, tmp_path):
-    whole = launch("lora", tmp_path / "whole", *ARGS, config=config)
+# DataLoader workers are the default on GPUs: their seeds must not shift the resumed run's dropout.
+@pytest.mark.parametrize("config, extra", [("ddp", []), ("fsdp", []), ("zero3", []),
+                                           ("ddp", ["--dataloader-workers", "2"])],
+                         ids=["ddp", "fsdp", "zero3", "ddp-workers"])
+def test_resume_continues_the_same_loss_curve(config, extra, tmp_path):
+    whole = launch("lora", tmp_path / "whole", *ARGS, *extra, config=config)
     assert whole.returncode == 0, whole.output[-3000:]
 
     # The same run, stopped after step 4: only the step-4 checkpoint survives.
     resumed_dir = tmp_path / "resumed"
     shutil.copytree(whole.output_dir / "checkpoints" / "step-4", resumed_dir / "checkpoints" / "step-4")
-    resumed = launch("lora", resumed_dir, *ARGS, "--resume", "auto", config=config)
+    resumed = launch("lora", resumed_dir, *ARGS, *extra, "--resume", "auto", config=config)
     assert resumed.returncode == 0, resumed.output[-3000:]
     assert "resumed from" in resumed.output
 
