@@ -204,6 +204,27 @@ def training_wall_time(elapsed: list[float]) -> dict:
             "first_step_s": float(elapsed[0]), "steps": len(elapsed), "rule": "first step replaced by the median"}
 
 
+def steady_state(lines: list[dict], warmup_steps: int) -> dict:
+    """Step time and tokens/s from metrics.jsonl's train lines, the first `warmup_steps` steps left out.
+
+    The steady part runs from the end of step `warmup_steps` (0: from the end of step 1's predecessor,
+    i.e. the clock's first reading is step 1's end) to the end of the last step; its tokens are those
+    of the steps that end inside it. `epoch_s` is the mean steady step times every step of the run.
+    """
+    train = sorted((line for line in lines if line.get("type") == "train"), key=lambda line: line["step"])
+    if len(train) < warmup_steps + 2:
+        raise ValueError(f"{len(train)} steps: too few to leave {warmup_steps} warm-up steps out")
+    steady_steps = len(train) - warmup_steps - 1
+    seconds = train[-1]["elapsed_s"] - train[warmup_steps]["elapsed_s"]
+    tokens = sum(line["tokens"] for line in train[warmup_steps + 1:])
+    peaks = [line["peak_allocated_gib"] for line in train if line.get("peak_allocated_gib") is not None]
+    return {"steps": len(train), "steady_s": seconds, "steady_tokens": tokens, "step_s": seconds / steady_steps,
+            "epoch_s": seconds / steady_steps * len(train),
+            "tokens_per_s": tokens / seconds if seconds > 0 else float("inf"),
+            "epoch_tokens": sum(line["tokens"] for line in train),
+            "peak_allocated_gib": max(peaks) if peaks else None, "final_loss": train[-1].get("loss")}
+
+
 def mfu(tokens_per_s_per_gpu: float, flop: float, peak_flops_per_gpu: float) -> float:
     """tokens/s x FLOP/token / (GPUs x peak), with tokens/s already per GPU."""
     return tokens_per_s_per_gpu * flop / peak_flops_per_gpu

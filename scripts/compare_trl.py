@@ -51,7 +51,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -59,6 +58,9 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "scripts"))
+from benchmark import free_port, steady_state  # noqa: E402  (torch-free: launch ports, the timing rule)
+
 TINY_MODEL = REPO / "models" / "tiny-llama"
 DDP_CONFIG = REPO / "accelerate_configs" / "ddp.yaml"
 SIDES = {  # side -> (label, program that accelerate launches)
@@ -99,12 +101,6 @@ def ensure_tiny_model() -> None:
                         str(TINY_MODEL)], check=True, cwd=REPO)
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def threads_per_process(processes: int) -> int:
     """What recipes/common/runtime.share_cpu_cores gives each process."""
     return max(1, (os.cpu_count() or 1) // processes)
@@ -130,16 +126,13 @@ def launch_env(processes: int) -> dict:
 
 def timed_part(records: list[dict]) -> dict:
     """tokens/s of steps 2..N from metrics.jsonl's train lines (step, tokens, elapsed_s)."""
+    steady = steady_state(records, warmup_steps=0)
     steps = sorted((r for r in records if r.get("type") == "train"), key=lambda r: r["step"])
-    if len(steps) < 2:
-        raise ValueError(f"{len(steps)} training steps logged; at least 2 are needed")
-    seconds = steps[-1]["elapsed_s"] - steps[0]["elapsed_s"]
-    tokens = sum(r["tokens"] for r in steps[1:])
     return {
-        "steps": len(steps),
-        "timed_s": seconds,
-        "timed_tokens": tokens,
-        "tokens_per_s": tokens / seconds if seconds > 0 else float("inf"),
+        "steps": steady["steps"],
+        "timed_s": steady["steady_s"],
+        "timed_tokens": steady["steady_tokens"],
+        "tokens_per_s": steady["tokens_per_s"],
         "step_tokens": [r["tokens"] for r in steps],
         "mean_loss": statistics.fmean(r["loss"] for r in steps) if all("loss" in r for r in steps) else None,
     }

@@ -27,7 +27,6 @@ import argparse
 import datetime
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -35,7 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchmark import (  # noqa: E402  (the benchmark's offline model and data builders)
-    CONFIGS, REPO, WORKLOADS, ensure_data, ensure_model, free_port, library_versions, shell_line, slug,
+    CONFIGS, REPO, WORKLOADS, ensure_data, ensure_model, free_port, library_versions, shell_line, slug, steady_state,
 )
 
 # name -> (recipe flags, why it might win)
@@ -67,22 +66,6 @@ def unavailable(name: str, on_gpu: bool) -> str | None:
     return None
 
 
-def steady_state(lines: list[dict], warmup_steps: int) -> dict:
-    """Epoch time and tokens/s from metrics.jsonl's train lines, the first `warmup_steps` steps left out."""
-    train = sorted((line for line in lines if line.get("type") == "train"), key=lambda line: line["step"])
-    if len(train) < warmup_steps + 2:
-        raise ValueError(f"{len(train)} steps: too few to leave {warmup_steps} warm-up steps out; "
-                         "lower --warmup-steps or give more data")
-    elapsed = [line["elapsed_s"] for line in train]
-    steady = list(zip(train[warmup_steps + 1:], elapsed[warmup_steps:], elapsed[warmup_steps + 1:]))
-    seconds = sum(later - earlier for _, earlier, later in steady)
-    tokens = sum(line["tokens"] for line, _, _ in steady)
-    peaks = [line["peak_allocated_gib"] for line in train if line.get("peak_allocated_gib") is not None]
-    return {"steps": len(train), "step_s": seconds / len(steady), "epoch_s": seconds / len(steady) * len(train),
-            "tokens_per_s": tokens / seconds, "epoch_tokens": sum(line["tokens"] for line in train),
-            "peak_allocated_gib": max(peaks) if peaks else None, "final_loss": train[-1]["loss"]}
-
-
 def launch(name: str, flags: list[str], settings: dict, round_index: int) -> dict:
     output = settings["runs"] / f"{name}-round{round_index}"
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / "ddp.yaml"),
@@ -105,7 +88,7 @@ def launch(name: str, flags: list[str], settings: dict, round_index: int) -> dic
     try:
         return {"status": "ok", "command": shown, **steady_state(lines, settings["warmup_steps"])}
     except ValueError as error:
-        return {"status": "failed", "error": str(error), "command": shown}
+        return {"status": "failed", "error": f"{error}; lower --warmup-steps or give more data", "command": shown}
 
 
 def time_adamw(model_dir: Path, device: str, repeats: int = 20) -> list[dict]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -52,6 +53,13 @@ def launch_command(recipe: str, output_dir: Path, *recipe_args: str, config: str
     command += [*launcher_args, "--mixed_precision", "no", str(REPO / "recipes" / f"{recipe}.py"),
                 "--output-dir", str(output_dir)]
     return command + list(recipe_args)
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on now, for a launch's rendezvous."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def launch_env(env: dict | None = None) -> dict:

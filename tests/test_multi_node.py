@@ -4,18 +4,11 @@ trains exactly as one machine with two processes does."""
 from __future__ import annotations
 
 import json
-import socket
 
 import pytest
 
-from conftest import start
+from conftest import free_port, start
 from strategies import matrix_args
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.mark.parametrize("config", ["ddp", "fsdp", "zero3"])

@@ -12,7 +12,6 @@ import importlib.util
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import CONFIGS, REPO
+from conftest import CONFIGS, REPO, free_port
 
 PLOT = REPO / "scripts" / "plot.py"
 SBATCH = REPO / "scripts" / "slurm" / "train.sbatch"
@@ -295,12 +294,6 @@ def test_sbatch_gpu_count_fallbacks_and_refusals(tmp_path):
 
     done = sbatch("accelerate_configs/ddp.yaml")
     assert done.returncode == 2 and done.stderr.startswith("usage: sbatch")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def test_sbatch_sigterm_checkpoints_on_every_node_then_requeues(tmp_path):
