@@ -30,9 +30,7 @@ from common.runlog import RunLog
 
 
 def parse_args():
-    parser = cli.recipe_parser(__doc__)
-    parser.set_defaults(lr=2e-5)
-    return parser.parse_args()
+    return cli.parse_args(cli.recipe_flags("full", __doc__))
 
 
 def main():

@@ -33,9 +33,7 @@ from common.runlog import RunLog
 
 
 def parse_args():
-    parser = cli.recipe_parser(__doc__)
-    cli.add_lora_args(parser)
-    return parser.parse_args()
+    return cli.parse_args(cli.recipe_flags("lora", __doc__))
 
 
 def main():

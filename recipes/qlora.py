@@ -35,10 +35,7 @@ from common.runlog import RunLog
 
 
 def parse_args():
-    parser = cli.recipe_parser(__doc__)
-    cli.add_lora_args(parser)
-    parser.add_argument("--bits", type=int, choices=(4, 8), default=4, help="4 = NF4 (QLoRA), 8 = LLM.int8()")
-    return parser.parse_args()
+    return cli.parse_args(cli.recipe_flags("qlora", __doc__))
 
 
 def main():

@@ -39,19 +39,23 @@ class Launch:
 
 
 def launch_command(recipe: str, output_dir: Path, *recipe_args: str, config: str | None = None,
-                   processes: int = 2, launcher_args: tuple = ()) -> list[str]:
+                   processes: int = 2, launcher_args: tuple = (), mixed_precision: str | None = "no") -> list[str]:
     """`accelerate launch --config_file accelerate_configs/<config>.yaml --num_processes N recipes/<recipe>.py ...`
 
-    `config` is a name in accelerate_configs/ or a path to a .yaml file; None runs one CPU process.
+    `config` is a name in accelerate_configs/, a path to a .yaml file, or a DeepSpeed .json (launched
+    with `--use_deepspeed --deepspeed_config_file`); None runs one CPU process. `mixed_precision`
+    None keeps the config file's own.
     """
     command = [sys.executable, "-m", "accelerate.commands.launch"]
-    if config is not None:
-        config_file = config if config.endswith(".yaml") else str(CONFIGS / f"{config}.yaml")
-        command += ["--config_file", config_file, "--num_processes", str(processes)]
-    else:
+    if config is None:
         command += ["--cpu", "--num_processes", "1", "--num_machines", "1", "--dynamo_backend", "no"]
-    command += [*launcher_args, "--mixed_precision", "no", str(REPO / "recipes" / f"{recipe}.py"),
-                "--output-dir", str(output_dir)]
+    elif config.endswith(".json"):
+        command += ["--use_deepspeed", "--deepspeed_config_file", config, "--num_processes", str(processes)]
+    else:
+        config_file = config if config.endswith((".yaml", ".yml")) else str(CONFIGS / f"{config}.yaml")
+        command += ["--config_file", config_file, "--num_processes", str(processes)]
+    command += [*launcher_args, *(["--mixed_precision", mixed_precision] if mixed_precision else []),
+                str(REPO / "recipes" / f"{recipe}.py"), "--output-dir", str(output_dir)]
     return command + list(recipe_args)
 
 
@@ -67,9 +71,10 @@ def launch_env(env: dict | None = None) -> dict:
 
 
 def launch(recipe: str, output_dir: Path, *recipe_args: str, config: str | None = None,
-           processes: int = 2, timeout: int = 600, env: dict | None = None) -> Launch:
+           processes: int = 2, timeout: int = 600, env: dict | None = None, mixed_precision: str | None = "no") -> Launch:
     """Run a launch (see `launch_command`) to its end."""
-    command = launch_command(recipe, output_dir, *recipe_args, config=config, processes=processes)
+    command = launch_command(recipe, output_dir, *recipe_args, config=config, processes=processes,
+                             mixed_precision=mixed_precision)
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=launch_env(env))
     return Launch(done.returncode, done.stdout + done.stderr, Path(output_dir))
 

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections import namedtuple
+from unittest import mock
 
 import pytest
 
@@ -12,9 +14,16 @@ from conftest import REPO, assert_no_traceback_of_ours, launch
 
 sys.path.insert(0, str(REPO / "recipes"))
 from common import preflight  # noqa: E402
-from common.args import add_lora_args, recipe_parser  # noqa: E402
+from common.args import parse_args, recipe_flags  # noqa: E402
 from common.data import load_splits  # noqa: E402
 from common.preflight import Refusal  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def restored_environment():
+    """The checks translate the launch environment in place (FSDP1 -> FSDP2); undo it after each test."""
+    with mock.patch.dict(os.environ):
+        yield
 
 
 def refusal_lines(output: str) -> list[str]:
@@ -49,9 +58,7 @@ def test_missing_dataset_is_refused(tmp_path):
 
 
 def recipe_args(*argv: str) -> argparse.Namespace:
-    parser = recipe_parser("test recipe\n")
-    add_lora_args(parser)
-    return parser.parse_args(list(argv))
+    return parse_args(recipe_flags("lora"), list(argv))
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -82,7 +89,8 @@ def test_not_enough_disk_for_a_checkpoint_is_refused(tmp_path, monkeypatch):
 def test_deepspeed_accumulation_that_disagrees_with_the_recipe_is_refused(tmp_path, monkeypatch):
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
     monkeypatch.setenv("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "1")
-    with pytest.raises(Refusal, match="accumulates 1 micro-batches but --grad-accum is 4; delete `gradient_accumulation_steps`"):
+    with pytest.raises(Refusal, match="the accelerate config sets gradient_accumulation_steps = 1 but --grad-accum is 4; "
+                                      "pass the same value, or set \"gradient_accumulation_steps\": \"auto\""):
         preflight.check_launch(recipe_args("--output-dir", str(tmp_path), "--grad-accum", "4"), "lora")
 
 
@@ -133,7 +141,7 @@ def test_random_launches_get_a_clean_start_or_one_refusal(tmp_path, monkeypatch,
         recipe = rng.choice(["full", "lora", "qlora"])
         outcomes = []
         for rank in ("0", "1"):
-            with monkeypatch.context() as patch:
+            with monkeypatch.context() as patch, mock.patch.dict(os.environ):  # the checks may rewrite it
                 for key, value in env.items():
                     patch.setenv(key, value)
                 patch.setenv("RANK", rank)
@@ -150,13 +158,14 @@ def test_random_launches_get_a_clean_start_or_one_refusal(tmp_path, monkeypatch,
     assert 0 < verdicts < 150
 
 
-@pytest.mark.parametrize("fields, file_config, message", [
-    ("mixed_precision,zero_stage", {}, "sets mixed_precision, zero_stage beside deepspeed_config_file; move them into"),
-    ("", {"optimizer": {"type": "AdamW"}}, "defines a DeepSpeed optimizer, but the recipe builds its own AdamW"),
-    ("", {"gradient_accumulation_steps": 8}, "accumulates 8 micro-batches but --grad-accum is 1"),
-    ("", {"gradient_clipping": 0.3}, "clips gradients at 0.3 but --max-grad-norm is 1.0"),
+@pytest.mark.parametrize("fields, file_config, argv, message", [
+    ("mixed_precision,zero_stage", {}, [], "sets mixed_precision, zero_stage beside deepspeed_config_file; move them into"),
+    ("", {"optimizer": {"type": "Lamb"}}, [], "asks for a DeepSpeed Lamb optimizer; the recipes train with AdamW"),
+    ("", {"gradient_accumulation_steps": 8}, ["--grad-accum", "1"],
+     "sets gradient_accumulation_steps = 8 but --grad-accum is 1"),
+    ("", {"gradient_clipping": 0.3}, ["--max-grad-norm", "1.0"], "sets gradient_clipping = 0.3 but --max-grad-norm is 1.0"),
 ])
-def test_a_deepspeed_config_file_that_contradicts_the_launch_is_refused(fields, file_config, message, tmp_path,
+def test_a_deepspeed_config_file_that_contradicts_the_launch_is_refused(fields, file_config, argv, message, tmp_path,
                                                                         monkeypatch):
     import json
 
@@ -166,7 +175,7 @@ def test_a_deepspeed_config_file_that_contradicts_the_launch_is_refused(fields, 
     monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", str(ds_file))
     monkeypatch.setenv("ACCELERATE_CONFIG_DS_FIELDS", fields)
     with pytest.raises(Refusal, match=message):
-        preflight.check_launch(recipe_args("--output-dir", str(tmp_path / "out")), "lora")
+        preflight.check_launch(recipe_args("--output-dir", str(tmp_path / "out"), *argv), "lora")
     monkeypatch.setenv("ACCELERATE_CONFIG_DS_FIELDS", "")
     ds_file.write_text(json.dumps({"zero_optimization": {"stage": 2}, "gradient_accumulation_steps": "auto"}))
-    preflight.check_launch(recipe_args("--output-dir", str(tmp_path / "out")), "lora")  # a clean file passes
+    preflight.check_launch(recipe_args("--output-dir", str(tmp_path / "out"), *argv), "lora")  # a clean file passes

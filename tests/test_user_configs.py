@@ -1,66 +1,201 @@
-"""A user's own config, as `accelerate config` writes it (every default key included), runs
-the recipes unchanged."""
+"""Config files users already have run the recipes as written, or are refused in one line.
+
+The fixtures in tests/fixtures/user_configs/ are verbatim copies of the accelerate configs and
+DeepSpeed JSONs that alignment-handbook, TRL, PEFT's examples, axolotl and accelerate's own
+examples ship (SOURCES.md names each file's repository, path and commit). Every one is checked
+the way `accelerate launch` reads it (scripts/check_config.py, in-process); one of each kind is
+launched for real, across the three recipes.
+"""
 
 from __future__ import annotations
+
+import shutil
+import sys
 
 import pytest
 import yaml
 
-from conftest import launch
+from conftest import REPO, assert_no_traceback_of_ours, launch
 
-WRITTEN_BY_ACCELERATE_CONFIG = {
-    "compute_environment": "LOCAL_MACHINE",
-    "debug": False,
-    "downcast_bf16": "no",
-    "enable_cpu_affinity": False,
-    "gpu_ids": "all",
-    "machine_rank": 0,
-    "main_training_function": "main",
-    "mixed_precision": "no",
-    "num_machines": 1,
-    "num_processes": 2,
-    "rdzv_backend": "static",
-    "same_network": True,
-    "tpu_env": [],
-    "tpu_use_cluster": False,
-    "tpu_use_sudo": False,
-    "use_cpu": False,
-}
-STRATEGIES = {
-    "ddp": ({"distributed_type": "MULTI_GPU"}, "MULTI_CPU"),
-    "fsdp": ({
-        "distributed_type": "FSDP",
-        "fsdp_config": {
-            "fsdp_activation_checkpointing": False,
-            "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
-            "fsdp_cpu_ram_efficient_loading": True,
-            "fsdp_offload_params": False,
-            "fsdp_reshard_after_forward": True,
-            "fsdp_state_dict_type": "SHARDED_STATE_DICT",
-            "fsdp_transformer_layer_cls_to_wrap": "LlamaDecoderLayer",
-            "fsdp_version": 2,
-        },
-    }, "FSDP"),
-    "deepspeed": ({
-        "distributed_type": "DEEPSPEED",
-        "deepspeed_config": {
-            "gradient_accumulation_steps": 1,
-            "offload_optimizer_device": "none",
-            "offload_param_device": "none",
-            "zero3_init_flag": False,
-            "zero_stage": 2,
-        },
-    }, "DEEPSPEED"),
+sys.path.insert(0, str(REPO / "scripts"))
+sys.path.insert(0, str(REPO / "recipes"))
+import check_config  # noqa: E402
+from common.preflight import Refusal  # noqa: E402
+
+FIXTURES = REPO / "tests" / "fixtures" / "user_configs"
+SCHEDULER = "asks for a DeepSpeed WarmupDecayLR scheduler"
+# file -> what the recipe does with it on this CPU machine, and on a GPU machine: the planner's name of
+# the strategy that runs, or the start of the one-line refusal.
+EXPECTED = {
+    "alignment-handbook__ddp.yaml": ("ddp", "ddp"),
+    "alignment-handbook__fsdp.yaml": ("fsdp_full_shard", "fsdp_full_shard"),
+    "alignment-handbook__zero3.yaml": ("zero3", "zero3"),
+    "trl__single_gpu.yaml": ("ddp", "ddp"),
+    "trl__fsdp1.yaml": ("fsdp_full_shard", "fsdp_full_shard"),
+    "trl__fsdp2.yaml": ("fsdp_full_shard", "fsdp_full_shard"),
+    "trl__fsdp_qlora.yaml": ("fsdp_offload", "fsdp_offload"),
+    "trl__deepspeed_zero1.yaml": ("zero1", "zero1"),
+    "trl__deepspeed_zero2.yaml": ("zero2", "zero2"),
+    "trl__deepspeed_zero3.yaml": ("zero3", "zero3"),
+    "trl__context_parallel_2gpu.yaml": ("error: context parallel",) * 2,
+    "trl__alst_ulysses_4gpu.yaml": ("error: sequence parallel (ALST/Ulysses)",) * 2,
+    "peft__fsdp_config.yaml": ("fsdp_full_shard", "fsdp_full_shard"),
+    "peft__fsdp_config_qlora.yaml": ("fsdp_offload", "fsdp_offload"),
+    "peft__deepspeed_config.yaml": ("zero3", "zero3"),
+    "peft__deepspeed_config_z3_qlora.yaml": ("zero3", "zero3"),
+    "peft__accelerate_ds_zero3_cpu_offload_config.yaml": ("zero3", "zero3"),
+    "axolotl__zero1.json": ("zero1", "zero1"),
+    "axolotl__zero1_torch_compile.json": ("zero1", "zero1"),
+    "axolotl__zero2.json": ("zero2", "zero2"),
+    "axolotl__zero3.json": ("zero3", "zero3"),
+    "axolotl__zero3_bf16.json": ("zero3", "zero3"),
+    "axolotl__zero3_bf16_cpuoffload_all.json": ("zero3_offload", "zero3_offload"),
+    "axolotl__zero3_bf16_cpuoffload_params.json": ("zero3_offload", "zero3_offload"),
+    "accelerate__fsdp.yaml": ("fsdp_full_shard", "fsdp_full_shard"),
+    "accelerate__tp_hsdp.yaml": ("error: tensor parallel",) * 2,
+    "accelerate__deepspeed.yaml": (f"error: ../deepspeed_config_templates/zero_stage1_config.json {SCHEDULER}",) * 2,
+    "accelerate__zero_stage1_config.json": (f"error: {{path}} {SCHEDULER}",) * 2,
+    "accelerate__zero_stage3_offload_config.json": (f"error: {{path}} {SCHEDULER}",) * 2,
+    "accelerate__sp-alst.accelerate-config.yml": ("zero3", "zero3"),
+    "accelerate__sp-alst.ds-config.json": ("zero3", "zero3"),
 }
 
 
-@pytest.mark.parametrize("strategy", list(STRATEGIES))
-def test_recipe_runs_under_a_config_written_by_accelerate_config(strategy, tmp_path):
-    keys, distributed_type = STRATEGIES[strategy]
-    config = tmp_path / "default_config.yaml"
-    config.write_text(yaml.safe_dump({**WRITTEN_BY_ACCELERATE_CONFIG, **keys}))
-    run = launch("lora", tmp_path / "out", "--max-steps", "3", "--batch-size", "4", config=str(config))
+def test_every_fixture_has_an_expectation_and_a_source():
+    files = {path.name for path in FIXTURES.iterdir() if path.suffix in (".yaml", ".yml", ".json")}
+    assert files == set(EXPECTED)
+    sources = (FIXTURES / "SOURCES.md").read_text()
+    assert all(f"`{name}`" in sources for name in files)
+
+
+@pytest.fixture(scope="module")
+def user_folder(tmp_path_factory):
+    """The fixtures laid out as their projects have them, so relative `deepspeed_config_file` paths resolve."""
+    root = tmp_path_factory.mktemp("user")
+    (root / "configs").mkdir()
+    (root / "deepspeed_config_templates").mkdir()
+    for path in FIXTURES.glob("*__*"):
+        shutil.copy(path, root / "configs" / path.name)
+    shutil.copy(FIXTURES / "accelerate__zero_stage1_config.json",
+                root / "deepspeed_config_templates" / "zero_stage1_config.json")
+    shutil.copy(FIXTURES / "accelerate__sp-alst.ds-config.json", root / "configs" / "sp-alst.ds-config.json")
+    return root / "configs"
+
+
+@pytest.mark.parametrize("on_gpu", [False, True], ids=["cpu", "gpu"])
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_config_file_runs_or_is_refused_in_one_line(name, on_gpu, user_folder, monkeypatch, capsys):
+    monkeypatch.chdir(user_folder)  # where the launcher would resolve the file's relative paths
+    expected = EXPECTED[name][on_gpu].replace("{path}", str(user_folder / name))
+    try:
+        lines = check_config.check(user_folder / name, "lora", num_processes=2, on_gpu=on_gpu)
+    except Refusal:
+        lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
+        assert len(lines) == 1, lines
+    verdict = lines[-1]
+    if expected.startswith("error: "):
+        assert verdict.startswith(expected), verdict
+    else:
+        assert verdict.startswith(f"ok: lora runs as {expected} on "), lines
+
+
+def test_fsdp1_files_say_what_they_translate(user_folder, monkeypatch):
+    monkeypatch.chdir(user_folder)
+    [note, verdict] = check_config.check(user_folder / "trl__fsdp1.yaml", "lora", num_processes=2, on_gpu=False)
+    assert note.startswith("config: FULL_SHARD -> FSDP2 with reshard_after_forward true;"), note
+    assert "prefetch" in note and "use_orig_params" in note
+    assert "precision bf16" in verdict
+
+
+def test_a_typo_inside_fsdp_config_names_the_closest_key(tmp_path, capsys):
+    config = yaml.safe_load((FIXTURES / "trl__fsdp2.yaml").read_text())
+    config["fsdp_config"]["fsdp_reshard_after_foward"] = config["fsdp_config"].pop("fsdp_reshard_after_forward")
+    path = tmp_path / "typo.yaml"
+    path.write_text(yaml.safe_dump(config))
+    with pytest.raises(Refusal, match="`fsdp_reshard_after_foward` in fsdp_config is not an accelerate setting"):
+        check_config.check(path, "lora", num_processes=2, on_gpu=False)
+    assert "did you mean `fsdp_reshard_after_forward`?" in capsys.readouterr().err
+
+
+def test_an_unknown_top_level_key_names_the_closest_key(tmp_path, capsys):
+    config = yaml.safe_load((FIXTURES / "trl__fsdp2.yaml").read_text())
+    config["mixed_precison"] = config.pop("mixed_precision")
+    path = tmp_path / "typo.yaml"
+    path.write_text(yaml.safe_dump(config))
+    assert check_config.main([str(path)]) == 2
+    [line] = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
+    assert "`mixed_precison` at the top level" in line and "did you mean `mixed_precision`?" in line
+
+
+# Real launches: one of each kind, through `accelerate launch` exactly as the file is written
+# (only --num_processes 2: this machine has 2 cores), across the three recipes.
+LAUNCHED = {
+    # recipe, file: what run.json must show. These files are written the way `accelerate config`
+    # writes them (every default key included).
+    ("full", "alignment-handbook__ddp.yaml"): {"distributed_type": "MULTI_CPU", "precision": "bf16"},
+    ("full", "alignment-handbook__fsdp.yaml"): {"distributed_type": "FSDP", "precision": "bf16", "reshard": True,
+                                                "note": "config: FULL_SHARD -> FSDP2"},
+    ("lora", "trl__fsdp1.yaml"): {"distributed_type": "FSDP", "precision": "bf16", "reshard": True,
+                                  "note": "config: FULL_SHARD -> FSDP2", "state_dict_type": "FULL_STATE_DICT"},
+    ("qlora", "peft__fsdp_config_qlora.yaml"): {"distributed_type": "FSDP", "precision": "no", "reshard": True,
+                                                "note": "config: FULL_SHARD -> FSDP2", "offload": "CPUOffloadPolicy"},
+    ("qlora", "axolotl__zero3_bf16.json"): {"distributed_type": "DEEPSPEED", "precision": "bf16", "zero_stage": 3,
+                                            "note": "config: precision bf16 (its bf16.enabled)"},
+    ("lora", "peft__deepspeed_config.yaml"): {"distributed_type": "DEEPSPEED", "precision": "bf16", "zero_stage": 3,
+                                              "note": "config: --grad-accum 4 (its gradient_accumulation_steps)",
+                                              "grad_accum": 4},
+}
+
+
+@pytest.mark.parametrize("recipe, name", list(LAUNCHED), ids=lambda value: str(value).split("__")[-1])
+def test_user_config_file_trains_as_written(recipe, name, tmp_path):
+    expected = LAUNCHED[recipe, name]
+    run = launch(recipe, tmp_path / "out", "--max-steps", "2", "--batch-size", "2", "--log-every", "1",
+                 config=str(FIXTURES / name), mixed_precision=None)
     assert run.returncode == 0, run.output[-3000:]
+    notes = [line for line in run.output.splitlines() if line.startswith("config: ")]
+    assert notes == ([] if "note" not in expected else [notes[0]]), run.output[-3000:]  # once, from rank 0
+    assert not notes or notes[0].startswith(expected["note"]), notes
     ran = run.run_json()
-    assert (ran["distributed_type"], ran["num_processes"]) == (distributed_type, 2)
-    assert (tmp_path / "out" / "adapter" / "adapter_model.safetensors").is_file()
+    assert (ran["distributed_type"], ran["num_processes"]) == (expected["distributed_type"], 2)
+    assert ran["mixed_precision"] == ran["strategy"]["precision"] == expected["precision"]
+    if ran["distributed_type"] == "FSDP":
+        fsdp = ran["strategy"]["fsdp"]
+        assert (fsdp["version"], fsdp["reshard_after_forward"]) == (2, expected["reshard"])
+        assert fsdp["cpu_offload"] == expected.get("offload", "OffloadPolicy")
+        assert fsdp["state_dict_type"] == expected.get("state_dict_type", "SHARDED_STATE_DICT")
+        assert fsdp["param_dtype"] == {"bf16": "bfloat16", "no": None}[expected["precision"]]  # FSDP2 computes in it
+    if ran["distributed_type"] == "DEEPSPEED":
+        deepspeed = ran["strategy"]["deepspeed"]
+        assert deepspeed["zero_stage"] == expected["zero_stage"]
+        assert deepspeed["gradient_accumulation_steps"] == ran["arguments"]["grad_accum"] == expected.get("grad_accum", 1)
+    if ran["distributed_type"] == "FSDP" or expected.get("zero_stage") == 3:
+        held = ran["parameters"]["held_by_rank"]
+        assert max(held) < 0.6 * ran["parameters"]["total"], held  # really sharded over the 2 ranks
+    saved = "model/model.safetensors" if recipe == "full" else "adapter/adapter_model.safetensors"
+    assert (tmp_path / "out" / saved).is_file()
+
+
+def with_typo(tmp_path) -> str:
+    """TRL's fsdp2.yaml with `fsdp_reshard_after_forward` misspelt: accelerate alone would run full shard."""
+    config = yaml.safe_load((FIXTURES / "trl__fsdp2.yaml").read_text())
+    config["fsdp_config"]["fsdp_reshard_after_foward"] = False
+    del config["fsdp_config"]["fsdp_reshard_after_forward"]
+    path = tmp_path / "fsdp2_typo.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return str(path)
+
+
+@pytest.mark.parametrize("config, refusal", [
+    (lambda tmp_path: str(FIXTURES / "trl__context_parallel_2gpu.yaml"),
+     "error: context parallel (parallelism_config_cp_size: 2) is not supported by these recipes"),
+    (with_typo, "error: fsdp2_typo.yaml: `fsdp_reshard_after_foward` in fsdp_config is not an accelerate setting "
+                "(accelerate would ignore it); did you mean `fsdp_reshard_after_forward`?"),
+], ids=["context_parallel", "typo"])
+def test_what_cannot_run_as_written_is_refused_before_the_model_loads(config, refusal, tmp_path):
+    run = launch("lora", tmp_path / "out", "--max-steps", "1", config=config(tmp_path), mixed_precision=None)
+    assert run.returncode != 0
+    lines = [line for line in run.output.splitlines() if line.startswith("error: ")]
+    assert len(lines) == 1 and lines[0].startswith(refusal), run.output[-3000:]
+    assert_no_traceback_of_ours(run.output)
+    assert not (tmp_path / "out" / "run.json").exists()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from .modeling import DEFAULT_MODEL
 
@@ -10,7 +11,8 @@ from .modeling import DEFAULT_MODEL
 def recipe_parser(doc: str) -> argparse.ArgumentParser:
     summary, _, details = doc.partition("\n")
     parser = argparse.ArgumentParser(
-        description=summary, epilog=details, formatter_class=argparse.RawDescriptionHelpFormatter
+        # no abbreviations: which flags were typed must be known exactly (see `parse_args`)
+        description=summary, epilog=details, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
     )
     add = parser.add_argument
     add("--model", default=str(DEFAULT_MODEL),
@@ -62,6 +64,34 @@ def add_lora_args(parser: argparse.ArgumentParser) -> None:
     add("--lora-targets", default="all-linear",
         help="comma-separated module names to adapt, or `all-linear` (default)")
     add("--merge", action="store_true", help="also write merged/ : the adapter merged into the base weights")
+
+
+def add_qlora_args(parser: argparse.ArgumentParser) -> None:
+    add_lora_args(parser)
+    parser.add_argument("--bits", type=int, choices=(4, 8), default=4, help="4 = NF4 (QLoRA), 8 = LLM.int8()")
+
+
+def recipe_flags(recipe: str, doc: str = "recipe\n") -> argparse.ArgumentParser:
+    """The flags of `recipes/<recipe>.py` (`doc` is its --help text); tools that check a launch
+    without running it use the same parser."""
+    parser = recipe_parser(doc)
+    if recipe == "full":
+        parser.set_defaults(lr=2e-5)  # every weight moves: a LoRA-sized step would wreck the model
+    elif recipe == "lora":
+        add_lora_args(parser)
+    else:
+        add_qlora_args(parser)
+    return parser
+
+
+def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> argparse.Namespace:
+    """The parsed flags, plus `given_flags`: the ones typed on the command line. A setting in the
+    user's DeepSpeed config may fill a flag left at its default, but never override a typed one."""
+    argv = sys.argv[1:] if argv is None else argv
+    args = parser.parse_args(argv)
+    args.given_flags = sorted({action.dest for action in parser._actions for option in action.option_strings
+                               if any(arg == option or arg.startswith(option + "=") for arg in argv)})
+    return args
 
 
 def lora_targets(value: str):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -33,14 +32,9 @@ def load_tokenizer(name: str, trust_remote_code: bool = False):
     return tokenizer
 
 
-def mixed_precision(accelerator) -> str:
-    # DeepSpeed keeps its precision in its own config; the launcher's setting names it for all strategies.
-    return os.environ.get("ACCELERATE_MIXED_PRECISION", accelerator.mixed_precision or "no").lower()
-
-
 def float_dtype(accelerator, frozen: bool) -> torch.dtype:
     """Trained weights stay fp32 (autocast runs the maths in 16 bits); frozen ones may be 16-bit."""
-    precision = mixed_precision(accelerator)
+    precision = accelerator.mixed_precision  # under DeepSpeed: what its config enables
     if frozen and precision == "bf16":
         return torch.bfloat16
     if frozen and precision == "fp16":

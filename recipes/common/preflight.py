@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import sys
+import time
 from pathlib import Path
 
 EXIT_REFUSED = 2
@@ -27,8 +28,19 @@ class Refusal(SystemExit):
         return self.message
 
 
+# How long another rank waits for rank 0 (which may start seconds later) to print a refusal every rank reached.
+REFUSAL_GRACE_S = 30
+
+
 def refuse(message: str) -> None:
-    if int(os.environ.get("RANK", "0")) == 0:
+    """Print the line once (rank 0) and stop. Every rank reaches the same verdict; the others wait
+    a moment, because the launcher stops every rank as soon as one exits, and the first to exit
+    must not be a silent one. A rank still running after the grace (rank 0 did not refuse) speaks."""
+    rank = int(os.environ.get("RANK", "0"))
+    launched = "LOCAL_RANK" in os.environ  # started by a launcher, not called in-process by a test
+    if rank != 0 and launched:
+        time.sleep(REFUSAL_GRACE_S)
+    if rank == 0 or launched:
         from tqdm import tqdm
 
         tqdm.write(f"error: {message}", file=sys.stderr)  # on a line of its own, even under a progress bar
@@ -45,10 +57,9 @@ def requested_processes_of_launcher() -> int:
     With `distributed_type: 'NO'` accelerate starts one process whatever `--num_processes`
     says; only the launcher's own command line still shows what the user asked for.
     """
-    try:
-        argv = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().decode().split("\0")
-    except OSError:
-        return 1
+    from .launch_config import launcher_argv
+
+    argv = launcher_argv()
     for i, arg in enumerate(argv):
         if arg.startswith("--num_processes="):
             return int(arg.split("=", 1)[1])
@@ -59,6 +70,12 @@ def requested_processes_of_launcher() -> int:
 
 def check_launch(args, recipe: str) -> None:
     """Everything that can be known to fail before the model loads."""
+    from .launch_config import adapt_launch
+
+    # The user's config file first: it may translate the launch (FSDP1 -> FSDP2) or settle flags.
+    notes = adapt_launch(args)
+    if notes and int(os.environ.get("RANK", "0")) == 0:
+        print(f"config: {'; '.join(notes)}", flush=True)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     deepspeed = env_flag("ACCELERATE_USE_DEEPSPEED")
     fsdp = env_flag("ACCELERATE_USE_FSDP")
@@ -83,20 +100,6 @@ def check_launch(args, recipe: str) -> None:
         if value is not None and value < 0:
             refuse(f"--{name.replace('_', '-')} must be >= 0, got {value}")
     check_speed_options(args)
-
-    if deepspeed and os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE"):
-        check_deepspeed_config_file(os.environ["ACCELERATE_DEEPSPEED_CONFIG_FILE"], args)
-    if deepspeed:
-        ds_accum = os.environ.get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "auto")
-        if ds_accum.isdigit() and int(ds_accum) != args.grad_accum:
-            refuse(f"the DeepSpeed config accumulates {ds_accum} micro-batches but --grad-accum is "
-                   f"{args.grad_accum}; delete `gradient_accumulation_steps` from the accelerate "
-                   "config (the recipe's --grad-accum then applies) or make them equal")
-        ds_clip = os.environ.get("ACCELERATE_GRADIENT_CLIPPING", "auto")
-        if ds_clip not in ("auto", "none") and float(ds_clip) != args.max_grad_norm:
-            refuse(f"the DeepSpeed config clips gradients at {ds_clip} but --max-grad-norm is "
-                   f"{args.max_grad_norm}; delete `gradient_clipping` from the accelerate config "
-                   "or pass the same --max-grad-norm")
 
     if recipe == "qlora" and getattr(args, "bits", 4) == 8 and fsdp:
         refuse("8-bit weights cannot be sharded by FSDP; use --bits 4 (QLoRA) with fsdp.yaml, or "
@@ -134,37 +137,6 @@ def check_speed_options(args) -> None:
                "(the default, which picks a flash kernel itself where it can)")
     if args.attention == "flash_attention_2" and not torch.cuda.is_available():
         refuse("--attention flash_attention_2 needs a CUDA GPU; use --attention sdpa on this machine")
-
-
-# accelerate ignores these beside a `deepspeed_config_file` (and refuses with a long message).
-DEEPSPEED_FILE_CONFLICTS = ("gradient_accumulation_steps", "gradient_clipping", "zero_stage",
-                            "offload_optimizer_device", "offload_param_device", "offload_param_nvme_path",
-                            "offload_optimizer_nvme_path", "zero3_save_16bit_model", "mixed_precision")
-
-
-def check_deepspeed_config_file(path: str, args) -> None:
-    """A DeepSpeed JSON beside the accelerate YAML: one source of truth, and the recipe's loop."""
-    inline = [name for name in os.environ.get("ACCELERATE_CONFIG_DS_FIELDS", "").split(",")
-              if name in DEEPSPEED_FILE_CONFLICTS]
-    if inline:
-        refuse(f"the accelerate config sets {', '.join(inline)} beside deepspeed_config_file; move them into "
-               f"{path} (or drop deepspeed_config_file and keep the inline keys)")
-    try:
-        config = json.loads(Path(path).read_text())
-    except (OSError, ValueError) as error:
-        refuse(f"deepspeed_config_file {path} cannot be read as JSON ({error}); fix the file or its path")
-    for key in ("optimizer", "scheduler"):
-        if key in config:
-            refuse(f"{path} defines a DeepSpeed {key}, but the recipe builds its own AdamW and schedule "
-                   f"(the same on every strategy); delete the `{key}` section")
-    accum = config.get("gradient_accumulation_steps", "auto")
-    if accum != "auto" and int(accum) != args.grad_accum:
-        refuse(f"{path} accumulates {accum} micro-batches but --grad-accum is {args.grad_accum}; set "
-               "\"gradient_accumulation_steps\": \"auto\" in the file or make them equal")
-    clipping = config.get("gradient_clipping", "auto")
-    if clipping != "auto" and float(clipping) != args.max_grad_norm:
-        refuse(f"{path} clips gradients at {clipping} but --max-grad-norm is {args.max_grad_norm}; set "
-               "\"gradient_clipping\": \"auto\" in the file or pass the same --max-grad-norm")
 
 
 def model_config(model: str) -> dict | None:
@@ -209,9 +181,12 @@ def planned_strategy() -> tuple[str, int]:
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if env_flag("ACCELERATE_USE_DEEPSPEED"):
-        stage = os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2")
-        offload = os.environ.get("ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE", "none") != "none"
-        return ("zero3_offload" if stage == "3" and offload else f"zero{stage}"), world
+        from .launch_config import deepspeed_source
+
+        zero = deepspeed_source(os.environ)[1]["zero_optimization"]
+        stage = zero.get("stage", 0)
+        offload = (zero.get("offload_param") or {}).get("device", "none") != "none"
+        return ("zero3_offload" if stage == 3 and offload else f"zero{stage}"), world
     if env_flag("ACCELERATE_USE_FSDP"):
         if env_flag("FSDP_OFFLOAD_PARAMS"):
             return "fsdp_offload", world
@@ -268,16 +243,6 @@ def announce_plan(args, recipe: str) -> None:
 
 def size(num_bytes: float) -> str:
     return f"{num_bytes / 2**30:.2f} GiB" if num_bytes >= 2**30 else f"{num_bytes / 2**20:.1f} MiB"
-
-
-def refuse_if_cpu_cannot_run(strategy: str) -> None:
-    """Strategies that have no CPU form are named, never silently replaced by another."""
-    hybrid = int(os.environ.get("PARALLELISM_CONFIG_DP_REPLICATE_SIZE", "1")) > 1 or "HYBRID" in os.environ.get(
-        "FSDP_SHARDING_STRATEGY", ""
-    ).upper()
-    if strategy == "fsdp" and hybrid:
-        refuse("hybrid sharding needs GPUs (torch's device mesh refuses CPU process groups); on "
-               "this machine try accelerate_configs/fsdp.yaml, and use fsdp_hybrid.yaml on the cluster")
 
 
 def looks_local(name: str) -> bool:

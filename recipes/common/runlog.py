@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from .modeling import mixed_precision, parameter_counts
+from .modeling import parameter_counts
 
 LIBRARIES = ("torch", "transformers", "accelerate", "peft", "datasets", "bitsandbytes", "deepspeed")
 
@@ -29,24 +29,48 @@ def library_versions() -> dict:
     return found
 
 
-def strategy_details(accelerator) -> dict:
-    state = accelerator.state
-    details = {}
-    if getattr(state, "fsdp_plugin", None) is not None and accelerator.distributed_type.value == "FSDP":
-        plugin = state.fsdp_plugin
-        details["fsdp"] = {
-            "version": plugin.fsdp_version,
-            "reshard_after_forward": str(plugin.reshard_after_forward),
-            "cpu_offload": type(plugin.cpu_offload).__name__,
-        }
+def what_ran(accelerator, model) -> dict:
+    """Precision, sharding and offload as the prepared objects report them, not as the config
+    file says: DeepSpeed's engine, the FSDP plugin accelerate sharded with, the parameters' shards."""
+    from torch.distributed.tensor import DTensor
+
+    params = list(model.parameters())
+    shards = [local_tensor(p) for p in params]
+    ran = {
+        "precision": accelerator.mixed_precision,  # the autocast accelerate runs the forward in
+        "parameter_dtypes": {
+            "trained": sorted({str(t.dtype).removeprefix("torch.") for p, t in zip(params, shards) if p.requires_grad}),
+            "frozen": sorted({str(t.dtype).removeprefix("torch.") for p, t in zip(params, shards)
+                              if not p.requires_grad}),
+        },
+        "parameter_devices": sorted({t.device.type for t in shards}),
+    }
     if accelerator.distributed_type.value == "DEEPSPEED":
-        zero = state.deepspeed_plugin.deepspeed_config.get("zero_optimization", {})
-        details["deepspeed"] = {
-            "zero_stage": zero.get("stage"),
-            "offload_optimizer": zero.get("offload_optimizer", {}).get("device", "none"),
-            "offload_param": zero.get("offload_param", {}).get("device", "none"),
+        engine = model
+        ran["precision"] = "bf16" if engine.bfloat16_enabled() else "fp16" if engine.fp16_enabled() else "no"
+        ran["deepspeed"] = {
+            "zero_stage": engine.zero_optimization_stage(),
+            "offload_optimizer": getattr(engine.zero_offload_optimizer(), "device", "none"),
+            "offload_param": getattr(engine.zero_offload_param(), "device", "none"),
+            "gradient_accumulation_steps": engine.gradient_accumulation_steps(),
+            "gradient_clipping": engine.gradient_clipping(),
         }
-    return details
+        ran["deepspeed"] = {key: getattr(value, "value", value) for key, value in ran["deepspeed"].items()}
+    if accelerator.distributed_type.value == "FSDP":
+        plugin = accelerator.state.fsdp_plugin
+        mesh = next((p.device_mesh for p in params if isinstance(p, DTensor)), None)
+        policy = plugin.mixed_precision_policy
+        ran["fsdp"] = {
+            "version": plugin.fsdp_version,
+            "reshard_after_forward": plugin.reshard_after_forward,
+            "cpu_offload": type(plugin.cpu_offload).__name__,
+            "state_dict_type": getattr(plugin.state_dict_type, "name", str(plugin.state_dict_type)),
+            "mesh": None if mesh is None else dict(zip(mesh.mesh_dim_names or ("shard",), mesh.mesh.shape)),
+            "param_dtype": None if policy is None else str(policy.param_dtype).removeprefix("torch."),
+        }
+    if accelerator.device.type == "cpu":
+        ran["note"] = "CPU-only run: offload to CPU moves nothing here"
+    return ran
 
 
 MEMORY_KINDS = ("weights", "gradients", "optimizer")
@@ -114,6 +138,7 @@ class RunLog:
         counts = parameter_counts(model)
         held = torch.tensor([counts["held_by_this_rank"]], device=self.accelerator.device)
         per_rank = self.accelerator.gather(held).tolist()
+        ran = what_ran(self.accelerator, model)
         record = {
             "recipe": self.recipe,
             "arguments": vars(self.args),
@@ -121,14 +146,14 @@ class RunLog:
             "data_format": data_format,
             "distributed_type": self.accelerator.distributed_type.value,
             "num_processes": self.accelerator.num_processes,
-            "mixed_precision": mixed_precision(self.accelerator),
+            "mixed_precision": ran["precision"],
             "device": str(self.accelerator.device.type),
             "parameters": {
                 "total": counts["total"],
                 "trainable": counts["trainable"],
                 "held_by_rank": per_rank,
             },
-            "strategy": strategy_details(self.accelerator),
+            "strategy": ran,
             "versions": library_versions(),
         }
         self.record = record
@@ -144,7 +169,7 @@ class RunLog:
             share = per_rank[0] / max(counts["total"], 1)
             self.say(
                 f"{self.recipe}: {self.accelerator.distributed_type.value} x {self.accelerator.num_processes} "
-                f"process(es), {mixed_precision(self.accelerator)} precision, {counts['total']:,} parameters "
+                f"process(es), {ran['precision']} precision, {counts['total']:,} parameters "
                 f"({counts['trainable']:,} trainable, rank 0 holds {share:.0%}), data format: {data_format}"
             )
 

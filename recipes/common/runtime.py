@@ -18,7 +18,7 @@ import torch
 from accelerate import Accelerator, DataLoaderConfiguration
 from accelerate.utils import DistributedType, GradientAccumulationPlugin, InitProcessGroupKwargs
 
-from . import preflight
+from . import launch_config
 
 # A rank that dies must not leave the others waiting forever in a collective.
 COLLECTIVE_TIMEOUT = timedelta(minutes=int(os.environ.get("RECIPES_COLLECTIVE_TIMEOUT_MIN", "30")))
@@ -54,7 +54,6 @@ def make_accelerator(args) -> Accelerator:
     strategy = launched_strategy()
     on_cpu = not has_gpu()
     if on_cpu:
-        preflight.refuse_if_cpu_cannot_run(strategy)
         share_cpu_cores()
     kwargs = dict(
         # The recipes hand the loop exactly `grad_accum` micro-batches per optimizer step, so
@@ -115,10 +114,7 @@ def enable_fsdp_on_cpu(accelerator: Accelerator) -> None:
     from accelerate.state import AcceleratorState, PartialState
     from accelerate.utils import FullyShardedDataParallelPlugin
 
-    plugin = FullyShardedDataParallelPlugin()
-    if plugin.fsdp_version != 2:
-        preflight.refuse("FSDP1 cannot be checked on CPU (its full state dict save crashes there); "
-                         "set `fsdp_version: 2` in the accelerate config")
+    plugin = FullyShardedDataParallelPlugin()  # FSDP2: launch_config translates FSDP1 files
     from torch.distributed.fsdp import CPUOffloadPolicy
 
     if isinstance(plugin.cpu_offload, CPUOffloadPolicy):
@@ -136,15 +132,11 @@ def enable_fsdp_on_cpu(accelerator: Accelerator) -> None:
 
 
 def align_deepspeed_with_recipe(accelerator: Accelerator, args) -> None:
-    """Make DeepSpeed clip like every other strategy and keep the full weights savable."""
+    """Make DeepSpeed accumulate and clip like every other strategy and keep the full weights savable."""
     config = accelerator.state.deepspeed_plugin.deepspeed_config
-    # DeepSpeed clips inside its own step; the value must be the recipe's, as on DDP and FSDP.
-    config["gradient_clipping"] = args.max_grad_norm
-    zero = config.setdefault("zero_optimization", {})
-    if zero.get("stage") == 3:
-        # Saving the final model needs the gathered 16-bit weights; without it save fails at the end.
-        zero["stage3_gather_16bit_weights_on_model_save"] = True
-    if not has_gpu() and zero.get("offload_optimizer", {}).get("device", "none") != "none":
+    launch_config.edit_deepspeed(config, args)
+    offload = config["zero_optimization"].get("offload_optimizer") or {}
+    if not has_gpu() and offload.get("device", "none") != "none":
         # DeepSpeed's CPU Adam needs a compiled extension; on a CPU-only machine torch's AdamW
         # runs the same update without the build.
         config["zero_force_ds_cpu_optimizer"] = False

@@ -1,0 +1,116 @@
+#!/usr/bin/env python
+"""Will my accelerate config file run these recipes? Checked here, before renting the GPUs.
+
+Reads the file the way `accelerate launch` does (accelerate's own parser), then runs the
+recipe's start-up checks on it without loading a model: prints what the recipe would translate
+(FSDP1 -> FSDP2, DeepSpeed values taken over as flags), its memory plan, and `ok`, or the one-line
+refusal the launch would end with. Exit status 0 = runs, 2 = refused.
+
+Examples:
+    python scripts/check_config.py my_fsdp.yaml
+    python scripts/check_config.py zero3.yaml --recipe qlora --num-processes 8 --gpu -- --grad-accum 4
+    python scripts/check_config.py ds_config.json        # a DeepSpeed JSON, as --deepspeed_config_file
+
+--gpu checks as on a GPU machine (the default is what this machine has). Flags after `--` are
+the recipe's own (as on `accelerate launch ... recipes/lora.py <flags>`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import warnings
+from pathlib import Path
+from unittest import mock
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT / "recipes"))
+
+from common import launch_config, preflight  # noqa: E402
+from common.args import parse_args as parse_recipe_args  # noqa: E402
+from common.args import recipe_flags  # noqa: E402
+
+
+def is_deepspeed_json(path: Path) -> bool:
+    return Path(path).suffix == ".json" and "zero_optimization" in launch_config.read_config(path)
+
+
+def launcher_environment(config_file: Path, num_processes: int | None = None) -> dict:
+    """The environment `accelerate launch --config_file <file>` gives the first process it starts."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_deepspeed_cmd_env, prepare_multi_gpu_env, prepare_simple_launcher_cmd_env
+
+    if is_deepspeed_json(config_file):  # as `accelerate launch --use_deepspeed --deepspeed_config_file X`
+        argv = ["--use_deepspeed", "--deepspeed_config_file", str(config_file), "--num_processes", str(num_processes or 2)]
+    else:
+        argv = ["--config_file", str(config_file)]
+        argv += ["--num_processes", str(num_processes)] if num_processes else []
+    launcher_args, defaults, precision_from_file = _validate_launch_command(
+        launch_command_parser().parse_args([*argv, "recipe.py"]))
+    if launcher_args.use_deepspeed:
+        # as `accelerate launch` does before it calls its DeepSpeed launcher
+        fields = list(defaults.deepspeed_config) if defaults and defaults.deepspeed_config else []
+        launcher_args.deepspeed_fields_from_accelerate_config = ",".join(
+            fields + (["mixed_precision"] if precision_from_file else []))
+        env = prepare_deepspeed_cmd_env(launcher_args)[1]
+    elif launcher_args.use_fsdp or launcher_args.multi_gpu:
+        env = prepare_multi_gpu_env(launcher_args)
+    else:
+        env = prepare_simple_launcher_cmd_env(launcher_args)[1]
+    processes = launcher_args.num_processes or 1
+    machines = launcher_args.num_machines or 1
+    distributed = launcher_args.use_deepspeed or launcher_args.use_fsdp or launcher_args.multi_gpu
+    env.update(RANK="0", WORLD_SIZE=str(processes if distributed else 1),
+               LOCAL_WORLD_SIZE=str(max(1, processes // machines) if distributed else 1))
+    return env
+
+
+def check(config_file: Path, recipe: str = "lora", recipe_argv: list[str] = (), num_processes: int | None = None,
+          on_gpu: bool | None = None) -> list[str]:
+    """The lines the recipe would print at start-up for this config file; raises `preflight.Refusal`."""
+    path = Path(config_file)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the launcher's notes about ports in use
+            env = launcher_environment(path, num_processes)
+    except (ValueError, KeyError, TypeError) as error:
+        # accelerate stops at an unknown top-level key without naming an alternative: name one
+        problem = None if is_deepspeed_json(path) else launch_config.unknown_key(launch_config.read_config(path))
+        preflight.refuse(f"{path.name}: {problem}" if problem else
+                         f"accelerate cannot launch {path.name}: {str(error).splitlines()[0]}")
+    args = parse_recipe_args(recipe_flags(recipe), list(recipe_argv))
+    on_gpu = (__import__("torch").cuda.is_available()) if on_gpu is None else on_gpu
+    with mock.patch.dict(os.environ, env, clear=True), mock.patch("torch.cuda.is_available", return_value=on_gpu):
+        notes = launch_config.adapt_launch(args, config_file=None if is_deepspeed_json(path) else path, on_gpu=on_gpu)
+        strategy, processes = preflight.planned_strategy()
+        precision = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+    lines = [f"config: {'; '.join(notes)}"] if notes else []
+    return lines + [f"ok: {recipe} runs as {strategy} on {processes} process(es), precision {precision}"]
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    recipe_argv = argv[argv.index("--") + 1:] if "--" in argv else []
+    argv = argv[:argv.index("--")] if "--" in argv else argv
+    summary, _, details = __doc__.partition("\n")
+    parser = argparse.ArgumentParser(description=summary, epilog=details,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("config_file", type=Path, help="an accelerate config file (.yaml or .json)")
+    parser.add_argument("--recipe", choices=("full", "lora", "qlora"), default="lora", help="default: lora")
+    parser.add_argument("--num-processes", type=int, default=None, help="as the launcher's --num_processes")
+    parser.add_argument("--gpu", action="store_true", help="check as on a machine with CUDA GPUs")
+    args = parser.parse_args(argv)
+    if not args.config_file.is_file():
+        print(f"error: {args.config_file} does not exist", file=sys.stderr)
+        return 2
+    try:
+        lines = check(args.config_file, args.recipe, recipe_argv, args.num_processes, on_gpu=args.gpu or None)
+    except preflight.Refusal:
+        return 2  # the refusal line is already printed
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,211 @@
+"""The translations and refusals of recipes/common/launch_config.py, one case at a time (in-process).
+
+Each case starts from the environment `accelerate launch` would hand a recipe and checks what the
+recipe makes of it; the real launches of users' files are in test_user_configs.py.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from conftest import REPO
+
+sys.path.insert(0, str(REPO / "recipes"))
+from common import launch_config  # noqa: E402
+from common.args import parse_args, recipe_flags  # noqa: E402
+from common.preflight import Refusal  # noqa: E402
+
+FSDP2_DEFAULTS = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_SHARDING_STRATEGY": "FULL_SHARD",
+                  "FSDP_RESHARD_AFTER_FORWARD": "true", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4"}
+
+
+def fsdp_env(**changes) -> dict:
+    return {**FSDP2_DEFAULTS, **changes}
+
+
+def adapt(env: dict, *argv: str, on_gpu: bool = False, recipe: str = "lora"):
+    args = parse_args(recipe_flags(recipe), list(argv))
+    notes = launch_config.adapt_launch(args, env=env, config_file=None, on_gpu=on_gpu)
+    return notes, args
+
+
+# FSDP: every file runs as FSDP2 with the sharding it asks for
+
+@pytest.mark.parametrize("changes, reshard", [
+    ({"FSDP_VERSION": "1"}, "true"),
+    ({"FSDP_VERSION": "1", "FSDP_SHARDING_STRATEGY": "SHARD_GRAD_OP"}, "false"),
+    ({"FSDP_VERSION": "1", "FSDP_SHARDING_STRATEGY": "2"}, "false"),  # torch's number for SHARD_GRAD_OP
+    ({"FSDP_VERSION": "1", "FSDP_RESHARD_AFTER_FORWARD": "full_shard"}, "true"),  # TRL's fsdp1.yaml style
+    ({"FSDP_VERSION": "2", "FSDP_RESHARD_AFTER_FORWARD": "SHARD_GRAD_OP"}, "false"),  # "invalid truth value" before
+    ({"FSDP_VERSION": "1", "FSDP_RESHARD_AFTER_FORWARD": "false"}, "false"),
+])
+def test_fsdp1_sharding_runs_as_fsdp2(changes, reshard):
+    env = fsdp_env(**changes)
+    notes, _ = adapt(env)
+    assert (env["FSDP_VERSION"], env["FSDP_RESHARD_AFTER_FORWARD"]) == ("2", reshard)
+    assert notes[0].endswith(f"-> FSDP2 with reshard_after_forward {reshard}")
+
+
+def test_an_fsdp2_file_is_left_as_it_is():
+    env = fsdp_env(FSDP_STATE_DICT_TYPE="FULL_STATE_DICT")
+    before = dict(env)
+    assert adapt(env)[0] == [] and env == before
+
+
+def test_fsdp1_only_settings_are_named_in_the_translation():
+    env = fsdp_env(FSDP_VERSION="1", FSDP_BACKWARD_PREFETCH="BACKWARD_PRE", FSDP_STATE_DICT_TYPE="LOCAL_STATE_DICT")
+    notes, _ = adapt(env)
+    assert "FSDP_BACKWARD_PREFETCH" not in env  # FSDP2 has no such knob; accelerate would warn about it
+    assert env["FSDP_STATE_DICT_TYPE"] == "SHARDED_STATE_DICT"
+    assert notes[1:] == ["LOCAL_STATE_DICT -> SHARDED_STATE_DICT", "prefetch: FSDP2 prefetches the next layer itself",
+                         "use_orig_params / sync_module_states: not needed by FSDP2"]
+
+
+def test_no_shard_runs_as_ddp_and_refuses_offload():
+    env = fsdp_env(FSDP_VERSION="1", FSDP_SHARDING_STRATEGY="NO_SHARD")
+    assert adapt(env)[0] == ["NO_SHARD -> DDP"] and env["ACCELERATE_USE_FSDP"] == "false"
+    with pytest.raises(Refusal, match="fsdp_offload_params needs sharding, but the sharding strategy is NO_SHARD"):
+        adapt(fsdp_env(FSDP_SHARDING_STRATEGY="NO_SHARD", FSDP_OFFLOAD_PARAMS="true"))
+
+
+def test_hybrid_shard_needs_gpus_and_becomes_a_two_level_mesh_on_them():
+    with pytest.raises(Refusal, match="hybrid sharding needs GPUs"):
+        adapt(fsdp_env(FSDP_VERSION="1", FSDP_SHARDING_STRATEGY="HYBRID_SHARD"))
+    env = fsdp_env(FSDP_VERSION="1", FSDP_SHARDING_STRATEGY="_HYBRID_SHARD_ZERO2", WORLD_SIZE="8", LOCAL_WORLD_SIZE="4")
+    notes, _ = adapt(env, on_gpu=True)
+    assert (env["PARALLELISM_CONFIG_DP_REPLICATE_SIZE"], env["PARALLELISM_CONFIG_DP_SHARD_SIZE"]) == ("2", "4")
+    assert env["FSDP_RESHARD_AFTER_FORWARD"] == "false"
+    assert "hybrid: replicated over 2 machines, sharded over 4" in notes
+    one_machine = fsdp_env(FSDP_SHARDING_STRATEGY="HYBRID_SHARD")
+    assert "hybrid shard on one machine = full shard over its processes" in adapt(one_machine, on_gpu=True)[0]
+    assert "PARALLELISM_CONFIG_DP_REPLICATE_SIZE" not in one_machine
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"FSDP_STATE_DICT_TYPE": "FULL"}, "fsdp_state_dict_type `FULL` is not one of FULL_STATE_DICT, SHARDED_STATE_DICT"),
+    ({"FSDP_SHARDING_STRATEGY": "FULL-SHARD"}, "fsdp_sharding_strategy `FULL-SHARD` is not one of FULL_SHARD"),
+    ({"FSDP_RESHARD_AFTER_FORWARD": "maybe"}, "fsdp_reshard_after_forward `maybe` is neither true / false nor one of"),
+    ({"FSDP_OFFLOAD_PARAMS": "sometimes"}, "fsdp_offload_params `sometimes` is not true or false"),
+    ({"FSDP_VERSION": "3"}, "fsdp_version `3` is not 1 or 2"),
+])
+def test_a_value_accelerate_would_choke_on_is_refused(changes, message):
+    with pytest.raises(Refusal, match=message):
+        adapt(fsdp_env(**changes))
+
+
+@pytest.mark.parametrize("size, message", [
+    ("PARALLELISM_CONFIG_CP_SIZE", "context parallel (parallelism_config_cp_size: 2) is not supported"),
+    ("PARALLELISM_CONFIG_SP_SIZE", "sequence parallel (ALST/Ulysses) (parallelism_config_sp_size: 2) is not supported"),
+    ("PARALLELISM_CONFIG_TP_SIZE", "tensor parallel (parallelism_config_tp_size: 2) is not supported"),
+])
+def test_sequence_and_tensor_sharding_are_refused_on_every_machine(size, message):
+    for on_gpu in (False, True):
+        with pytest.raises(Refusal, match=message.replace("(", r"\(").replace(")", r"\)")):
+            adapt(fsdp_env(ACCELERATE_USE_PARALLELISM_CONFIG="true", **{size: "2"}), on_gpu=on_gpu)
+
+
+# DeepSpeed: the JSON and the recipe's flags agree
+
+
+def deepspeed_env(tmp_path, config: dict, **changes) -> dict:
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 2}, **config}))
+    return {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_CONFIG_FILE": str(path), "WORLD_SIZE": "2",
+            "ACCELERATE_MIXED_PRECISION": "no", **changes}
+
+
+def test_values_the_file_fixes_become_the_flags_unless_typed(tmp_path):
+    env = deepspeed_env(tmp_path, {"gradient_accumulation_steps": 4, "gradient_clipping": 0.5,
+                                   "train_micro_batch_size_per_gpu": 2, "train_batch_size": 16})
+    notes, args = adapt(env)
+    assert (args.grad_accum, args.max_grad_norm, args.batch_size) == (4, 0.5, 2)
+    assert notes == ["--grad-accum 4 (its gradient_accumulation_steps)", "--max-grad-norm 0.5 (its gradient_clipping)",
+                     "--batch-size 2 (its train_micro_batch_size_per_gpu)"]
+    with pytest.raises(Refusal, match="sets gradient_accumulation_steps = 4 but --grad-accum is 2; pass the same value"):
+        adapt(env, "--grad-accum=2")
+    assert adapt(env, "--grad-accum", "4")[1].grad_accum == 4  # typed and equal: fine
+
+
+def test_a_train_batch_size_that_does_not_add_up_is_refused(tmp_path):
+    with pytest.raises(Refusal, match=r"train_batch_size = 64, but --batch-size 8 x --grad-accum 1 x 2 processes = 16"):
+        adapt(deepspeed_env(tmp_path, {"train_batch_size": 64}))
+
+
+def test_an_adamw_section_becomes_the_recipes_adamw_and_others_are_refused(tmp_path):
+    adamw = {"type": "AdamW", "params": {"lr": "auto", "weight_decay": 0.1, "torch_adam": True, "adam_w_mode": True}}
+    notes, args = adapt(deepspeed_env(tmp_path, {"optimizer": adamw}))
+    assert args.weight_decay == 0.1 and "optimizer AdamW -> the recipe's AdamW" in notes
+    for section, message in [({"type": "Lamb"}, "asks for a DeepSpeed Lamb optimizer"),
+                             ({"type": "Adam", "params": {"adam_w_mode": False}}, "asks for a DeepSpeed Adam optimizer"),
+                             ({"type": "AdamW", "params": {"betas": [0.9, 0.95]}}, "AdamW with betas optimizer")]:
+        with pytest.raises(Refusal, match=message):
+            adapt(deepspeed_env(tmp_path, {"optimizer": section}))
+    with pytest.raises(Refusal, match="asks for a DeepSpeed WarmupLR scheduler, .* delete the `scheduler` section"):
+        adapt(deepspeed_env(tmp_path, {"scheduler": {"type": "WarmupLR"}}))
+
+
+def test_the_files_precision_is_what_runs(tmp_path):
+    env = deepspeed_env(tmp_path, {"bf16": {"enabled": True}})
+    assert "precision bf16 (its bf16.enabled)" in adapt(env)[0]
+    assert env["ACCELERATE_MIXED_PRECISION"] == "bf16"  # the plan and the model's dtypes follow it
+    auto = deepspeed_env(tmp_path, {"bf16": {"enabled": "auto"}, "fp16": {"enabled": "auto"}})
+    assert adapt(auto)[0] == [] and auto["ACCELERATE_MIXED_PRECISION"] == "no"
+    for config, changes, message in [
+        ({"bf16": {"enabled": True}, "fp16": {"enabled": True}}, {}, "enables both bf16 and fp16"),
+        ({"bf16": {"enabled": True}}, {"ACCELERATE_MIXED_PRECISION": "fp16"}, "enables bf16 but the launch asks for"),
+        ({"fp16": {"enabled": True}}, {}, "trains in fp16, which DeepSpeed cannot do on CPU"),
+    ]:
+        with pytest.raises(Refusal, match=message):
+            adapt(deepspeed_env(tmp_path, config, **changes))
+    assert adapt(deepspeed_env(tmp_path, {"fp16": {"enabled": True}}), on_gpu=True)[0] == ["precision fp16 (its fp16.enabled)"]
+
+
+def test_a_typo_in_zero_optimization_names_the_setting(tmp_path):
+    zero = {"stage": 3, "stage3_gather_16bit_weights_on_model_sav": True}
+    with pytest.raises(Refusal, match="`stage3_gather_16bit_weights_on_model_sav` in zero_optimization of .* is not a "
+                                      "DeepSpeed setting; did you mean `stage3_gather_16bit_weights_on_model_save`"):
+        adapt(deepspeed_env(tmp_path, {"zero_optimization": zero}))
+
+
+def test_the_engine_config_keeps_the_files_names_and_the_recipes_loop():
+    args = parse_args(recipe_flags("lora"), ["--grad-accum", "2"])
+    axolotl = {"zero_optimization": {"stage": 3, "gather_16bit_weights_on_model_save": False},
+               "optimizer": {"type": "AdamW"}, "gradient_accumulation_steps": 1}
+    launch_config.edit_deepspeed(axolotl, args)
+    # DeepSpeed refuses a config that holds both names of the same setting
+    assert axolotl["zero_optimization"] == {"stage": 3, "gather_16bit_weights_on_model_save": True}
+    assert (axolotl["gradient_accumulation_steps"], axolotl["gradient_clipping"]) == (2, 1.0)
+    assert "optimizer" not in axolotl
+    plain = {"zero_optimization": {"stage": 3}}
+    launch_config.edit_deepspeed(plain, args)
+    assert plain["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] is True
+
+
+# The file the launcher read
+
+
+def test_the_launchers_config_file_is_found_in_its_command_line(tmp_path):
+    launcher = ["/usr/bin/python", "/usr/bin/accelerate", "launch"]
+    assert launch_config.config_file_of_launcher(launcher + ["--config_file", "a.yaml", "x.py"]).name == "a.yaml"
+    assert launch_config.config_file_of_launcher(launcher + ["--config-file=b.yaml", "x.py"]).name == "b.yaml"
+    assert launch_config.config_file_of_launcher(["/usr/bin/python", "-m", "torch.distributed.run", "x.py"]) is None
+
+
+@pytest.mark.parametrize("config, problem", [
+    ({"fsdp_config": {"version": 2, "fsdp_offload_params": True}}, None),  # accelerate adds the fsdp_ prefix
+    ({"fsdp_config": {"fsdp_sharding_stratgy": "FULL_SHARD"}}, "did you mean `fsdp_sharding_strategy`?"),
+    ({"parallelism_config": {"dp_shard_size": 2}}, "did you mean `parallelism_config_dp_shard_size`?"),
+    ({"deepspeed_config": {"zero_stag": 3}}, "did you mean `zero_stage`?"),
+    ({"distributed_typ": "FSDP"}, "`distributed_typ` at the top level is not an accelerate setting"),
+])
+def test_keys_accelerate_does_not_read_are_named(config, problem):
+    found = launch_config.unknown_key({"distributed_type": "FSDP", **config})
+    assert found == problem if problem is None else problem in found
+
+
+def test_the_recipe_knows_which_flags_were_typed():
+    args = parse_args(recipe_flags("qlora"), ["--lr", "1e-4", "--grad-accum=2", "--bits", "4"])
+    assert args.given_flags == ["bits", "grad_accum", "lr"]
