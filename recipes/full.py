@@ -125,3 +125,4 @@ def main():
 
 if __name__ == "__main__":
     main()
+    runtime.exit_after_a_finished_run()  # a native thread can abort the interpreter's teardown (runtime.py)

@@ -44,7 +44,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "recipes"))  # the recipe's own flags, data loading and rendering
 
 from common import args as cli  # noqa: E402
-from common import data, formats, modeling  # noqa: E402
+from common import data, formats, modeling, runtime  # noqa: E402
 from common.preflight import refuse  # noqa: E402
 
 
@@ -274,9 +274,4 @@ def main():
 
 if __name__ == "__main__":
     main()
-    # Everything is written and the process group is closed. Skip the interpreter's teardown: now and
-    # then a native thread of the TRL/Trainer stack is destroyed while still joinable there, and the
-    # C++ runtime aborts the rank ("terminate called without an active exception") after a good run.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    runtime.exit_after_a_finished_run()

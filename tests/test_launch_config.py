@@ -163,6 +163,18 @@ def test_the_files_precision_is_what_runs(tmp_path):
     assert adapt(deepspeed_env(tmp_path, {"fp16": {"enabled": True}}), on_gpu=True)[0] == ["precision fp16 (its fp16.enabled)"]
 
 
+def test_a_torch_compile_section_turns_on_compile(tmp_path):
+    """axolotl's zero1_torch_compile.json: DeepSpeed itself refuses this form of `compile`."""
+    notes, args = adapt(deepspeed_env(tmp_path, {"compile": {"disable": False, "backend": "inductor"}}))
+    assert args.compile and notes == ["--compile (its compile section)"]
+    assert not adapt(deepspeed_env(tmp_path, {"compile": {"disable": True}}))[1].compile
+    with pytest.raises(Refusal, match="asks torch.compile for the `eager` backend"):
+        adapt(deepspeed_env(tmp_path, {"compile": {"backend": "eager"}}))
+    engine_config = {"zero_optimization": {"stage": 1}, "compile": {"disable": False, "backend": "inductor"}}
+    launch_config.edit_deepspeed(engine_config, args)
+    assert "compile" not in engine_config
+
+
 def test_a_typo_in_zero_optimization_names_the_setting(tmp_path):
     zero = {"stage": 3, "stage3_gather_16bit_weights_on_model_sav": True}
     with pytest.raises(Refusal, match="`stage3_gather_16bit_weights_on_model_sav` in zero_optimization of .* is not a "

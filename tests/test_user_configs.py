@@ -9,13 +9,16 @@ launched for real, across the three recipes.
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
+import subprocess
 import sys
 
 import pytest
 import yaml
 
-from conftest import REPO, assert_no_traceback_of_ours, launch
+from conftest import REPO, assert_no_traceback_of_ours, launch, launch_command, launch_env
 
 sys.path.insert(0, str(REPO / "scripts"))
 sys.path.insert(0, str(REPO / "recipes"))
@@ -174,6 +177,30 @@ def test_user_config_file_trains_as_written(recipe, name, tmp_path):
         assert max(held) < 0.6 * ran["parameters"]["total"], held  # really sharded over the 2 ranks
     saved = "model/model.safetensors" if recipe == "full" else "adapter/adapter_model.safetensors"
     assert (tmp_path / "out" / saved).is_file()
+
+
+@pytest.mark.skipif(os.environ.get("RECIPES_ALL_USER_CONFIGS") != "1",
+                    reason="~12 min: set RECIPES_ALL_USER_CONFIGS=1 (the suite launches one file of each kind above)")
+@pytest.mark.parametrize("name", sorted(name for name in EXPECTED if name != "accelerate__sp-alst.ds-config.json"))
+def test_every_fixture_trains_or_is_refused(name, user_folder, tmp_path, monkeypatch):
+    """Every file launched for real, the recipes taking turns; relative paths resolve as in their projects."""
+    recipe = ("full", "lora", "qlora")[sorted(EXPECTED).index(name) % 3]
+    monkeypatch.chdir(user_folder)
+    written = {} if name.endswith(".json") else yaml.safe_load((user_folder / name).read_text())
+    processes = 1 if written.get("num_processes") == 1 else 2  # the files ask for 8; this machine has 2 cores
+    command = launch_command(recipe, tmp_path / "out", "--max-steps", "2", "--batch-size", "2",
+                             config=str(user_folder / name), processes=processes, mixed_precision=None)
+    done = subprocess.run(command, cwd=user_folder, capture_output=True, text=True, timeout=900, env=launch_env())
+    output = done.stdout + done.stderr
+    expected = EXPECTED[name][0].replace("{path}", name)
+    if expected.startswith("error: "):
+        lines = [line for line in output.splitlines() if line.startswith("error: ")]
+        assert done.returncode != 0 and len(lines) == 1 and expected.split(" ")[-1] in lines[0], output[-3000:]
+        return
+    assert done.returncode == 0, output[-3000:]
+    ran = json.loads((tmp_path / "out" / "run.json").read_text())
+    kinds = {"ddp": "MULTI_CPU" if processes > 1 else "NO", "zero": "DEEPSPEED", "fsdp": "FSDP"}
+    assert (ran["distributed_type"], ran["num_processes"]) == (kinds[expected[:4].rstrip("_123")], processes)
 
 
 def with_typo(tmp_path) -> str:

@@ -349,6 +349,16 @@ def settle_deepspeed(config: dict, source: str, args, env, on_gpu: bool) -> list
                "builds its own warm-up + cosine schedule from --lr and --warmup-ratio; delete the `scheduler` "
                "section (or edit the recipe's schedule)")
 
+    compile_asked = torch_compile_section(config)
+    if compile_asked:
+        backend = config["compile"].get("backend", "inductor")
+        if backend != "inductor":
+            refuse(f"{source} asks torch.compile for the `{backend}` backend; the recipes' --compile uses inductor: "
+                   "delete the `compile` section, or set \"backend\": \"inductor\"")
+        if not args.compile:
+            args.compile = True
+            notes.append("--compile (its compile section)")
+
     launcher = env.get("ACCELERATE_MIXED_PRECISION", "no").lower()
     explicit = [kind for kind in ("bf16", "fp16") if str(lookup(config, f"{kind}.enabled")).lower() == "true"]
     if len(explicit) == 2:
@@ -367,6 +377,16 @@ def settle_deepspeed(config: dict, source: str, args, env, on_gpu: bool) -> list
     return notes
 
 
+def torch_compile_section(config: dict) -> bool | None:
+    """A `compile` section in the form HF Trainer and axolotl read (torch.compile's `disable` and
+    `backend`), which DeepSpeed's own, differently shaped section refuses: compile asked or not;
+    None when there is no such section (DeepSpeed's own form is left to DeepSpeed)."""
+    section = config.get("compile")
+    if not isinstance(section, dict) or not set(section) <= {"disable", "backend"}:
+        return None
+    return str(section.get("disable", False)).lower() != "true"
+
+
 def edit_deepspeed(config: dict, args) -> None:
     """The DeepSpeed config accelerate will start the engine with, aligned with the recipe's loop
     (after `settle_deepspeed` has checked that nothing the user asked for is lost)."""
@@ -376,6 +396,8 @@ def edit_deepspeed(config: dict, args) -> None:
     # DeepSpeed clips inside its own step; the value must be the recipe's, as on DDP and FSDP.
     config["gradient_clipping"] = args.max_grad_norm
     config.pop("optimizer", None)  # an AdamW section: the recipe's own AdamW is the same
+    if torch_compile_section(config) is not None:
+        del config["compile"]  # torch.compile's options: --compile applies them (DeepSpeed would refuse them)
     zero = config.setdefault("zero_optimization", {})
     if zero.get("stage") == 3:
         # Saving the final model needs the gathered 16-bit weights; the file may use either name.
