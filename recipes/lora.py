@@ -21,6 +21,7 @@ LoRA:  --lora-r --lora-alpha --lora-dropout --lora-targets --merge
 
 import math
 
+import common.quiet  # noqa: F401  (first: silences library notices nobody can act on)
 import torch
 from accelerate.utils import set_seed
 from peft import LoraConfig, get_peft_model
@@ -39,13 +40,17 @@ def parse_args():
 def main():
     args = parse_args()
     preflight.check_launch(args, recipe="lora")
-    checkpoint.refuse_foreign_checkpoints(args)
     accelerator = runtime.make_accelerator(args)
+    resume = checkpoint.resume_point(accelerator, args)  # the checkpoint to continue, checked before loading
     set_seed(args.seed)
 
-    # Model: the frozen base in 16 bits where mixed precision allows, trainable adapters on top.
+    # Data, before the model: a file that cannot be read stops the run here (file:line), rows that
+    # cannot train are counted and dropped. Prompt tokens are masked: the loss covers the responses only.
     modeling.ensure_default_model(args.model, accelerator)
     tokenizer = modeling.load_tokenizer(args.model, args.trust_remote_code)
+    train_set, eval_set, data_format = data.prepare(accelerator, tokenizer, args)
+
+    # Model: the frozen base in 16 bits where mixed precision allows, trainable adapters on top.
     model = modeling.load_model(args.model, accelerator, frozen=True, attention=args.attention, liger=args.liger,
                                 trust_remote_code=args.trust_remote_code)
     if args.gradient_checkpointing:  # recompute every Nth layer's activations in the backward instead of keeping them
@@ -61,11 +66,7 @@ def main():
     if args.compile:
         modeling.compile_layers(model)  # the first steps are slower while each shape compiles
 
-    # Data: prompt tokens are masked, so the loss covers the responses only.
-    with accelerator.main_process_first():
-        train_rows, eval_rows = data.load_splits(args.dataset, args.seed, args.columns)
-        train_set, data_format = data.tokenize(train_rows, tokenizer, args.max_length, args.packing)
-        eval_set, _ = data.tokenize(eval_rows, tokenizer, args.max_length)
+    # Batches: shuffled micro-batches, each padded to its longest row; a fixed one to check reloads against.
     train_loader, eval_loader = data.make_loaders(
         train_set, eval_set, tokenizer, args.batch_size, args.dataloader_workers
     )
@@ -84,7 +85,7 @@ def main():
 
     log = RunLog(accelerator, args, recipe="lora")
     log.write_run_json(model, data_format, optimizer)
-    start_step = checkpoint.resume_from(accelerator, args)
+    start_step = checkpoint.resume_from(accelerator, resume)
 
     # The loop: one iteration = one optimizer step over grad_accum micro-batches on every rank.
     model.train()
@@ -117,11 +118,11 @@ def main():
                              "lower --lr or check the data, then --resume auto")
         if step == total_steps or (args.eval_every and step % args.eval_every == 0):
             log.log_eval(step, evaluate(accelerator, model, eval_loader))
-        stopping = bool(stop_requested)  # pre-empted: keep the progress, let the scheduler requeue the job
+        stopping = bool(stop_requested)  # pre-empted or Ctrl-C: keep the progress, stop at this step
         if stopping or (args.save_every and step % args.save_every == 0):
-            checkpoint.save_checkpoint(accelerator, args.output_dir, step)
+            checkpoint.save_checkpoint(accelerator, args, step)
         if stopping:
-            log.close(f"stopped by SIGTERM after step {step}; continue with --resume auto")
+            log.close(f"stopped by {stop_requested.signal_name} after step {step}; continue with --resume auto")
             return
 
     # Export: what the trained model computes, then the files that reproduce it.

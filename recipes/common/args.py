@@ -36,6 +36,7 @@ def recipe_parser(doc: str) -> argparse.ArgumentParser:
     add("--seed", type=int, default=42)
     add("--eval-every", type=int, default=0, help="evaluate every N steps (0: only at the end)")
     add("--save-every", type=int, default=0, help="checkpoint every N steps (0: only at the end)")
+    add("--save-total-limit", type=int, default=0, help="keep only the newest N checkpoints (0: keep all)")
     add("--resume", default=None, help="a checkpoint folder to resume from, or `auto` for the newest")
     add("--gradient-checkpointing", nargs="?", type=int, const=1, default=0, metavar="EVERY_N",
         help="recompute activations in the backward to save memory; bare: every layer, N: every Nth layer "
@@ -48,7 +49,8 @@ def recipe_parser(doc: str) -> argparse.ArgumentParser:
         help="attention implementation (default: transformers' choice, SDPA)")
     add("--dataloader-workers", type=int, default=None,
         help="processes that collate batches beside each rank (default: 2 with a GPU, 0 without)")
-    add("--log-every", type=int, default=1, help="print a progress line every N steps")
+    add("--log-every", type=int, default=None,
+        help="print a line every N steps (default: every step when no progress bar is shown, else none)")
     add("--report-to", default="auto", choices=("auto", "none", "tensorboard", "wandb", "trackio"),
         help="accelerate tracker that receives the metrics too (auto: TensorBoard when installed)")
     add("--trust-remote-code", action="store_true",
@@ -75,6 +77,7 @@ def recipe_flags(recipe: str, doc: str = "recipe\n") -> argparse.ArgumentParser:
     """The flags of `recipes/<recipe>.py` (`doc` is its --help text); tools that check a launch
     without running it use the same parser."""
     parser = recipe_parser(doc)
+    parser.set_defaults(recipe=recipe)  # not a flag: what checkpoints and run.json record
     if recipe == "full":
         parser.set_defaults(lr=2e-5)  # every weight moves: a LoRA-sized step would wreck the model
     elif recipe == "lora":

@@ -1,11 +1,14 @@
 """Checkpoints that survive a crash, resume, and the final export that reloads anywhere.
 
 A checkpoint is written aside (`.step-N.partial`) and renamed into place only when every rank
-has finished writing, so a crash mid-save leaves the previous checkpoint as the newest one.
+has finished writing, so a crash mid-save leaves the previous checkpoint as the newest one. Its
+state file, written last, lists every file with its size and SHA-256: a file damaged later (a full
+disk, a bad copy) is found before resuming, and `--resume auto` takes the newest intact checkpoint.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -37,8 +40,18 @@ def complete_checkpoints(output_dir) -> list[Path]:
     return sorted(found, key=lambda p: int(p.name[5:]))
 
 
-def save_checkpoint(accelerator, output_dir, step: int) -> Path:
-    final = checkpoints_dir(output_dir) / f"step-{step}"
+def file_digests(folder: Path) -> dict:
+    """{relative path: {bytes, sha256}} of every file in a checkpoint folder but the state file."""
+    digests = {}
+    for path in sorted(p for p in folder.rglob("*") if p.is_file() and p.name != STATE_FILE):
+        with open(path, "rb") as handle:
+            digest = hashlib.file_digest(handle, "sha256").hexdigest()
+        digests[str(path.relative_to(folder))] = {"bytes": path.stat().st_size, "sha256": digest}
+    return digests
+
+
+def save_checkpoint(accelerator, args, step: int) -> Path:
+    final = checkpoints_dir(args.output_dir) / f"step-{step}"
     partial = final.with_name(f".step-{step}.partial")
     if accelerator.is_main_process:
         shutil.rmtree(partial, ignore_errors=True)
@@ -49,38 +62,104 @@ def save_checkpoint(accelerator, output_dir, step: int) -> Path:
         os.kill(os.getpid(), signal.SIGKILL)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        (partial / STATE_FILE).write_text(json.dumps({"step": step}) + "\n")
+        state = {"step": step, "recipe": args.recipe, "model": args.model, "files": file_digests(partial)}
+        (partial / STATE_FILE).write_text(json.dumps(state, indent=1) + "\n")  # last: the checkpoint is complete
         shutil.rmtree(final, ignore_errors=True)
         partial.rename(final)
+        if args.save_total_limit:  # keep the newest N
+            for old in complete_checkpoints(args.output_dir)[:-args.save_total_limit]:
+                shutil.rmtree(old, ignore_errors=True)
     accelerator.wait_for_everyone()
     return final
 
 
-def resume_from(accelerator, args) -> int:
-    """Restore the checkpoint `--resume` names and return its step (0 when starting fresh)."""
-    if not args.resume:
-        return 0
-    if args.resume == "auto":
-        found = complete_checkpoints(args.output_dir)
-        if not found:
-            return 0
-        path = found[-1]
+def damage(path: Path) -> str | None:
+    """Why the checkpoint at `path` cannot be trusted, or None when every file is as it was written."""
+    try:
+        state = json.loads((Path(path) / STATE_FILE).read_text())
+    except (OSError, ValueError):
+        return f"no readable {STATE_FILE} (the save did not finish)"
+    for name, written in state.get("files", {}).items():  # checkpoints from before the manifest list none
+        file = Path(path) / name
+        if not file.is_file():
+            return f"{name} is missing"
+        if file.stat().st_size != written["bytes"]:
+            return f"{name} has {file.stat().st_size} bytes, {written['bytes']} were written"
+        with open(file, "rb") as handle:
+            if hashlib.file_digest(handle, "sha256").hexdigest() != written["sha256"]:
+                return f"{name} has changed since it was written"
+    return None
+
+
+def same_model(a: str, b: str) -> bool:
+    return a == b or (Path(a).exists() and Path(b).exists() and Path(a).resolve() == Path(b).resolve())
+
+
+def choose_resume(args) -> tuple[Path | None, list[str], str | None]:
+    """(checkpoint to resume from, lines to print, refusal): the decision of `resume_point`."""
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    wanted = args.resume or ("auto" if restarted else None)  # an elastic restart continues the run
+    found = complete_checkpoints(args.output_dir)
+    if not wanted:
+        if found:
+            return None, [], (f"{args.output_dir} already holds checkpoints of another run; pass --resume auto to "
+                              "continue it, or choose a new --output-dir")
+        return None, [], None
+    lines = [f"restart {restarted} (accelerate launch --max_restarts): continuing from the newest intact checkpoint"
+             ] if restarted else []
+    if wanted == "auto":
+        chosen = None
+        for path in reversed(found):
+            why = damage(path)
+            if why is None:
+                chosen = path
+                break
+            lines.append(f"skipping damaged checkpoint {path}: {why}")
+        if found and chosen is None:
+            return None, lines, (f"no intact checkpoint in {checkpoints_dir(args.output_dir)}; delete the damaged "
+                                 "ones to start afresh, or choose a new --output-dir")
     else:
-        path = Path(args.resume)
-        if not (path / STATE_FILE).is_file():
-            refuse(f"--resume {path} is not a complete checkpoint (no {STATE_FILE}); "
-                   f"use --resume auto to take the newest complete one in {checkpoints_dir(args.output_dir)}")
+        chosen = Path(wanted)
+        why = damage(chosen)
+        if why is not None:
+            return None, lines, (f"--resume {chosen} cannot be used: {why}; use --resume auto to take the newest "
+                                 f"intact checkpoint in {checkpoints_dir(args.output_dir)}")
+    if chosen is not None:
+        state = json.loads((chosen / STATE_FILE).read_text())
+        if state.get("recipe", args.recipe) != args.recipe or not same_model(state.get("model", args.model), args.model):
+            return None, lines, (f"{chosen} was written by {state['recipe']}.py training {state['model']}; this run "
+                                 f"is {args.recipe}.py training {args.model}: pass that --model, or choose a new "
+                                 "--output-dir")
+    return chosen, lines, None
+
+
+def resume_point(accelerator, args) -> Path | None:
+    """The checkpoint this run continues from (None: a fresh start), chosen and checked before the
+    model loads. The main process reads and hashes the files once; every rank gets its verdict,
+    so a refusal is the same line on every rank."""
+    from accelerate.utils import broadcast_object_list
+
+    decision = [choose_resume(args) if accelerator.is_main_process else None]
+    if accelerator.num_processes > 1:
+        broadcast_object_list(decision)
+    chosen, lines, refusal = decision[0]
+    if accelerator.is_main_process:
+        for line in lines:
+            print(line, flush=True)
+    if refusal:
+        refuse(refusal)
+    return chosen
+
+
+def resume_from(accelerator, path: Path | None) -> int:
+    """Restore the checkpoint `resume_point` chose and return its step (0 when starting fresh)."""
+    if path is None:
+        return 0
     accelerator.load_state(str(path))
-    step = json.loads((path / STATE_FILE).read_text())["step"]
+    step = json.loads((Path(path) / STATE_FILE).read_text())["step"]
     if accelerator.is_main_process:
         print(f"resumed from {path} at step {step}", flush=True)
     return step
-
-
-def refuse_foreign_checkpoints(args) -> None:
-    if not args.resume and complete_checkpoints(args.output_dir):
-        refuse(f"{args.output_dir} already holds checkpoints of another run; pass --resume auto to "
-               "continue it, or choose a new --output-dir")
 
 
 def save_full_model(accelerator, model, tokenizer, path: Path) -> None:

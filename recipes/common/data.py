@@ -6,12 +6,13 @@ of each format becomes tokens and labels lives in formats.py.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
 from torch.utils.data import DataLoader
 
-from .formats import IGNORE, detect_format, tokenize_row
+from .formats import IGNORE, TEXT_COLUMNS, RowProblem, detect_format, row_problem, tokenize_row
 from .preflight import refuse
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -19,6 +20,96 @@ DEFAULT_DATASET = REPO_ROOT / "data"
 
 FILE_LOADERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text", ".csv": "csv"}
 EVAL_SPLIT_NAMES = ("eval", "validation", "valid", "test")
+
+
+def prepare(accelerator, tokenizer, args):
+    """(train set, eval set, format name): read, checked and tokenised before the model loads.
+
+    Every rank reads and checks the files itself, so a file that cannot be read is one line on
+    every rank (with file:line), never a rank left waiting in a collective. Rank 0 tokenises first
+    and the others reuse its cache. Rows that cannot train are dropped and counted; with no row
+    left the run stops with the limit or the fix to change.
+    """
+    train_rows, eval_rows = load_splits(args.dataset, args.seed, args.columns)
+    with accelerator.main_process_first():
+        train_all, fmt = tokenize_counted(train_rows, tokenizer, args.max_length)
+        eval_all, _ = tokenize_counted(eval_rows, tokenizer, args.max_length)
+    train_set, eval_set = usable(train_all, "training", args), usable(eval_all, "evaluation", args)
+    if accelerator.is_main_process:
+        print(f"data ({fmt}): training {counted(train_all)}; evaluation {counted(eval_all)}", flush=True)
+    if args.packing:
+        train_set = pack(train_set, args.max_length)
+    steps_per_epoch(len(train_set) // args.batch_size // accelerator.num_processes, args.grad_accum)
+    return train_set, eval_set, fmt
+
+
+def counted(tokenized) -> str:
+    """`1,000 rows: 960 used, 40 dropped (too long: 30, empty target: 10)`."""
+    from collections import Counter
+
+    reasons = Counter(reason for reason in tokenized["dropped"] if reason)
+    dropped = sum(reasons.values())
+    line = f"{len(tokenized):,} rows: {len(tokenized) - dropped:,} used"
+    if dropped:
+        line += f", {dropped:,} dropped ({', '.join(f'{why}: {n:,}' for why, n in reasons.most_common())})"
+    return line
+
+
+def usable(tokenized, split: str, args):
+    """The rows that can train; none at all is a refusal that names the limit or the fix."""
+    kept = tokenized.select([i for i, why in enumerate(tokenized["dropped"]) if not why])
+    if len(kept):
+        return kept.remove_columns(["dropped", "needs"])
+    too_long = [needs for needs, why in zip(tokenized["needs"], tokenized["dropped"]) if why.startswith("too long")]
+    if too_long:
+        fix = f"pass --max-length {min(too_long)} or more (the shortest row needs that many tokens)"
+    else:
+        fix = "fix the rows (or map your columns with --columns)"
+    refuse(f"no {split} row can be used: {counted(tokenized)}; {fix}")
+
+
+def column_renames(columns: str | None) -> dict:
+    """--columns "instruction=question,response=answer" -> {"question": "instruction", "answer": "response"}."""
+    return {old.strip(): new.strip() for new, _, old in (pair.partition("=") for pair in (columns or "").split(",")) if old}
+
+
+def check_files(files: list[Path], columns: str | None) -> None:
+    """JSON and text files, read line by line: the first line that is not UTF-8, not JSON, or holds
+    something other than text where text belongs is named as file:line (datasets would raise a long
+    traceback from deep inside pyarrow)."""
+    renames = column_renames(columns)
+    for path in files:
+        if path.suffix not in (".jsonl", ".json", ".txt", ".csv"):
+            continue
+        raw = path.read_bytes()
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as error:
+            line = raw.count(b"\n", 0, error.start) + 1
+            refuse(f"{path}:{line}: not UTF-8 (byte 0x{raw[error.start]:02x}); save the file as UTF-8")
+        if path.suffix == ".json":  # one JSON document (a list of rows), or JSON Lines under this name
+            try:
+                json.loads(text)
+                continue
+            except json.JSONDecodeError as error:
+                if text.lstrip().startswith("["):
+                    refuse(f"{path}:{error.lineno}: not valid JSON ({error.msg}, column {error.colno}); fix the file")
+        if path.suffix not in (".jsonl", ".json"):
+            continue
+        for number, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as error:
+                refuse(f"{path}:{number}: not valid JSON ({error.msg}, column {error.colno}); fix or delete that line")
+            if not isinstance(row, dict):
+                refuse(f"{path}:{number}: a row must be a JSON object ({{\"column\": value, ...}}), "
+                       f"got {type(row).__name__}; fix or delete that line")
+            for column, value in row.items():
+                if renames.get(column, column) in TEXT_COLUMNS and not isinstance(value, (str, type(None))):
+                    refuse(f"{path}:{number}: `{column}` must be text (or null), got {json.dumps(value)[:40]}; "
+                           "fix that line")
 
 
 def load_splits(spec: str | None, seed: int, columns: str | None = None):
@@ -33,22 +124,28 @@ def load_splits(spec: str | None, seed: int, columns: str | None = None):
     path = Path(spec)
     if path.is_file() and path.stat().st_size == 0:
         refuse(f"--dataset {spec} is an empty file; point it at a file or folder with training data")
-    if path.is_file():
-        loaded = datasets.load_dataset(FILE_LOADERS.get(path.suffix, "json"), data_files={"train": str(path)})
-    elif path.is_dir():
-        loaded = load_folder(path)
-    else:
-        loaded = datasets.load_dataset(spec)
+    try:
+        if path.is_file():
+            check_files([path], columns)
+            loaded = datasets.load_dataset(FILE_LOADERS.get(path.suffix, "json"), data_files={"train": str(path)})
+        elif path.is_dir():
+            loaded = load_folder(path, columns)
+        else:
+            loaded = datasets.load_dataset(spec)
+    except Exception as error:  # datasets / pyarrow / the hub on data they cannot read: one line, not a traceback
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        refuse(f"--dataset {spec} cannot be read: {first}")
     train = loaded["train"] if "train" in loaded else next(iter(loaded.values()))
     if len(train) == 0:
         refuse(f"--dataset {spec} has no rows; point it at a file or folder with training data")
     if columns:
-        mapping = dict(reversed(pair.split("=", 1)) for pair in columns.split(",") if "=" in pair)
+        mapping = column_renames(columns)
         missing = sorted(set(mapping) - set(train.column_names))
         if missing:
             refuse(f"--columns names {missing}, which --dataset does not have (it has {sorted(train.column_names)})")
         loaded = loaded.rename_columns(mapping)
         train = loaded["train"] if "train" in loaded else next(iter(loaded.values()))
+    detect_format(train.column_names)  # no known columns: refused here, on every rank
     eval_name = next((name for name in EVAL_SPLIT_NAMES if name in loaded), None)
     if eval_name is not None:
         return train, loaded[eval_name]
@@ -59,18 +156,20 @@ def load_splits(spec: str | None, seed: int, columns: str | None = None):
     return split["train"], split["test"]
 
 
-def load_folder(folder: Path):
+def load_folder(folder: Path, columns: str | None = None):
     import datasets
 
     files = sorted(p for p in folder.iterdir() if p.suffix in FILE_LOADERS)
     if not files:
         refuse(f"--dataset {folder} holds no .jsonl/.json/.parquet/.txt/.csv file")
+
     def split_of(file: Path):
         return next((name for name in ("train", *EVAL_SPLIT_NAMES) if file.stem.lower().startswith(name)), None)
 
     # Files named train*/eval*/validation*/test* are the splits; other files are data only when
     # nothing is named so (a folder may also hold configs or notes).
     named = [f for f in files if split_of(f)]
+    check_files(named or files, columns)
     by_split = {}
     for file in named or files:
         by_split.setdefault(split_of(file) or "train", []).append(str(file))
@@ -79,17 +178,36 @@ def load_folder(folder: Path):
 
 
 def tokenize(dataset, tokenizer, max_length: int, packing: bool = False):
-    """(tokenised dataset, format name); with `packing`, rows are packed into sequences of up to
-    `max_length` tokens whose `position_ids` restart at every row."""
-    fmt = detect_format(dataset.column_names)
-    tokenized = dataset.map(
-        lambda row: tokenize_row(row, tokenizer, fmt, max_length),
-        remove_columns=dataset.column_names,
-        desc="tokenising",
-    )
-    # A row whose targets were all cut off by --max-length teaches nothing.
-    tokenized = tokenized.filter(lambda row: any(label != IGNORE for label in row["labels"][1:]))
+    """(tokenised dataset of the usable rows, format name); with `packing`, rows are packed into
+    sequences of up to `max_length` tokens whose `position_ids` restart at every row."""
+    tokenized, fmt = tokenize_counted(dataset, tokenizer, max_length)
+    tokenized = tokenized.select([i for i, why in enumerate(tokenized["dropped"]) if not why])
+    tokenized = tokenized.remove_columns(["dropped", "needs"])
     return (pack(tokenized, max_length) if packing else tokenized), fmt
+
+
+def tokenize_counted(dataset, tokenizer, max_length: int):
+    """(every row tokenised, format name). Each row also gets `dropped`: why it cannot train ("" when
+    it can), and `needs`: the --max-length that keeps one of its targets."""
+    fmt = detect_format(dataset.column_names)
+
+    def one_row(row):
+        problem = row_problem(row, fmt)
+        if problem is None:
+            try:
+                whole = tokenize_row(row, tokenizer, fmt, None)
+            except RowProblem as error:
+                problem = str(error)
+        if problem is not None:
+            return {"input_ids": [], "labels": [], "dropped": problem, "needs": 0}
+        # The label of token i is predicted from token i - 1: the first target at i needs i + 1 tokens.
+        needs = next((i + 1 for i, label in enumerate(whole["labels"]) if i and label != IGNORE), 0)
+        # A row whose targets were all cut off by --max-length teaches nothing.
+        dropped = f"too long for --max-length {max_length}" if needs > max_length else ""
+        return {"input_ids": whole["input_ids"][:max_length], "labels": whole["labels"][:max_length],
+                "dropped": dropped, "needs": needs}
+
+    return dataset.map(one_row, remove_columns=dataset.column_names, desc="tokenising"), fmt
 
 
 def pack(tokenized, max_length: int):

@@ -38,10 +38,41 @@ def detect_format(columns) -> str:
            "`instruction` + `output`/`response`, or `prompt` + `completion` (map yours with --columns)")
 
 
+class RowProblem(ValueError):
+    """A row that cannot be trained on; it is dropped and counted under this message."""
+
+
+ROLES = ("system", "user", "assistant")
+# columns that must hold text (or be empty) in each format
+TEXT_COLUMNS = ("instruction", "input", "output", "response", "prompt", "completion", "text")
+
+
+def row_problem(row: dict, fmt: str) -> str | None:
+    """Why a row cannot be trained on (it is dropped and counted), or None when it can."""
+    if fmt == "messages":
+        turns = row["messages"]
+        if not isinstance(turns, list) or not turns:
+            return "no messages"
+        if any(not isinstance(turn, dict) or not isinstance(turn.get("content"), str) for turn in turns):
+            return "a turn without text"
+        if any(turn.get("role") not in ROLES for turn in turns):
+            return f"a role other than {'/'.join(ROLES)}"
+        if not any(turn["role"] == "assistant" and turn["content"].strip() for turn in turns):
+            return "no assistant reply"
+        return None
+    prompt_column = {"instruction": "instruction", "prompt_completion": "prompt"}.get(fmt)
+    if prompt_column and not isinstance(row.get(prompt_column), str):
+        return f"no {prompt_column}"
+    target = split_prompt(row, fmt)[1]
+    if not isinstance(target, str) or not target.strip():
+        return "empty target"
+    return None
+
+
 def split_prompt(row: dict, fmt: str) -> tuple[str, str]:
     """(prompt, target) of one row; the prompt is not trained on."""
     if fmt == "instruction":
-        target = row.get("output", row.get("response"))
+        target = row["output"] if row.get("output") is not None else row.get("response")
         template = PROMPT_WITH_INPUT_TEMPLATE if row.get("input") else PROMPT_TEMPLATE
         return template.format(instruction=row["instruction"], input=row.get("input", "")), target
     if fmt == "prompt_completion":
@@ -49,7 +80,8 @@ def split_prompt(row: dict, fmt: str) -> tuple[str, str]:
     return "", row["text"]
 
 
-def tokenize_row(row: dict, tokenizer, fmt: str, max_length: int) -> dict:
+def tokenize_row(row: dict, tokenizer, fmt: str, max_length: int | None) -> dict:
+    """input_ids and labels of one row, cut to `max_length` tokens (None: uncut)."""
     if fmt == "messages":
         return tokenize_chat(row["messages"], tokenizer, max_length)
     prompt, target = split_prompt(row, fmt)
@@ -60,8 +92,6 @@ def tokenize_row(row: dict, tokenizer, fmt: str, max_length: int) -> dict:
     masked = len(prefix) + len(prompt_ids)
     labels = [IGNORE] * masked + target_ids
     return {"input_ids": input_ids, "labels": labels[:max_length]}
-
-
 
 
 def tokenize_chat(messages: list[dict], tokenizer, max_length: int) -> dict:
@@ -85,8 +115,8 @@ def tokenize_chat(messages: list[dict], tokenizer, max_length: int) -> dict:
         pieces.append((render(messages[: i + 1]), message["role"] == "assistant"))
         for text, trained in pieces:
             if not text.startswith(rendered):
-                refuse("the chat template re-renders earlier turns differently, so assistant turns cannot "
-                       "be located; use a template whose output grows turn by turn")
+                raise RowProblem("the chat template re-renders earlier turns differently (use a template "
+                                 "whose output grows turn by turn)")
             ids = tokenizer(text[len(rendered):], add_special_tokens=False)["input_ids"]
             input_ids += ids
             labels += ids if trained else [IGNORE] * len(ids)

@@ -122,6 +122,30 @@ def model_parallel_device_map(config, gpu_memory: dict, dtype=torch.bfloat16) ->
                                  dtype=dtype)
 
 
+def module_names(name: str, trust_remote_code: bool = False, linear_only: bool = False) -> list[str] | None:
+    """The module names of model `name`, built from its config on the meta device (no weights, no
+    memory); None when its config cannot be read here (a hub id that is not in the cache)."""
+    import json
+
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        if Path(name).resolve() == DEFAULT_MODEL.resolve() and not (DEFAULT_MODEL / "config.json").exists():
+            config = json.loads((REPO_ROOT / "data" / "tiny-llama-config.json").read_text())
+            config = AutoConfig.for_model(**config)  # the bundled model before its first build
+        else:
+            config = AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code)
+        with init_empty_weights():
+            model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError):
+        return None
+    from transformers.pytorch_utils import Conv1D
+
+    kinds = (torch.nn.Linear, Conv1D) if linear_only else (torch.nn.Module,)
+    return [module_name for module_name, module in model.named_modules() if module_name and isinstance(module, kinds)]
+
+
 def parameter_counts(model) -> dict:
     """Elements of all parameters, of the trainable ones, and of those this rank holds.
 

@@ -85,20 +85,10 @@ def check_launch(args, recipe: str) -> None:
                "--num_processes > 1 was asked; drop --num_processes, or use "
                "accelerate_configs/ddp.yaml (model fits one GPU) or fsdp.yaml (it does not)")
 
-    for name in ("max_steps", "epochs"):
-        value = getattr(args, name)
-        if value is not None and value < 0:
-            refuse(f"--{name.replace('_', '-')} must be >= 0, got {value}")
-    for name in ("batch_size", "grad_accum", "max_length"):
-        value = getattr(args, name)
-        if value < 1:
-            refuse(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    check_ranges(args)
     if args.max_steps == 0 and args.epochs == 0:
         refuse("nothing to train: give --max-steps N or --epochs N (> 0)")
-    for name in ("gradient_checkpointing", "dataloader_workers"):
-        value = getattr(args, name)
-        if value is not None and value < 0:
-            refuse(f"--{name.replace('_', '-')} must be >= 0, got {value}")
+    check_columns(args.columns)
     check_speed_options(args)
 
     if recipe == "qlora" and getattr(args, "bits", 4) == 8 and fsdp:
@@ -118,8 +108,93 @@ def check_launch(args, recipe: str) -> None:
     if context and args.max_length > context:
         refuse(f"--max-length {args.max_length} is beyond the model's context of {context} tokens; "
                f"pass --max-length {context} or less")
+    if recipe != "full":
+        check_lora_targets(args)
+    check_output_dir(args.output_dir)
     refuse_if_disk_too_small(args, recipe)
     announce_plan(args, recipe)
+
+
+# flag -> (low, high): a [low, high] or (low, high) bound on the value; None: unbounded
+RANGES = {
+    "max_steps": "[0, None)", "epochs": "[0, None)", "batch_size": "[1, None)", "grad_accum": "[1, None)",
+    "max_length": "[1, None)", "lr": "(0, None)", "warmup_ratio": "[0, 1]", "weight_decay": "[0, None)",
+    "max_grad_norm": "(0, None)", "eval_every": "[0, None)", "save_every": "[0, None)",
+    "save_total_limit": "[0, None)", "log_every": "[0, None)", "gradient_checkpointing": "[0, None)",
+    "dataloader_workers": "[0, None)", "lora_r": "[1, None)", "lora_alpha": "(0, None)", "lora_dropout": "[0, 1)",
+}
+HINTS = {"max_grad_norm": " (clipping cannot be switched off, only raised: e.g. 1e9)",
+         "save_every": " (0: only at the end)"}
+
+
+def check_ranges(args) -> None:
+    """Every number a flag takes, checked against what the recipe can do with it."""
+    import math
+
+    for name, bounds in RANGES.items():
+        value = getattr(args, name, None)
+        if value is None:
+            continue
+        flag = "--" + name.replace("_", "-")
+        if not math.isfinite(value):
+            refuse(f"{flag} must be a finite number, got {value}")
+        low, high = (None if part.strip() == "None" else float(part) for part in bounds[1:-1].split(","))
+        below = value < low or (value == low and bounds[0] == "(")
+        above = high is not None and (value > high or (value == high and bounds[-1] == ")"))
+        if below or above:
+            if high is None:
+                rule = f"{'>=' if bounds[0] == '[' else '>'} {low:g}"
+            else:
+                rule = f"in {bounds.replace('None', '')}".replace(".0", "")
+            refuse(f"{flag} must be {rule}{HINTS.get(name, '')}, got {value}")
+
+
+def check_columns(columns: str | None) -> None:
+    """--columns is a comma-separated list of NEW=OLD renames."""
+    for pair in (columns or "").split(",") if columns is not None else ():
+        new, _, old = pair.partition("=")
+        if not new.strip() or not old.strip():
+            refuse(f"--columns entry `{pair}` is not NEW=OLD; write e.g. --columns instruction=question,response=answer")
+
+
+def check_output_dir(output_dir: str) -> None:
+    """The run must be able to write where it is told to, before hours of training."""
+    import tempfile
+
+    folder = Path(output_dir).resolve()
+    if folder.exists() and not folder.is_dir():
+        refuse(f"--output-dir {output_dir} is a file; choose a folder")
+    while not folder.exists():
+        folder = folder.parent
+    if not folder.is_dir():
+        refuse(f"--output-dir {output_dir} lies under the file {folder}; choose a folder")
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as error:
+        refuse(f"--output-dir {output_dir} cannot be written ({error.strerror} in {folder}); choose another folder")
+
+
+def check_lora_targets(args) -> None:
+    """Every name in --lora-targets must match a module of the model, read from its config (no weights)."""
+    from .args import lora_targets
+    from .modeling import module_names
+
+    targets = lora_targets(args.lora_targets)
+    if targets == "all-linear":
+        return
+    if not targets:
+        refuse("--lora-targets is empty; name modules (e.g. q_proj,v_proj) or use all-linear")
+    names = module_names(args.model, args.trust_remote_code)
+    if names is None:  # a hub model not in the cache: peft checks when it loads
+        return
+    missing = [t for t in targets if not any(name == t or name.endswith("." + t) for name in names)]
+    if missing:
+        leaves = sorted({name.rsplit(".", 1)[-1] for name in module_names(args.model, args.trust_remote_code,
+                                                                          linear_only=True)})
+        which = "match no module" if len(missing) == len(targets) else "match no module (the others do)"
+        refuse(f"--lora-targets {', '.join(missing)} {which} of {args.model}; its linear layers are "
+               f"{', '.join(leaves)} (or use all-linear)")
 
 
 def check_speed_options(args) -> None:

@@ -118,10 +118,9 @@ class RunLog:
         self.started = time.perf_counter()
         self.tokens_seen = 0
         self.bar = None
+        self.log_every = args.log_every
         if self.main:
             self.output_dir.mkdir(parents=True, exist_ok=True)
-            # A resumed run continues its curve; a fresh one must not mix into an older run's file.
-            self.metrics = open(self.output_dir / "metrics.jsonl", "a" if args.resume else "w", buffering=1)
 
     def say(self, message: str) -> None:
         if self.main:
@@ -194,11 +193,23 @@ class RunLog:
         handle = inner.register_step_post_hook(measure)
 
     def start(self, first_step: int, total_steps: int) -> None:
-        if self.main:
-            from tqdm.auto import tqdm
+        """Open metrics.jsonl and the progress bar for steps `first_step + 1` on."""
+        if not self.main:
+            return
+        from tqdm.auto import tqdm
 
-            self.bar = tqdm(total=total_steps, initial=first_step, desc="training", unit="step",
-                            dynamic_ncols=True, mininterval=1.0)
+        path = self.output_dir / "metrics.jsonl"
+        # A resumed run continues its curve from the checkpoint's step: lines the interrupted run wrote
+        # after it are dropped (they are run again). A fresh run must not mix into an older run's file.
+        kept = [line for line in (path.read_text().splitlines() if first_step and path.exists() else [])
+                if json.loads(line)["step"] <= first_step]
+        path.write_text("".join(line + "\n" for line in kept))
+        self.metrics = open(path, "a", buffering=1)
+        # A bar where a terminal shows it; in a log file, a line per step instead (unless --log-every says)
+        self.bar = tqdm(total=total_steps, initial=first_step, desc="training", unit="step",
+                        dynamic_ncols=True, mininterval=1.0, disable=None)
+        if self.log_every is None:
+            self.log_every = 0 if not self.bar.disable else 1
 
     def log_step(self, step: int, epoch: int, loss: float, lr: float, grad_norm, tokens: int) -> None:
         self.tokens_seen += tokens
@@ -219,7 +230,7 @@ class RunLog:
         if self.bar is not None:
             self.bar.update(1)
             self.bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{record['tokens_per_s']:.0f}", refresh=False)
-            if self.args.log_every and step % self.args.log_every == 0:
+            if self.log_every and step % self.log_every == 0:
                 self.bar.write(f"step {step}: loss {loss:.4f}  lr {lr:.2e}  grad_norm {record['grad_norm'] or 0:.3f}")
 
     def track(self, record: dict, step: int) -> None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import signal
 import sys
-import warnings
 from datetime import timedelta
 
 import torch
@@ -40,20 +39,11 @@ def has_gpu() -> bool:
     return torch.cuda.is_available()
 
 
-# Library notices about their own internals, repeated by every rank at every step; nothing a
-# user of the recipes can act on.
-QUIET_WARNINGS = (
-    r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated",
-    r"`is_gradient_checkpointing` is deprecated",
-)
-
-
 def make_accelerator(args) -> Accelerator:
     """An Accelerator set up for `args` and for whatever `accelerate launch` asked for."""
-    for message in QUIET_WARNINGS:
-        warnings.filterwarnings("ignore", message=message)
     strategy = launched_strategy()
     on_cpu = not has_gpu()
+    stop_quietly_on_ctrl_c()
     if on_cpu:
         share_cpu_cores()
     kwargs = dict(
@@ -154,20 +144,42 @@ def exit_after_a_finished_run() -> None:
 
 
 class StopRequest:
-    """SIGTERM (how SLURM pre-empts a job) asks the run to checkpoint and stop at the next step.
+    """SIGTERM (how SLURM pre-empts a job) or Ctrl-C asks the run to checkpoint and stop at the next step.
 
     The signal may reach one rank before another, so the ranks decide together: a step ends
-    with a tiny all-reduce of the flag, and every rank stops at the same step.
+    with a tiny all-reduce of the signal number, and every rank stops at the same step. (On Ctrl-C
+    each rank gets SIGINT twice, from the terminal and from the launcher, which kills the ranks
+    that have not finished 30 s later.)
     """
 
     def __init__(self, accelerator):
         self.accelerator = accelerator
-        self.signalled = False
-        signal.signal(signal.SIGTERM, self._on_signal)
+        self.received = 0
+        self.signal_name = None
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, self._on_signal)
 
     def _on_signal(self, signum, frame) -> None:
-        self.signalled = True
+        self.received = self.received or signum  # the first one names the stop
 
     def __bool__(self) -> bool:
-        flag = torch.tensor([float(self.signalled)], device=self.accelerator.device)
-        return bool(self.accelerator.reduce(flag, "max").item())
+        flag = torch.tensor([float(self.received)], device=self.accelerator.device)
+        received = int(self.accelerator.reduce(flag, "max").item())
+        if received:
+            self.signal_name = "Ctrl-C" if received == signal.SIGINT else signal.Signals(received).name
+        return bool(received)
+
+
+def say_once(message: str) -> None:
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(message, file=sys.stderr, flush=True)
+
+
+def stop_quietly_on_ctrl_c() -> None:
+    """Ctrl-C before training starts: one line and exit, instead of a traceback from every rank.
+    (From the first step on, `StopRequest` saves a checkpoint first.)"""
+    def interrupted(signum, frame):
+        say_once("interrupted before training started; nothing to save")
+        os._exit(130)
+
+    signal.signal(signal.SIGINT, interrupted)

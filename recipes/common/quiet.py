@@ -1,0 +1,43 @@
+"""Library notices nobody running the recipes can act on, silenced before the libraries load.
+
+Every recipe imports this first. Each notice below is printed by every rank of every launch and
+is about the library's own set-up; real warnings and errors still show.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+
+# logger name -> start of the messages it drops
+LOG_NOTICES = {
+    # DeepSpeed, imported by accelerate or peft, announces that it found no GPU (run.json records the device)
+    "DeepSpeed": ("Setting accelerator to CPU",),
+    # bitsandbytes looks for an optional CPU kernel package on every import, also for LoRA and full runs
+    "bitsandbytes.backends.cpu.ops": ("Failed to load CPU gemm_4bit_forward",),
+}
+# deprecation notices about the libraries' internals, repeated at every step
+WARNING_NOTICES = (
+    r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated",
+    r"`is_gradient_checkpointing` is deprecated",
+)
+
+
+class DropNotices(logging.Filter):
+    def __init__(self, starts: tuple[str, ...]):
+        super().__init__()
+        self.starts = starts
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.starts)
+
+
+for name, starts in LOG_NOTICES.items():
+    logging.getLogger(name).addFilter(DropNotices(starts))
+for pattern in WARNING_NOTICES:
+    warnings.filterwarnings("ignore", message=pattern)
+if int(os.environ.get("RANK", "0")) != 0:
+    # one "Loading weights" / "tokenising" bar per launch (rank 0's), not one per rank
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")

@@ -1,0 +1,216 @@
+"""Bad input is one line naming the fix, before the model loads; rows that cannot train are counted.
+
+Each case in-process (the checks the recipes run); test_interruptions.py and the randomized launch
+test at the end take them through the real `accelerate launch`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+from types import SimpleNamespace
+from unittest import mock
+
+import pytest
+
+from conftest import REPO, TINY_MODEL, assert_no_traceback_of_ours, launch
+
+sys.path.insert(0, str(REPO / "recipes"))
+from common import checkpoint, data, preflight  # noqa: E402
+from common.args import parse_args, recipe_flags  # noqa: E402
+from common.preflight import Refusal  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def restored_environment():
+    with mock.patch.dict(os.environ):
+        yield
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(TINY_MODEL)
+
+
+def args_of(*argv: str, recipe: str = "lora"):
+    return parse_args(recipe_flags(recipe), list(argv))
+
+
+def write_lines(path, lines: list) -> str:
+    path.write_bytes(b"".join((line if isinstance(line, bytes) else json.dumps(line).encode()) + b"\n"
+                              for line in lines))
+    return str(path)
+
+
+GOOD = {"instruction": "Sort: 3 1 2", "response": "1 2 3"}
+
+
+# Files that cannot be read: the first bad line, as file:line
+
+@pytest.mark.parametrize("bad, message", [
+    (b'{"instruction": "Sort: 1", "response": "1"', r":3: not valid JSON \(Expecting ',' delimiter, column 43\)"),
+    (b'{"instruction": "caf\xe9", "response": "x"}', r":3: not UTF-8 \(byte 0xe9\); save the file as UTF-8"),
+    (b'["a", "b"]', r":3: a row must be a JSON object"),
+    (b'{"instruction": "Sort: 1", "response": 42}', r":3: `response` must be text \(or null\), got 42"),
+])
+def test_a_file_that_cannot_be_read_names_its_line(bad, message, tmp_path):
+    path = write_lines(tmp_path / "rows.jsonl", [GOOD, GOOD, bad, GOOD])
+    with pytest.raises(Refusal, match=f"^{path}{message}"):
+        data.load_splits(path, seed=0)
+
+
+def test_columns_are_checked_under_their_mapped_names(tmp_path):
+    path = write_lines(tmp_path / "rows.jsonl", [{"question": "q", "answer": "a"}, {"question": "q", "answer": 7}])
+    with pytest.raises(Refusal, match=r":2: `answer` must be text"):
+        data.load_splits(path, seed=0, columns="instruction=question,response=answer")
+
+
+# Rows that cannot train: dropped and counted; none left is one line with the fix
+
+def tokenized(tokenizer, rows, max_length=512):
+    import datasets
+
+    return data.tokenize_counted(datasets.Dataset.from_list(rows), tokenizer, max_length)[0]
+
+
+def test_rows_that_cannot_train_are_counted(tokenizer):
+    chats = [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]},
+             {"messages": [{"role": "user", "content": "hi"}, {"role": "tool", "content": "{}"}]},
+             {"messages": [{"role": "user", "content": "hi"}]},
+             {"messages": [{"role": "user", "content": None}, {"role": "assistant", "content": "x"}]}]
+    assert data.counted(tokenized(tokenizer, chats)) == (
+        "4 rows: 1 used, 3 dropped (a role other than system/user/assistant: 1, no assistant reply: 1, "
+        "a turn without text: 1)")
+    pairs = [{"prompt": "p", "completion": "c"}, {"prompt": "p", "completion": None},
+             {"prompt": None, "completion": "c"}, {"prompt": "p", "completion": "  "}]
+    assert data.counted(tokenized(tokenizer, pairs)) == "4 rows: 1 used, 3 dropped (empty target: 2, no prompt: 1)"
+
+
+def test_no_usable_row_names_the_max_length_that_would_keep_one(tokenizer):
+    rows = [{"instruction": "Sort: 9 8 7 6 5 4 3 2 1", "response": "1 2 3"}] * 3
+    all_too_long = tokenized(tokenizer, rows, max_length=8)
+    needs = min(all_too_long["needs"])
+    assert needs > 8
+    with pytest.raises(Refusal, match=rf"no training row can be used: 3 rows: 0 used, 3 dropped \(too long for "
+                                      rf"--max-length 8: 3\); pass --max-length {needs} or more"):
+        data.usable(all_too_long, "training", args_of("--max-length", "8"))
+    assert len(data.usable(tokenized(tokenizer, rows, max_length=needs), "training", args_of())) == 3
+
+
+def test_a_template_that_rewrites_earlier_turns_drops_its_rows(tokenizer):
+    rows = [{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}]
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}{{ messages | length }}"
+    try:
+        assert "the chat template re-renders earlier turns differently" in data.counted(tokenized(tokenizer, rows))
+    finally:
+        tokenizer.chat_template = None
+
+
+# Flags: range and syntax, LoRA targets against the model's modules, the output folder
+
+@pytest.mark.parametrize("argv, message", [
+    (["--lr", "-1"], "--lr must be > 0, got -1.0"),
+    (["--lr", "nan"], "--lr must be a finite number, got nan"),
+    (["--lora-r", "0"], "--lora-r must be >= 1, got 0"),
+    (["--lora-dropout", "2"], r"--lora-dropout must be in \[0, 1\), got 2.0"),
+    (["--lora-alpha", "0"], "--lora-alpha must be > 0, got 0"),
+    (["--save-every", "-1"], r"--save-every must be >= 0 \(0: only at the end\), got -1"),
+    (["--warmup-ratio", "1.5"], r"--warmup-ratio must be in \[0, 1\], got 1.5"),
+    (["--max-grad-norm", "0"], "--max-grad-norm must be > 0"),
+    (["--columns", "instruction=question,answer"], "--columns entry `answer` is not NEW=OLD"),
+    (["--lora-targets", "q_proj,x_proj"], "--lora-targets x_proj match no module \\(the others do\\) of .*; its linear "
+                                          "layers are down_proj, gate_proj, k_proj, lm_head, o_proj, q_proj"),
+    (["--lora-targets", "attn"], "--lora-targets attn match no module of"),
+    (["--output-dir", "/sys/outputs"], "--output-dir /sys/outputs cannot be written"),
+    (["--output-dir", "/etc/hostname/run"], "--output-dir /etc/hostname/run lies under the file /etc/hostname"),
+])
+def test_a_bad_flag_is_one_line_naming_the_rule(argv, message, tmp_path):
+    argv = ["--output-dir", str(tmp_path / "out"), *argv]
+    with pytest.raises(Refusal, match=message):
+        preflight.check_launch(args_of(*argv), "lora")
+
+
+# Checkpoints: a damaged one is found and skipped; another model's is refused
+
+def fake_checkpoint(output_dir, step: int, model: str = str(TINY_MODEL), recipe: str = "lora"):
+    folder = checkpoint.checkpoints_dir(output_dir) / f"step-{step}"
+    folder.mkdir(parents=True)
+    (folder / "model.safetensors").write_bytes(b"weights" * step)
+    state = {"step": step, "recipe": recipe, "model": model, "files": checkpoint.file_digests(folder)}
+    (folder / checkpoint.STATE_FILE).write_text(json.dumps(state))
+    return folder
+
+
+def test_resume_auto_skips_a_damaged_checkpoint(tmp_path):
+    older, newest = fake_checkpoint(tmp_path, 2), fake_checkpoint(tmp_path, 4)
+    (newest / "model.safetensors").write_bytes(b"weights" * 3)  # truncated, e.g. by a full disk
+    chosen, lines, refusal = checkpoint.choose_resume(args_of("--output-dir", str(tmp_path), "--resume", "auto"))
+    assert (chosen, refusal) == (older, None)
+    assert lines == [f"skipping damaged checkpoint {newest}: model.safetensors has 21 bytes, 28 were written"]
+    (newest / "model.safetensors").write_bytes(b"weightz" * 4)  # same size, other bytes
+    assert "model.safetensors has changed since it was written" in checkpoint.damage(newest)
+    _, _, refusal = checkpoint.choose_resume(args_of("--output-dir", str(tmp_path), "--resume", str(newest)))
+    assert refusal.startswith(f"--resume {newest} cannot be used: model.safetensors has changed")
+
+
+def test_a_checkpoint_of_another_model_or_recipe_is_refused(tmp_path):
+    fake_checkpoint(tmp_path, 2, model="org/other-model")
+    _, _, refusal = checkpoint.choose_resume(args_of("--output-dir", str(tmp_path), "--resume", "auto"))
+    assert refusal.startswith(f"{tmp_path}/checkpoints/step-2 was written by lora.py training org/other-model; "
+                              f"this run is lora.py training {TINY_MODEL}: pass that --model")
+    _, _, refusal = checkpoint.choose_resume(args_of("--output-dir", str(tmp_path), "--resume", "auto",
+                                                     "--model", "org/other-model", recipe="full"))
+    assert "this run is full.py training org/other-model" in refusal
+
+
+def test_an_elastic_restart_continues_from_the_newest_intact_checkpoint(tmp_path, monkeypatch):
+    fake_checkpoint(tmp_path, 2)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    chosen, lines, refusal = checkpoint.choose_resume(args_of("--output-dir", str(tmp_path)))
+    assert chosen.name == "step-2" and refusal is None and lines[0].startswith("restart 1 (accelerate launch")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    assert "already holds checkpoints of another run" in checkpoint.choose_resume(
+        args_of("--output-dir", str(tmp_path)))[2]
+
+
+# Through the real launcher: random flags and data shapes either train or stop with one line on
+# every rank before the model loads.
+
+DATA_SHAPES = {
+    "good": [GOOD] * 40,
+    "malformed": [GOOD] * 5 + [b'{"instruction": "x", "response": '] + [GOOD] * 5,
+    "latin-1": [GOOD] * 5 + [b'{"instruction": "na\xefve", "response": "x"}'],
+    "all too long": [{"instruction": "Sort: " + " ".join("9" * 200), "response": "9"}] * 40,
+    "no text columns": [{"question": "q", "answer": "a"}] * 40,
+    "chat with tools": [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}] * 30
+    + [{"messages": [{"role": "user", "content": "hi"}, {"role": "tool", "content": "x"}]}] * 10,
+}
+FLAGS = {"--lr": ["1e-3", "-1"], "--lora-r": ["8", "0"], "--save-every": ["0", "-1"], "--max-length": ["64", "12"],
+         "--lora-targets": ["all-linear", "q_proj,nope"]}
+
+
+def test_random_launches_train_or_stop_with_one_line_before_the_model_loads(tmp_path):
+    rng = random.Random(102)  # picks: chat with a tool turn (trains), a bad flag, malformed JSON, all too long
+    trained = refused = 0
+    for attempt in range(4):
+        shape = rng.choice(sorted(DATA_SHAPES))
+        # mostly good flags, so that the data's own verdict shows too
+        flags = [item for flag, values in FLAGS.items() for item in (flag, values[rng.random() < 0.15])]
+        dataset = write_lines(tmp_path / f"data-{attempt}.jsonl", DATA_SHAPES[shape])
+        run = launch("lora", tmp_path / f"out-{attempt}", "--dataset", dataset, "--max-steps", "2",
+                     "--batch-size", "2", *flags, config="ddp")
+        errors = [line for line in run.output.splitlines() if line.startswith("error: ")]
+        if run.returncode == 0:
+            trained += 1
+            assert not errors and (tmp_path / f"out-{attempt}" / "adapter").is_dir(), (shape, flags)
+            continue
+        refused += 1
+        assert len(errors) == 1, (shape, flags, run.output[-3000:])
+        assert "Loading weights" not in run.output.split(errors[0])[0], (shape, flags)  # before the model loads
+        assert not (tmp_path / f"out-{attempt}" / "run.json").exists()
+        assert_no_traceback_of_ours(run.output)
+    assert trained and refused  # the seed picks both outcomes
