@@ -13,7 +13,7 @@ evaluation), checkpoints/step-N/ (resumable) and model/ (AutoModelForCausalLM.fr
 
 Flags: --model --dataset --columns --packing --output-dir --epochs --max-steps --batch-size
        --grad-accum --lr --warmup-ratio --weight-decay --max-grad-norm --max-length --seed --eval-every
-       --save-every --resume --gradient-checkpointing --log-every --report-to --trust-remote-code
+       --save-every --save-total-limit --resume --gradient-checkpointing --log-every --report-to --trust-remote-code
 Speed: --compile --liger --attention --dataloader-workers
 """
 

@@ -80,12 +80,13 @@ def launch(recipe: str, output_dir: Path, *recipe_args: str, config: str | None 
 
 
 def start(recipe: str, output_dir: Path, *recipe_args: str, config: str | None = None, processes: int = 2,
-          launcher_args: tuple = (), env: dict | None = None) -> subprocess.Popen:
-    """Start a launch in the background (its output merged into `stdout`)."""
+          launcher_args: tuple = (), env: dict | None = None, terminal: bool = False) -> subprocess.Popen:
+    """Start a launch in the background (its output merged into `stdout`). With `terminal`, the launch
+    gets a process group of its own, as a shell's foreground job has: Ctrl-C is `os.killpg(pid, SIGINT)`."""
     command = launch_command(recipe, output_dir, *recipe_args, config=config, processes=processes,
                              launcher_args=launcher_args)
     return subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=launch_env(env))
+                            env=launch_env(env), start_new_session=terminal)
 
 
 @pytest.fixture(scope="session", autouse=True)

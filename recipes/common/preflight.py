@@ -39,6 +39,9 @@ def refuse(message: str) -> None:
     rank = int(os.environ.get("RANK", "0"))
     launched = "LOCAL_RANK" in os.environ  # started by a launcher, not called in-process by a test
     if rank != 0 and launched:
+        import signal
+
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the launcher's stop must stop this rank, not checkpoint it
         time.sleep(REFUSAL_GRACE_S)
     if rank == 0 or launched:
         from tqdm import tqdm

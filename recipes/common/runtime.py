@@ -13,6 +13,7 @@ import os
 import signal
 import sys
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 from accelerate import Accelerator, DataLoaderConfiguration
@@ -57,7 +58,8 @@ def make_accelerator(args) -> Accelerator:
         # The data order depends on the seed and epoch only, so a resumed run sees the same batches.
         # Copies to the GPU from pinned memory need not wait for the GPU to finish its work.
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, non_blocking=not on_cpu),
-        kwargs_handlers=[InitProcessGroupKwargs(timeout=COLLECTIVE_TIMEOUT, **cpu_process_group(strategy, on_cpu))],
+        kwargs_handlers=[InitProcessGroupKwargs(timeout=COLLECTIVE_TIMEOUT, **cpu_process_group(strategy, on_cpu),
+                                                **restart_rendezvous(args.output_dir))],
     )
     tracker = chosen_tracker(args.report_to)
     if tracker is not None:
@@ -88,6 +90,21 @@ def chosen_tracker(report_to: str) -> str | None:
 
         return "tensorboard" if find_spec("tensorboard") is not None else None
     return report_to
+
+
+def restart_rendezvous(output_dir) -> dict:
+    """Where the ranks of an elastic restart (`accelerate launch --max_restarts N`) meet.
+
+    torch hands restarted ranks the launcher's store with the dead ranks' addresses still in it, and
+    they try to connect to a process that is gone (seen with gloo). A fresh file store per attempt,
+    in the output folder (shared by all machines in a multi-machine job), avoids it.
+    """
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if not attempt:
+        return {}
+    store = Path(output_dir).resolve() / f".rendezvous-{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}-{attempt}"
+    store.parent.mkdir(parents=True, exist_ok=True)
+    return {"init_method": f"file://{store}"}  # accelerate adds rank and world size
 
 
 def cpu_process_group(strategy: str, on_cpu: bool) -> dict:

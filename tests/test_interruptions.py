@@ -1,0 +1,83 @@
+"""Interrupted runs lose nothing: damaged checkpoints are skipped, a killed rank restarts the job by
+itself, Ctrl-C checkpoints and stops; each continues the uninterrupted run's loss curve."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import time
+
+import pytest
+
+from conftest import assert_no_traceback_of_ours, launch, start
+
+ARGS = ["--max-steps", "8", "--save-every", "2", "--save-total-limit", "2", "--batch-size", "2", "--lr", "5e-3"]
+
+
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory):
+    """The uninterrupted run the others are compared with."""
+    run = launch("lora", tmp_path_factory.mktemp("whole") / "out", *ARGS, config="ddp")
+    assert run.returncode == 0, run.output[-3000:]
+    return run
+
+
+def steps_of(run) -> list[int]:
+    return [record["step"] for record in run.metrics()]
+
+
+def test_the_newest_checkpoints_are_kept(whole):
+    assert sorted(p.name for p in (whole.output_dir / "checkpoints").iterdir()) == ["step-6", "step-8"]
+    assert steps_of(whole) == list(range(1, 9))
+
+
+def test_a_damaged_checkpoint_is_skipped_and_the_curve_continues_once(whole, tmp_path):
+    output_dir = tmp_path / "out"
+    shutil.copytree(whole.output_dir, output_dir)
+    weights = sorted((output_dir / "checkpoints" / "step-8").rglob("*.safetensors"))[0]
+    weights.write_bytes(weights.read_bytes()[:-100])  # e.g. a disk that filled up during the copy
+    resumed = launch("lora", output_dir, *ARGS, "--resume", "auto", config="ddp")
+    assert resumed.returncode == 0, resumed.output[-3000:]
+    damaged = [line for line in resumed.output.splitlines() if line.startswith("skipping damaged checkpoint")]
+    assert len(damaged) == 1 and f"{weights.relative_to(output_dir / 'checkpoints' / 'step-8')} has" in damaged[0]
+    assert f"resumed from {output_dir / 'checkpoints' / 'step-6'} at step 6" in resumed.output
+    assert steps_of(resumed) == list(range(1, 9))  # steps 7 and 8 once, from the resumed run
+    assert resumed.losses() == whole.losses()
+
+
+def test_a_killed_rank_restarts_the_job_from_its_checkpoint(whole, tmp_path):
+    import psutil
+
+    output_dir = tmp_path / "out"
+    job = start("lora", output_dir, *ARGS, config="ddp", launcher_args=("--max_restarts", "1"))
+    deadline = time.time() + 300
+    while time.time() < deadline and not (output_dir / "checkpoints" / "step-4").is_dir():
+        time.sleep(0.2)
+    workers = [p for p in psutil.Process(job.pid).children(recursive=True) if "recipes/lora.py" in " ".join(p.cmdline())]
+    assert len(workers) == 2
+    workers[1].kill()  # kill -9 of one rank
+    output, _ = job.communicate(timeout=600)
+    assert job.returncode == 0, output[-3000:]
+    assert "restart 1 (accelerate launch --max_restarts): continuing from the newest intact checkpoint" in output
+    restarted = type(whole)(job.returncode, output, output_dir)
+    assert steps_of(restarted) == list(range(1, 9))
+    assert restarted.losses() == whole.losses()
+
+
+def test_ctrl_c_checkpoints_at_the_step_and_stops_with_one_line(whole, tmp_path):
+    output_dir = tmp_path / "out"
+    job = start("lora", output_dir, *ARGS[:1], "100000", *ARGS[2:], config="ddp", terminal=True)
+    deadline = time.time() + 300
+    while time.time() < deadline and not (output_dir / "metrics.jsonl").exists():
+        time.sleep(0.2)
+    while time.time() < deadline and len((output_dir / "metrics.jsonl").read_text().splitlines()) < 3:
+        time.sleep(0.2)
+    os.killpg(job.pid, signal.SIGINT)  # what Ctrl-C in a terminal sends: the launcher and every rank
+    output, _ = job.communicate(timeout=120)
+    stops = [line for line in output.splitlines() if line.startswith("stopped by ")]
+    assert len(stops) == 1 and stops[0].startswith("stopped by Ctrl-C after step "), output[-3000:]
+    step = int(stops[0].split("after step ")[1].split(";")[0])
+    assert (output_dir / "checkpoints" / f"step-{step}" / "recipe_state.json").is_file()
+    assert_no_traceback_of_ours(output)
+    assert "KeyboardInterrupt" not in output
