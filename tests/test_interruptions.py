@@ -27,9 +27,13 @@ def steps_of(run) -> list[int]:
     return [record["step"] for record in run.metrics()]
 
 
-def test_the_newest_checkpoints_are_kept(whole):
+def test_the_newest_checkpoints_are_kept_and_the_output_is_quiet(whole):
     assert sorted(p.name for p in (whole.output_dir / "checkpoints").iterdir()) == ["step-6", "step-8"]
     assert steps_of(whole) == list(range(1, 9))
+    assert "Setting accelerator to CPU" not in whole.output  # DeepSpeed's notice, printed by every DDP rank before
+    # no terminal here, so no progress bar: a line per step instead
+    assert [line.split(":")[0] for line in whole.output.splitlines() if line.startswith("step ")] == [
+        f"step {n}" for n in range(1, 9)]
 
 
 def test_a_damaged_checkpoint_is_skipped_and_the_curve_continues_once(whole, tmp_path):
