@@ -194,9 +194,9 @@ FLAGS = {"--lr": ["1e-3", "-1"], "--lora-r": ["8", "0"], "--save-every": ["0", "
 
 
 def test_random_launches_train_or_stop_with_one_line_before_the_model_loads(tmp_path):
-    rng = random.Random(102)  # picks: chat with a tool turn (trains), a bad flag, malformed JSON, all too long
+    rng = random.Random(0)  # picks: a latin-1 line, a bad --lora-targets, chat with a tool turn (trains)
     trained = refused = 0
-    for attempt in range(4):
+    for attempt in range(3):
         shape = rng.choice(sorted(DATA_SHAPES))
         # mostly good flags, so that the data's own verdict shows too
         flags = [item for flag, values in FLAGS.items() for item in (flag, values[rng.random() < 0.15])]

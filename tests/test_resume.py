@@ -12,9 +12,9 @@ ARGS = ["--max-steps", "8", "--save-every", "4", "--batch-size", "4", "--grad-ac
 
 
 # DataLoader workers are the default on GPUs: their seeds must not shift the resumed run's dropout.
-@pytest.mark.parametrize("config, extra", [("ddp", []), ("fsdp", []), ("zero3", []),
-                                           ("ddp", ["--dataloader-workers", "2"])],
-                         ids=["ddp", "fsdp", "zero3", "ddp-workers"])
+# (DDP without workers: tests/test_interruptions.py resumes it past a damaged checkpoint.)
+@pytest.mark.parametrize("config, extra", [("fsdp", []), ("zero3", []), ("ddp", ["--dataloader-workers", "2"])],
+                         ids=["fsdp", "zero3", "ddp-workers"])
 def test_resume_continues_the_same_loss_curve(config, extra, tmp_path):
     whole = launch("lora", tmp_path / "whole", *ARGS, *extra, config=config)
     assert whole.returncode == 0, whole.output[-3000:]
