@@ -20,6 +20,11 @@ REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "accelerate_configs"
 TINY_MODEL = REPO / "models" / "tiny-llama"
 
+# The suite keeps to ~15 minutes on two cores; RECIPES_LONG_TESTS=1 adds the launches it leaves out
+# (every recipe x config, every user config file, every bad-input case, --compile): about an hour more.
+LONG_TESTS = os.environ.get("RECIPES_LONG_TESTS") == "1"
+long_test = pytest.mark.skipif(not LONG_TESTS, reason="a long test: set RECIPES_LONG_TESTS=1 to run it")
+
 
 @dataclass
 class Launch:
@@ -105,14 +110,15 @@ def assert_no_traceback_of_ours(output: str) -> None:
 @pytest.fixture(scope="session")
 def trained(tmp_path_factory):
     """`trained(recipe, config)`: the matrix launch of strategies.py, run once per session."""
-    from strategies import CPU_STRATEGIES, matrix_args
+    from strategies import CPU_STRATEGIES, MERGED_IN, matrix_args
 
     runs = {}
 
     def run(recipe: str, config: str) -> Launch:
         if (recipe, config) not in runs:
             output_dir = tmp_path_factory.mktemp(f"{recipe}-{config}") / "out"
-            runs[recipe, config] = launch(recipe, output_dir, *matrix_args(recipe, config),
+            merge = ["--merge"] if recipe != "full" and config == MERGED_IN else []
+            runs[recipe, config] = launch(recipe, output_dir, *matrix_args(recipe, config), *merge,
                                           config=config, processes=CPU_STRATEGIES[config][1])
         return runs[recipe, config]
 

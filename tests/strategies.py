@@ -1,7 +1,11 @@
 """The CPU launch matrix shared by the matrix and equivalence tests: one launch per recipe x
-config, reused by both (a launch costs ~10 s; the suite budgets them)."""
+config, reused by both (a launch costs ~15 s; the suite budgets them)."""
 
 from __future__ import annotations
+
+import pytest
+
+from conftest import long_test
 
 # config -> (distributed type seen on CPU, processes, parameters sharded across ranks?)
 CPU_STRATEGIES = {
@@ -16,6 +20,17 @@ CPU_STRATEGIES = {
     "zero3_offload": ("DEEPSPEED", 2, True),
 }
 RECIPES = ("full", "lora", "qlora")
+# Launched by every suite run: each config with at least one recipe, each recipe with the one-process
+# reference, DDP, an FSDP and a ZeRO config (15 launches). RECIPES_LONG_TESTS=1 launches all 27.
+EVERY_RUN = {
+    "full": ("model_parallel", "ddp", "fsdp", "zero1", "zero3"),
+    "lora": ("model_parallel", "ddp", "fsdp", "fsdp_grad_op", "zero2", "zero3"),
+    "qlora": ("model_parallel", "ddp", "fsdp_offload", "zero3_offload"),
+}
+# The sharded configs whose adapters are compared with DDP's, per recipe (all in EVERY_RUN).
+SHARDED = {"lora": ("fsdp", "zero3"), "qlora": ("fsdp_offload", "zero3_offload")}
+# --merge writes merged/ in a fresh process from adapter/, the same whatever the strategy: merged once per recipe.
+MERGED_IN = "ddp"
 # What the start-up memory plan calls each launch (model parallel on CPU: one process, no GPUs to spread over).
 PLANNER_NAME = {"model_parallel": "ddp", "ddp": "ddp", "fsdp": "fsdp_full_shard", "fsdp_grad_op": "fsdp_grad_op",
                 "fsdp_offload": "fsdp_offload", "zero1": "zero1", "zero2": "zero2", "zero3": "zero3",
@@ -23,6 +38,12 @@ PLANNER_NAME = {"model_parallel": "ddp", "ddp": "ddp", "fsdp": "fsdp_full_shard"
 GLOBAL_BATCH = 16  # rows per optimizer step, the same on every strategy
 GRAD_ACCUM = 2
 STEPS = 8
+
+
+def matrix_cases(configs=tuple(CPU_STRATEGIES)) -> list:
+    """(recipe, config) parameters; those outside EVERY_RUN are long tests."""
+    return [pytest.param(recipe, config, marks=() if config in EVERY_RUN[recipe] else long_test)
+            for recipe in RECIPES for config in configs]
 
 
 def matrix_args(recipe: str, config: str) -> list[str]:
@@ -33,4 +54,4 @@ def matrix_args(recipe: str, config: str) -> list[str]:
     if recipe == "full":
         return args + ["--lr", "2e-3"]
     # Dropout draws differ between one process and several; without it the curves must agree.
-    return args + ["--lr", "5e-3", "--merge", "--lora-dropout", "0"]
+    return args + ["--lr", "5e-3", "--lora-dropout", "0"]

@@ -10,12 +10,11 @@ import json
 import os
 import random
 import sys
-from types import SimpleNamespace
 from unittest import mock
 
 import pytest
 
-from conftest import REPO, TINY_MODEL, assert_no_traceback_of_ours, launch
+from conftest import REPO, TINY_MODEL, assert_no_traceback_of_ours, launch, long_test
 
 sys.path.insert(0, str(REPO / "recipes"))
 from common import checkpoint, data, preflight  # noqa: E402
@@ -214,3 +213,38 @@ def test_random_launches_train_or_stop_with_one_line_before_the_model_loads(tmp_
         assert not (tmp_path / f"out-{attempt}" / "run.json").exists()
         assert_no_traceback_of_ours(run.output)
     assert trained and refused  # the seed picks both outcomes
+
+
+# Every case above through the real launcher (~6 min, so opt-in; the three launches above run always).
+EVERY_CASE = [
+    (["--lr", "-1"], "good", "--lr must be > 0"),
+    (["--lora-r", "0"], "good", "--lora-r must be >= 1"),
+    (["--lora-dropout", "2"], "good", "--lora-dropout must be in [0, 1)"),
+    (["--save-every", "-1"], "good", "--save-every must be >= 0"),
+    (["--columns", "instruction"], "good", "--columns entry `instruction` is not NEW=OLD"),
+    (["--lora-targets", "nope"], "good", "--lora-targets nope match no module"),
+    (["--lora-targets", "q_proj,nope"], "good", "--lora-targets nope match no module (the others do)"),
+    (["--output-dir", "/sys/outputs"], "good", "--output-dir /sys/outputs cannot be written"),
+    ([], "malformed", ":6: not valid JSON"),
+    ([], "latin-1", ":6: not UTF-8"),
+    ([], "all too long", "no training row can be used"),
+    ([], "no text columns", "the dataset has no usable text columns"),
+    ([], "chat with tools", None),  # trains; the tool turns are dropped and counted
+]
+
+
+@long_test  # ~4 min
+@pytest.mark.parametrize("flags, shape, refusal", EVERY_CASE, ids=lambda value: str(value)[:30])
+def test_every_case_through_the_launcher(flags, shape, refusal, tmp_path):
+    dataset = write_lines(tmp_path / "data.jsonl", DATA_SHAPES[shape])
+    output_dir = tmp_path / "out"
+    run = launch("lora", output_dir, "--dataset", dataset, "--max-steps", "2", "--batch-size", "2", "--max-length", "64",
+                 *flags, config="ddp")
+    errors = [line for line in run.output.splitlines() if line.startswith("error: ")]
+    if refusal is None:
+        assert run.returncode == 0 and not errors, run.output[-3000:]
+        assert "dropped (a role other than system/user/assistant: " in run.output
+        return
+    assert run.returncode != 0 and len(errors) == 1 and refusal in errors[0], run.output[-3000:]
+    assert "Loading weights" not in run.output and not (output_dir / "run.json").exists()
+    assert_no_traceback_of_ours(run.output)

@@ -50,6 +50,17 @@ def test_a_damaged_checkpoint_is_skipped_and_the_curve_continues_once(whole, tmp
     assert resumed.losses() == whole.losses()
 
 
+def test_a_second_run_into_the_same_folder_is_refused(whole, tmp_path):
+    output_dir = tmp_path / "out"
+    shutil.copytree(whole.output_dir, output_dir)
+    second = launch("lora", output_dir, "--max-steps", "2", config="ddp")
+    assert second.returncode != 0
+    errors = [line for line in second.output.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "already holds checkpoints of another run; pass --resume auto" in errors[0], errors
+    assert "Loading weights" not in second.output
+    assert_no_traceback_of_ours(second.output)
+
+
 def test_a_killed_rank_restarts_the_job_from_its_checkpoint(whole, tmp_path):
     import psutil
 

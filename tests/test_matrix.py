@@ -1,8 +1,11 @@
-"""Every recipe under every strategy that runs on CPU: 2 processes through `accelerate launch`.
+"""The recipes under every strategy that runs on CPU: 2 processes through `accelerate launch`.
+
+Each run of the suite launches every config with at least one recipe and every recipe with DDP,
+an FSDP and a ZeRO config (tests/strategies.py); RECIPES_LONG_TESTS=1 launches all 27 pairs.
 
 Each launch must (1) really run the asked strategy (several launches exit 0 without
 distributing), (2) lower the loss, and (3) leave artifacts that reload in plain transformers /
-peft and reproduce the trained model's logits.
+peft and reproduce the trained model's logits (merged/ on the launches that --merge).
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import REPO, TINY_MODEL
-from strategies import CPU_STRATEGIES, PLANNER_NAME, RECIPES, STEPS
+from strategies import CPU_STRATEGIES, MERGED_IN, PLANNER_NAME, STEPS, matrix_cases
 
 sys.path.insert(0, str(REPO / "recipes"))
 from common.modeling import keep_4bit_weights_unpacked_on_cpu  # noqa: E402
@@ -39,14 +42,13 @@ def reload_logits(recipe: str, output_dir, input_ids, attention_mask) -> dict:
         keep_4bit_weights_unpacked_on_cpu(base)  # as the recipes do: compute in fp32, not bf16
     else:
         base = AutoModelForCausalLM.from_pretrained(TINY_MODEL)
-    return {
-        "adapter": logits(PeftModel.from_pretrained(base, output_dir / "adapter")),
-        "merged": logits(AutoModelForCausalLM.from_pretrained(output_dir / "merged")),
-    }
+    reloaded = {"adapter": logits(PeftModel.from_pretrained(base, output_dir / "adapter"))}
+    if (output_dir / "merged").exists():
+        reloaded["merged"] = logits(AutoModelForCausalLM.from_pretrained(output_dir / "merged"))
+    return reloaded
 
 
-@pytest.mark.parametrize("config", list(CPU_STRATEGIES))
-@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("recipe, config", matrix_cases())
 def test_recipe_runs_strategy(recipe, config, trained):
     distributed_type, processes, sharded = CPU_STRATEGIES[config]
     run = trained(recipe, config)
@@ -80,7 +82,9 @@ def test_recipe_runs_strategy(recipe, config, trained):
 
     # 3. What it saved reloads and computes what the trained model computed.
     probe = load_file(str(run.output_dir / "probe_logits.safetensors"))
-    for artifact, logits in reload_logits(recipe, run.output_dir, probe["input_ids"], probe["attention_mask"]).items():
+    reloaded = reload_logits(recipe, run.output_dir, probe["input_ids"], probe["attention_mask"])
+    assert ("merged" in reloaded) == (recipe != "full" and config == MERGED_IN)  # the launches that --merge
+    for artifact, logits in reloaded.items():
         mask = probe["attention_mask"].bool()
         difference = (logits - probe["logits"])[mask].abs().max().item()
         tolerance = 1e-4

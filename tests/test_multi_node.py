@@ -7,11 +7,12 @@ import json
 
 import pytest
 
-from conftest import free_port, start
+from conftest import free_port, long_test, start
 from strategies import matrix_args
 
 
-@pytest.mark.parametrize("config", ["ddp", "fsdp", "zero3"])
+# ZeRO-3 in every run: DeepSpeed's own rendezvous and sharded parameters across "machines".
+@pytest.mark.parametrize("config", [pytest.param("ddp", marks=long_test), pytest.param("fsdp", marks=long_test), "zero3"])
 def test_two_machines_train_like_one(config, trained, tmp_path):
     port = str(free_port())
     machines = []

@@ -1,5 +1,6 @@
-"""The planner against what the ranks really hold: every recipe under every sharding strategy
-that runs on CPU, 2 processes through `accelerate launch`.
+"""The planner against what the ranks really hold: the recipes under every sharding strategy that
+runs on CPU, 2 processes through `accelerate launch` (the matrix of tests/strategies.py: every
+config in each run, every recipe x config with RECIPES_LONG_TESTS=1).
 
 Each launch writes `memory_by_rank` into run.json: the bytes of weights, gradients and
 optimizer state each rank holds when its first optimizer step ends, counted from the tensors
@@ -23,7 +24,7 @@ import sys
 import pytest
 
 from conftest import REPO
-from strategies import CPU_STRATEGIES, PLANNER_NAME, RECIPES
+from strategies import CPU_STRATEGIES, PLANNER_NAME, matrix_cases
 
 sys.path.insert(0, str(REPO / "recipes"))
 from common import memory  # noqa: E402
@@ -75,8 +76,7 @@ def planned_per_rank(recipe: str, config: str, ran: dict) -> dict:
                                  where="anywhere", **lora)
 
 
-@pytest.mark.parametrize("config", CONFIGS)
-@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("recipe, config", matrix_cases(CONFIGS))
 def test_each_rank_holds_what_the_planner_says(recipe, config, trained):
     run = trained(recipe, config)
     assert run.returncode == 0, run.output[-4000:]

@@ -1,4 +1,5 @@
-"""accelerate's trackers receive the same numbers as metrics.jsonl."""
+"""accelerate's trackers receive the same numbers as metrics.jsonl; `--report-to none` writes none;
+no token reaches what a run prints or writes."""
 
 from __future__ import annotations
 
@@ -6,29 +7,50 @@ import pytest
 
 from conftest import launch
 
+SECRET = "hf_SECRETtoken1234567890"
 
-def test_tensorboard_gets_the_metrics_of_metrics_jsonl(tmp_path):
+
+def test_tensorboard_gets_the_metrics_of_metrics_jsonl(trained):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    run = launch("lora", tmp_path / "out", "--max-steps", "4", "--eval-every", "2", "--batch-size", "2",
-                 "--report-to", "tensorboard", config="ddp")
+    run = trained("lora", "ddp")  # --report-to auto: TensorBoard, installed here
     assert run.returncode == 0, run.output[-3000:]
     logged = {}
-    for event_file in (tmp_path / "out").rglob("events.out.tfevents*"):  # scalars, and the run's settings
+    event_files = list(run.output_dir.rglob("events.out.tfevents*"))
+    assert event_files
+    for event_file in event_files:  # scalars, and the run's settings
         events = EventAccumulator(str(event_file))
         events.Reload()
         logged.update({tag: {e.step: e.value for e in events.Scalars(tag)} for tag in events.Tags()["scalars"]})
 
-    for record in run.metrics("train"):
+    train = run.metrics("train")
+    assert [record["step"] for record in train] == sorted(logged["train/loss"])
+    for record in train:
         assert logged["train/loss"][record["step"]] == pytest.approx(record["loss"], rel=1e-6)
         assert logged["train/lr"][record["step"]] == pytest.approx(record["lr"], rel=1e-6)
     evals = run.metrics("eval")
-    assert [record["step"] for record in evals] == [2, 4]
+    assert evals and [record["step"] for record in evals] == sorted(logged["eval/eval_exact_match"])
     for record in evals:
         assert logged["eval/eval_exact_match"][record["step"]] == pytest.approx(record["eval_exact_match"], abs=1e-7)
 
 
-def test_no_tracker_when_asked_for_none(tmp_path):
-    run = launch("full", tmp_path / "out", "--max-steps", "1", "--report-to", "none")
+@pytest.fixture(scope="module")
+def untracked(tmp_path_factory):
+    """A run with --report-to none and tokens in its environment."""
+    run = launch("lora", tmp_path_factory.mktemp("untracked") / "out", "--max-steps", "2", "--batch-size", "2",
+                 "--eval-every", "1", "--report-to", "none", config="ddp",
+                 env={"HF_TOKEN": SECRET, "HUGGING_FACE_HUB_TOKEN": SECRET, "WANDB_API_KEY": SECRET})
     assert run.returncode == 0, run.output[-3000:]
-    assert not list((tmp_path / "out").rglob("events.out.tfevents*"))
+    return run
+
+
+def test_no_tracker_when_asked_for_none(untracked):
+    assert (untracked.output_dir / "metrics.jsonl").is_file()
+    assert not list(untracked.output_dir.rglob("events.out.tfevents*"))
+
+
+def test_no_token_reaches_logs_or_outputs(untracked):
+    assert SECRET not in untracked.output
+    for path in untracked.output_dir.rglob("*"):
+        if path.is_file() and path.stat().st_size < 5_000_000:
+            assert SECRET.encode() not in path.read_bytes(), path

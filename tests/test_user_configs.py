@@ -10,7 +10,6 @@ launched for real, across the three recipes.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -18,7 +17,7 @@ import sys
 import pytest
 import yaml
 
-from conftest import REPO, assert_no_traceback_of_ours, launch, launch_command, launch_env
+from conftest import REPO, assert_no_traceback_of_ours, launch, launch_command, launch_env, long_test
 
 sys.path.insert(0, str(REPO / "scripts"))
 sys.path.insert(0, str(REPO / "recipes"))
@@ -176,8 +175,7 @@ def test_user_config_file_trains_as_written(recipe, name, tmp_path):
     assert (tmp_path / "out" / saved).is_file()
 
 
-@pytest.mark.skipif(os.environ.get("RECIPES_ALL_USER_CONFIGS") != "1",
-                    reason="~12 min: set RECIPES_ALL_USER_CONFIGS=1 (the suite launches one file of each kind above)")
+@long_test  # ~12 min; each run of the suite launches one file of each kind above
 @pytest.mark.parametrize("name", sorted(name for name in EXPECTED if name != "accelerate__sp-alst.ds-config.json"))
 def test_every_fixture_trains_or_is_refused(name, user_folder, tmp_path, monkeypatch):
     """Every file launched for real, the recipes taking turns; relative paths resolve as in their projects."""

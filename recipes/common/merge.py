@@ -9,6 +9,12 @@ merge, so the merged weights are the ones the adapter was trained with.
 """
 
 import argparse
+import sys
+from pathlib import Path
+
+if __name__ == "__main__":  # run as a script: the recipes' notice filter first, as in the recipes
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import common.quiet  # noqa: F401
 
 import torch
 

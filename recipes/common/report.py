@@ -18,21 +18,11 @@ def sample_generations(accelerator, model, tokenizer, eval_set, output_dir, coun
     to samples.jsonl. Every rank generates (sharded weights need every rank's forward)."""
     generator = accelerator.unwrap_model(model)
     generator.eval()
-    samples = []
-    for row in eval_set.select(range(min(count, len(eval_set)))):
-        prompt_length = next((i for i, label in enumerate(row["labels"]) if label != IGNORE), len(row["labels"]))
-        prompt = torch.tensor([row["input_ids"][:prompt_length]], device=accelerator.device)
-        output = generator.generate(
-            input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=max_new_tokens,
-            do_sample=False, pad_token_id=tokenizer.pad_token_id,
-            synced_gpus=shards_parameters(accelerator),  # ranks keep stepping together until all finish
-        )
-        reference = [t for t, label in zip(row["input_ids"], row["labels"]) if label != IGNORE]
-        samples.append({
-            "prompt": tokenizer.decode(prompt[0], skip_special_tokens=True),
-            "reference": tokenizer.decode(reference, skip_special_tokens=True),
-            "generated": tokenizer.decode(output[0, prompt_length:], skip_special_tokens=True),
-        })
+    # Eager even under --compile: each new KV-cache length and layer index would be another graph,
+    # compiled for a few tokens until torch gives up at its recompile limit with a page of warnings.
+    with torch.compiler.set_stance("force_eager"):
+        samples = [generate_one(accelerator, generator, tokenizer, row, max_new_tokens)
+                   for row in eval_set.select(range(min(count, len(eval_set))))]
     generator.train()
     if accelerator.is_main_process:
         with open(Path(output_dir) / "samples.jsonl", "w") as file:
@@ -41,6 +31,23 @@ def sample_generations(accelerator, model, tokenizer, eval_set, output_dir, coun
         for sample in samples:
             print(f"sample: {sample['prompt']!r} -> {sample['generated']!r} (reference {sample['reference']!r})")
     return samples
+
+
+def generate_one(accelerator, generator, tokenizer, row, max_new_tokens: int) -> dict:
+    """The greedy answer to one evaluation row's prompt (the tokens before its first target token)."""
+    prompt_length = next((i for i, label in enumerate(row["labels"]) if label != IGNORE), len(row["labels"]))
+    prompt = torch.tensor([row["input_ids"][:prompt_length]], device=accelerator.device)
+    output = generator.generate(
+        input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=max_new_tokens,
+        do_sample=False, pad_token_id=tokenizer.pad_token_id,
+        synced_gpus=shards_parameters(accelerator),  # ranks keep stepping together until all finish
+    )
+    reference = [t for t, label in zip(row["input_ids"], row["labels"]) if label != IGNORE]
+    return {
+        "prompt": tokenizer.decode(prompt[0], skip_special_tokens=True),
+        "reference": tokenizer.decode(reference, skip_special_tokens=True),
+        "generated": tokenizer.decode(output[0, prompt_length:], skip_special_tokens=True),
+    }
 
 
 def write_model_card(accelerator, args, recipe: str, artifact: str, samples: list[dict]) -> None:
