@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,6 +32,7 @@ class Launch:
     returncode: int
     output: str
     output_dir: Path
+    seconds: float = 0.0  # wall time of the whole launch, start-up included
 
     def run_json(self) -> dict:
         return json.loads((self.output_dir / "run.json").read_text())
@@ -80,8 +82,9 @@ def launch(recipe: str, output_dir: Path, *recipe_args: str, config: str | None 
     """Run a launch (see `launch_command`) to its end."""
     command = launch_command(recipe, output_dir, *recipe_args, config=config, processes=processes,
                              mixed_precision=mixed_precision)
+    started = time.monotonic()
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=launch_env(env))
-    return Launch(done.returncode, done.stdout + done.stderr, Path(output_dir))
+    return Launch(done.returncode, done.stdout + done.stderr, Path(output_dir), time.monotonic() - started)
 
 
 def start(recipe: str, output_dir: Path, *recipe_args: str, config: str | None = None, processes: int = 2,

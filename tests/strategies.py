@@ -38,6 +38,7 @@ PLANNER_NAME = {"model_parallel": "ddp", "ddp": "ddp", "fsdp": "fsdp_full_shard"
 GLOBAL_BATCH = 16  # rows per optimizer step, the same on every strategy
 GRAD_ACCUM = 2
 STEPS = 8
+SAVE_EVERY = 4  # every launch writes checkpoints step-4 and step-8; test_resume continues from step-4
 
 
 def matrix_cases(configs=tuple(CPU_STRATEGIES)) -> list:
@@ -50,7 +51,7 @@ def matrix_args(recipe: str, config: str) -> list[str]:
     """The same seed and global batch everywhere: the one-process launch takes the whole batch."""
     processes = CPU_STRATEGIES[config][1]
     args = ["--max-steps", str(STEPS), "--grad-accum", str(GRAD_ACCUM), "--log-every", "4",
-            "--batch-size", str(GLOBAL_BATCH // GRAD_ACCUM // processes)]
+            "--batch-size", str(GLOBAL_BATCH // GRAD_ACCUM // processes), "--save-every", str(SAVE_EVERY)]
     if recipe == "full":
         return args + ["--lr", "2e-3"]
     # Dropout draws differ between one process and several; without it the curves must agree.

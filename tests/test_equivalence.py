@@ -27,11 +27,12 @@ def max_relative_difference(a: list[float], b: list[float]) -> float:
 
 
 @pytest.mark.parametrize("recipe, config", matrix_cases(DISTRIBUTED))
-def test_same_loss_curve_as_one_process(recipe, config, trained):
+def test_same_loss_curve_as_one_process(recipe, config, trained, record_property):
     reference = trained(recipe, "model_parallel")
     other = trained(recipe, config)
     assert reference.returncode == other.returncode == 0
     difference = max_relative_difference(reference.losses(), other.losses())
+    record_property("max_relative_difference", difference)  # into --junitxml, for README's table
     assert difference <= TOLERANCE[recipe], (reference.losses(), other.losses())
 
 

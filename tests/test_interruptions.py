@@ -41,7 +41,9 @@ def test_a_damaged_checkpoint_is_skipped_and_the_curve_continues_once(whole, tmp
     shutil.copytree(whole.output_dir, output_dir)
     weights = sorted((output_dir / "checkpoints" / "step-8").rglob("*.safetensors"))[0]
     weights.write_bytes(weights.read_bytes()[:-100])  # e.g. a disk that filled up during the copy
-    resumed = launch("lora", output_dir, *ARGS, "--resume", "auto", config="ddp")
+    # with DataLoader workers (the default on GPUs), which the uninterrupted run had not: they give the
+    # same batches and must not shift the resumed run's dropout draws
+    resumed = launch("lora", output_dir, *ARGS, "--dataloader-workers", "2", "--resume", "auto", config="ddp")
     assert resumed.returncode == 0, resumed.output[-3000:]
     damaged = [line for line in resumed.output.splitlines() if line.startswith("skipping damaged checkpoint")]
     assert len(damaged) == 1 and f"{weights.relative_to(output_dir / 'checkpoints' / 'step-8')} has" in damaged[0]

@@ -49,10 +49,11 @@ def reload_logits(recipe: str, output_dir, input_ids, attention_mask) -> dict:
 
 
 @pytest.mark.parametrize("recipe, config", matrix_cases())
-def test_recipe_runs_strategy(recipe, config, trained):
+def test_recipe_runs_strategy(recipe, config, trained, record_property):
     distributed_type, processes, sharded = CPU_STRATEGIES[config]
     run = trained(recipe, config)
     assert run.returncode == 0, run.output[-4000:]
+    record_property("launch_seconds", round(run.seconds, 1))  # into --junitxml, for README's table
 
     # 1. The strategy that was asked for is the one that ran.
     ran = run.run_json()

@@ -10,7 +10,7 @@ from unittest import mock
 
 import pytest
 
-from conftest import REPO, assert_no_traceback_of_ours, launch
+from conftest import CONFIGS, REPO, assert_no_traceback_of_ours, launch
 
 sys.path.insert(0, str(REPO / "recipes"))
 from common import preflight  # noqa: E402
@@ -39,19 +39,25 @@ def test_model_parallel_with_two_processes_is_refused(tmp_path):
     assert not (tmp_path / "out" / "run.json").exists()
 
 
+def launched_with(config: str, processes: int):
+    """The environment `accelerate launch --config_file accelerate_configs/<config>.yaml` gives rank 0."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    import check_config
+
+    return mock.patch.dict(os.environ, check_config.launcher_environment(CONFIGS / f"{config}.yaml", processes))
+
+
 def test_eight_bit_under_fsdp_is_refused(tmp_path):
-    run = launch("qlora", tmp_path / "out", "--bits", "8", "--max-steps", "1", config="fsdp", processes=2)
-    assert run.returncode != 0
-    lines = refusal_lines(run.output)
-    assert len(lines) == 1 and "8-bit" in lines[0] and "--bits 4" in lines[0], run.output[-3000:]
-    assert_no_traceback_of_ours(run.output)
+    args = parse_args(recipe_flags("qlora"), ["--bits", "8", "--max-steps", "1", "--output-dir", str(tmp_path / "out")])
+    with launched_with("fsdp", 2), pytest.raises(Refusal) as refusal:
+        preflight.check_launch(args, "qlora")
+    assert "8-bit" in str(refusal.value) and "--bits 4" in str(refusal.value)
 
 
 def test_missing_dataset_is_refused(tmp_path):
-    run = launch("full", tmp_path / "out", "--dataset", str(tmp_path / "nope.jsonl"), "--max-steps", "1")
-    assert run.returncode != 0
-    [line] = refusal_lines(run.output)
-    assert "nope.jsonl does not exist" in line
+    args = parse_args(recipe_flags("full"), ["--dataset", str(tmp_path / "nope.jsonl"), "--output-dir", str(tmp_path / "out")])
+    with launched_with("ddp", 2), pytest.raises(Refusal, match="nope.jsonl does not exist"):
+        preflight.check_launch(args, "full")
 
 
 # The checks themselves, in-process: each refusal names the problem and the fix.

@@ -3,6 +3,7 @@ written out in each, and a copied recipe still runs."""
 
 from __future__ import annotations
 
+import ast
 import re
 import shutil
 import subprocess
@@ -12,13 +13,18 @@ import pytest
 
 from conftest import REPO
 
+sys.path.insert(0, str(REPO / "recipes"))
+from common.args import recipe_flags  # noqa: E402
+
 RECIPES = ["full", "lora", "qlora"]
 
 
 def help_flags(recipe: str) -> set[str]:
-    done = subprocess.run([sys.executable, str(REPO / "recipes" / f"{recipe}.py"), "--help"],
-                          capture_output=True, text=True, check=True)
-    usage = done.stdout.split("\n\n")[0]  # the usage block lists every flag once
+    """The flags of the parser the recipe builds (`parse_args` in each recipe), in-process: running
+    `--help` costs a start-up per recipe (the copied-recipe test below runs it once)."""
+    source = (REPO / "recipes" / f"{recipe}.py").read_text()
+    assert f'cli.recipe_flags("{recipe}", __doc__)' in source
+    usage = recipe_flags(recipe, ast.get_docstring(ast.parse(source), clean=False)).format_usage()
     return set(re.findall(r"--[a-z][a-z0-9-]+", usage))
 
 

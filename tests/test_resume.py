@@ -8,31 +8,31 @@ import sys
 
 import pytest
 
-from conftest import REPO, launch
+from conftest import REPO, launch, long_test
+from strategies import CPU_STRATEGIES, SAVE_EVERY, STEPS, matrix_args
 
 sys.path.insert(0, str(REPO / "recipes"))
 
-ARGS = ["--max-steps", "8", "--save-every", "4", "--batch-size", "4", "--grad-accum", "2", "--lr", "5e-3"]
-
-
-# FSDP2's and ZeRO-3's sharded checkpoints; DataLoader workers (the default on GPUs) must not shift
-# the resumed run's dropout. DDP: tests/test_interruptions.py resumes it past a damaged checkpoint.
-@pytest.mark.parametrize("config, extra", [("fsdp", ["--dataloader-workers", "2"]), ("zero3", [])],
-                         ids=["fsdp-workers", "zero3"])
-def test_resume_continues_the_same_loss_curve(config, extra, tmp_path):
-    whole = launch("lora", tmp_path / "whole", *ARGS, *extra, config=config)
+# FSDP2's and ZeRO-3's sharded checkpoints in every run, the other strategies as long tests. DDP with
+# dropout and DataLoader workers: tests/test_interruptions.py resumes it past a damaged checkpoint.
+@pytest.mark.parametrize("config", [pytest.param(config, marks=() if config in ("fsdp", "zero3") else long_test)
+                                    for config in CPU_STRATEGIES])
+def test_resume_continues_the_same_loss_curve(config, trained, tmp_path):
+    whole = trained("lora", config)  # the matrix launch: 8 steps, a checkpoint every SAVE_EVERY
     assert whole.returncode == 0, whole.output[-3000:]
 
-    # The same run, stopped after step 4: only the step-4 checkpoint survives.
+    # The same run, stopped after the first save: only that checkpoint survives.
     resumed_dir = tmp_path / "resumed"
-    shutil.copytree(whole.output_dir / "checkpoints" / "step-4", resumed_dir / "checkpoints" / "step-4")
-    resumed = launch("lora", resumed_dir, *ARGS, *extra, "--resume", "auto", config=config)
+    checkpoint = f"step-{SAVE_EVERY}"
+    shutil.copytree(whole.output_dir / "checkpoints" / checkpoint, resumed_dir / "checkpoints" / checkpoint)
+    resumed = launch("lora", resumed_dir, *matrix_args("lora", config), "--resume", "auto", config=config,
+                     processes=CPU_STRATEGIES[config][1])
     assert resumed.returncode == 0, resumed.output[-3000:]
-    assert "resumed from" in resumed.output
+    assert f"resumed from {resumed_dir / 'checkpoints' / checkpoint} at step {SAVE_EVERY}" in resumed.output
 
     steps = [record["step"] for record in resumed.metrics()]
-    assert steps == [5, 6, 7, 8]
-    assert resumed.losses() == whole.losses()[4:]
+    assert steps == list(range(SAVE_EVERY + 1, STEPS + 1))
+    assert resumed.losses() == whole.losses()[SAVE_EVERY:]
 
 
 def test_a_fresh_run_does_not_mix_into_an_older_metrics_file(tmp_path):
