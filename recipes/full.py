@@ -14,6 +14,7 @@ evaluation), checkpoints/step-N/ (resumable) and model/ (AutoModelForCausalLM.fr
 Flags: --model --dataset --columns --packing --output-dir --epochs --max-steps --batch-size
        --grad-accum --lr --warmup-ratio --weight-decay --max-grad-norm --max-length --seed --eval-every
        --save-every --save-total-limit --resume --gradient-checkpointing --log-every --report-to --trust-remote-code
+       --config (a YAML file of any of these flags)
 Speed: --compile --liger --attention --dataloader-workers
 """
 

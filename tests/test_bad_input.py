@@ -188,6 +188,11 @@ DATA_SHAPES = {
     "chat with tools": [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}] * 30
     + [{"messages": [{"role": "user", "content": "hi"}, {"role": "tool", "content": "x"}]}] * 10,
 }
+# Only launched by the long test below (the random launches draw from DATA_SHAPES).
+MORE_SHAPES = {
+    "empty": [],
+    "null responses": [GOOD] * 35 + [{"instruction": "x", "response": None}] * 5,
+}
 FLAGS = {"--lr": ["1e-3", "-1"], "--lora-r": ["8", "0"], "--save-every": ["0", "-1"], "--max-length": ["64", "12"],
          "--lora-targets": ["all-linear", "q_proj,nope"]}
 
@@ -229,21 +234,27 @@ EVERY_CASE = [
     ([], "latin-1", ":6: not UTF-8"),
     ([], "all too long", "no training row can be used"),
     ([], "no text columns", "the dataset has no usable text columns"),
-    ([], "chat with tools", None),  # trains; the tool turns are dropped and counted
+    ([], "empty", "is an empty file"),
+    (["--resume", "auto"], "good", "was written by lora.py training org/other-model"),  # see below
+    ([], "chat with tools", None),  # trains; the rows with tool turns are dropped and counted
+    ([], "null responses", None),  # trains; the rows without a target are dropped and counted
 ]
+DROPPED = {"chat with tools": "dropped (a role other than system/user/assistant: ", "null responses": "empty target: "}
 
 
 @long_test  # ~4 min
 @pytest.mark.parametrize("flags, shape, refusal", EVERY_CASE, ids=lambda value: str(value)[:30])
 def test_every_case_through_the_launcher(flags, shape, refusal, tmp_path):
-    dataset = write_lines(tmp_path / "data.jsonl", DATA_SHAPES[shape])
+    dataset = write_lines(tmp_path / "data.jsonl", {**DATA_SHAPES, **MORE_SHAPES}[shape])
     output_dir = tmp_path / "out"
+    if "--resume" in flags:  # the output folder holds another model's checkpoint
+        fake_checkpoint(output_dir, 2, model="org/other-model")
     run = launch("lora", output_dir, "--dataset", dataset, "--max-steps", "2", "--batch-size", "2", "--max-length", "64",
                  *flags, config="ddp")
     errors = [line for line in run.output.splitlines() if line.startswith("error: ")]
     if refusal is None:
         assert run.returncode == 0 and not errors, run.output[-3000:]
-        assert "dropped (a role other than system/user/assistant: " in run.output
+        assert DROPPED[shape] in run.output, run.output[-3000:]
         return
     assert run.returncode != 0 and len(errors) == 1 and refusal in errors[0], run.output[-3000:]
     assert "Loading weights" not in run.output and not (output_dir / "run.json").exists()

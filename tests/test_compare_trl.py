@@ -126,6 +126,12 @@ def test_timed_part_leaves_out_the_first_step():
     assert timed["tokens_per_s"] == pytest.approx(50.0) and timed["step_tokens"] == [10, 20, 30]
 
 
+def test_the_conclusion_follows_the_measured_ratio():
+    assert "bookkeeping" in compare_trl.verdict(1.8)
+    assert compare_trl.verdict(0.5).startswith("TRL is 2.00x faster here")
+    assert "within 10%" in compare_trl.verdict(1.02) and "bookkeeping" not in compare_trl.verdict(1.02)
+
+
 def test_a_failed_launch_is_named_in_one_line():
     refused = ["Loading weights: 100%", "error: --max-length 4096 is beyond the model's context (1024)"]
     assert compare_trl.failure_cause(refused) == "--max-length 4096 is beyond the model's context (1024)"

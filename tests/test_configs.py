@@ -48,16 +48,24 @@ def test_hybrid_shard_config_asks_for_a_two_by_two_mesh():
     assert parallelism["parallelism_config_dp_replicate_size"] * parallelism["parallelism_config_dp_shard_size"] == 4
 
 
+def model_parallel_device_map(config, gpu_memory: dict) -> dict:
+    """The layer -> GPU plan that model_parallel.yaml's `device_map="auto"` makes for `config`
+    (accelerate's `infer_auto_device_map`), computed on the meta device without any GPU."""
+    import torch
+    from accelerate import infer_auto_device_map, init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    return infer_auto_device_map(model, max_memory=gpu_memory, no_split_module_classes=model._no_split_modules,
+                                 dtype=torch.bfloat16)
+
+
 @pytest.mark.parametrize("model", ["tinyllama-1.1b", "codellama-34b"])
 def test_model_parallel_plan_spreads_layers_over_all_gpus(model):
-    import sys
-
     import json
 
     from transformers import AutoConfig
-
-    sys.path.insert(0, str(REPO / "recipes"))
-    from common.modeling import model_parallel_device_map
 
     config = AutoConfig.for_model(**json.loads((REPO / "data" / "model_configs" / f"{model}.json").read_text()))
     weights_gib = {"tinyllama-1.1b": 2.2, "codellama-34b": 68}[model]

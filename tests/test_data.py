@@ -141,3 +141,18 @@ def test_packing_respects_max_length_and_keeps_every_target(tokenizer):
     assert max(len(ids) for ids in packed["input_ids"]) <= 128
     count = lambda rows: sum(label != data.IGNORE for labels in rows["labels"] for label in labels)  # noqa: E731
     assert count(packed) == count(plain)
+
+
+def test_the_chat_template_travels_with_the_saved_tokenizer(tmp_path):
+    """A tokenizer without a chat template gets the one chat rows are trained with, and keeps it when saved."""
+    from transformers import AutoTokenizer
+
+    from common import formats, modeling
+
+    tokenizer = modeling.load_tokenizer(str(TINY_MODEL))
+    assert tokenizer.chat_template == formats.DEFAULT_CHAT_TEMPLATE
+    tokenizer.save_pretrained(tmp_path)
+    conversation = [{"role": "user", "content": "Sort: 2 1"}]
+    text = AutoTokenizer.from_pretrained(tmp_path).apply_chat_template(conversation, tokenize=False,
+                                                                      add_generation_prompt=True)
+    assert text == "<|user|>\nSort: 2 1\n<|assistant|>\n"

@@ -81,6 +81,12 @@ def test_recipe_runs_strategy(recipe, config, trained, record_property):
     assert ("PeftModel.from_pretrained" if recipe != "full" else "AutoModelForCausalLM.from_pretrained") in card
     assert f"{ran['distributed_type']} x {processes} process(es)" in card
 
+    # The saved tokenizer carries the chat template chat rows are trained with.
+    from transformers import AutoTokenizer
+
+    saved = AutoTokenizer.from_pretrained(run.output_dir / ("model" if recipe == "full" else "adapter"))
+    assert saved.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False).startswith("<|user|>")
+
     # 3. What it saved reloads and computes what the trained model computed.
     probe = load_file(str(run.output_dir / "probe_logits.safetensors"))
     reloaded = reload_logits(recipe, run.output_dir, probe["input_ids"], probe["attention_mask"])

@@ -356,8 +356,6 @@ def test_tinyllama_lora_recommends_ddp_on_one_gpu(tinyllama):
     assert rec["fewest_gpus"] == {"strategy": "ddp", "config": "accelerate_configs/ddp.yaml", "gpus": 1,
                                   "max_micro_batch": rec["fastest"]["max_micro_batch"]}
     assert rec["fastest"]["max_micro_batch"] >= 64
-    assert memory.summary_line(plan).startswith("plan: lora tinyllama-1.1b on 4 GPUs x 48 GiB: fastest that fits: "
-                                                "ddp.yaml, ")
     # Without checkpointing the activations, not the weights, cap the micro-batch (16 x 1024 does
     # not fit 48 GB on any strategy that runs the whole model on each GPU; 8 does, on DDP).
     ddp = memory.max_micro_batch(tinyllama, "lora", "ddp", 4, 48, 1024)
@@ -386,7 +384,6 @@ def test_codellama_qlora_fits_one_48_gb_gpu_with_ddp(codellama):
 def test_nothing_fits_gives_a_reason(codellama):
     rec = memory.plan(codellama, "full", 2, 24, 8, 4096)["recommendation"]
     assert rec["fastest"] is None and rec["fewest_gpus"] is None and "--gradient-checkpointing" in rec["reason"]
-    assert "nothing fits" in memory.summary_line(memory.plan(codellama, "full", 2, 24, 8, 4096))
 
 
 def test_every_strategy_names_an_existing_config():

@@ -3,6 +3,7 @@ written out in each, and a copied recipe still runs."""
 
 from __future__ import annotations
 
+import argparse
 import ast
 import re
 import shutil
@@ -68,3 +69,13 @@ def test_a_copied_recipe_still_runs(tmp_path):
         assert done.returncode == 0 and "--lora-r" in done.stdout, done.stderr
     finally:
         copy.unlink()
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_help_shows_every_default(recipe):
+    parser = recipe_flags(recipe, "recipe\n")
+    text = " ".join(parser.format_help().split())
+    for action in parser._actions:
+        if action.option_strings and action.default not in (argparse.SUPPRESS, False, None):
+            assert f"(default: {action.default})" in text or "default: " in (action.help or ""), action.option_strings
+    assert "(default: 2e-05)" in text if recipe == "full" else "(default: 0.0002)" in text

@@ -56,6 +56,17 @@ def test_compile_layers_compiles_every_decoder_layer_in_place():
     assert [name for name, _ in model.named_parameters()] == names_before  # checkpoints keep their keys
 
 
+def test_a_model_without_decoder_layers_is_compiled_whole_and_says_so(capsys):
+    import torch
+
+    from common.modeling import compile_layers
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    compile_layers(model)
+    assert model._compiled_call_impl is not None
+    assert capsys.readouterr().out.startswith("compile: Sequential has no transformers decoder-layer class; compiling")
+
+
 def test_gradient_checkpointing_takes_every_n():
     parser = recipe_parser("recipe\n")
     assert parser.parse_args([]).gradient_checkpointing == 0

@@ -36,11 +36,13 @@ def test_tensorboard_gets_the_metrics_of_metrics_jsonl(trained):
 
 @pytest.fixture(scope="module")
 def untracked(tmp_path_factory):
-    """A run with --report-to none and tokens in its environment."""
-    run = launch("lora", tmp_path_factory.mktemp("untracked") / "out", "--max-steps", "2", "--batch-size", "2",
-                 "--eval-every", "1", "--report-to", "none", config="ddp",
+    """A run with --report-to none (given in a --config file) and tokens in its environment."""
+    folder = tmp_path_factory.mktemp("untracked")
+    (folder / "run.yaml").write_text("max-steps: 2\nbatch-size: 2\neval-every: 1\nreport-to: none\n")
+    run = launch("lora", folder / "out", "--config", str(folder / "run.yaml"), config="ddp",
                  env={"HF_TOKEN": SECRET, "HUGGING_FACE_HUB_TOKEN": SECRET, "WANDB_API_KEY": SECRET})
     assert run.returncode == 0, run.output[-3000:]
+    assert run.run_json()["arguments"]["report_to"] == "none" and len(run.metrics()) == 2
     return run
 
 

@@ -8,11 +8,22 @@ import sys
 from .modeling import DEFAULT_MODEL
 
 
+class HelpWithDefaults(argparse.RawDescriptionHelpFormatter):
+    """The recipe's docstring as written, and every flag's default after its help (unless the help
+    already says it, the flag is a switch that is off unless given, or it has none)."""
+
+    def _get_help_string(self, action) -> str:
+        help_text = action.help or ""
+        if "default" in help_text or action.default in (argparse.SUPPRESS, None) or action.default is False:
+            return help_text
+        return f"{help_text} (default: %(default)s)".lstrip()
+
+
 def recipe_parser(doc: str) -> argparse.ArgumentParser:
     summary, _, details = doc.partition("\n")
     parser = argparse.ArgumentParser(
         # no abbreviations: which flags were typed must be known exactly (see `parse_args`)
-        description=summary, epilog=details, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+        description=summary, epilog=details, formatter_class=HelpWithDefaults, allow_abbrev=False
     )
     add = parser.add_argument
     add("--model", default=str(DEFAULT_MODEL),
@@ -20,7 +31,8 @@ def recipe_parser(doc: str) -> argparse.ArgumentParser:
     add("--dataset", default=None,
         help="hub id, local folder, or .jsonl/.json/.parquet/.txt file (default: the bundled data/)")
     add("--columns", default=None,
-        help="rename dataset columns to a known format, e.g. instruction=question,response=answer")
+        help="rename dataset columns to a known format, e.g. instruction=question,response=answer "
+             "(default: the columns as they are)")
     add("--packing", action="store_true",
         help="pack several rows into each --max-length sequence (attention stays within each row)")
     add("--output-dir", default="outputs/run", help="where run.json, metrics, checkpoints and the result go")
@@ -30,14 +42,15 @@ def recipe_parser(doc: str) -> argparse.ArgumentParser:
     add("--grad-accum", type=int, default=1, help="micro-batches accumulated per optimizer step")
     add("--lr", type=float, default=2e-4, help="peak learning rate (linear warm-up, cosine decay)")
     add("--warmup-ratio", type=float, default=0.03, help="fraction of the steps spent warming up")
-    add("--weight-decay", type=float, default=0.0)
+    add("--weight-decay", type=float, default=0.0, help="AdamW's decoupled weight decay")
     add("--max-grad-norm", type=float, default=1.0, help="gradient clipping, the same on every strategy")
-    add("--max-length", type=int, default=512, help="tokens per example; longer examples are truncated")
-    add("--seed", type=int, default=42)
+    add("--max-length", type=int, default=512, help="tokens per example; longer rows are dropped and counted")
+    add("--seed", type=int, default=42, help="model init of new weights, dropout, data order")
     add("--eval-every", type=int, default=0, help="evaluate every N steps (0: only at the end)")
     add("--save-every", type=int, default=0, help="checkpoint every N steps (0: only at the end)")
     add("--save-total-limit", type=int, default=0, help="keep only the newest N checkpoints (0: keep all)")
-    add("--resume", default=None, help="a checkpoint folder to resume from, or `auto` for the newest")
+    add("--resume", default=None, help="a checkpoint folder to resume from, or `auto` for the newest "
+        "(default: a fresh run; an elastic restart resumes by itself)")
     add("--gradient-checkpointing", nargs="?", type=int, const=1, default=0, metavar="EVERY_N",
         help="recompute activations in the backward to save memory; bare: every layer, N: every Nth layer "
              "only (selective: less recompute, more memory)")
@@ -55,6 +68,9 @@ def recipe_parser(doc: str) -> argparse.ArgumentParser:
         help="accelerate tracker that receives the metrics too (auto: TensorBoard when installed)")
     add("--trust-remote-code", action="store_true",
         help="run the model repository's own Python code (off: only transformers' built-in models)")
+    add("--config", default=None, metavar="RUN_YAML",
+        help="a YAML file of flags, keyed by flag name (`lr: 1.0e-4`, `max-steps: 300`); flags typed on the "
+             "command line override it (default: none)")
     return parser
 
 
@@ -62,9 +78,9 @@ def add_lora_args(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add("--lora-r", type=int, default=16, help="adapter rank")
     add("--lora-alpha", type=int, default=32, help="adapter scale numerator (scale = alpha / r)")
-    add("--lora-dropout", type=float, default=0.05)
+    add("--lora-dropout", type=float, default=0.05, help="dropout on the adapter's input")
     add("--lora-targets", default="all-linear",
-        help="comma-separated module names to adapt, or `all-linear` (default)")
+        help="comma-separated module names to adapt, or `all-linear`")
     add("--merge", action="store_true", help="also write merged/ : the adapter merged into the base weights")
 
 
@@ -88,13 +104,58 @@ def recipe_flags(recipe: str, doc: str = "recipe\n") -> argparse.ArgumentParser:
 
 
 def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> argparse.Namespace:
-    """The parsed flags, plus `given_flags`: the ones typed on the command line. A setting in the
-    user's DeepSpeed config may fill a flag left at its default, but never override a typed one."""
+    """The parsed flags, plus `given_flags`: the ones typed on the command line or set in the
+    --config file. A setting in the user's DeepSpeed config may fill a flag left at its default,
+    but never override a given one."""
     argv = sys.argv[1:] if argv is None else argv
+    from_file = flags_from_config_file(parser, argv)
+    parser.set_defaults(**from_file)  # defaults, so that a typed flag still wins
     args = parser.parse_args(argv)
-    args.given_flags = sorted({action.dest for action in parser._actions for option in action.option_strings
-                               if any(arg == option or arg.startswith(option + "=") for arg in argv)})
+    typed = {action.dest for action in parser._actions for option in action.option_strings
+             if any(arg == option or arg.startswith(option + "=") for arg in argv)}
+    args.given_flags = sorted(typed | set(from_file))
     return args
+
+
+def flags_from_config_file(parser: argparse.ArgumentParser, argv: list[str]) -> dict:
+    """{dest: value} from the file after --config, checked like typed flags; an unknown key or a
+    value outside a flag's choices stops the run in one line naming the fix."""
+    path = next((argv[i + 1] for i, arg in enumerate(argv[:-1]) if arg == "--config"), None)
+    path = path or next((arg.split("=", 1)[1] for arg in argv if arg.startswith("--config=")), None)
+    if path is None:
+        return {}
+    import difflib
+
+    import yaml
+
+    from .preflight import refuse
+
+    try:
+        settings = yaml.safe_load(open(path)) or {}
+    except (OSError, yaml.YAMLError) as error:
+        refuse(f"--config {path} cannot be read: {str(error).splitlines()[0]}")
+    if not isinstance(settings, dict):
+        refuse(f"--config {path} must map flag names to values (e.g. `lr: 1.0e-4`)")
+    actions = {action.dest: action for action in parser._actions if action.option_strings and action.dest != "help"}
+    flags = {}
+    for key, value in settings.items():
+        dest = str(key).lstrip("-").replace("-", "_")
+        action = actions.get(dest)
+        if action is None or dest == "config":
+            close = difflib.get_close_matches(dest, sorted(actions), n=1, cutoff=0.6)
+            hint = f"; did you mean `{close[0].replace('_', '-')}`?" if close else ""
+            refuse(f"--config {path}: `{key}` is not a flag of this recipe{hint}")
+        if action.type is not None and value is not None:
+            try:
+                value = action.type(value if not isinstance(value, str) else value.strip())
+            except (TypeError, ValueError):
+                refuse(f"--config {path}: `{key}: {value}` is not a valid {action.type.__name__}")
+        if action.choices is not None and value not in action.choices:
+            refuse(f"--config {path}: `{key}: {value}` is not one of {', '.join(map(str, action.choices))}")
+        if isinstance(action, argparse._StoreTrueAction) and not isinstance(value, bool):
+            refuse(f"--config {path}: `{key}` is a switch; write `{key}: true` or `{key}: false`")
+        flags[dest] = value
+    return flags
 
 
 def lora_targets(value: str):

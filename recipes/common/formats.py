@@ -97,7 +97,7 @@ def tokenize_row(row: dict, tokenizer, fmt: str, max_length: int | None) -> dict
 def tokenize_chat(messages: list[dict], tokenizer, max_length: int) -> dict:
     """Render the conversation turn by turn; the tokens of each assistant reply (and its end
     marker) are targets, everything else (system, user, role headers) is masked."""
-    template = tokenizer.chat_template or DEFAULT_CHAT_TEMPLATE
+    template = tokenizer.chat_template or DEFAULT_CHAT_TEMPLATE  # the recipes' tokenizers always have one
 
     def render(turns, generation_prompt=False):
         return tokenizer.apply_chat_template(turns, tokenize=False, chat_template=template,

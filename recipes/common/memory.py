@@ -562,11 +562,6 @@ def weight_bytes(shape: ModelShape, method: str, strategy: str, gpus: int, lora_
     return int(resident + quantization_constant_bytes(shape, method, stage) + flight)
 
 
-def trained_parameters(shape: ModelShape, method: str, lora_rank: int = 16, lora_targets="all-linear") -> int:
-    """Everything for `full`; the adapters for LoRA / QLoRA."""
-    return shape.parameters if method == "full" else lora_parameters(shape, lora_rank, lora_targets)
-
-
 def gradient_bytes(shape: ModelShape, method: str, strategy: str, gpus: int, lora_rank: int = 16,
                    lora_targets="all-linear", precision: str = "bf16", stage: Stage | None = None) -> int:
     """Gradients of the trained parameters on the busiest GPU = resident (`resident_bytes`:
@@ -865,20 +860,3 @@ def plan(shape: ModelShape, method: str, gpus: int, gpu_memory_gb: float, batch_
         )
     return {"model": shape.name, "method": method, "gpus": gpus, "gpu_memory_gb": gpu_memory_gb,
             "strategies": strategies, "recommendation": recommendation}
-
-
-def summary_line(plan_dict: dict) -> str:
-    """One line for logs, e.g. `plan: lora tinyllama-1.1b on 4 GPUs x 48 GiB: fastest that fits:
-    ddp.yaml, 40.1 GiB per GPU (micro-batch up to 17); fewest GPUs: 1 with ddp.yaml`."""
-    head = (f"plan: {plan_dict['method']} {plan_dict['model'] or 'model'} on {plan_dict['gpus']} GPUs x "
-            f"{plan_dict['gpu_memory_gb']:g} GiB")
-    rec = plan_dict["recommendation"]
-    fastest, fewest = rec.get("fastest"), rec.get("fewest_gpus")
-    if fastest is None:
-        return f"{head}: nothing fits ({rec.get('reason', '')})"
-    usage = next(e["per_gpu_bytes"]["total"] for e in plan_dict["strategies"] if e["strategy"] == fastest["strategy"])
-    line = (f"{head}: fastest that fits: {Path(fastest['config']).name}, {usage / GiB:.1f} GiB per GPU "
-            f"(micro-batch up to {fastest['max_micro_batch']})")
-    if fewest is not None:
-        line += f"; fewest GPUs: {fewest['gpus']} with {Path(fewest['config']).name}"
-    return line

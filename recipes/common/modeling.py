@@ -26,9 +26,13 @@ def ensure_default_model(name: str, accelerator) -> None:
 def load_tokenizer(name: str, trust_remote_code: bool = False):
     from transformers import AutoTokenizer
 
+    from .formats import DEFAULT_CHAT_TEMPLATE
+
     tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
+    if tokenizer.chat_template is None:  # chat rows are rendered with it; saved with the tokenizer, it travels along
+        tokenizer.chat_template = DEFAULT_CHAT_TEMPLATE
     return tokenizer
 
 
@@ -95,7 +99,13 @@ def compile_layers(model) -> None:
     from transformers.modeling_layers import GradientCheckpointingLayer
 
     layers = [module for module in model.modules() if isinstance(module, GradientCheckpointingLayer)]
-    for layer in layers or [model]:  # a model without transformers' layer class: compile it whole
+    if not layers:  # remote code without transformers' layer class: the whole model, and one graph per shape
+        from accelerate import PartialState
+
+        if PartialState().is_main_process:
+            print(f"compile: {type(model).__name__} has no transformers decoder-layer class; compiling the whole "
+                  "model (slower to compile, recompiled for every new sequence length)", flush=True)
+    for layer in layers or [model]:
         layer.compile()
 
 
@@ -106,20 +116,6 @@ def keep_4bit_weights_unpacked_on_cpu(model) -> None:
     for module in model.modules():
         if hasattr(module, "support_avx512bf16_for_cpu"):
             module.support_avx512bf16_for_cpu = False
-
-
-def model_parallel_device_map(config, gpu_memory: dict, dtype=torch.bfloat16) -> dict:
-    """The layer -> GPU plan `device_map="auto"` makes for `config`, computed without any GPU.
-
-    `gpu_memory` maps GPU index to its budget, e.g. {0: "40GiB", 1: "40GiB"}.
-    """
-    from accelerate import infer_auto_device_map, init_empty_weights
-    from transformers import AutoModelForCausalLM
-
-    with init_empty_weights():
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    return infer_auto_device_map(model, max_memory=gpu_memory, no_split_module_classes=model._no_split_modules,
-                                 dtype=dtype)
 
 
 def module_names(name: str, trust_remote_code: bool = False, linear_only: bool = False) -> list[str] | None:

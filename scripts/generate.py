@@ -1,0 +1,118 @@
+"""Answer prompts with a trained run: its model/, merged/, or adapter/ on its base model.
+
+    python scripts/generate.py outputs/quickstart --prompt "Sort: 3 1 2"
+    printf 'Sort: 3 1 2\\nReverse: 1 2 3\\n' | python scripts/generate.py outputs/quickstart
+
+Each prompt is wrapped the way the run's training rows were (run.json's data_format): an
+instruction in the "### Instruction: ... ### Response:" template, a chat message through the
+saved tokenizer's chat template, a prompt/completion or text prompt as it is (--raw: always as
+it is). Greedy decoding, on a GPU when there is one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT / "recipes"))
+
+import common.quiet  # noqa: E402,F401  (first: the recipes' filter of library notices)
+import torch  # noqa: E402
+
+from common.formats import PROMPT_TEMPLATE  # noqa: E402
+
+
+def pick_artifact(output_dir: Path, wanted: str) -> Path:
+    """model/ (full), merged/ or adapter/: the one asked for, or the first of them the run wrote."""
+    names = ("model", "merged", "adapter") if wanted == "auto" else (wanted,)
+    for name in names:
+        if (output_dir / name / "config.json").is_file() or (output_dir / name / "adapter_config.json").is_file():
+            return output_dir / name
+    raise SystemExit(f"error: {output_dir} has no {' or '.join(f'{n}/' for n in names)}; "
+                     "train first, or pick another with --artifact")
+
+
+def load(output_dir: Path, artifact: Path, device: str):
+    """(model, tokenizer) of the artifact; an adapter goes on its base as the run trained it (4-bit for QLoRA)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
+
+    run = json.loads((output_dir / "run.json").read_text())
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    tokenizer = AutoTokenizer.from_pretrained(artifact)
+    if artifact.name != "adapter":
+        return AutoModelForCausalLM.from_pretrained(artifact, dtype=dtype).to(device), tokenizer, run
+    from peft import PeftModel
+
+    kwargs = {}
+    bits = run["arguments"].get("bits") if run["recipe"] == "qlora" else None
+    if bits == 4:
+        kwargs = dict(quantization_config=BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=dtype),
+            device_map={"": device})
+    elif bits == 8:
+        kwargs = dict(quantization_config=BitsAndBytesConfig(load_in_8bit=True), device_map={"": device})
+    base = AutoModelForCausalLM.from_pretrained(run["base_model"], dtype=dtype, **kwargs)
+    if bits and device == "cpu":
+        from common.modeling import keep_4bit_weights_unpacked_on_cpu
+
+        keep_4bit_weights_unpacked_on_cpu(base)  # as the recipes do on CPU
+    model = PeftModel.from_pretrained(base, artifact)
+    return (model if bits else model.to(device)), tokenizer, run
+
+
+def prompt_ids(prompt: str, tokenizer, data_format: str, raw: bool) -> list[int]:
+    """The prompt's tokens as training saw such prompts (BOS first where the tokenizer has one)."""
+    if data_format == "messages" and not raw:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                             add_generation_prompt=True)
+    elif data_format == "instruction" and not raw:
+        text = PROMPT_TEMPLATE.format(instruction=prompt)
+    else:
+        text = prompt
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    bos = tokenizer.bos_token_id
+    return ([bos] if bos is not None and ids[:1] != [bos] else []) + ids
+
+
+@torch.no_grad()
+def answer(model, tokenizer, ids: list[int], max_new_tokens: int, device: str) -> str:
+    prompt = torch.tensor([ids], device=device)
+    output = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
+                            max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id)
+    return tokenizer.decode(output[0, len(ids):], skip_special_tokens=True)
+
+
+def main(argv=None) -> int:
+    summary, _, details = __doc__.partition("\n")
+    parser = argparse.ArgumentParser(description=summary, epilog=details,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("output_dir", type=Path, help="a recipe's --output-dir (with run.json)")
+    parser.add_argument("--prompt", action="append", help="a prompt (repeatable); default: one per line of stdin")
+    parser.add_argument("--artifact", choices=("auto", "model", "merged", "adapter"), default="auto",
+                        help="what to load (default: auto, the first of model/, merged/, adapter/ the run wrote)")
+    parser.add_argument("--max-new-tokens", type=int, default=64, help="(default: 64)")
+    parser.add_argument("--raw", action="store_true", help="give the prompts to the model exactly as typed")
+    args = parser.parse_args(argv)
+    if not (args.output_dir / "run.json").is_file():
+        print(f"error: {args.output_dir} holds no run.json; pass the --output-dir of a finished run", file=sys.stderr)
+        return 2
+    try:
+        artifact = pick_artifact(args.output_dir, args.artifact)
+    except SystemExit as refusal:
+        print(refusal, file=sys.stderr)
+        return 2
+    prompts = args.prompt or [line.rstrip("\n") for line in sys.stdin if line.strip()]
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model, tokenizer, run = load(args.output_dir, artifact, device)
+    model.eval()
+    for prompt in prompts:
+        ids = prompt_ids(prompt, tokenizer, run.get("data_format", "text"), args.raw)
+        print(f"{prompt!r} -> {answer(model, tokenizer, ids, args.max_new_tokens, device)!r}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,61 @@
+"""scripts/generate.py answers prompts with what a run saved, wrapped as the run's rows were."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO, TINY_MODEL
+
+sys.path.insert(0, str(REPO / "scripts"))
+sys.path.insert(0, str(REPO / "recipes"))
+import generate  # noqa: E402
+from common import formats, modeling  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return modeling.load_tokenizer(str(TINY_MODEL))
+
+
+def prompt_part(row: dict) -> list[int]:
+    """The tokens before the first trained token: what training put in front of an answer."""
+    first_target = next(i for i, label in enumerate(row["labels"]) if label != formats.IGNORE)
+    return row["input_ids"][:first_target]
+
+
+def test_prompts_are_wrapped_as_training_rows_were(tokenizer):
+    instruction = formats.tokenize_row({"instruction": "Sort: 3 1 2", "response": "1 2 3"}, tokenizer, "instruction", 512)
+    assert generate.prompt_ids("Sort: 3 1 2", tokenizer, "instruction", raw=False) == prompt_part(instruction)
+    chat = formats.tokenize_row({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]},
+                                tokenizer, "messages", 512)
+    assert generate.prompt_ids("hi", tokenizer, "messages", raw=False) == prompt_part(chat)
+    assert generate.prompt_ids("Sort: 3 1 2", tokenizer, "instruction", raw=True) == \
+        [tokenizer.bos_token_id] + tokenizer("Sort: 3 1 2", add_special_tokens=False)["input_ids"]
+
+
+@pytest.mark.parametrize("recipe, artifact", [("full", "model"), ("lora", "adapter"), ("lora", "merged"),
+                                              ("qlora", "adapter")])
+def test_answers_are_the_runs_own_sample_answers(recipe, artifact, trained, capsys):
+    """The run printed greedy answers to its first evaluation prompts (samples.jsonl); the saved
+    artifact, reloaded by the script, gives the same answers."""
+    run = trained(recipe, "ddp")
+    assert run.returncode == 0, run.output[-3000:]
+    samples = [json.loads(line) for line in (run.output_dir / "samples.jsonl").read_text().splitlines()]
+    instructions = [s["prompt"].split("### Instruction:\n")[1].split("\n\n### Response:")[0] for s in samples]
+    argv = [str(run.output_dir), "--artifact", artifact, "--max-new-tokens", "32"]
+    assert generate.main(argv + [arg for i in instructions for arg in ("--prompt", i)]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if " -> " in line]
+    assert lines == [f"{i!r} -> {s['generated']!r}" for i, s in zip(instructions, samples)]
+
+
+def test_a_folder_without_a_run_is_one_line(tmp_path):
+    done = subprocess.run([sys.executable, str(REPO / "scripts" / "generate.py"), str(tmp_path), "--prompt", "x"],
+                          capture_output=True, text=True)
+    assert done.returncode == 2 and done.stderr.strip() == \
+        f"error: {tmp_path} holds no run.json; pass the --output-dir of a finished run"
+    (tmp_path / "run.json").write_text("{}")
+    assert generate.main([str(tmp_path), "--artifact", "merged", "--prompt", "x"]) == 2
