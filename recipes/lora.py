@@ -73,7 +73,7 @@ def main():
     )
     probe = next(iter(eval_loader))
 
-    # fused: one kernel updates every tensor (a loop over tensors otherwise; README "Speed options")
+    # fused: one kernel updates every tensor (a loop over tensors otherwise; docs/speed-options.md)
     optimizer = torch.optim.AdamW(
         [p for p in model.parameters() if p.requires_grad], lr=args.lr, weight_decay=args.weight_decay, fused=True
     )
@@ -101,18 +101,28 @@ def main():
         step_loss = 0.0
         for batch in micro_batches:
             with accelerator.accumulate(model):
-                # loss = token sum / step_tokens; no KV cache in training (it would also hide packing)
-                outputs = model(**batch, use_cache=False, num_items_in_batch=step_tokens)
-                step_loss += outputs.loss.detach()
-                # accelerate divides by grad_accum and the gradient all-reduce averages over ranks:
-                # undo both so the gradient is that of the global token mean.
-                accelerator.backward(outputs.loss * args.grad_accum * accelerator.num_processes)
+                labels = batch.pop("labels")
+                if args.liger:  # Liger's fused linear + cross-entropy sums inside the model, never building logits
+                    loss_sum = model(**batch, labels=labels, use_cache=False, num_items_in_batch=1).loss
+                else:  # no KV cache in training (it would also hide packing)
+                    logits = model(**batch, use_cache=False).logits
+                    # The loss: cross-entropy of each next token. Prompt and padding tokens are IGNORE and
+                    # count 0; to weight tokens, multiply token_loss by the weights before the sum.
+                    token_loss = torch.nn.functional.cross_entropy(
+                        logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=data.IGNORE,
+                        reduction="none")
+                    del logits  # the largest tensor of the step: the backward keeps only what it needs
+                    loss_sum = token_loss.sum()
+                step_loss += loss_sum.detach()
+                # The gradient of the global token mean: / step_tokens (every rank's micro-batches), and
+                # undo accelerate's division by grad_accum and the gradient all-reduce's mean over ranks.
+                accelerator.backward(loss_sum / step_tokens * args.grad_accum * accelerator.num_processes)
         grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad()
 
-        loss = accelerator.reduce(step_loss, "sum").item()
+        loss = (accelerator.reduce(step_loss, "sum") / step_tokens).item()
         log.log_step(step, epoch, loss, scheduler.get_last_lr()[0], grad_norm, int(step_tokens))
         if not math.isfinite(loss):  # stop before saving anything from a diverged model
             preflight.refuse(f"the loss became {loss} at step {step}; the last good checkpoint is kept; "

@@ -6,13 +6,12 @@ from __future__ import annotations
 import argparse
 import ast
 import re
-import shutil
-import subprocess
 import sys
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, launch
+from strategies import matrix_args
 
 sys.path.insert(0, str(REPO / "recipes"))
 from common.args import recipe_flags  # noqa: E402
@@ -46,7 +45,8 @@ def test_the_loop_is_written_out_in_each_recipe(recipe):
     source = (REPO / "recipes" / f"{recipe}.py").read_text()
     for piece in ("accelerator.accumulate(model)", "accelerator.backward(", "clip_grad_norm_(",
                   "optimizer.step()", "scheduler.step()", "optimizer.zero_grad()", "evaluate(",
-                  "save_checkpoint(", "resume_from("):
+                  "save_checkpoint(", "resume_from(", "token_loss = torch.nn.functional.cross_entropy(",
+                  "loss_sum / step_tokens"):
         assert piece in source, f"{recipe}.py lost `{piece}`"
     assert len(source.splitlines()) <= 300
 
@@ -61,14 +61,22 @@ def test_lora_differs_from_full_by_the_lora_lines_only():
     assert len(changed) <= 60, "\n".join(changed)
 
 
-def test_a_copied_recipe_still_runs(tmp_path):
-    copy = REPO / "recipes" / "my_copied_lora.py"
-    shutil.copy(REPO / "recipes" / "lora.py", copy)
+def test_a_copied_recipe_edited_in_its_loss_still_runs_and_trains_on_the_edit(trained, tmp_path):
+    """Copy lora.py, weight every target token by 2 in the copy alone, and launch it: the first step's
+    loss (before any update) is twice that of the untouched recipe on the same batch."""
+    source = (REPO / "recipes" / "lora.py").read_text()
+    edit = ("loss_sum = token_loss.sum()", "loss_sum = (token_loss * 2.0).sum()  # every target token counts twice")
+    assert source.count(edit[0]) == 1
+    copy = REPO / "recipes" / "my_weighted_lora.py"
+    copy.write_text(source.replace(*edit))
     try:
-        done = subprocess.run([sys.executable, str(copy), "--help"], capture_output=True, text=True)
-        assert done.returncode == 0 and "--lora-r" in done.stdout, done.stderr
+        run = launch("my_weighted_lora", tmp_path / "out", *matrix_args("lora", "model_parallel"), "--max-steps", "1",
+                     config="model_parallel", processes=1)
     finally:
         copy.unlink()
+    assert run.returncode == 0, run.output[-3000:]
+    reference = trained("lora", "model_parallel")
+    assert run.losses() == pytest.approx([2 * reference.losses()[0]], rel=1e-6)
 
 
 @pytest.mark.parametrize("recipe", RECIPES)

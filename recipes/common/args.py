@@ -54,7 +54,7 @@ def recipe_parser(doc: str) -> argparse.ArgumentParser:
     add("--gradient-checkpointing", nargs="?", type=int, const=1, default=0, metavar="EVERY_N",
         help="recompute activations in the backward to save memory; bare: every layer, N: every Nth layer "
              "only (selective: less recompute, more memory)")
-    # Speed: the defaults are the measured winners (README, "Speed options"); these switch extras on.
+    # Speed: the defaults are the measured winners (docs/speed-options.md); these switch extras on.
     add("--compile", action="store_true", help="torch.compile each decoder layer (regional compilation)")
     add("--liger", action="store_true", help="Liger's Triton kernels (fused cross-entropy, RMSNorm, ...); "
         "needs `pip install liger-kernel` and a CUDA GPU")
