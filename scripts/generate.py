@@ -37,7 +37,7 @@ def pick_artifact(output_dir: Path, wanted: str) -> Path:
 
 def load(output_dir: Path, artifact: Path, device: str):
     """(model, tokenizer) of the artifact; an adapter goes on its base as the run trained it (4-bit for QLoRA)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     run = json.loads((output_dir / "run.json").read_text())
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -46,18 +46,12 @@ def load(output_dir: Path, artifact: Path, device: str):
         return AutoModelForCausalLM.from_pretrained(artifact, dtype=dtype).to(device), tokenizer, run
     from peft import PeftModel
 
-    kwargs = {}
+    from common.modeling import bits_config, keep_4bit_weights_unpacked_on_cpu
+
     bits = run["arguments"].get("bits") if run["recipe"] == "qlora" else None
-    if bits == 4:
-        kwargs = dict(quantization_config=BitsAndBytesConfig(
-            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=dtype),
-            device_map={"": device})
-    elif bits == 8:
-        kwargs = dict(quantization_config=BitsAndBytesConfig(load_in_8bit=True), device_map={"": device})
+    kwargs = dict(quantization_config=bits_config(bits, dtype), device_map={"": device}) if bits else {}
     base = AutoModelForCausalLM.from_pretrained(run["base_model"], dtype=dtype, **kwargs)
     if bits and device == "cpu":
-        from common.modeling import keep_4bit_weights_unpacked_on_cpu
-
         keep_4bit_weights_unpacked_on_cpu(base)  # as the recipes do on CPU
     model = PeftModel.from_pretrained(base, artifact)
     return (model if bits else model.to(device)), tokenizer, run

@@ -21,14 +21,13 @@ import torch
 
 def merge(base: str, adapter: str, output: str, base_4bit: bool = False) -> None:
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from common.modeling import bits_config
 
     if base_4bit:
         compute_dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
-        quantization = BitsAndBytesConfig(
-            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-            bnb_4bit_compute_dtype=compute_dtype,
-        )
+        quantization = bits_config(4, compute_dtype)
         device = "cuda:0" if torch.cuda.is_available() else "cpu"
         model = AutoModelForCausalLM.from_pretrained(
             base, quantization_config=quantization, device_map={"": device}, dtype=compute_dtype

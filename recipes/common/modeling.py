@@ -170,16 +170,17 @@ def quantization_config(accelerator, bits: int):
     Under FSDP and ZeRO-3 the packed 4-bit weights are stored in that float dtype too: both
     shard flat tensors of one dtype, and integer storage breaks them (or silently zeroes the loss).
     """
+    compute_dtype = float_dtype(accelerator, frozen=True)
+    storage = compute_dtype if shards_parameters(accelerator) else torch.uint8
+    return bits_config(bits, compute_dtype, storage)
+
+
+def bits_config(bits: int, compute_dtype: torch.dtype, storage: torch.dtype = torch.uint8):
+    """The recipes' quantisation of a base: NF4 with double quantisation (QLoRA), or LLM.int8().
+    Also what merge.py and scripts/generate.py load an adapter's base with, as it was trained."""
     from transformers import BitsAndBytesConfig
 
-    compute_dtype = float_dtype(accelerator, frozen=True)
     if bits == 8:
         return BitsAndBytesConfig(load_in_8bit=True)
-    storage = compute_dtype if shards_parameters(accelerator) else torch.uint8
-    return BitsAndBytesConfig(
-        load_in_4bit=True,
-        bnb_4bit_quant_type="nf4",
-        bnb_4bit_use_double_quant=True,
-        bnb_4bit_compute_dtype=compute_dtype,
-        bnb_4bit_quant_storage=storage,
-    )
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                              bnb_4bit_compute_dtype=compute_dtype, bnb_4bit_quant_storage=storage)
