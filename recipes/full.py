@@ -37,8 +37,8 @@ def parse_args():
 
 def main():
     args = parse_args()
-    preflight.check_launch(args, recipe="full")
-    accelerator = runtime.make_accelerator(args)
+    launch = preflight.check_launch(args, recipe="full")  # what accelerate launch asked for, checked
+    accelerator = runtime.make_accelerator(args, launch)
     resume = checkpoint.resume_point(accelerator, args)  # the checkpoint to continue, checked before loading
     set_seed(args.seed)
 
@@ -49,8 +49,8 @@ def main():
     train_set, eval_set, data_format = data.prepare(accelerator, tokenizer, args)
 
     # Model: every weight is trained, so it stays in fp32 (mixed precision runs the maths in 16 bits).
-    model = modeling.load_model(args.model, accelerator, frozen=False, attention=args.attention, liger=args.liger,
-                                trust_remote_code=args.trust_remote_code)
+    model = modeling.load_model(args.model, accelerator, launch, frozen=False, attention=args.attention,
+                                liger=args.liger, trust_remote_code=args.trust_remote_code)
     if args.gradient_checkpointing:  # recompute every Nth layer's activations in the backward instead of keeping them
         model.activation_checkpointing_enable(every_n_layers=args.gradient_checkpointing)
     if args.compile:
@@ -72,21 +72,22 @@ def main():
     model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
         model, optimizer, train_loader, eval_loader, scheduler
     )
+    parameters = list(model.parameters())  # after prepare (FSDP's shards); listed once, not walked each step
 
-    log = RunLog(accelerator, args, recipe="full")
+    log = RunLog(accelerator, args, recipe="full", launch=launch)
     log.write_run_json(model, data_format, optimizer)
     start_step = checkpoint.resume_from(accelerator, resume)
 
     # The loop: one iteration = one optimizer step over grad_accum micro-batches on every rank.
     model.train()
-    stop_requested = runtime.StopRequest(accelerator)
+    sync = runtime.StepSync(accelerator)  # the loop's collectives; SIGTERM / Ctrl-C stop it at the end of a step
     log.start(start_step, total_steps)
     steps = data.optimizer_steps(train_loader, args.grad_accum, start_step)
+    epoch, micro_batches = next(steps)
+    # A step's loss is the mean over every target token of the global batch (all micro-batches, all
+    # ranks), so the count comes first.
+    step_tokens = sync.count_tokens(micro_batches)
     for step in range(start_step + 1, total_steps + 1):
-        epoch, micro_batches = next(steps)
-        # The step's loss is the mean over every target token of the global batch, so count them
-        # first: across the micro-batches here and across all ranks.
-        step_tokens = accelerator.reduce(sum(data.target_tokens(b) for b in micro_batches), "sum")
         step_loss = 0.0
         for batch in micro_batches:
             with accelerator.accumulate(model):
@@ -106,28 +107,34 @@ def main():
                 # The gradient of the global token mean: / step_tokens (every rank's micro-batches), and
                 # undo accelerate's division by grad_accum and the gradient all-reduce's mean over ranks.
                 accelerator.backward(loss_sum / step_tokens * args.grad_accum * accelerator.num_processes)
-        grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+        grad_norm = accelerator.clip_grad_norm_(parameters, args.max_grad_norm)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad()
 
-        loss = (accelerator.reduce(step_loss, "sum") / step_tokens).item()
+        # The step's one collective (every rank takes part): the loss summed over all ranks, the stop
+        # flag, and the next step's target tokens: its micro-batches are fetched now to travel along.
+        next_epoch, next_batches = next(steps) if step < total_steps else (epoch, [])
+        summed_loss, next_tokens, stopping = sync.end_of_step(step_loss, next_batches)
+        loss = summed_loss / int(step_tokens)  # the mean over the global batch's target tokens
+        if step == start_step + 1:  # a gather (every rank takes part): what each rank holds, into run.json
+            log.record_ranks()
         log.log_step(step, epoch, loss, scheduler.get_last_lr()[0], grad_norm, int(step_tokens))
         if not math.isfinite(loss):  # stop before saving anything from a diverged model
             preflight.refuse(f"the loss became {loss} at step {step}; the last good checkpoint is kept; "
                              "lower --lr or check the data, then --resume auto")
         if step == total_steps or (args.eval_every and step % args.eval_every == 0):
             log.log_eval(step, evaluate(accelerator, model, eval_loader))
-        stopping = bool(stop_requested)  # pre-empted or Ctrl-C: keep the progress, stop at this step
         if stopping or (args.save_every and step % args.save_every == 0):
             checkpoint.save_checkpoint(accelerator, args, step)
         if stopping:
-            log.close(f"stopped by {stop_requested.signal_name} after step {step}; continue with --resume auto")
+            log.close(f"stopped by {sync.signal_name} after step {step}; continue with --resume auto")
             return
+        epoch, micro_batches, step_tokens = next_epoch, next_batches, next_tokens
 
     # Export: what the trained model computes, then the files that reproduce it.
     checkpoint.save_probe(accelerator, model, probe, args.output_dir)
-    samples = report.sample_generations(accelerator, model, tokenizer, eval_set, args.output_dir)
+    samples = report.sample_generations(accelerator, launch, model, tokenizer, eval_set, args.output_dir)
     model_dir = f"{args.output_dir}/model"
     checkpoint.save_full_model(accelerator, model, tokenizer, model_dir)
     report.write_model_card(accelerator, args, "full", "model", samples)

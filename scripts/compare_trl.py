@@ -59,7 +59,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
-from benchmark import free_port, steady_state  # noqa: E402  (torch-free: launch ports, the timing rule)
+# Torch-free pieces of the benchmark (scripts/bench/): launch ports, the timing rule.
+from bench.launching import free_port  # noqa: E402
+from bench.timing import steady_state  # noqa: E402
 
 TINY_MODEL = REPO / "models" / "tiny-llama"
 DDP_CONFIG = REPO / "accelerate_configs" / "ddp.yaml"

@@ -4,7 +4,7 @@
 Prints one row per config in accelerate_configs/ (weights, gradients, optimizer state and
 activations on the busiest GPU, in GiB), then the config that needs the fewest GPUs and the
 fastest config that fits. Nothing is downloaded and no GPU is needed: the arithmetic
-(recipes/common/memory.py) works from the model's config.json.
+(recipes/planner/) works from the model's config.json.
 
 Examples:
     python scripts/plan.py --model tinyllama-1.1b --method lora --gpus 4 --gpu-memory 48 --batch-size 16
@@ -26,7 +26,7 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT / "recipes"))
 
-from common import memory  # noqa: E402  (recipes/common/memory.py: pure Python, no torch)
+import planner  # noqa: E402  (recipes/planner/: pure Python, no torch)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -36,7 +36,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     add = parser.add_argument
     add("--model", default="tinyllama-1.1b",
         help="alias, config .json, model folder or hub id (default: tinyllama-1.1b)")
-    add("--method", choices=memory.METHODS, default="lora", help="the recipe: full, lora or qlora (default: lora)")
+    add("--method", choices=planner.METHODS, default="lora", help="the recipe: full, lora or qlora (default: lora)")
     add("--gpus", type=int, default=4, help="GPUs available (default: 4, as the configs are set)")
     add("--gpu-memory", type=float, default=80.0, help="memory of one GPU in GB, as sold (default: 80)")
     add("--batch-size", type=int, default=8, help="micro-batch per GPU, the recipes' --batch-size (default: 8)")
@@ -48,7 +48,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     add("--lora-dropout", type=float, default=0.05, help="adapter dropout; its masks cost memory (default: 0.05)")
     add("--precision", choices=("bf16", "fp32"), default="bf16",
         help="bf16 (the configs' mixed precision) or fp32 (--mixed_precision no)")
-    add("--attention", choices=memory.ATTENTIONS, default="sdpa", help="attention implementation (default: sdpa)")
+    add("--attention", choices=planner.ATTENTIONS, default="sdpa", help="attention implementation (default: sdpa)")
     add("--json", action="store_true", help="print the plan as JSON instead of the table")
     args = parser.parse_args(argv)
     for name in ("gpus", "batch_size", "seq_len", "lora_r"):
@@ -59,14 +59,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.gpu_memory.is_integer():
         args.gpu_memory = int(args.gpu_memory)
     try:
-        memory.lora_target_names(args.lora_targets)
+        planner.lora_target_names(args.lora_targets)
     except ValueError as error:
         parser.error(str(error))
     return args
 
 
 def gib(value: float) -> str:
-    return f"{value / memory.GiB:.2f}"
+    return f"{value / planner.GiB:.2f}"
 
 
 def count(value: int) -> str:
@@ -76,7 +76,7 @@ def count(value: int) -> str:
 def describe(shape, args) -> list[str]:
     method = args.method
     if method != "full":
-        trainable = memory.lora_parameters(shape, args.lora_r, args.lora_targets)
+        trainable = planner.lora_parameters(shape, args.lora_r, args.lora_targets)
         method += f", r={args.lora_r}, {args.lora_targets} ({count(trainable)} trainable)"
     every = args.gradient_checkpointing
     checkpointing = ("no gradient checkpointing" if not every else "gradient checkpointing"
@@ -85,7 +85,7 @@ def describe(shape, args) -> list[str]:
         f"model: {shape.name} ({count(shape.parameters)} parameters); method: {method}",
         f"workload: micro-batch {args.batch_size} x {args.seq_len} tokens per GPU, {args.precision}, "
         f"{args.attention} attention, {checkpointing}",
-        f"GPUs: {args.gpus} x {args.gpu_memory:g} GiB; a plan may use {gib(memory.usable_bytes(args.gpu_memory))} GiB "
+        f"GPUs: {args.gpus} x {args.gpu_memory:g} GiB; a plan may use {gib(planner.usable_bytes(args.gpu_memory))} GiB "
         f"of each (10% stays free for the CUDA context and fragmentation)",
     ]
 
@@ -136,45 +136,45 @@ def sentences(shape, plan: dict, batches: dict, args) -> list[str]:
     # A faster strategy that fits a smaller micro-batch beats a slower one at the asked size:
     # gradient accumulation keeps the global batch.
     faster = None
-    best = memory.SPEED_ORDER.index(fastest["strategy"]) if fastest else len(memory.SPEED_ORDER)
-    for strategy in memory.SPEED_ORDER[:best]:
+    best = planner.SPEED_ORDER.index(fastest["strategy"]) if fastest else len(planner.SPEED_ORDER)
+    for strategy in planner.SPEED_ORDER[:best]:
         if batches[strategy]:
             micro = max(b for b in range(1, batches[strategy] + 1) if args.batch_size % b == 0)
             faster = (strategy, micro, args.batch_size // micro)
-            lines.append(f"Faster with gradient accumulation: {strategy} ({memory.STRATEGIES[strategy]}) fits a "
+            lines.append(f"Faster with gradient accumulation: {strategy} ({planner.STRATEGIES[strategy]}) fits a "
                          f"micro-batch up to {batches[strategy]}; --batch-size {micro} --grad-accum "
                          f"{args.batch_size // micro} keeps the global batch.")
             break
     used = {r["strategy"] for r in (fastest, fewest) if r} | ({faster[0]} if faster else set())
     for strategy in sorted(used & {"fsdp_offload", "zero3_offload"}):
-        ram = memory.cpu_offload_bytes(shape, args.method, strategy, args.gpus, args.lora_r, args.lora_targets,
-                                       args.precision)
+        ram = planner.cpu_offload_bytes(shape, args.method, strategy, args.gpus, args.lora_r, args.lora_targets,
+                                        args.precision)
         lines.append(f"{strategy} keeps about {gib(ram)} GiB of training state in CPU RAM.")
     if fastest is not None:
         batch = min(args.batch_size, fastest["max_micro_batch"])
         lines.append(f"Launch: {launch_command(fastest['config'], fastest['strategy'], args, batch)}")
     if faster is not None:
         strategy, micro, accum = faster
-        lines.append(f"    or: {launch_command(memory.STRATEGIES[strategy], strategy, args, micro, accum)}")
+        lines.append(f"    or: {launch_command(planner.STRATEGIES[strategy], strategy, args, micro, accum)}")
     return lines
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
-        shape = memory.load_shape(args.model)
+        shape = planner.load_shape(args.model)
     except ValueError as error:
         print(f"plan.py: {error}", file=sys.stderr)
         return 2
     settings = dict(seq_len=args.seq_len, gradient_checkpointing=args.gradient_checkpointing, lora_rank=args.lora_r,
                     lora_targets=args.lora_targets, precision=args.precision, attention=args.attention,
                     lora_dropout=args.lora_dropout)
-    plan = memory.plan(shape, args.method, args.gpus, args.gpu_memory, batch_size=args.batch_size, **settings)
+    plan = planner.plan(shape, args.method, args.gpus, args.gpu_memory, batch_size=args.batch_size, **settings)
     if args.json:
         print(json.dumps(plan, indent=2))
         return 0
-    batches = {s: memory.max_micro_batch(shape, args.method, s, args.gpus, args.gpu_memory, **settings)
-               for s in memory.SPEED_ORDER}
+    batches = {s: planner.max_micro_batch(shape, args.method, s, args.gpus, args.gpu_memory, **settings)
+               for s in planner.SPEED_ORDER}
     print("\n".join(describe(shape, args) + [""] + table(plan, batches) + [""] + sentences(shape, plan, batches, args)))
     return 0
 

@@ -33,9 +33,15 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchmark import (  # noqa: E402  (the benchmark's offline model and data builders)
-    CONFIGS, REPO, WORKLOADS, ensure_data, ensure_model, free_port, library_versions, shell_line, slug, steady_state,
-)
+# The benchmark's pieces (scripts/bench/): its offline model and data builders, launch helpers and timing rule.
+from bench.environment import library_versions  # noqa: E402
+from bench.formatting import slug  # noqa: E402
+from bench.launching import free_port, shell_line  # noqa: E402
+from bench.paths import CONFIGS, REPO  # noqa: E402
+from bench.random_data import ensure_data  # noqa: E402
+from bench.random_model import ensure_model  # noqa: E402
+from bench.timing import steady_state  # noqa: E402
+from bench.workloads import WORKLOADS  # noqa: E402
 
 # name -> (recipe flags, why it might win)
 VARIANTS = {

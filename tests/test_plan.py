@@ -1,4 +1,4 @@
-"""The memory planner (recipes/common/memory.py) and its command line (scripts/plan.py).
+"""The memory planner (recipes/planner/) and its command line (scripts/plan.py).
 
 Parameter counts are checked against transformers and peft on the tiny model, the per-layer
 activation formula against what autograd really saves there, and the byte conventions and
@@ -18,21 +18,21 @@ import pytest
 from conftest import CONFIGS, REPO
 
 sys.path.insert(0, str(REPO / "recipes"))
-from common import memory  # noqa: E402
+import planner  # noqa: E402
 
 TINY_CONFIG = REPO / "data" / "tiny-llama-config.json"
 PLAN = REPO / "scripts" / "plan.py"
-GIB = memory.GiB
+GIB = planner.GiB
 
 
 @pytest.fixture(scope="module")
 def tinyllama():
-    return memory.load_shape("tinyllama-1.1b")
+    return planner.load_shape("tinyllama-1.1b")
 
 
 @pytest.fixture(scope="module")
 def codellama():
-    return memory.load_shape("codellama-34b")
+    return planner.load_shape("codellama-34b")
 
 
 def tiny_llama_model(layers: int | None = None, attention: str = "sdpa"):
@@ -60,7 +60,7 @@ def test_reference_models_have_their_published_sizes(tinyllama, codellama):
 
 def test_tiny_model_counts_match_transformers():
     model = tiny_llama_model()
-    shape = memory.load_shape(str(TINY_CONFIG))
+    shape = planner.load_shape(str(TINY_CONFIG))
     counts = shape.parameter_counts()
     by_name = {name: p.numel() for name, p in model.named_parameters()}
     assert shape.parameters == sum(by_name.values())
@@ -72,18 +72,18 @@ def test_tiny_model_counts_match_transformers():
 
 
 def test_shape_from_a_config_object_and_a_model_folder(tmp_path):
-    from_object = memory.ModelShape.from_config(tiny_llama_model().config)
+    from_object = planner.ModelShape.from_config(tiny_llama_model().config)
     (tmp_path / "config.json").write_text(TINY_CONFIG.read_text())
-    from_folder = memory.load_shape(str(tmp_path))
-    assert from_object.parameters == from_folder.parameters == memory.load_shape("tiny-llama").parameters
+    from_folder = planner.load_shape(str(tmp_path))
+    assert from_object.parameters == from_folder.parameters == planner.load_shape("tiny-llama").parameters
     assert from_folder.head_dim == 16 and from_folder.kv_heads == 2
 
 
 def test_an_unreadable_model_names_the_offline_aliases():
     with pytest.raises(ValueError, match="tinyllama-1.1b, codellama-34b"):
-        memory.load_shape("no/such/model")  # not a valid hub id: transformers refuses it without the network
+        planner.load_shape("no/such/model")  # not a valid hub id: transformers refuses it without the network
     with pytest.raises(ValueError, match="tinyllama-1.1b, codellama-34b"):
-        memory.load_shape("./missing/config.json")
+        planner.load_shape("./missing/config.json")
 
 
 @pytest.mark.parametrize("rank, targets", [(8, "all-linear"), (4, ["q_proj", "v_proj"]), (2, "down_proj,lm_head")])
@@ -93,26 +93,26 @@ def test_lora_parameters_match_peft(rank, targets):
     peft_targets = targets.split(",") if isinstance(targets, str) and targets != "all-linear" else targets
     model = get_peft_model(tiny_llama_model(), LoraConfig(r=rank, target_modules=peft_targets, task_type="CAUSAL_LM"))
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    assert memory.lora_parameters(memory.load_shape("tiny-llama"), rank, targets) == trainable
+    assert planner.lora_parameters(planner.load_shape("tiny-llama"), rank, targets) == trainable
 
 
 def test_unknown_lora_targets_are_refused(tinyllama):
     with pytest.raises(ValueError, match="q_proj"):
-        memory.lora_parameters(tinyllama, 8, ["attention"])
+        planner.lora_parameters(tinyllama, 8, ["attention"])
 
 
 # ---------------------------------------------------------------------------- bytes per parameter
 
 def test_full_fine_tuning_costs_16_bytes_per_parameter(tinyllama):
     params = tinyllama.parameters
-    one = memory.per_gpu_bytes(tinyllama, "full", "ddp", 1, 1, 128)
+    one = planner.per_gpu_bytes(tinyllama, "full", "ddp", 1, 1, 128)
     assert (one["weights"], one["gradients"], one["optimizer"]) == (4 * params, 4 * params, 8 * params)
     # On several GPUs DDP's reducer keeps a second copy of the gradients in its buckets.
-    four = memory.per_gpu_bytes(tinyllama, "full", "ddp", 4, 1, 128)
+    four = planner.per_gpu_bytes(tinyllama, "full", "ddp", 4, 1, 128)
     assert four["gradients"] == 8 * params and four["weights"] + four["optimizer"] == 12 * params
     # DeepSpeed: bf16 weight 2 + bf16 grad 2 + fp32 master and Adam 12 (+ its reduce bucket).
-    zero = memory.per_gpu_bytes(tinyllama, "full", "zero1", 1, 1, 128)
-    bucket = min(params, memory.DEEPSPEED_REDUCE_BUCKET) * 2
+    zero = planner.per_gpu_bytes(tinyllama, "full", "zero1", 1, 1, 128)
+    bucket = min(params, planner.DEEPSPEED_REDUCE_BUCKET) * 2
     assert (zero["weights"], zero["gradients"] - bucket, zero["optimizer"]) == (2 * params, 2 * params, 12 * params)
 
 
@@ -120,91 +120,91 @@ def test_deepspeed_keeps_an_fp32_master_in_fp32_too(tinyllama):
     """In fp32 DeepSpeed's ZeRO optimizer still trains flat fp32 partitions of its own, a copy of the
     fp32 weights: 4 + 4 + (4 + 8) = 20 B per trained parameter; DDP / FSDP stay at 4 + 4 + 8. Measured
     on 2 CPU ranks (test_plan_vs_ranks.py): 6 B of optimizer state per parameter on each ZeRO rank."""
-    for strategy in memory.DEEPSPEED:
-        per = memory.state_bytes_per_parameter("full", strategy, "fp32")
+    for strategy in planner.DEEPSPEED:
+        per = planner.state_bytes_per_parameter("full", strategy, "fp32")
         assert (per["trained_weight"], per["trained_grad"], per["trained_optimizer"]) == (4, 4, 12)
     for strategy in ("ddp", "fsdp_full_shard", "model_parallel"):
-        per = memory.state_bytes_per_parameter("full", strategy, "fp32")
+        per = planner.state_bytes_per_parameter("full", strategy, "fp32")
         assert (per["trained_weight"], per["trained_grad"], per["trained_optimizer"]) == (4, 4, 8)
     params = tinyllama.parameters
-    zero = memory.per_gpu_bytes(tinyllama, "full", "zero1", 1, 1, 128, precision="fp32")
-    bucket = min(params, memory.DEEPSPEED_REDUCE_BUCKET) * 4
+    zero = planner.per_gpu_bytes(tinyllama, "full", "zero1", 1, 1, 128, precision="fp32")
+    bucket = min(params, planner.DEEPSPEED_REDUCE_BUCKET) * 4
     assert (zero["weights"], zero["gradients"] - bucket, zero["optimizer"]) == (4 * params, 4 * params, 12 * params)
-    offload = memory.cpu_offload_bytes(tinyllama, "full", "zero3_offload", 4, precision="fp32")
+    offload = planner.cpu_offload_bytes(tinyllama, "full", "zero3_offload", 4, precision="fp32")
     assert offload == 20 * params
 
 
 def test_at_rest_bytes_per_rank_on_two_ranks():
     """What each of 2 ranks holds at rest, in bytes per trained parameter (full fine-tuning, fp32): the
     numbers the real 2-process runs measure (test_plan_vs_ranks.py checks them tensor by tensor)."""
-    shape = memory.load_shape("tiny-llama")
+    shape = planner.load_shape("tiny-llama")
     params = shape.parameters
     expected = {"ddp": (4, 4, 8), "fsdp_full_shard": (2, 2, 4), "fsdp_grad_op": (2, 2, 4), "zero1": (4, 2, 6),
                 "zero2": (4, 2, 6), "zero3": (2, 2, 6)}
     for strategy, (weights, gradients, optimizer) in expected.items():
-        held = memory.resident_bytes(shape, "full", strategy, 2, precision="fp32")
+        held = planner.resident_bytes(shape, "full", strategy, 2, precision="fp32")
         assert held == {"weights": weights * params, "gradients": gradients * params,
                         "optimizer": optimizer * params}, strategy
     # Offload: nothing of it on the GPU; anywhere (in CPU RAM), the shards of the twin config.
     for offloaded, twin in (("fsdp_offload", "fsdp_full_shard"), ("zero3_offload", "zero3")):
-        assert set(memory.resident_bytes(shape, "full", offloaded, 2, precision="fp32").values()) == {0}
-        assert memory.resident_bytes(shape, "full", offloaded, 2, precision="fp32", where="anywhere") == \
-            memory.resident_bytes(shape, "full", twin, 2, precision="fp32")
+        assert set(planner.resident_bytes(shape, "full", offloaded, 2, precision="fp32").values()) == {0}
+        assert planner.resident_bytes(shape, "full", offloaded, 2, precision="fp32", where="anywhere") == \
+            planner.resident_bytes(shape, "full", twin, 2, precision="fp32")
     with pytest.raises(ValueError, match="where"):
-        memory.resident_bytes(shape, "full", "ddp", 2, where="cpu")
+        planner.resident_bytes(shape, "full", "ddp", 2, where="cpu")
 
 
-@pytest.mark.parametrize("method", memory.METHODS)
+@pytest.mark.parametrize("method", planner.METHODS)
 def test_per_gpu_state_builds_on_the_resident_bytes(codellama, method):
     """One source of truth: the per-GPU weights, gradients and optimizer state are the at-rest bytes
     plus only what is transient (in flight, communication buffers) and the NF4 constants."""
-    for strategy in memory.STRATEGIES:
+    for strategy in planner.STRATEGIES:
         for gpus, precision in ((1, "bf16"), (4, "bf16"), (4, "fp32"), (8, "bf16")):
             if strategy == "model_parallel":  # the GPU that holds the embedding: its own layers only
-                stage = memory.model_parallel_stages(codellama, gpus)[0]
+                stage = planner.model_parallel_stages(codellama, gpus)[0]
             else:
-                stage = memory.Stage(codellama.layers)
+                stage = planner.Stage(codellama.layers)
             common = dict(precision=precision, stage=stage)
-            usage = {"weights": memory.weight_bytes(codellama, method, strategy, gpus, **common),
-                     "gradients": memory.gradient_bytes(codellama, method, strategy, gpus, **common),
-                     "optimizer": memory.optimizer_bytes(codellama, method, strategy, gpus, **common)}
+            usage = {"weights": planner.weight_bytes(codellama, method, strategy, gpus, **common),
+                     "gradients": planner.gradient_bytes(codellama, method, strategy, gpus, **common),
+                     "optimizer": planner.optimizer_bytes(codellama, method, strategy, gpus, **common)}
             if strategy != "model_parallel":
-                per_gpu = memory.per_gpu_bytes(codellama, method, strategy, gpus, 1, 256, precision=precision)
+                per_gpu = planner.per_gpu_bytes(codellama, method, strategy, gpus, 1, 256, precision=precision)
                 assert {kind: per_gpu[kind] for kind in usage} == usage
-            held = memory.resident_bytes(codellama, method, strategy, gpus, **common)
-            flight = memory.in_flight_weight_bytes(codellama, method, strategy, precision)
-            constants = memory.quantization_constant_bytes(codellama, method, stage)
-            trained = memory._stage_parameters(codellama, method, stage, 16, "all-linear")["trained"]
+            held = planner.resident_bytes(codellama, method, strategy, gpus, **common)
+            flight = planner.in_flight_weight_bytes(codellama, method, strategy, precision)
+            constants = planner.quantization_constant_bytes(codellama, method, stage)
+            trained = planner.resident._stage_parameters(codellama, method, stage, 16, "all-linear")["trained"]
             assert usage["weights"] == held["weights"] + constants + flight, (strategy, gpus)
             assert usage["optimizer"] == held["optimizer"], (strategy, gpus)
-            grad = memory.state_bytes_per_parameter(method, strategy, precision)["trained_grad"]
+            grad = planner.state_bytes_per_parameter(method, strategy, precision)["trained_grad"]
             transient = usage["gradients"] - held["gradients"]
             if strategy == "ddp":  # the reducer's bucket copy
                 assert transient == (trained * grad if gpus > 1 else 0)
             elif strategy == "zero1":  # the whole gradient of the backward, plus the reduce bucket
-                bucket = min(trained, memory.DEEPSPEED_REDUCE_BUCKET) * grad
+                bucket = min(trained, planner.DEEPSPEED_REDUCE_BUCKET) * grad
                 assert usage["gradients"] == trained * grad + bucket
                 assert held["gradients"] == pytest.approx(trained * grad / gpus, abs=1)
-            elif strategy in memory.DEEPSPEED:
-                assert transient == min(trained, memory.DEEPSPEED_REDUCE_BUCKET) * grad
+            elif strategy in planner.DEEPSPEED:
+                assert transient == min(trained, planner.DEEPSPEED_REDUCE_BUCKET) * grad
             else:
                 assert transient == 0, (strategy, gpus)
-    assert memory.quantization_constant_bytes(codellama, method) == (
-        int(codellama.parameter_counts()["linear"] * (memory.quantized_bytes_per_weight() - 0.5))
+    assert planner.quantization_constant_bytes(codellama, method) == (
+        int(codellama.parameter_counts()["linear"] * (planner.quantized_bytes_per_weight() - 0.5))
         if method == "qlora" else 0)
 
 
 def test_lora_base_is_two_bytes_and_qlora_base_about_half_a_byte(codellama):
     counts = codellama.parameter_counts()
-    lora = memory.per_gpu_bytes(codellama, "lora", "model_parallel", 1, 1, 128)["weights"]
-    assert lora - memory.lora_parameters(codellama, 16) * 4 == 2 * codellama.parameters  # bf16 base + fp32 adapters
-    assert memory.quantized_bytes_per_weight() == pytest.approx(0.5159, abs=1e-4)
+    lora = planner.per_gpu_bytes(codellama, "lora", "model_parallel", 1, 1, 128)["weights"]
+    assert lora - planner.lora_parameters(codellama, 16) * 4 == 2 * codellama.parameters  # bf16 base + fp32 adapters
+    assert planner.quantized_bytes_per_weight() == pytest.approx(0.5159, abs=1e-4)
     # QLoRA on FSDP: everything sharded; the NF4 constants (not parameters) stay whole on each GPU.
-    q = memory.state_bytes_per_parameter("qlora", "fsdp_full_shard")
-    assert q["frozen"] == 2 and q["quantized"] == memory.quantized_bytes_per_weight()
-    qlora = memory.per_gpu_bytes(codellama, "qlora", "ddp", 1, 1, 128)["weights"]
+    q = planner.state_bytes_per_parameter("qlora", "fsdp_full_shard")
+    assert q["frozen"] == 2 and q["quantized"] == planner.quantized_bytes_per_weight()
+    qlora = planner.per_gpu_bytes(codellama, "qlora", "ddp", 1, 1, 128)["weights"]
     dequantised = 8192 * 22016 * 2
-    adapters = memory.lora_parameters(codellama, 16) * 4
+    adapters = planner.lora_parameters(codellama, 16) * 4
     edges = (counts["embedding"] + counts["lm_head"] + counts["norms"]) * 4  # upcast by prepare_model_for_kbit_training
     assert qlora - dequantised - adapters - edges == pytest.approx(counts["linear"] * 0.5159, rel=1e-3)
     assert 0.5 < (qlora - adapters - edges) / counts["linear"] < 0.53
@@ -222,21 +222,21 @@ def test_nf4_storage_is_half_a_byte_per_weight_in_any_storage_dtype(storage):
     assert packed.numel() * packed.element_size() == weight.numel() // 2
     constants = state.absmax.numel() * state.absmax.element_size() + state.state2.absmax.numel() * 4
     assert (packed.numel() * packed.element_size() + constants) / weight.numel() == pytest.approx(
-        memory.quantized_bytes_per_weight(), rel=1e-6)
+        planner.quantized_bytes_per_weight(), rel=1e-6)
 
 
 # ---------------------------------------------------------------------------- sharding
 
 def test_sharding_divides_what_each_strategy_says(codellama):
     def usage(strategy, gpus, method="full"):
-        return memory.per_gpu_bytes(codellama, method, strategy, gpus, 1, 256, precision="fp32")
+        return planner.per_gpu_bytes(codellama, method, strategy, gpus, 1, 256, precision="fp32")
 
     ddp = usage("model_parallel", 1)  # the whole model on one GPU, no buckets
     for strategy in ("fsdp_full_shard", "zero3"):
-        flight = memory.in_flight_weight_bytes(codellama, "full", strategy, "fp32")
+        flight = planner.in_flight_weight_bytes(codellama, "full", strategy, "fp32")
         assert usage(strategy, 4)["weights"] - flight == pytest.approx(ddp["weights"] / 4, abs=2)
         assert ddp["weights"] / 4 < usage(strategy, 4)["weights"] < ddp["weights"] / 4 * 1.25
-    bucket = memory.DEEPSPEED_REDUCE_BUCKET * 4
+    bucket = planner.DEEPSPEED_REDUCE_BUCKET * 4
     zero1_1, zero1_4 = usage("zero1", 1), usage("zero1", 4)
     assert zero1_4["weights"] == zero1_1["weights"] and zero1_4["gradients"] == zero1_1["gradients"]
     assert zero1_4["optimizer"] == pytest.approx(zero1_1["optimizer"] / 4, abs=1)
@@ -245,23 +245,23 @@ def test_sharding_divides_what_each_strategy_says(codellama):
     assert zero2_4["gradients"] - bucket == pytest.approx((zero2_1["gradients"] - bucket) / 4, abs=1)
     assert zero2_4["optimizer"] == pytest.approx(zero2_1["optimizer"] / 4, abs=1)
     # Hybrid shard on 4 GPUs: groups of 2, so half of full replication.
-    assert memory.hybrid_shard_size(4) == 2 and memory.hybrid_shard_size(8) == 2
-    assert memory.hybrid_shard_size(16) == 4 and memory.hybrid_shard_size(1) == 1
+    assert planner.hybrid_shard_size(4) == 2 and planner.hybrid_shard_size(8) == 2
+    assert planner.hybrid_shard_size(16) == 4 and planner.hybrid_shard_size(1) == 1
     assert usage("fsdp_hybrid", 4)["optimizer"] == pytest.approx(usage("fsdp_full_shard", 2)["optimizer"], abs=1)
     # Offload keeps nothing of the state on the GPU but the layers in flight.
     offload = usage("fsdp_offload", 4)
     assert offload["gradients"] == offload["optimizer"] == 0
-    assert offload["weights"] == memory.in_flight_weight_bytes(codellama, "full", "fsdp_offload", "fp32")
+    assert offload["weights"] == planner.in_flight_weight_bytes(codellama, "full", "fsdp_offload", "fp32")
     # Grad-op holds the whole model gathered between forward and backward.
     assert usage("fsdp_grad_op", 4)["weights"] > ddp["weights"]
 
 
 def test_model_parallel_holds_a_quarter_of_the_layers_on_the_busiest_gpu(codellama):
     layers = codellama.parameter_counts()["linear"] // codellama.layers
-    usage = memory.per_gpu_bytes(codellama, "lora", "model_parallel", 4, 1, 512, gradient_checkpointing=True)
+    usage = planner.per_gpu_bytes(codellama, "lora", "model_parallel", 4, 1, 512, gradient_checkpointing=True)
     assert usage["weights"] == pytest.approx((12 * layers + 32000 * 8192) * 2, rel=0.02)
-    whole = memory.per_gpu_bytes(codellama, "lora", "model_parallel", 1, 1, 512)
-    split = memory.per_gpu_bytes(codellama, "lora", "model_parallel", 4, 1, 512)
+    whole = planner.per_gpu_bytes(codellama, "lora", "model_parallel", 1, 1, 512)
+    split = planner.per_gpu_bytes(codellama, "lora", "model_parallel", 4, 1, 512)
     assert split["activations"] < whole["activations"] / 3
 
 
@@ -304,30 +304,30 @@ def test_layer_activations_are_what_autograd_saves(method, precision, attention)
             model(input_ids=ids, attention_mask=mask, labels=ids)
         return sum(saved.values())
 
-    shape = memory.load_shape("tiny-llama")
-    expected = memory.layer_activation_bytes_per_token(shape, method, "ddp", seq, lora_rank=8, precision=precision,
-                                                       attention=attention, lora_dropout=0.0) * batch * seq
-    if precision == "bf16" and memory.compute_dtypes(method, "ddp", precision)["autocast_copies"]:
+    shape = planner.load_shape("tiny-llama")
+    expected = planner.layer_activation_bytes_per_token(shape, method, "ddp", seq, lora_rank=8, precision=precision,
+                                                        attention=attention, lora_dropout=0.0) * batch * seq
+    if precision == "bf16" and planner.compute_dtypes(method, "ddp", precision)["autocast_copies"]:
         trained = sum(shape.linear_parameters_per_layer().values()) if method == "full" else \
-            memory.lora_parameters_per_layer(shape, 8)
+            planner.lora_parameters_per_layer(shape, 8)
         expected += 2 * trained  # autocast's bf16 copies of the layer's fp32 trained weights
     assert saved_bytes(2) - saved_bytes(1) == expected
 
 
 def test_checkpointing_lowers_activations(tinyllama, codellama):
     for shape in (tinyllama, codellama):
-        for method in memory.METHODS:
+        for method in planner.METHODS:
             for strategy in ("ddp", "fsdp_full_shard", "zero3", "model_parallel"):
-                plain = memory.per_gpu_bytes(shape, method, strategy, 4, 4, 1024)["activations"]
-                checkpointed = memory.per_gpu_bytes(shape, method, strategy, 4, 4, 1024, True)["activations"]
+                plain = planner.per_gpu_bytes(shape, method, strategy, 4, 4, 1024)["activations"]
+                checkpointed = planner.per_gpu_bytes(shape, method, strategy, 4, 4, 1024, True)["activations"]
                 assert checkpointed < plain, (shape.name, method, strategy)
                 if strategy != "model_parallel":  # (its last GPU keeps the logits whatever happens)
                     assert checkpointed < plain / 2, (shape.name, method, strategy)
 
 
 def test_activations_grow_linearly_with_the_batch(tinyllama):
-    for attention in memory.ATTENTIONS:
-        a = [memory.per_gpu_bytes(tinyllama, "lora", "ddp", 4, b, 512, attention=attention)["activations"]
+    for attention in planner.ATTENTIONS:
+        a = [planner.per_gpu_bytes(tinyllama, "lora", "ddp", 4, b, 512, attention=attention)["activations"]
              for b in (1, 2, 4)]
         assert a[2] - a[1] == pytest.approx(2 * (a[1] - a[0]), abs=4)
 
@@ -336,21 +336,21 @@ def test_sdpa_keeps_no_attention_matrix(tinyllama):
     """Activations are linear in the sequence length with flash attention; with sdpa the only s^2
     term is the padding mask (b*s^2 bytes once, c*b*s^2 per layer), eager adds a*s^2 scores."""
     def curvature(attention, batch=2, s=512):
-        a = [memory.per_gpu_bytes(tinyllama, "lora", "ddp", 4, batch, n * s, attention=attention)["activations"]
+        a = [planner.per_gpu_bytes(tinyllama, "lora", "ddp", 4, batch, n * s, attention=attention)["activations"]
              for n in (1, 2, 3)]
         return (a[2] - 2 * a[1] + a[0]) / (2 * s * s) / batch  # bytes per (sequence * s^2)
 
     assert curvature("flash") == pytest.approx(0, abs=1e-3)
     assert curvature("sdpa") == pytest.approx(tinyllama.layers * 2 + 1, abs=1e-3)
     assert curvature("eager") > tinyllama.layers * tinyllama.heads * (4 + 2)
-    at_1024 = memory.per_gpu_bytes(tinyllama, "lora", "ddp", 4, 16, 1024)["activations"]
+    at_1024 = planner.per_gpu_bytes(tinyllama, "lora", "ddp", 4, 16, 1024)["activations"]
     assert (tinyllama.layers * 2 + 1) * 16 * 1024**2 < 0.02 * at_1024
 
 
 # ---------------------------------------------------------------------------- recommendations
 
 def test_tinyllama_lora_recommends_ddp_on_one_gpu(tinyllama):
-    plan = memory.plan(tinyllama, "lora", 4, 48, 16, 1024, gradient_checkpointing=True)
+    plan = planner.plan(tinyllama, "lora", 4, 48, 16, 1024, gradient_checkpointing=True)
     rec = plan["recommendation"]
     assert rec["fastest"]["strategy"] == "ddp" and rec["fastest"]["config"] == "accelerate_configs/ddp.yaml"
     assert rec["fewest_gpus"] == {"strategy": "ddp", "config": "accelerate_configs/ddp.yaml", "gpus": 1,
@@ -358,40 +358,40 @@ def test_tinyllama_lora_recommends_ddp_on_one_gpu(tinyllama):
     assert rec["fastest"]["max_micro_batch"] >= 64
     # Without checkpointing the activations, not the weights, cap the micro-batch (16 x 1024 does
     # not fit 48 GB on any strategy that runs the whole model on each GPU; 8 does, on DDP).
-    ddp = memory.max_micro_batch(tinyllama, "lora", "ddp", 4, 48, 1024)
+    ddp = planner.max_micro_batch(tinyllama, "lora", "ddp", 4, 48, 1024)
     assert 8 <= ddp < 16
-    assert memory.plan(tinyllama, "lora", 4, 48, 8, 1024)["recommendation"]["fastest"]["strategy"] == "ddp"
+    assert planner.plan(tinyllama, "lora", 4, 48, 8, 1024)["recommendation"]["fastest"]["strategy"] == "ddp"
 
 
 def test_codellama_lora_needs_sharding_and_checkpointing(codellama):
     sharded = {"fsdp_grad_op", "fsdp_hybrid", "fsdp_full_shard", "zero3"}
-    plain = {e["strategy"]: e for e in memory.plan(codellama, "lora", 4, 48, 4, 1024)["strategies"]}
+    plain = {e["strategy"]: e for e in planner.plan(codellama, "lora", 4, 48, 4, 1024)["strategies"]}
     assert not plain["ddp"]["fits"] and plain["ddp"]["per_gpu_bytes"]["weights"] > 62 * GIB  # 67.5 GB of bf16 base
     assert not any(plain[s]["fits"] for s in sharded)  # 4 x 1024 tokens of activations alone exceed 48 GB
-    plan = memory.plan(codellama, "lora", 4, 48, 4, 1024, gradient_checkpointing=True)
+    plan = planner.plan(codellama, "lora", 4, 48, 4, 1024, gradient_checkpointing=True)
     fits = {e["strategy"]: e["fits"] for e in plan["strategies"]}
     assert fits["fsdp_full_shard"] and fits["zero3"] and not fits["ddp"]
     assert plan["recommendation"]["fastest"]["strategy"] in sharded
 
 
 def test_codellama_qlora_fits_one_48_gb_gpu_with_ddp(codellama):
-    plan = memory.plan(codellama, "qlora", 1, 48, 4, 1024, gradient_checkpointing=True)
+    plan = planner.plan(codellama, "qlora", 1, 48, 4, 1024, gradient_checkpointing=True)
     assert plan["recommendation"]["fastest"]["strategy"] == "ddp"
     ddp = plan["strategies"][0]
     assert ddp["strategy"] == "ddp" and ddp["fits"] and ddp["per_gpu_bytes"]["weights"] < 20 * GIB
 
 
 def test_nothing_fits_gives_a_reason(codellama):
-    rec = memory.plan(codellama, "full", 2, 24, 8, 4096)["recommendation"]
+    rec = planner.plan(codellama, "full", 2, 24, 8, 4096)["recommendation"]
     assert rec["fastest"] is None and rec["fewest_gpus"] is None and "--gradient-checkpointing" in rec["reason"]
 
 
 def test_every_strategy_names_an_existing_config():
-    assert set(memory.STRATEGIES) == set(memory.SPEED_ORDER) and len(memory.STRATEGIES) == 10
-    for config in memory.STRATEGIES.values():
+    assert set(planner.STRATEGIES) == set(planner.SPEED_ORDER) and len(planner.STRATEGIES) == 10
+    for config in planner.STRATEGIES.values():
         assert (REPO / config).is_file(), config
     assert {p.stem for p in CONFIGS.glob("*.yaml")} - {"multi_node"} == {
-        (REPO / c).stem for c in memory.STRATEGIES.values()}
+        (REPO / c).stem for c in planner.STRATEGIES.values()}
 
 
 # ---------------------------------------------------------------------------- command line
@@ -407,7 +407,7 @@ def test_cli_json_has_the_documented_shape(tmp_path):
     plan = json.loads(done.stdout)
     assert set(plan) == {"model", "method", "gpus", "gpu_memory_gb", "strategies", "recommendation"}
     assert (plan["model"], plan["method"], plan["gpus"], plan["gpu_memory_gb"]) == ("codellama-34b", "qlora", 2, 48)
-    assert [e["strategy"] for e in plan["strategies"]] == list(memory.SPEED_ORDER)
+    assert [e["strategy"] for e in plan["strategies"]] == list(planner.SPEED_ORDER)
     for entry in plan["strategies"]:
         assert set(entry) == {"strategy", "config", "per_gpu_bytes", "fits"}
         assert set(entry["per_gpu_bytes"]) == {"weights", "gradients", "optimizer", "activations", "total"}

@@ -4,7 +4,7 @@ config in each run, every recipe x config with RECIPES_LONG_TESTS=1).
 
 Each launch writes `memory_by_rank` into run.json: the bytes of weights, gradients and
 optimizer state each rank holds when its first optimizer step ends, counted from the tensors
-(`runlog.held_bytes`). The planner's at-rest numbers (`memory.resident_bytes`) must say the same
+(`runlog.held_bytes`). The planner's at-rest numbers (`planner.resident_bytes`) must say the same
 for the tiny model in fp32, rank by rank. The launches are the matrix launches of
 tests/strategies.py, shared with test_matrix.py through the session fixture `trained`.
 
@@ -27,16 +27,16 @@ from conftest import REPO
 from strategies import CPU_STRATEGIES, PLANNER_NAME, matrix_cases
 
 sys.path.insert(0, str(REPO / "recipes"))
-from common import memory  # noqa: E402
+import planner  # noqa: E402
 from common.runlog import MEMORY_KINDS  # noqa: E402
 
 CONFIGS = ("ddp", "fsdp", "fsdp_grad_op", "fsdp_offload", "zero1", "zero2", "zero3", "zero3_offload")
-SHAPE = memory.load_shape("tiny-llama")
+SHAPE = planner.load_shape("tiny-llama")
 # Uneven shards: allowed relative difference per rank when some split does not divide (see below).
 PADDING_TOLERANCE = 0.01
 
 
-def splits_evenly(shape: memory.ModelShape, lora_rank: int, ranks: int) -> bool:
+def splits_evenly(shape: planner.ModelShape, lora_rank: int, ranks: int) -> bool:
     """Whether every split the strategies make divides exactly, so that each rank holds exactly
     total / ranks. The sizes that get split are built from these dimensions:
 
@@ -62,18 +62,18 @@ def test_the_tiny_model_splits_evenly_over_two_ranks():
 
 
 def planned_per_rank(recipe: str, config: str, ran: dict) -> dict:
-    """`memory.resident_bytes` for this launch: the tiny model in fp32 on its number of ranks with
+    """`planner.resident_bytes` for this launch: the tiny model in fp32 on its number of ranks with
     the launch's own LoRA rank / targets.
 
     where="anywhere": a CPU run has no GPU; the offload configs (fsdp_offload, zero3_offload) keep
     the very shards they would otherwise keep on the GPU in the rank's CPU RAM, and held_bytes
     counts them where they are. On GPUs, `where="gpu"` (what the per-GPU plan adds up) is 0 for
-    them, and `memory.cpu_offload_bytes` counts the RAM.
+    them, and `planner.cpu_offload_bytes` counts the RAM.
     """
     arguments = ran["arguments"]
     lora = {} if recipe == "full" else {"lora_rank": arguments["lora_r"], "lora_targets": arguments["lora_targets"]}
-    return memory.resident_bytes(SHAPE, recipe, PLANNER_NAME[config], ran["num_processes"], precision="fp32",
-                                 where="anywhere", **lora)
+    return planner.resident_bytes(SHAPE, recipe, PLANNER_NAME[config], ran["num_processes"], precision="fp32",
+                                  where="anywhere", **lora)
 
 
 @pytest.mark.parametrize("recipe, config", matrix_cases(CONFIGS))

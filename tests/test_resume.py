@@ -44,7 +44,7 @@ def test_a_fresh_run_does_not_mix_into_an_older_metrics_file(tmp_path):
     older = "".join(json.dumps({"type": "train", "step": step, "loss": 1.0}) + "\n" for step in range(1, 6))
     for first_step, kept in ((0, []), (3, [1, 2, 3])):
         (tmp_path / "metrics.jsonl").write_text(older)
-        log = RunLog(SimpleNamespace(is_main_process=True), SimpleNamespace(output_dir=tmp_path, log_every=None), "lora")
+        log = RunLog(SimpleNamespace(is_main_process=True), SimpleNamespace(output_dir=tmp_path, log_every=None), "lora", None)
         log.start(first_step=first_step, total_steps=8)
         log.metrics.close()
         lines = (tmp_path / "metrics.jsonl").read_text().splitlines()

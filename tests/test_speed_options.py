@@ -14,7 +14,7 @@ from strategies import matrix_args
 
 sys.path.insert(0, str(REPO / "recipes"))
 sys.path.insert(0, str(REPO / "scripts"))
-from common import memory  # noqa: E402
+import planner  # noqa: E402
 from common.args import recipe_parser  # noqa: E402
 
 
@@ -75,10 +75,10 @@ def test_gradient_checkpointing_takes_every_n():
 
 
 def test_the_planner_puts_selective_checkpointing_between_none_and_all():
-    shape = memory.load_shape(str(REPO / "data" / "model_configs" / "tinyllama-1.1b.json"))
+    shape = planner.load_shape(str(REPO / "data" / "model_configs" / "tinyllama-1.1b.json"))
 
     def activations(every):
-        return memory.activation_bytes(shape, "lora", "ddp", 4, 1024, gradient_checkpointing=every)
+        return planner.activation_bytes(shape, "lora", "ddp", 4, 1024, gradient_checkpointing=every)
 
     none, every_layer, every_second, every_fourth = activations(0), activations(1), activations(2), activations(4)
     assert none > every_fourth > every_second > every_layer

@@ -7,7 +7,8 @@ import sys
 from pathlib import Path
 
 import torch
-from accelerate.utils import DistributedType
+
+from .launch import MODEL_PARALLEL
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_MODEL = REPO_ROOT / "models" / "tiny-llama"
@@ -36,30 +37,7 @@ def load_tokenizer(name: str, trust_remote_code: bool = False):
     return tokenizer
 
 
-def float_dtype(accelerator, frozen: bool) -> torch.dtype:
-    """Trained weights stay fp32 (autocast runs the maths in 16 bits); frozen ones may be 16-bit."""
-    precision = accelerator.mixed_precision  # under DeepSpeed: what its config enables
-    if frozen and precision == "bf16":
-        return torch.bfloat16
-    if frozen and precision == "fp16":
-        return torch.float16
-    return torch.float32
-
-
-def is_model_parallel(accelerator) -> bool:
-    """One process that sees several GPUs: spread the layers over them."""
-    return accelerator.distributed_type == DistributedType.NO and torch.cuda.device_count() > 1
-
-
-def shards_parameters(accelerator) -> bool:
-    if accelerator.distributed_type == DistributedType.FSDP:
-        return True
-    if accelerator.distributed_type == DistributedType.DEEPSPEED:
-        return accelerator.state.deepspeed_plugin.zero_stage == 3
-    return False
-
-
-def load_model(name: str, accelerator, *, frozen: bool, quantization=None, trust_remote_code: bool = False,
+def load_model(name: str, accelerator, launch, *, frozen: bool, quantization=None, trust_remote_code: bool = False,
                attention: str | None = None, liger: bool = False):
     """The model placed for the launched strategy, with the attention kernel asked for (default:
     transformers' choice, SDPA) and, with `liger`, Liger's fused Triton kernels patched in.
@@ -70,17 +48,17 @@ def load_model(name: str, accelerator, *, frozen: bool, quantization=None, trust
     """
     from transformers import AutoModelForCausalLM
 
-    kwargs = dict(dtype=float_dtype(accelerator, frozen), use_safetensors=True, trust_remote_code=trust_remote_code)
+    kwargs = dict(dtype=launch.float_dtype(frozen), use_safetensors=True, trust_remote_code=trust_remote_code)
     if attention is not None:
         kwargs["attn_implementation"] = attention
-    if is_model_parallel(accelerator):
+    if launch.kind == MODEL_PARALLEL:
         kwargs["device_map"] = "auto"
     if quantization is not None:
         kwargs["quantization_config"] = quantization
-        if not shards_parameters(accelerator) and not is_model_parallel(accelerator):
+        if not launch.shards_parameters and launch.kind != MODEL_PARALLEL:
             kwargs["device_map"] = {"": accelerator.device}
     model = AutoModelForCausalLM.from_pretrained(name, **kwargs)
-    if quantization is not None and not torch.cuda.is_available():
+    if quantization is not None and not launch.on_gpu:
         keep_4bit_weights_unpacked_on_cpu(model)
     if liger:
         from transformers.integrations.liger import apply_liger_kernel
@@ -164,14 +142,14 @@ def parameter_counts(model) -> dict:
     return {"total": total, "trainable": trainable, "held_by_this_rank": held}
 
 
-def quantization_config(accelerator, bits: int):
+def quantization_config(launch, bits: int):
     """NF4 with double quantisation (QLoRA), or 8-bit, computing in the run's float dtype.
 
     Under FSDP and ZeRO-3 the packed 4-bit weights are stored in that float dtype too: both
     shard flat tensors of one dtype, and integer storage breaks them (or silently zeroes the loss).
     """
-    compute_dtype = float_dtype(accelerator, frozen=True)
-    storage = compute_dtype if shards_parameters(accelerator) else torch.uint8
+    compute_dtype = launch.float_dtype(frozen=True)
+    storage = compute_dtype if launch.shards_parameters else torch.uint8
     return bits_config(bits, compute_dtype, storage)
 
 

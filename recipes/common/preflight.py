@@ -71,19 +71,20 @@ def requested_processes_of_launcher() -> int:
     return 1
 
 
-def check_launch(args, recipe: str) -> None:
-    """Everything that can be known to fail before the model loads."""
+def check_launch(args, recipe: str):
+    """Everything that can be known to fail before the model loads. Returns the checked `Launch`:
+    what accelerate launch asked for, read by everything that depends on the strategy."""
+    from .launch import FSDP, describe
     from .launch_config import adapt_launch
 
     # The user's config file first: it may translate the launch (FSDP1 -> FSDP2) or settle flags.
     notes = adapt_launch(args)
     if notes and int(os.environ.get("RANK", "0")) == 0:
         print(f"config: {'; '.join(notes)}", flush=True)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    deepspeed = env_flag("ACCELERATE_USE_DEEPSPEED")
-    fsdp = env_flag("ACCELERATE_USE_FSDP")
+    launch = describe()
+    fsdp = launch.kind == FSDP
 
-    if world == 1 and not (deepspeed or fsdp) and requested_processes_of_launcher() > 1:
+    if launch.processes == 1 and launch.kind in ("single", "model_parallel") and requested_processes_of_launcher() > 1:
         refuse("model parallel runs as ONE process that spreads the layers over the GPUs, but "
                "--num_processes > 1 was asked; drop --num_processes, or use "
                "accelerate_configs/ddp.yaml (model fits one GPU) or fsdp.yaml (it does not)")
@@ -92,7 +93,7 @@ def check_launch(args, recipe: str) -> None:
     if args.max_steps == 0 and args.epochs == 0:
         refuse("nothing to train: give --max-steps N or --epochs N (> 0)")
     check_columns(args.columns)
-    check_speed_options(args)
+    check_speed_options(args, launch.on_gpu)
 
     if recipe == "qlora" and getattr(args, "bits", 4) == 8 and fsdp:
         refuse("8-bit weights cannot be sharded by FSDP; use --bits 4 (QLoRA) with fsdp.yaml, or "
@@ -115,7 +116,8 @@ def check_launch(args, recipe: str) -> None:
         check_lora_targets(args)
     check_output_dir(args.output_dir)
     refuse_if_disk_too_small(args, recipe)
-    announce_plan(args, recipe)
+    announce_plan(args, recipe, launch)
+    return launch
 
 
 # flag -> (low, high): a [low, high] or (low, high) bound on the value; None: unbounded
@@ -200,20 +202,18 @@ def check_lora_targets(args) -> None:
                f"{', '.join(leaves)} (or use all-linear)")
 
 
-def check_speed_options(args) -> None:
+def check_speed_options(args, on_gpu: bool) -> None:
     """Kernels that exist only for CUDA GPUs, or only once installed, are refused before loading."""
     from importlib.util import find_spec
 
-    import torch
-
     if args.liger and find_spec("liger_kernel") is None:
         refuse("--liger needs Liger's kernels: `pip install liger-kernel`, or drop --liger")
-    if args.liger and not torch.cuda.is_available():
+    if args.liger and not on_gpu:
         refuse("--liger runs Triton kernels, which need a CUDA GPU; drop --liger on this machine")
     if args.attention == "flash_attention_2" and find_spec("flash_attn") is None:
         refuse("--attention flash_attention_2 needs `pip install flash-attn`; or use --attention sdpa "
                "(the default, which picks a flash kernel itself where it can)")
-    if args.attention == "flash_attention_2" and not torch.cuda.is_available():
+    if args.attention == "flash_attention_2" and not on_gpu:
         refuse("--attention flash_attention_2 needs a CUDA GPU; use --attention sdpa on this machine")
 
 
@@ -232,12 +232,12 @@ def context_length(model: str) -> int | None:
 
 def refuse_if_disk_too_small(args, recipe: str) -> None:
     """A checkpoint (weights + optimizer state) or the final export must fit on the output disk."""
-    from . import memory
+    import planner
 
     try:
-        shape = memory.ModelShape.from_config(model_config(args.model))
-        trained = shape.parameters if recipe == "full" else memory.lora_parameters(shape, args.lora_r,
-                                                                                    args.lora_targets)
+        shape = planner.ModelShape.from_config(model_config(args.model))
+        trained = shape.parameters if recipe == "full" else planner.lora_parameters(shape, args.lora_r,
+                                                                                     args.lora_targets)
     except Exception:  # not a local config, or a model or targets the planner cannot size
         return
     # fp32 weights and AdamW's two moments; an adapter export holds only the adapter.
@@ -253,67 +253,42 @@ def refuse_if_disk_too_small(args, recipe: str) -> None:
                "choose another --output-dir")
 
 
-def planned_strategy() -> tuple[str, int]:
-    """The planner's name for what `accelerate launch` asked for, and the number of GPUs it spans."""
-    import torch
-
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if env_flag("ACCELERATE_USE_DEEPSPEED"):
-        from .launch_config import deepspeed_source
-
-        zero = deepspeed_source(os.environ)[1]["zero_optimization"]
-        stage = zero.get("stage", 0)
-        offload = (zero.get("offload_param") or {}).get("device", "none") != "none"
-        return ("zero3_offload" if stage == 3 and offload else f"zero{stage}"), world
-    if env_flag("ACCELERATE_USE_FSDP"):
-        if env_flag("FSDP_OFFLOAD_PARAMS"):
-            return "fsdp_offload", world
-        if int(os.environ.get("PARALLELISM_CONFIG_DP_REPLICATE_SIZE", "1")) > 1:
-            return "fsdp_hybrid", world
-        if os.environ.get("FSDP_RESHARD_AFTER_FORWARD", "true").lower() == "false":
-            return "fsdp_grad_op", world
-        return "fsdp_full_shard", world
-    if world == 1 and torch.cuda.device_count() > 1:
-        return "model_parallel", torch.cuda.device_count()
-    return "ddp", world
-
-
-def announce_plan(args, recipe: str) -> None:
+def announce_plan(args, recipe: str, launch) -> None:
     """Print the memory plan of this very run, and warn before loading when it will not fit."""
     if int(os.environ.get("RANK", "0")) != 0:
         return
     import torch
 
-    from . import memory
+    import planner
 
     source = "tiny-llama" if is_default_model(args.model) else args.model  # before its first build
     try:
-        shape = memory.load_shape(source)
+        shape = planner.load_shape(source)
     except Exception as error:  # offline hub id, unknown architecture: a courtesy, never a blocker
         reason = str(error).splitlines()[0] if str(error) else type(error).__name__
         print(f"plan: skipped ({reason})", flush=True)
         return
-    strategy, gpus = planned_strategy()
-    precision = "bf16" if os.environ.get("ACCELERATE_MIXED_PRECISION", "no") in ("bf16", "fp16") else "fp32"
+    strategy, gpus = launch.planner_strategy, launch.gpus
+    precision = "bf16" if launch.precision in ("bf16", "fp16") else "fp32"
     lora = {}
     if recipe != "full":
         lora = dict(lora_rank=args.lora_r, lora_targets=args.lora_targets, lora_dropout=args.lora_dropout)
     try:
-        need = memory.per_gpu_bytes(shape, recipe, strategy, gpus, batch_size=args.batch_size,
-                                    seq_len=args.max_length, gradient_checkpointing=args.gradient_checkpointing,
-                                    precision=precision, **lora)
+        need = planner.per_gpu_bytes(shape, recipe, strategy, gpus, batch_size=args.batch_size,
+                                     seq_len=args.max_length, gradient_checkpointing=args.gradient_checkpointing,
+                                     precision=precision, **lora)
     except ValueError as error:  # e.g. LoRA targets the planner does not know
         print(f"plan: skipped ({str(error).splitlines()[0]})", flush=True)
         return
     parts = ", ".join(f"{key} {size(need[key])}" for key in ("weights", "gradients", "optimizer", "activations"))
     line = (f"plan: {recipe} with {strategy} on {gpus} process(es): {size(need['total'])} per GPU ({parts}) "
             f"at --max-length {args.max_length}")
-    if not torch.cuda.is_available():
+    if not launch.on_gpu:
         print(line, flush=True)
         return
-    gpu_gib = torch.cuda.get_device_properties(0).total_memory / memory.GiB
+    gpu_gib = torch.cuda.get_device_properties(0).total_memory / planner.GiB
     print(f"{line}; the GPU has {gpu_gib:.0f} GiB", flush=True)
-    if not memory.fits(need["total"], gpu_gib):
+    if not planner.fits(need["total"], gpu_gib):
         print(f"warning: the plan says this will not fit; see `python scripts/plan.py --model {args.model} "
               f"--method {recipe} --gpus {gpus} --gpu-memory {gpu_gib:.0f} --batch-size {args.batch_size} "
               f"--seq-len {args.max_length}` for a config and micro-batch that fit", flush=True)

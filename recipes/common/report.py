@@ -8,11 +8,10 @@ from pathlib import Path
 import torch
 
 from .formats import IGNORE
-from .modeling import shards_parameters
 
 
 @torch.no_grad()
-def sample_generations(accelerator, model, tokenizer, eval_set, output_dir, count: int = 3,
+def sample_generations(accelerator, launch, model, tokenizer, eval_set, output_dir, count: int = 3,
                        max_new_tokens: int = 32) -> list[dict]:
     """Greedy answers of the trained model to the first evaluation prompts; printed and saved
     to samples.jsonl. Every rank generates (sharded weights need every rank's forward)."""
@@ -21,7 +20,7 @@ def sample_generations(accelerator, model, tokenizer, eval_set, output_dir, coun
     # Eager even under --compile: each new KV-cache length and layer index would be another graph,
     # compiled for a few tokens until torch gives up at its recompile limit with a page of warnings.
     with torch.compiler.set_stance("force_eager"):
-        samples = [generate_one(accelerator, generator, tokenizer, row, max_new_tokens)
+        samples = [generate_one(accelerator, generator, tokenizer, row, max_new_tokens, launch.shards_parameters)
                    for row in eval_set.select(range(min(count, len(eval_set))))]
     generator.train()
     if accelerator.is_main_process:
@@ -33,14 +32,14 @@ def sample_generations(accelerator, model, tokenizer, eval_set, output_dir, coun
     return samples
 
 
-def generate_one(accelerator, generator, tokenizer, row, max_new_tokens: int) -> dict:
+def generate_one(accelerator, generator, tokenizer, row, max_new_tokens: int, sharded: bool) -> dict:
     """The greedy answer to one evaluation row's prompt (the tokens before its first target token)."""
     prompt_length = next((i for i, label in enumerate(row["labels"]) if label != IGNORE), len(row["labels"]))
     prompt = torch.tensor([row["input_ids"][:prompt_length]], device=accelerator.device)
     output = generator.generate(
         input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=max_new_tokens,
         do_sample=False, pad_token_id=tokenizer.pad_token_id,
-        synced_gpus=shards_parameters(accelerator),  # ranks keep stepping together until all finish
+        synced_gpus=sharded,  # every rank's forward gathers the shards: they keep stepping until all finish
     )
     reference = [t for t, label in zip(row["input_ids"], row["labels"]) if label != IGNORE]
     return {

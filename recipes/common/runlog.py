@@ -1,6 +1,7 @@
 """What a run leaves behind about itself: run.json, metrics.jsonl and the progress bar.
 
-Only the main process writes or prints; the other ranks take part in the gathers only.
+Only the main process writes or prints. One method gathers from every rank, `record_ranks`, which
+every rank must call at the same step; the rest is local.
 """
 
 from __future__ import annotations
@@ -109,8 +110,9 @@ def held_bytes(model, optimizer) -> dict:
 
 
 class RunLog:
-    def __init__(self, accelerator, args, recipe: str):
+    def __init__(self, accelerator, args, recipe: str, launch):
         self.accelerator = accelerator
+        self.launch = launch
         self.args = args
         self.recipe = recipe
         self.output_dir = Path(args.output_dir)
@@ -128,17 +130,15 @@ class RunLog:
             writer(message)
             sys.stdout.flush()
 
-    def write_run_json(self, model, data_format: str, optimizer=None) -> None:
-        """Record what really ran: strategy, processes, precision, parameters held by each rank.
-
-        With `optimizer`, run.json also gets `memory_by_rank` after the first optimizer step:
-        the bytes of weights, gradients and optimizer state each rank really holds.
-        """
+    def write_run_json(self, model, data_format: str, optimizer) -> None:
+        """Record what really ran: strategy, processes, precision, parameters. No collective: each
+        rank's share is gathered later, by `record_ranks`."""
         counts = parameter_counts(model)
-        held = torch.tensor([counts["held_by_this_rank"]], device=self.accelerator.device)
-        per_rank = self.accelerator.gather(held).tolist()
         ran = what_ran(self.accelerator, model)
-        record = {
+        self.model = model
+        self.held_parameters = counts["held_by_this_rank"]
+        self.held_at_first_step = None
+        self.record = {
             "recipe": self.recipe,
             "arguments": vars(self.args),
             "base_model": self.args.model,
@@ -147,25 +147,20 @@ class RunLog:
             "num_processes": self.accelerator.num_processes,
             "mixed_precision": ran["precision"],
             "device": str(self.accelerator.device.type),
-            "parameters": {
-                "total": counts["total"],
-                "trainable": counts["trainable"],
-                "held_by_rank": per_rank,
-            },
+            "launch": self.launch.as_record(),  # what accelerate launch asked for; `strategy`: what ran
+            "parameters": {"total": counts["total"], "trainable": counts["trainable"], "held_by_rank": None},
             "strategy": ran,
             "versions": library_versions(),
         }
-        self.record = record
         if self.accelerator.log_with:
             # Trackers get the same numbers as metrics.jsonl; their config only takes plain values.
             config = {key: value for key, value in vars(self.args).items()
                       if isinstance(value, (int, float, str, bool))}
             self.accelerator.init_trackers(self.output_dir.name or "run", config=config)
-        if optimizer is not None:
-            self.watch_first_step(model, optimizer)
+        self.measure_first_step(optimizer)
         if self.main:
             self.save_record()
-            share = per_rank[0] / max(counts["total"], 1)
+            share = self.held_parameters / max(counts["total"], 1)
             self.say(
                 f"{self.recipe}: {self.accelerator.distributed_type.value} x {self.accelerator.num_processes} "
                 f"process(es), {ran['precision']} precision, {counts['total']:,} parameters "
@@ -175,22 +170,31 @@ class RunLog:
     def save_record(self) -> None:
         (self.output_dir / "run.json").write_text(json.dumps(self.record, indent=2, default=str) + "\n")
 
-    def watch_first_step(self, model, optimizer) -> None:
-        """Measure, once, what each rank holds at the end of its first optimizer step."""
+    def measure_first_step(self, optimizer) -> None:
+        """Measure, once, what this rank holds at the end of its first optimizer step (inside it:
+        DeepSpeed frees its gradients before the loop sees them). Local only: no collective."""
         inner = optimizer
         while not isinstance(inner, torch.optim.Optimizer) or hasattr(inner, "accelerator_state"):
             inner = inner.optimizer  # accelerate's wrapper, DeepSpeed's ZeRO optimizer, ... -> torch's
 
         def measure(opt, args, kwargs):
             handle.remove()
-            held = held_bytes(model, opt)
-            values = torch.tensor([held[k] for k in MEMORY_KINDS], dtype=torch.float64, device=self.accelerator.device)
-            gathered = self.accelerator.gather(values.unsqueeze(0)).tolist()
-            self.record["memory_by_rank"] = [dict(zip(MEMORY_KINDS, map(int, row))) for row in gathered]
-            if self.main:
-                self.save_record()
+            self.held_at_first_step = held_bytes(self.model, opt)
 
+        self.inner_optimizer = inner
         handle = inner.register_step_post_hook(measure)
+
+    def record_ranks(self) -> None:
+        """Gather what each rank holds (parameters; bytes of weights, gradients, optimizer state at the
+        first optimizer step) into run.json. A collective: every rank must call it, at the same step."""
+        held = self.held_at_first_step or held_bytes(self.model, self.inner_optimizer)  # fp16 can skip one
+        local = torch.tensor([[self.held_parameters] + [held[k] for k in MEMORY_KINDS]],
+                             dtype=torch.float64, device=self.accelerator.device)
+        rows = self.accelerator.gather(local).tolist()
+        self.record["parameters"]["held_by_rank"] = [int(row[0]) for row in rows]
+        self.record["memory_by_rank"] = [dict(zip(MEMORY_KINDS, map(int, row[1:]))) for row in rows]
+        if self.main:
+            self.save_record()
 
     def start(self, first_step: int, total_steps: int) -> None:
         """Open metrics.jsonl and the progress bar for steps `first_step + 1` on."""

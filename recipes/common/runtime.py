@@ -3,7 +3,7 @@
 `accelerate launch --config_file accelerate_configs/<strategy>.yaml` describes a GPU cluster.
 On a machine with no GPU the same command should still exercise the same strategy, so a user
 can try a config on a laptop and the tests can run everywhere. Stock accelerate does not do
-that by itself (see the notes in `cpu_strategy`), so this module adapts the launch on CPU only;
+that by itself (see `enable_fsdp_on_cpu`), so this module adapts the launch on CPU only;
 on GPUs it builds a plain `Accelerator` and changes nothing.
 """
 
@@ -20,30 +20,16 @@ from accelerate import Accelerator, DataLoaderConfiguration
 from accelerate.utils import DistributedType, GradientAccumulationPlugin, InitProcessGroupKwargs
 
 from . import launch_config
+from .launch import DEEPSPEED, FSDP, Launch
+from .data import target_tokens
 
 # A rank that dies must not leave the others waiting forever in a collective.
 COLLECTIVE_TIMEOUT = timedelta(minutes=int(os.environ.get("RECIPES_COLLECTIVE_TIMEOUT_MIN", "30")))
 
 
-def launched_strategy() -> str:
-    """The strategy the accelerate launcher asked for, read from the environment it sets."""
-    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
-        return "deepspeed"
-    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
-        return "fsdp"
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        return "ddp"
-    return "single"
-
-
-def has_gpu() -> bool:
-    return torch.cuda.is_available()
-
-
-def make_accelerator(args) -> Accelerator:
-    """An Accelerator set up for `args` and for whatever `accelerate launch` asked for."""
-    strategy = launched_strategy()
-    on_cpu = not has_gpu()
+def make_accelerator(args, launch: Launch) -> Accelerator:
+    """An Accelerator set up for `args` and for what `accelerate launch` asked for (`launch`)."""
+    on_cpu = not launch.on_gpu
     stop_quietly_on_ctrl_c()
     if on_cpu:
         share_cpu_cores()
@@ -58,20 +44,20 @@ def make_accelerator(args) -> Accelerator:
         # The data order depends on the seed and epoch only, so a resumed run sees the same batches.
         # Copies to the GPU from pinned memory need not wait for the GPU to finish its work.
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, non_blocking=not on_cpu),
-        kwargs_handlers=[InitProcessGroupKwargs(timeout=COLLECTIVE_TIMEOUT, **cpu_process_group(strategy, on_cpu),
+        kwargs_handlers=[InitProcessGroupKwargs(timeout=COLLECTIVE_TIMEOUT, **cpu_process_group(launch),
                                                 **restart_rendezvous(args.output_dir))],
     )
     tracker = chosen_tracker(args.report_to)
     if tracker is not None:
         kwargs.update(log_with=tracker, project_dir=args.output_dir)
     # DeepSpeed discovers its own CPU accelerator; every other strategy must be told it runs on CPU.
-    if on_cpu and strategy != "deepspeed":
+    if on_cpu and launch.kind != DEEPSPEED:
         kwargs["cpu"] = True
     accelerator = Accelerator(**kwargs)
-    if on_cpu and strategy == "fsdp":
+    if on_cpu and launch.kind == FSDP:
         enable_fsdp_on_cpu(accelerator)
-    if accelerator.distributed_type == DistributedType.DEEPSPEED:
-        align_deepspeed_with_recipe(accelerator, args)
+    if launch.kind == DEEPSPEED:
+        align_deepspeed_with_recipe(accelerator, args, launch)
     return accelerator
 
 
@@ -107,9 +93,9 @@ def restart_rendezvous(output_dir) -> dict:
     return {"init_method": f"file://{store}"}  # accelerate adds rank and world size
 
 
-def cpu_process_group(strategy: str, on_cpu: bool) -> dict:
+def cpu_process_group(launch: Launch) -> dict:
     # Without GPUs the collectives go through gloo; DeepSpeed would otherwise look for oneCCL.
-    return {"backend": "gloo"} if on_cpu and strategy == "deepspeed" else {}
+    return {"backend": "gloo"} if not launch.on_gpu and launch.kind == DEEPSPEED else {}
 
 
 def enable_fsdp_on_cpu(accelerator: Accelerator) -> None:
@@ -139,12 +125,11 @@ def enable_fsdp_on_cpu(accelerator: Accelerator) -> None:
     PartialState._shared_state["distributed_type"] = DistributedType.FSDP
 
 
-def align_deepspeed_with_recipe(accelerator: Accelerator, args) -> None:
+def align_deepspeed_with_recipe(accelerator: Accelerator, args, launch: Launch) -> None:
     """Make DeepSpeed accumulate and clip like every other strategy and keep the full weights savable."""
     config = accelerator.state.deepspeed_plugin.deepspeed_config
     launch_config.edit_deepspeed(config, args)
-    offload = config["zero_optimization"].get("offload_optimizer") or {}
-    if not has_gpu() and offload.get("device", "none") != "none":
+    if not launch.on_gpu and launch.offload_optimizer:
         # DeepSpeed's CPU Adam needs a compiled extension; on a CPU-only machine torch's AdamW
         # runs the same update without the build.
         config["zero_force_ds_cpu_optimizer"] = False
@@ -160,31 +145,53 @@ def exit_after_a_finished_run() -> None:
     os._exit(0)
 
 
-class StopRequest:
-    """SIGTERM (how SLURM pre-empts a job) or Ctrl-C asks the run to checkpoint and stop at the next step.
+class StepSync:
+    """The loop's collectives: one all-reduce per step, and the stop signals it carries.
 
-    The signal may reach one rank before another, so the ranks decide together: a step ends
-    with a tiny all-reduce of the signal number, and every rank stops at the same step. (On Ctrl-C
-    each rank gets SIGINT twice, from the terminal and from the launcher, which kills the ranks
-    that have not finished 30 s later.)
+    A step divides its loss by the target tokens of the whole global batch, so every rank must know
+    that count before its first backward. Instead of an all-reduce for the count, one for the loss and
+    one for the stop flag, `end_of_step` sums in one all-reduce the step's loss, the next step's token
+    count (the loop fetches the next micro-batches first) and the signals received.
+
+    SIGTERM (how SLURM pre-empts a job) or Ctrl-C asks the run to checkpoint and stop at the end of
+    the step. The signal may reach one rank before another; the sum tells every rank at the same step.
+    (On Ctrl-C each rank gets SIGINT twice, from the terminal and from the launcher, which kills the
+    ranks that have not finished 30 s later.)
     """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
     def __init__(self, accelerator):
         self.accelerator = accelerator
-        self.received = 0
+        self.received = None
         self.signal_name = None
-        for signum in (signal.SIGTERM, signal.SIGINT):
+        for signum in self.SIGNALS:
             signal.signal(signum, self._on_signal)
 
     def _on_signal(self, signum, frame) -> None:
         self.received = self.received or signum  # the first one names the stop
 
-    def __bool__(self) -> bool:
-        flag = torch.tensor([float(self.received)], device=self.accelerator.device)
-        received = int(self.accelerator.reduce(flag, "max").item())
-        if received:
-            self.signal_name = "Ctrl-C" if received == signal.SIGINT else signal.Signals(received).name
-        return bool(received)
+    def local_tokens(self, micro_batches) -> torch.Tensor:
+        zero = torch.zeros((), dtype=torch.int64, device=self.accelerator.device)
+        return sum((target_tokens(b).to(zero.device) for b in micro_batches), zero)
+
+    def count_tokens(self, micro_batches) -> torch.Tensor:
+        """The target tokens of these micro-batches on all ranks (an all-reduce: every rank calls it)."""
+        return self.accelerator.reduce(self.local_tokens(micro_batches), "sum")
+
+    def end_of_step(self, loss_sum, next_micro_batches) -> tuple[float, torch.Tensor, bool]:
+        """One all-reduce (every rank calls it): the step's loss summed over all ranks' tokens, the
+        target tokens of the next step on all ranks, and whether any rank was asked to stop."""
+        device = self.accelerator.device
+        signals = [float(self.received == signum) for signum in self.SIGNALS]
+        local = torch.cat([torch.as_tensor(loss_sum, device=device, dtype=torch.float64).reshape(1),
+                           self.local_tokens(next_micro_batches).to(device, torch.float64).reshape(1),
+                           torch.tensor(signals, device=device, dtype=torch.float64)])
+        total = self.accelerator.reduce(local, "sum")
+        loss, next_tokens, *stops = total.tolist()  # the step's one wait for the device
+        if any(stops):
+            self.signal_name = "SIGTERM" if stops[0] else "Ctrl-C"
+        return loss, total[1].round().long(), any(stops)
 
 
 def say_once(message: str) -> None:
@@ -194,7 +201,7 @@ def say_once(message: str) -> None:
 
 def stop_quietly_on_ctrl_c() -> None:
     """Ctrl-C before training starts: one line and exit, instead of a traceback from every rank.
-    (From the first step on, `StopRequest` saves a checkpoint first.)"""
+    (From the first step on, `StepSync` saves a checkpoint first.)"""
     def interrupted(signum, frame):
         say_once("interrupted before training started; nothing to save")
         os._exit(130)

@@ -1,0 +1,101 @@
+"""What `accelerate launch` asked for, worked out once.
+
+The launcher tells a process its strategy through environment variables (ACCELERATE_USE_FSDP,
+FSDP_RESHARD_AFTER_FORWARD, the DeepSpeed config, WORLD_SIZE, ...). `describe()` reads them once,
+after `launch_config.adapt_launch` has checked and translated the user's config file, into a
+`Launch`; everything that depends on the strategy reads that object: the Accelerator's set-up
+(runtime), the checks and the memory plan (preflight), how the model is loaded (modeling), sample
+generation (report) and run.json (runlog).
+
+It says what was asked for. What ran, as the prepared objects report it (DeepSpeed's engine, the
+FSDP plugin, each rank's shards), is recorded separately in run.json's `strategy`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass
+
+import torch
+
+# launch.kind values
+SINGLE = "single"  # one process on one device (CPU, or one GPU)
+MODEL_PARALLEL = "model_parallel"  # one process, the layers spread over the visible GPUs
+DDP = "ddp"
+FSDP = "fsdp"
+DEEPSPEED = "deepspeed"
+
+
+@dataclass(frozen=True)
+class Launch:
+    kind: str  # one of the names above
+    processes: int  # ranks in the whole job
+    on_gpu: bool
+    visible_gpus: int  # GPUs this process sees
+    precision: str  # mixed precision of the forward: "no", "bf16" or "fp16" (DeepSpeed: its config's)
+    zero_stage: int | None = None  # DeepSpeed
+    reshard_after_forward: bool | None = None  # FSDP: True = full shard, False = shard grads and optimizer only
+    replicas: int = 1  # FSDP hybrid shard: groups that each hold a full copy of the shards
+    offload_parameters: bool = False  # FSDP CPU offload, ZeRO-3 offload_param
+    offload_optimizer: bool = False  # ZeRO offload_optimizer
+
+    @property
+    def shards_parameters(self) -> bool:
+        """Each rank stores a part of every parameter (FSDP, ZeRO-3)."""
+        return self.kind == FSDP or (self.kind == DEEPSPEED and self.zero_stage == 3)
+
+    @property
+    def gpus(self) -> int:
+        """The devices one copy of the run spans: the processes, or model parallel's GPUs."""
+        return self.visible_gpus if self.kind == MODEL_PARALLEL else self.processes
+
+    def float_dtype(self, frozen: bool) -> torch.dtype:
+        """Trained weights stay fp32 (autocast runs the maths in 16 bits); frozen ones may be 16-bit."""
+        if frozen and self.precision == "bf16":
+            return torch.bfloat16
+        if frozen and self.precision == "fp16":
+            return torch.float16
+        return torch.float32
+
+    @property
+    def planner_strategy(self) -> str:
+        """The name `scripts/plan.py` gives this strategy (one per file in accelerate_configs/)."""
+        if self.kind == DEEPSPEED:
+            return "zero3_offload" if self.zero_stage == 3 and self.offload_parameters else f"zero{self.zero_stage}"
+        if self.kind == FSDP:
+            if self.offload_parameters:
+                return "fsdp_offload"
+            if self.replicas > 1:
+                return "fsdp_hybrid"
+            return "fsdp_full_shard" if self.reshard_after_forward else "fsdp_grad_op"
+        return MODEL_PARALLEL if self.kind == MODEL_PARALLEL else "ddp"
+
+    def as_record(self) -> dict:
+        return {**asdict(self), "shards_parameters": self.shards_parameters}
+
+
+def flag(env, name: str) -> bool:
+    return env.get(name, "false").lower() == "true"
+
+
+def describe(env=None, on_gpu: bool | None = None) -> Launch:
+    """The launch described by `env` (default: this process's environment, as adapt_launch left it)."""
+    env = os.environ if env is None else env
+    on_gpu = torch.cuda.is_available() if on_gpu is None else on_gpu
+    visible = torch.cuda.device_count() if on_gpu else 0
+    common = dict(processes=int(env.get("WORLD_SIZE", "1")), on_gpu=on_gpu, visible_gpus=visible,
+                  precision=env.get("ACCELERATE_MIXED_PRECISION", "no"))
+    if flag(env, "ACCELERATE_USE_DEEPSPEED"):
+        from .launch_config import deepspeed_source
+
+        zero = deepspeed_source(env)[1]["zero_optimization"]
+        return Launch(DEEPSPEED, **common, zero_stage=int(zero.get("stage", 0)),
+                      offload_parameters=(zero.get("offload_param") or {}).get("device", "none") != "none",
+                      offload_optimizer=(zero.get("offload_optimizer") or {}).get("device", "none") != "none")
+    if flag(env, "ACCELERATE_USE_FSDP"):
+        return Launch(FSDP, **common, offload_parameters=flag(env, "FSDP_OFFLOAD_PARAMS"),
+                      reshard_after_forward=env.get("FSDP_RESHARD_AFTER_FORWARD", "true").lower() != "false",
+                      replicas=int(env.get("PARALLELISM_CONFIG_DP_REPLICATE_SIZE", "1")))
+    if common["processes"] > 1:
+        return Launch(DDP, **common)
+    return Launch(MODEL_PARALLEL if visible > 1 else SINGLE, **common)

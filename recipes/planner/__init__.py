@@ -1,0 +1,82 @@
+"""Will it fit, and which config? The memory planner behind `scripts/plan.py`.
+
+Pure Python: no torch, no GPU. Everything is computed from the model's shape (a config.json)
+and counts what the recipes really allocate on the busiest GPU, in four parts:
+
+- weights: the parameters held on the GPU (stored shards plus the unsharded copies in flight);
+- gradients: the gradients of the trained parameters (plus the communication buffers that
+  mirror them);
+- optimizer: AdamW's two moments (plus DeepSpeed's fp32 master copy);
+- activations: what autograd keeps from the forward for the backward, the logits and the loss.
+
+The first three build on `resident_bytes()`: what each rank keeps at rest, i.e. the local part
+of every parameter, its gradient and its optimizer state as they stand when the optimizer steps.
+That is what every launch measures into run.json's `memory_by_rank` (`runlog.held_bytes`), and
+tests/test_plan_vs_ranks.py checks the two against each other on every strategy. The per-GPU
+numbers add what is only transient: gathered layers in flight, DDP's bucket copy, DeepSpeed's
+reduce bucket, ZeRO-1's unpartitioned gradients of the backward, and the NF4 constants (which
+are not parameters).
+
+`plan()` evaluates every strategy of `accelerate_configs/` and recommends two of them:
+the one that needs the fewest GPUs and the fastest one that fits on all of them.
+
+One module per job (every public name of each is importable from `planner` itself):
+
+- `strategies`: the strategies with their config files in the order of expected speed, the
+  methods and attention implementations, and the check of a request against them;
+- `shapes`: `ModelShape`, `load_shape` and its offline `ALIASES`, the LoRA parameter counts;
+- `dtypes`: bytes per parameter at rest (the table of bytes per parameter is there) and the
+  dtypes the forward computes in;
+- `resident`: what each rank keeps at rest (`resident_bytes`): the part of the model a GPU runs,
+  the sharding divisors, and the CPU RAM of the offload configs;
+- `peak`: weights, gradients and optimizer state on the busiest GPU: resident + transient;
+- `activations`: the activation bytes per token of a block and per micro-batch;
+- `choose`: the busiest GPU's total, what fits, the largest micro-batch, and `plan()`.
+
+Sizes are bytes; the tables print GiB (2**30), and `gpu_memory_gb` is the size a GPU is sold
+as ("a 48 GB L40S", "an 80 GB H100"), which is GiB in practice.
+"""
+
+from .activations import activation_bytes, layer_activation_bytes_per_token
+from .choose import HEADROOM, MAX_MICRO_BATCH, GiB, fits, max_micro_batch, per_gpu_bytes, plan, usable_bytes
+from .dtypes import NF4_BITS_PER_WEIGHT, compute_dtypes, quantized_bytes_per_weight, state_bytes_per_parameter
+from .peak import (
+    DEEPSPEED_REDUCE_BUCKET,
+    LAYERS_IN_FLIGHT,
+    gradient_bytes,
+    in_flight_weight_bytes,
+    optimizer_bytes,
+    quantization_constant_bytes,
+    weight_bytes,
+)
+from .resident import (
+    OFFLOADED,
+    WHERE,
+    Stage,
+    cpu_offload_bytes,
+    hybrid_shard_size,
+    model_parallel_stages,
+    resident_bytes,
+)
+from .shapes import (
+    ALIASES,
+    LINEAR_NAMES,
+    REPO_ROOT,
+    ModelShape,
+    load_shape,
+    lora_parameters,
+    lora_parameters_per_layer,
+    lora_target_names,
+)
+from .strategies import ATTENTIONS, DEEPSPEED, FSDP, METHODS, SPEED_ORDER, STRATEGIES
+
+__all__ = [
+    "ALIASES", "ATTENTIONS", "DEEPSPEED", "DEEPSPEED_REDUCE_BUCKET", "FSDP", "HEADROOM", "LAYERS_IN_FLIGHT",
+    "LINEAR_NAMES", "MAX_MICRO_BATCH", "METHODS", "NF4_BITS_PER_WEIGHT", "OFFLOADED", "REPO_ROOT", "SPEED_ORDER",
+    "STRATEGIES", "WHERE", "GiB", "ModelShape", "Stage", "activation_bytes", "compute_dtypes",
+    "cpu_offload_bytes", "fits", "gradient_bytes", "hybrid_shard_size", "in_flight_weight_bytes",
+    "layer_activation_bytes_per_token", "load_shape", "lora_parameters", "lora_parameters_per_layer",
+    "lora_target_names", "max_micro_batch", "model_parallel_stages", "optimizer_bytes", "per_gpu_bytes", "plan",
+    "quantization_constant_bytes", "quantized_bytes_per_weight", "resident_bytes", "state_bytes_per_parameter",
+    "usable_bytes", "weight_bytes",
+]

@@ -1,0 +1,138 @@
+"""Activation memory: what autograd keeps from the forward for the backward, the logits and the
+loss; per token of one block (`layer_activation_bytes_per_token`) and for one micro-batch on a GPU
+(`activation_bytes`)."""
+
+from __future__ import annotations
+
+import math
+
+from .dtypes import compute_dtypes
+from .resident import Stage, _stage_parameters
+from .shapes import LINEAR_NAMES, ModelShape, lora_target_names
+from .strategies import _check
+
+
+def layer_activation_bytes_per_token(shape: ModelShape, method: str, strategy: str, seq_len: int,
+                                     lora_rank: int = 16, lora_targets="all-linear", precision: str = "bf16",
+                                     attention: str = "sdpa", lora_dropout: float = 0.05) -> float:
+    """Bytes autograd keeps for one Llama block, per token of the micro-batch (no checkpointing).
+
+    Notation: h hidden, f ffn, a heads, d head dim, q = a*d, kv = kv_heads*d, s sequence length,
+    R LoRA rank; c, r, m the compute / residual / linear-output bytes of `compute_dtypes`.
+    An op keeps only what its backward needs for the inputs that require grad; so a *frozen*
+    linear keeps nothing (its input gradient needs only its weight), a trained one keeps its input.
+
+    1. two RMSNorms, each: its input upcast to fp32, 4h (the input itself when r = 4), and
+       rsqrt(variance), 4; + the normalised tensor, r*h, when the norm weight is trained (full).
+    2. inputs saved by the linears, in c bytes. The norm output (r bytes) feeds q, k, v (and later
+       gate, up): one shared copy when it is already in c bytes, else one cast copy per consumer
+       (autocast casts at each call). Full fine-tuning: q/k/v input, gate/up input, down input
+       (c*f), and for eager attention the o input (c*q; with sdpa / flash the o input is the
+       attention kernel's output, already kept in 3.). LoRA, per adapted module with input width
+       i: its input once more in c bytes, c*i (peft casts the input to the adapters' dtype and
+       autocast casts it back, or dropout produces a new tensor), + the bool dropout mask i when
+       lora_dropout > 0 (no copy at all when neither casts nor dropout apply: lora_A then keeps
+       the tensor the others keep); + lora_A's output, c*R, kept by lora_B.
+    3. attention: sdpa: q after RoPE, k and v repeated to a heads (transformers repeats them when
+       a padding mask is passed, as in training), the output: 4*c*q; the log-sum-exp, 4a; and the
+       boolean padding mask converted to the compute dtype, c*s (b*s^2 per layer: the one s^2
+       term sdpa keeps, small next to eager's). flash (flash_attention_2): q, out c*q each, k, v
+       c*kv each, log-sum-exp 4a, no mask (the batch is unpadded). eager: q, k, v (repeated): 3*c*q,
+       the fp32 softmax output 4*a*s and its c-byte copy multiplied with v, c*a*s (one tensor in
+       fp32).
+    4. SwiGLU: gate output (kept by SiLU), SiLU output and up output (kept by their product):
+       3*m*f (the down input is counted in 2.).
+    The residual additions keep nothing.
+
+    Checked against `torch.autograd.graph.saved_tensors_hooks` on the tiny Llama (fp32 and bf16
+    autocast; full, LoRA and QLoRA; sdpa and eager): equal to the byte, with the CPU's dropout
+    mask being a float tensor (4 B) where CUDA's is a bool (1 B, used here).
+    """
+    _check(method, strategy, precision, attention)
+    h, f, a, d = shape.hidden, shape.ffn, shape.heads, shape.head_dim
+    q, kv = a * d, shape.kv_heads * d
+    dt = compute_dtypes(method, strategy, precision)
+    c, r, m = dt["compute"], dt["residual"], dt["linear_out"]
+    full = method == "full"
+    adapted = set(lora_target_names(lora_targets)) if method != "full" else set()
+    dropout = lora_dropout > 0
+
+    def saved_input(consumers: list[str], width: int, x_bytes: int, kept_already: bool = False) -> float:
+        if full:
+            if kept_already:
+                return 0
+            return (len(consumers) if x_bytes != c else 1) * c * width
+        lora = [name for name in consumers if name in adapted]
+        if not lora:
+            return 0
+        if dropout or dt["adapter_cast"] or x_bytes != c:
+            return len(lora) * (c + (1 if dropout else 0)) * width
+        return 0 if kept_already else c * width
+
+    norms = 2 * (4 * h + 4 + (r * h if full else 0))
+    kernel_keeps_output = attention != "eager"
+    inputs = (saved_input(["q_proj", "k_proj", "v_proj"], h, r)
+              + saved_input(["o_proj"], q, c, kept_already=kernel_keeps_output)
+              + saved_input(["gate_proj", "up_proj"], h, r)
+              + saved_input(["down_proj"], f, m))
+    lora_outputs = c * lora_rank * len(adapted & set(LINEAR_NAMES))
+    if attention == "sdpa":
+        core = 4 * c * q + 4 * a + c * seq_len
+    elif attention == "flash":
+        core = 2 * c * q + 2 * c * kv + 4 * a
+    else:
+        core = 3 * c * q + 4 * a * seq_len + (c * a * seq_len if c != 4 else 0)
+    mlp = 3 * m * f
+    return float(norms + inputs + lora_outputs + core + mlp)
+
+
+def activation_bytes(shape: ModelShape, method: str, strategy: str, batch_size: int, seq_len: int,
+                     gradient_checkpointing: int = 0, lora_rank: int = 16, lora_targets="all-linear",
+                     precision: str = "bf16", attention: str = "sdpa", lora_dropout: float = 0.05,
+                     stage: Stage | None = None) -> int:
+    """Activation memory of one micro-batch (b sequences of s tokens, T = b*s) on a GPU running
+    `stage` (the whole model unless model parallel). Not sharded by FSDP / ZeRO: every GPU runs its
+    own micro-batch.
+
+    - blocks: T * layers * `layer_activation_bytes_per_token`; with gradient checkpointing a
+      recomputed block keeps only its input, T * r*h (2*b*s*h in bf16), plus one block's full
+      activations while it is recomputed in the backward. `gradient_checkpointing` = N recomputes
+      every Nth layer (1 or True: all; 0 or False: none), as transformers' `every_n_layers`.
+    - per token, once: input ids and labels 16; RoPE cos/sin 2*r*d; the boolean 4D padding mask
+      s (sdpa / eager); the final RMSNorm 4h + 4 (+ r*h trained); lm_head's input c*h when it is
+      trained (or LoRA-adapted).
+    - logits: T * vocab * (logits dtype + 4 + 4): the logits the step's `outputs` holds, the fp32
+      log-softmax output the loss keeps, and its fp32 gradient at the start of the backward.
+    - autocast copies (DDP / model parallel in bf16): autocast's bf16 copy of every fp32 trained
+      linear weight (lm_head included) is kept by the backward: 2 bytes per such parameter,
+      whatever the batch.
+    """
+    stage = stage or Stage(shape.layers)
+    tokens = batch_size * seq_len
+    dt = compute_dtypes(method, strategy, precision)
+    c, r = dt["compute"], dt["residual"]
+    h, d = shape.hidden, shape.head_dim
+    per_layer = layer_activation_bytes_per_token(shape, method, strategy, seq_len, lora_rank, lora_targets,
+                                                 precision, attention, lora_dropout)
+    if gradient_checkpointing:
+        recomputed = math.ceil(stage.layers / int(gradient_checkpointing))
+        kept = stage.layers - recomputed
+        blocks = recomputed * r * h + kept * per_layer + (per_layer if recomputed else 0)
+    else:
+        blocks = stage.layers * per_layer
+    once = 16 + 2 * r * d + (seq_len if attention != "flash" else 0)
+    logits = 0
+    if stage.head:
+        full = method == "full"
+        head_adapted = method != "full" and "lm_head" in lora_target_names(lora_targets)
+        once += 4 * h + 4 + (r * h if full else 0)
+        once += c * h if full else ((c + (1 if lora_dropout > 0 else 0)) * h + c * lora_rank if head_adapted else 0)
+        logits = shape.vocab * (dt["logits"] + 4 + 4)
+    copies = 0
+    if dt["autocast_copies"]:
+        if method == "full":
+            linear = sum(shape.linear_parameters_per_layer().values()) * stage.layers
+            copies = 2 * (linear + (shape.vocab * h if stage.head else 0))
+        else:
+            copies = 2 * _stage_parameters(shape, method, stage, lora_rank, lora_targets)["trained"]
+    return int(tokens * (blocks + once + logits) + copies)

@@ -1,0 +1,165 @@
+"""The model's shape and its parameters: `ModelShape` (a Llama-style decoder, from its config.json),
+`load_shape` (an offline alias, a config .json, a model folder or a hub id) and the parameter
+counts of the LoRA adapters."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+# Offline aliases: the shipped configs, so the planner works without the hub.
+ALIASES = {
+    "tinyllama-1.1b": REPO_ROOT / "data" / "model_configs" / "tinyllama-1.1b.json",
+    "codellama-34b": REPO_ROOT / "data" / "model_configs" / "codellama-34b.json",
+    "tiny-llama": REPO_ROOT / "data" / "tiny-llama-config.json",
+}
+
+# The seven linears of a Llama block, as transformers names them (peft's LoRA targets).
+LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass
+class ModelShape:
+    """A Llama-style decoder (Llama, Mistral, Qwen2, CodeLlama, ...): embedding, `layers` blocks of
+    (RMSNorm, attention with q/k/v/o, RMSNorm, SwiGLU gate/up/down), a final norm and an lm_head."""
+
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    vocab: int
+    tied_embeddings: bool = False
+    head_dim: int | None = None  # None: hidden // heads
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    name: str = ""
+
+    def __post_init__(self):
+        if self.head_dim is None:
+            self.head_dim = self.hidden // self.heads
+
+    @classmethod
+    def from_config(cls, config, name: str = "") -> "ModelShape":
+        """From a transformers config object or a config.json dict (a multimodal config's text part)."""
+        if not isinstance(config, dict):
+            config = config.to_dict() if hasattr(config, "to_dict") else vars(config)
+        if "hidden_size" not in config and isinstance(config.get("text_config"), dict):
+            config = config["text_config"]
+        try:
+            heads = int(config["num_attention_heads"])
+            return cls(
+                hidden=int(config["hidden_size"]),
+                layers=int(config["num_hidden_layers"]),
+                heads=heads,
+                kv_heads=int(config.get("num_key_value_heads") or heads),
+                ffn=int(config["intermediate_size"]),
+                vocab=int(config["vocab_size"]),
+                tied_embeddings=bool(config.get("tie_word_embeddings", False)),
+                head_dim=config.get("head_dim") or None,
+                attention_bias=bool(config.get("attention_bias", False)),
+                mlp_bias=bool(config.get("mlp_bias", False)),
+                name=name or str(config.get("_name_or_path") or ""),
+            )
+        except KeyError as missing:
+            raise ValueError(f"not a Llama-style decoder config: {missing} is missing") from None
+
+    def linear_shapes(self) -> dict[str, tuple[int, int]]:
+        """(in_features, out_features) of the seven linears of one block."""
+        h, q, kv, f = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim, self.ffn
+        return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+                "gate_proj": (h, f), "up_proj": (h, f), "down_proj": (f, h)}
+
+    def linear_parameters_per_layer(self) -> dict[str, int]:
+        """in * out (+ out for a bias) for each linear of one block."""
+        biased = {"q_proj": self.attention_bias, "k_proj": self.attention_bias, "v_proj": self.attention_bias,
+                  "o_proj": self.attention_bias, "gate_proj": self.mlp_bias, "up_proj": self.mlp_bias,
+                  "down_proj": self.mlp_bias}
+        return {name: i * o + (o if biased[name] else 0) for name, (i, o) in self.linear_shapes().items()}
+
+    def parameter_counts(self) -> dict:
+        """The parameters split by kind:
+
+        - embedding = vocab * hidden; lm_head = vocab * hidden, or 0 when tied to the embedding;
+        - linear_per_layer: q = h*(a*d), k = v = h*(kv*d), o = (a*d)*h, gate = up = h*f, down = f*h;
+          linear = their sum * layers;
+        - norms = (2 * layers + 1) * hidden (two RMSNorm weights per block and the final norm).
+        """
+        per_layer = self.linear_parameters_per_layer()
+        counts = {
+            "embedding": self.vocab * self.hidden,
+            "lm_head": 0 if self.tied_embeddings else self.vocab * self.hidden,
+            "linear_per_layer": per_layer,
+            "linear": sum(per_layer.values()) * self.layers,
+            "norms": (2 * self.layers + 1) * self.hidden,
+        }
+        counts["total"] = counts["embedding"] + counts["lm_head"] + counts["linear"] + counts["norms"]
+        return counts
+
+    @property
+    def parameters(self) -> int:
+        """All parameters (a tied lm_head counted once)."""
+        return self.parameter_counts()["total"]
+
+
+def load_shape(model: str) -> ModelShape:
+    """The shape of `model`: an offline alias (`tinyllama-1.1b`, `codellama-34b`, `tiny-llama`), a
+    config .json, a local model folder (its config.json), or a hub id (needs the network or the
+    hub cache: `transformers.AutoConfig.from_pretrained`)."""
+    key = model.strip()
+    path = ALIASES.get(key.lower(), Path(key).expanduser())
+    if path.is_dir():
+        path = path / "config.json"
+    if path.is_file():
+        return ModelShape.from_config(json.loads(path.read_text()), name=key)
+    if key.endswith(".json") or key.startswith(("/", "./", "../", "~")):
+        raise ValueError(f"no config at {key!r}; use an offline alias ({', '.join(ALIASES)}), a config .json, "
+                         "a local model folder or a hub id")
+    try:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(key)
+    except Exception as error:  # offline, unknown id, gated repo, ...
+        raise ValueError(
+            f"cannot read the config of {key!r} ({type(error).__name__}: {_first_line(error)}); without the "
+            f"network use an "
+            f"offline alias ({', '.join(ALIASES)}), a config .json or a local model folder"
+        ) from None
+    return ModelShape.from_config(config, name=key)
+
+
+def _first_line(error: Exception) -> str:
+    text = str(error).strip().splitlines()
+    return text[0][:160] if text else "no message"
+
+
+def lora_target_names(targets) -> list[str]:
+    """`all-linear` (peft: every linear of the blocks, never lm_head), a comma-separated string
+    or a list of module names (`q_proj` or a longer path ending in it; `lm_head` allowed)."""
+    if targets is None or targets == "all-linear":
+        return list(LINEAR_NAMES)
+    if isinstance(targets, str):
+        targets = targets.split(",")
+    names = [str(name).strip().rsplit(".", 1)[-1] for name in targets if str(name).strip()]
+    unknown = sorted(set(names) - set(LINEAR_NAMES) - {"lm_head"})
+    if unknown or not names:
+        raise ValueError(f"unknown LoRA target(s) {unknown or targets}: use all-linear or names among "
+                         f"{', '.join(LINEAR_NAMES)}, lm_head")
+    return list(dict.fromkeys(names))
+
+
+def lora_parameters_per_layer(shape: ModelShape, rank: int, targets="all-linear") -> int:
+    """LoRA parameters of one block: rank * (in + out) for each adapted linear (A is rank x in,
+    B is out x rank)."""
+    wanted = lora_target_names(targets)
+    return sum(rank * (i + o) for name, (i, o) in shape.linear_shapes().items() if name in wanted)
+
+
+def lora_parameters(shape: ModelShape, rank: int, targets="all-linear") -> int:
+    """Trainable adapter parameters: rank * (in + out) per adapted linear, over all layers
+    (+ rank * (hidden + vocab) when `lm_head` is a target)."""
+    head = rank * (shape.hidden + shape.vocab) if "lm_head" in lora_target_names(targets) else 0
+    return lora_parameters_per_layer(shape, rank, targets) * shape.layers + head
