@@ -17,7 +17,8 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator, DataLoaderConfiguration
-from accelerate.utils import DistributedType, GradientAccumulationPlugin, InitProcessGroupKwargs
+from accelerate.utils import (DistributedDataParallelKwargs, DistributedType, GradientAccumulationPlugin,
+                               InitProcessGroupKwargs)
 
 from . import launch_config
 from .launch import DEEPSPEED, FSDP, Launch
@@ -45,7 +46,11 @@ def make_accelerator(args, launch: Launch) -> Accelerator:
         # Copies to the GPU from pinned memory need not wait for the GPU to finish its work.
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, non_blocking=not on_cpu),
         kwargs_handlers=[InitProcessGroupKwargs(timeout=COLLECTIVE_TIMEOUT, **cpu_process_group(launch),
-                                                **restart_rendezvous(args.output_dir))],
+                                                **restart_rendezvous(args.output_dir)),
+                         # DDP would broadcast rank 0's buffers before every forward: a hidden collective
+                         # each step that moves nothing, since a causal LM's buffers (rotary frequencies)
+                         # are the same constants on every rank.
+                         DistributedDataParallelKwargs(broadcast_buffers=False)],
     )
     tracker = chosen_tracker(args.report_to)
     if tracker is not None:
