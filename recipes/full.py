@@ -11,7 +11,7 @@ machine without GPUs (add `--num_processes 2 --mixed_precision no` to the launch
 Writes to --output-dir: run.json (what ran), metrics.jsonl (one line per step and per
 evaluation), checkpoints/step-N/ (resumable) and model/ (AutoModelForCausalLM.from_pretrained).
 
-Flags: --model --dataset --columns --packing --output-dir --epochs --max-steps --batch-size
+Flags: --model --dataset --columns --packing --output-dir --epochs --max-steps --batch-size --global-batch-size
        --grad-accum --lr --warmup-ratio --weight-decay --max-grad-norm --max-length --seed --eval-every
        --save-every --save-total-limit --resume --gradient-checkpointing --log-every --report-to --trust-remote-code
        --config (a YAML file of any of these flags)
@@ -26,7 +26,7 @@ from accelerate.utils import set_seed
 from transformers import get_cosine_schedule_with_warmup
 
 from common import args as cli
-from common import checkpoint, data, modeling, preflight, report, runtime
+from common import batch_size, checkpoint, data, modeling, preflight, report, runtime
 from common.evaluation import evaluate
 from common.runlog import RunLog
 
@@ -53,6 +53,7 @@ def main():
                                 liger=args.liger, trust_remote_code=args.trust_remote_code)
     if args.gradient_checkpointing:  # recompute every Nth layer's activations in the backward instead of keeping them
         model.activation_checkpointing_enable(every_n_layers=args.gradient_checkpointing)
+    batch_size.confirm_on_gpu(accelerator, launch, model, args)  # --batch-size auto: does a real step fit?
     if args.compile:
         modeling.compile_layers(model)  # the first steps are slower while each shape compiles
 

@@ -12,7 +12,7 @@ Writes to --output-dir: run.json (what ran), metrics.jsonl (one line per step an
 evaluation), checkpoints/step-N/ (resumable), adapter/ (PeftModel.from_pretrained) and, with
 --merge, merged/ (AutoModelForCausalLM.from_pretrained).
 
-Flags: --model --dataset --columns --packing --output-dir --epochs --max-steps --batch-size
+Flags: --model --dataset --columns --packing --output-dir --epochs --max-steps --batch-size --global-batch-size
        --grad-accum --lr --warmup-ratio --weight-decay --max-grad-norm --max-length --seed --eval-every
        --save-every --save-total-limit --resume --gradient-checkpointing --log-every --report-to --trust-remote-code
        --config (a YAML file of any of these flags)
@@ -29,7 +29,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import get_cosine_schedule_with_warmup
 
 from common import args as cli
-from common import checkpoint, data, modeling, preflight, report, runtime
+from common import batch_size, checkpoint, data, modeling, preflight, report, runtime
 from common.evaluation import evaluate
 from common.runlog import RunLog
 
@@ -64,6 +64,7 @@ def main():
         task_type="CAUSAL_LM",
     )
     model = get_peft_model(model, lora_config)
+    batch_size.confirm_on_gpu(accelerator, launch, model, args)  # --batch-size auto: does a real step fit?
     if args.compile:
         modeling.compile_layers(model)  # the first steps are slower while each shape compiles
 

@@ -13,7 +13,7 @@ evaluation), checkpoints/step-N/ (resumable), adapter/ (PeftModel.from_pretraine
 --merge, merged/ (AutoModelForCausalLM.from_pretrained): the adapter merged onto the
 dequantized 4-bit base, i.e. onto the weights it was trained against.
 
-Flags: --model --dataset --columns --packing --output-dir --epochs --max-steps --batch-size
+Flags: --model --dataset --columns --packing --output-dir --epochs --max-steps --batch-size --global-batch-size
        --grad-accum --lr --warmup-ratio --weight-decay --max-grad-norm --max-length --seed --eval-every
        --save-every --save-total-limit --resume --gradient-checkpointing --log-every --report-to --trust-remote-code
        --config (a YAML file of any of these flags)
@@ -31,7 +31,7 @@ from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 from transformers import get_cosine_schedule_with_warmup
 
 from common import args as cli
-from common import checkpoint, data, modeling, preflight, report, runtime
+from common import batch_size, checkpoint, data, modeling, preflight, report, runtime
 from common.evaluation import evaluate
 from common.runlog import RunLog
 
@@ -72,6 +72,7 @@ def main():
         task_type="CAUSAL_LM",
     )
     model = get_peft_model(model, lora_config)
+    batch_size.confirm_on_gpu(accelerator, launch, model, args)  # --batch-size auto: does a real step fit?
     if args.compile:
         modeling.compile_layers(model)  # the first steps are slower while each shape compiles
 

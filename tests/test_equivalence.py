@@ -45,13 +45,23 @@ def varied_length_rows(path):
 
 
 def test_accumulation_does_not_change_the_updates(tmp_path):
-    """micro-batch 1 x accumulation 4 == micro-batch 4 x accumulation 1, rows of very different lengths."""
+    """micro-batch 1 x accumulation 2 x 2 DDP processes == micro-batch 4 on one process, on rows of
+    very different lengths. Both ask for a global batch of 4 (--global-batch-size): the DDP launch
+    derives its accumulation from --batch-size 1, the other also picks its micro-batch
+    (--batch-size auto: the plan fits more than 4 on this machine, so 4, all the global batch)."""
     dataset = tmp_path / "varied.jsonl"
     varied_length_rows(dataset)
-    common = ["--dataset", str(dataset), "--max-steps", "6", "--lr", "5e-3", "--lora-dropout", "0"]
-    accumulated = launch("lora", tmp_path / "accumulated", *common, "--batch-size", "1", "--grad-accum", "4")
-    whole = launch("lora", tmp_path / "whole", *common, "--batch-size", "4", "--grad-accum", "1")
+    common = ["--dataset", str(dataset), "--max-steps", "6", "--lr", "5e-3", "--lora-dropout", "0",
+              "--global-batch-size", "4"]
+    accumulated = launch("lora", tmp_path / "accumulated", *common, "--batch-size", "1", config="ddp")
+    whole = launch("lora", tmp_path / "whole", *common, "--batch-size", "auto")
     assert accumulated.returncode == whole.returncode == 0, accumulated.output[-2000:] + whole.output[-2000:]
+    for run, (micro, accumulation, processes) in ((accumulated, (1, 2, 2)), (whole, (4, 1, 1))):
+        batch = run.run_json()["batch"]
+        assert (batch["batch_size"], batch["grad_accum"], batch["global_batch_size"]) == (micro, accumulation, 4)
+        assert (f"batch: {micro} per process" in run.output
+                and f"--grad-accum {accumulation} x {processes} process(es) = 4 sequences" in run.output)
+    assert whole.run_json()["batch"]["planner"]["fits"] >= 4
     assert max_relative_difference(whole.losses(), accumulated.losses()) <= 1e-5
     # Same updates: the gradient norms agree too, not only the losses.
     norms = [[r["grad_norm"] for r in run.metrics()] for run in (whole, accumulated)]

@@ -123,15 +123,18 @@ def test_values_the_file_fixes_become_the_flags_unless_typed(tmp_path):
     notes, args = adapt(env)
     assert (args.grad_accum, args.max_grad_norm, args.batch_size) == (4, 0.5, 2)
     assert notes == ["--grad-accum 4 (its gradient_accumulation_steps)", "--max-grad-norm 0.5 (its gradient_clipping)",
-                     "--batch-size 2 (its train_micro_batch_size_per_gpu)"]
+                     "--batch-size 2 (its train_micro_batch_size_per_gpu)",
+                     "--global-batch-size 16 (its train_batch_size)"]
     with pytest.raises(Refusal, match="sets gradient_accumulation_steps = 4 but --grad-accum is 2; pass the same value"):
         adapt(env, "--grad-accum=2")
     assert adapt(env, "--grad-accum", "4")[1].grad_accum == 4  # typed and equal: fine
 
 
-def test_a_train_batch_size_that_does_not_add_up_is_refused(tmp_path):
-    with pytest.raises(Refusal, match=r"train_batch_size = 64, but --batch-size 8 x --grad-accum 1 x 2 processes = 16"):
-        adapt(deepspeed_env(tmp_path, {"train_batch_size": 64}))
+def test_a_train_batch_size_becomes_the_global_batch_unless_typed(tmp_path):
+    notes, args = adapt(deepspeed_env(tmp_path, {"train_batch_size": 64}))
+    assert args.global_batch_size == 64 and "--global-batch-size 64 (its train_batch_size)" in notes
+    with pytest.raises(Refusal, match=r"train_batch_size = 64 but --global-batch-size is 32"):
+        adapt(deepspeed_env(tmp_path, {"train_batch_size": 64}), "--global-batch-size", "32")
 
 
 def test_an_adamw_section_becomes_the_recipes_adamw_and_others_are_refused(tmp_path):

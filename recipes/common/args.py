@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .batch_size import int_or_auto
 from .modeling import DEFAULT_MODEL
 
 
@@ -38,8 +39,12 @@ def recipe_parser(doc: str) -> argparse.ArgumentParser:
     add("--output-dir", default="outputs/run", help="where run.json, metrics, checkpoints and the result go")
     add("--epochs", type=float, default=1, help="passes over the training data (ignored when --max-steps > 0)")
     add("--max-steps", type=int, default=0, help="optimizer steps to run; 0 = use --epochs")
-    add("--batch-size", type=int, default=8, help="micro-batch size per process")
+    add("--batch-size", type=int_or_auto, default=8,
+        help="micro-batch size per process, or `auto`: the largest the memory plan says fits")
     add("--grad-accum", type=int, default=1, help="micro-batches accumulated per optimizer step")
+    add("--global-batch-size", type=int, default=None,
+        help="sequences per optimizer step over all processes; sets --grad-accum to keep it "
+             "(default: --batch-size x --grad-accum x processes)")
     add("--lr", type=float, default=2e-4, help="peak learning rate (linear warm-up, cosine decay)")
     add("--warmup-ratio", type=float, default=0.03, help="fraction of the steps spent warming up")
     add("--weight-decay", type=float, default=0.0, help="AdamW's decoupled weight decay")

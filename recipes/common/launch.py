@@ -45,6 +45,11 @@ class Launch:
         return self.kind == FSDP or (self.kind == DEEPSPEED and self.zero_stage == 3)
 
     @property
+    def data_parallel_size(self) -> int:
+        """Ranks that each train on their own micro-batches (all of them: no strategy here splits a batch)."""
+        return self.processes
+
+    @property
     def gpus(self) -> int:
         """The devices one copy of the run spans: the processes, or model parallel's GPUs."""
         return self.visible_gpus if self.kind == MODEL_PARALLEL else self.processes

@@ -325,14 +325,17 @@ def settle_deepspeed(config: dict, source: str, args, env, on_gpu: bool) -> list
         if dest in given:
             refuse(f"{source} sets {key} = {value} but {flag} is {getattr(args, dest)}; pass the same value, "
                    f"or set \"{key.split('.')[-1]}\": \"auto\" there (or delete it) so that {flag} applies")
-        setattr(args, dest, type(getattr(args, dest))(value))
+        setattr(args, dest, int(value) if dest == "batch_size" else type(getattr(args, dest))(value))
+        args.given_flags = sorted(set(getattr(args, "given_flags", ())) | {dest})  # fixed by the file
         notes.append(f"{flag} {getattr(args, dest)} (its {key})")
+    # The global batch: batch_size.settle works out the accumulation that keeps it, or refuses.
     train_batch = config.get("train_batch_size", "auto")
-    processes = int(env.get("WORLD_SIZE", "1"))
-    if train_batch != "auto" and differs(train_batch, args.batch_size * args.grad_accum * processes):
-        refuse(f"{source} sets train_batch_size = {train_batch}, but --batch-size {args.batch_size} x --grad-accum "
-               f"{args.grad_accum} x {processes} processes = {args.batch_size * args.grad_accum * processes}; set "
-               "\"train_batch_size\": \"auto\" or make them agree")
+    if train_batch != "auto" and args.global_batch_size is None:
+        args.global_batch_size = int(train_batch)
+        notes.append(f"--global-batch-size {train_batch} (its train_batch_size)")
+    elif train_batch != "auto" and differs(train_batch, args.global_batch_size):
+        refuse(f"{source} sets train_batch_size = {train_batch} but --global-batch-size is {args.global_batch_size}; "
+               "pass the same value, or set \"train_batch_size\": \"auto\" there")
 
     optimizer = config.get("optimizer")
     if optimizer is not None:

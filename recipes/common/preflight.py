@@ -74,6 +74,7 @@ def requested_processes_of_launcher() -> int:
 def check_launch(args, recipe: str):
     """Everything that can be known to fail before the model loads. Returns the checked `Launch`:
     what accelerate launch asked for, read by everything that depends on the strategy."""
+    from .batch_size import settle as settle_batch
     from .launch import FSDP, describe
     from .launch_config import adapt_launch
 
@@ -94,6 +95,9 @@ def check_launch(args, recipe: str):
         refuse("nothing to train: give --max-steps N or --epochs N (> 0)")
     check_columns(args.columns)
     check_speed_options(args, launch.on_gpu)
+    batch_line = settle_batch(args, recipe, launch)  # --batch-size auto, --global-batch-size
+    if batch_line and int(os.environ.get("RANK", "0")) == 0:
+        print(batch_line, flush=True)
 
     if recipe == "qlora" and getattr(args, "bits", 4) == 8 and fsdp:
         refuse("8-bit weights cannot be sharded by FSDP; use --bits 4 (QLoRA) with fsdp.yaml, or "
@@ -123,6 +127,7 @@ def check_launch(args, recipe: str):
 # flag -> (low, high): a [low, high] or (low, high) bound on the value; None: unbounded
 RANGES = {
     "max_steps": "[0, None)", "epochs": "[0, None)", "batch_size": "[1, None)", "grad_accum": "[1, None)",
+    "global_batch_size": "[1, None)",
     "max_length": "[1, None)", "lr": "(0, None)", "warmup_ratio": "[0, 1]", "weight_decay": "[0, None)",
     "max_grad_norm": "(0, None)", "eval_every": "[0, None)", "save_every": "[0, None)",
     "save_total_limit": "[0, None)", "log_every": "[0, None)", "gradient_checkpointing": "[0, None)",
@@ -138,7 +143,7 @@ def check_ranges(args) -> None:
 
     for name, bounds in RANGES.items():
         value = getattr(args, name, None)
-        if value is None:
+        if value is None or value == "auto":
             continue
         flag = "--" + name.replace("_", "-")
         if not math.isfinite(value):

@@ -21,6 +21,8 @@ LOG_NOTICES = {
 WARNING_NOTICES = (
     r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated",
     r"`is_gradient_checkpointing` is deprecated",
+    # torch 2.13 renames DDP's broadcast_buffers; accelerate only passes the old name, which still works
+    r"`broadcast_buffers` is deprecated",
 )
 
 

@@ -148,6 +148,9 @@ class RunLog:
             "mixed_precision": ran["precision"],
             "device": str(self.accelerator.device.type),
             "launch": self.launch.as_record(),  # what accelerate launch asked for; `strategy`: what ran
+            "batch": {"batch_size": self.args.batch_size, "grad_accum": self.args.grad_accum,
+                      "global_batch_size": self.args.batch_size * self.args.grad_accum * self.launch.data_parallel_size,
+                      **getattr(self.args, "batch_plan", {})},
             "parameters": {"total": counts["total"], "trainable": counts["trainable"], "held_by_rank": None},
             "strategy": ran,
             "versions": library_versions(),

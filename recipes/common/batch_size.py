@@ -1,0 +1,162 @@
+"""`--batch-size auto` and `--global-batch-size N`: the micro-batch and accumulation of a run.
+
+The global batch (sequences per optimizer step) is micro-batch x accumulation x data-parallel
+processes. With `--global-batch-size N` the recipe keeps N and works out the accumulation; with
+`--batch-size auto` the micro-batch is the largest the memory plan says fits (recipes/planner, the
+same arithmetic as `scripts/plan.py`), within the global batch when one is given.
+
+Settled once, before the model loads, the same on every rank (each reads only the launch and the
+flags), so `args.batch_size` and `args.grad_accum` are plain numbers from then on.
+"""
+
+from __future__ import annotations
+
+import os
+
+from .preflight import is_default_model, refuse
+
+AUTO = "auto"
+
+
+def int_or_auto(value: str):
+    """The type of --batch-size: a positive integer, or `auto`."""
+    return AUTO if str(value).strip().lower() == AUTO else int(value)
+
+
+def memory_gib(launch) -> tuple[float, str]:
+    """The memory one rank may plan with: its GPU's, or on CPU the machine's RAM shared by the
+    processes on it."""
+    if launch.on_gpu:
+        import torch
+
+        properties = torch.cuda.get_device_properties(0)
+        return properties.total_memory / 2**30, properties.name
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return ram / local, f"CPU RAM / {local} process(es)"
+
+
+def planned_micro_batch(args, recipe: str, launch) -> dict:
+    """The planner's largest micro-batch for this run, with what it was planned for."""
+    import planner
+
+    source = "tiny-llama" if is_default_model(args.model) else args.model  # before its first build
+    try:
+        shape = planner.load_shape(source)
+    except Exception as error:  # offline hub id, unknown architecture
+        reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+        refuse(f"--batch-size auto plans from the model's config.json, which cannot be read here ({reason}); "
+               "give --batch-size N")
+    gib, device = memory_gib(launch)
+    lora = {} if recipe == "full" else dict(lora_rank=args.lora_r, lora_targets=args.lora_targets,
+                                            lora_dropout=args.lora_dropout)
+    precision = "bf16" if launch.precision in ("bf16", "fp16") else "fp32"
+    try:
+        fit = planner.max_micro_batch(shape, recipe, launch.planner_strategy, launch.gpus, gib,
+                                      seq_len=args.max_length, gradient_checkpointing=args.gradient_checkpointing,
+                                      precision=precision, **lora)
+    except ValueError as error:  # e.g. LoRA targets the planner does not know
+        refuse(f"--batch-size auto cannot plan this run ({str(error).splitlines()[0]}); give --batch-size N")
+    if fit == 0:
+        refuse(f"the plan says not even one sequence of --max-length {args.max_length} fits in {gib:.0f} GiB "
+               f"({device}) with {launch.planner_strategy}; see `python scripts/plan.py --model {args.model} "
+               f"--method {recipe} --gpus {launch.gpus} --gpu-memory {gib:.0f} --seq-len {args.max_length}`")
+    return {"fits": fit, "memory_gib": round(gib, 3), "device": device, "strategy": launch.planner_strategy}
+
+
+def largest_divisor_up_to(number: int, limit: int) -> int:
+    return max(d for d in range(1, min(number, limit) + 1) if number % d == 0)
+
+
+def settle(args, recipe: str, launch) -> str | None:
+    """Fix args.batch_size and args.grad_accum; the line that says how (None when nothing was asked)."""
+    auto, target = args.batch_size == AUTO, args.global_batch_size
+    if not auto and not target:
+        return None
+    ranks = launch.data_parallel_size
+    if target and target % ranks:
+        lower, upper = target // ranks * ranks, (target // ranks + 1) * ranks
+        refuse(f"--global-batch-size {target} does not split over {ranks} data-parallel processes; use "
+               f"{upper}{f' or {lower}' if lower else ''}")
+    per_rank = target // ranks if target else None
+    plan = None
+    if auto:
+        plan = planned_micro_batch(args, recipe, launch)
+        micro = largest_divisor_up_to(per_rank, plan["fits"]) if per_rank else plan["fits"]
+    else:
+        micro = args.batch_size
+        if per_rank % micro:
+            refuse(f"--global-batch-size {target} is {per_rank} sequences per process, which --batch-size {micro} "
+                   f"does not divide; use --batch-size {largest_divisor_up_to(per_rank, micro)} (or auto)")
+    accum = per_rank // micro if per_rank else args.grad_accum
+    if per_rank and "grad_accum" in getattr(args, "given_flags", ()) and accum != args.grad_accum:
+        refuse(f"--global-batch-size {target} with a micro-batch of {micro} on {ranks} process(es) needs "
+               f"--grad-accum {accum}, but --grad-accum {args.grad_accum} was given; drop one of them")
+    args.batch_size, args.grad_accum = micro, accum
+    args.batch_plan = {"asked": {"batch_size": AUTO if auto else micro, "global_batch_size": target},
+                       **({"planner": plan} if plan else {})}
+    why = (f" (the plan fits {plan['fits']} in {plan['memory_gib']:.3g} GiB, {plan['device']})" if plan else "")
+    return (f"batch: {micro} per process{why} x --grad-accum {accum} x {ranks} process(es) = "
+            f"{micro * accum * ranks} sequences per step")
+
+
+def back_off(fits_step, start: int, per_rank: int | None) -> int:
+    """The largest micro-batch from `start` down for which `fits_step(size)` is true, halving on a
+    failure (and keeping to divisors of the per-process share of a global batch); 0 if none."""
+    size = start
+    while size >= 1:
+        if fits_step(size):
+            return size
+        size = largest_divisor_up_to(per_rank, size // 2) if per_rank and size > 1 else size // 2
+    return 0
+
+
+def confirm_on_gpu(accelerator, launch, model, args) -> None:
+    """--batch-size auto on GPUs: run one real forward and backward of the planned micro-batch at
+    --max-length tokens, and take a smaller one (halving) if it runs out of memory. Before the
+    loaders are built, so the batch and accumulation can still change. Only where each GPU holds
+    the whole model (unsharded strategies): a sharded model is only sharded by `prepare`, and there
+    the plan alone decides. Every rank takes the smallest size any rank could run.
+
+    Not yet run on a GPU."""
+    plan = getattr(args, "batch_plan", {})
+    if not launch.on_gpu or plan.get("asked", {}).get("batch_size") != AUTO or launch.shards_parameters:
+        return
+    import torch
+
+    if launch.kind != "model_parallel":
+        model.to(accelerator.device)
+    device = next(model.parameters()).device
+    optimizer_bytes = 8 * sum(p.numel() for p in model.parameters() if p.requires_grad)  # AdamW, after step 1
+    usable = torch.cuda.get_device_properties(device).total_memory * 0.92  # planner.HEADROOM's margin
+
+    def fits_step(size: int) -> bool:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        tokens = torch.randint(0, model.config.vocab_size, (size, args.max_length), device=device)
+        try:
+            with accelerator.autocast():
+                loss = model(input_ids=tokens, labels=tokens, use_cache=False).loss
+            loss.backward()
+            peak = torch.cuda.max_memory_allocated(device)
+        except torch.cuda.OutOfMemoryError:
+            peak = None
+        model.zero_grad(set_to_none=True)
+        loss = None
+        torch.cuda.empty_cache()
+        return peak is not None and peak + optimizer_bytes <= usable
+
+    per_rank = (plan["asked"]["global_batch_size"] or 0) // launch.data_parallel_size or None
+    found = back_off(fits_step, args.batch_size, per_rank)
+    # a collective: the smallest over ranks (accelerate reduces by sum or max only)
+    agreed = -int(accelerator.reduce(torch.tensor(-found, device=accelerator.device), "max"))
+    if agreed == 0:
+        refuse(f"not one sequence of --max-length {args.max_length} fits a real step on this GPU; lower "
+               "--max-length, add --gradient-checkpointing, or use a sharded config (fsdp.yaml, zero3.yaml)")
+    if agreed != args.batch_size:
+        args.grad_accum = per_rank // agreed if per_rank else args.grad_accum
+        plan["confirmed"] = {"planned": args.batch_size, "ran": agreed}
+        args.batch_size = agreed
+        if accelerator.is_main_process:
+            print(f"batch: the planned micro-batch ran out of memory in a real step; {agreed} per process x "
+                  f"--grad-accum {args.grad_accum}", flush=True)
