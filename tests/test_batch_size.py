@@ -92,9 +92,17 @@ def test_auto_refuses_a_model_it_cannot_plan(tmp_path):
         settle("--batch-size", "auto", "--model", str(tmp_path / "missing"))
 
 
-def test_the_flag_accepts_auto_or_a_number_only():
+def test_the_flag_accepts_auto_or_a_number_only(capsys, tmp_path):
     with pytest.raises(SystemExit):
         parse_args(recipe_flags("lora"), ["--batch-size", "big"])
+    assert "invalid number or `auto` value: 'big'" in capsys.readouterr().err
+    run_yaml = tmp_path / "run.yaml"
+    run_yaml.write_text("batch-size: big\n")
+    with pytest.raises(Refusal, match="`batch-size: big` is not a valid number or `auto`"):
+        parse_args(recipe_flags("lora"), ["--config", str(run_yaml)])
+    run_yaml.write_text("batch-size: auto\nglobal-batch-size: 32\n")
+    from_file = parse_args(recipe_flags("lora"), ["--config", str(run_yaml)])
+    assert (from_file.batch_size, from_file.global_batch_size) == ("auto", 32)
     assert parse_args(recipe_flags("lora"), ["--batch-size", "AUTO"]).batch_size == "auto"
 
 

@@ -18,9 +18,16 @@ from .preflight import is_default_model, refuse
 AUTO = "auto"
 
 
-def int_or_auto(value: str):
-    """The type of --batch-size: a positive integer, or `auto`."""
-    return AUTO if str(value).strip().lower() == AUTO else int(value)
+class IntOrAuto:
+    """The type of --batch-size: an integer (its range is checked with the other flags'), or `auto`."""
+
+    __name__ = "number or `auto`"  # argparse and --config name the type by it: "not a valid number or `auto`"
+
+    def __call__(self, value):
+        return AUTO if str(value).strip().lower() == AUTO else int(value)
+
+
+int_or_auto = IntOrAuto()
 
 
 def memory_gib(launch) -> tuple[float, str]:
