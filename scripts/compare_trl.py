@@ -14,8 +14,8 @@ They train the same thing:
   tokenised rows are the recipe's (input_ids and trained positions); this script checks that the
   target tokens of every step are the same on both sides, and stops otherwise;
 - LoRA r 16 / alpha 32 / dropout 0.05 on all linear layers, AdamW, lr 2e-4 with int(3% x steps)
-  warm-up steps and cosine decay, gradient clipping at 1.0, seed 42, fp32, no gradient checkpointing,
-  no evaluation, checkpoints or reporting while training;
+  warm-up steps and cosine decay, gradient clipping at 1.0, seed 42, fp32 (or --mixed-precision bf16
+  on GPUs), no gradient checkpointing, no evaluation, checkpoints or reporting while training;
 - loss: both average the token losses over the whole global batch (all micro-batches and ranks):
   the recipe counts the step's target tokens itself, Trainer passes the same count to TRL
   (num_items_in_batch, average_tokens_across_devices);
@@ -87,6 +87,10 @@ def parse_args(argv=None):
     add("--max-length", type=int, default=512, help="tokens per row at most")
     add("--rounds", type=int, default=3, help="alternations of (ours, TRL)")
     add("--processes", type=int, default=2, help="processes of each launch")
+    add("--model", default=str(TINY_MODEL), help="the model both sides train (default: the bundled tiny Llama)")
+    add("--dataset", default=None, help="instruction or prompt/completion data (default: the bundled data/)")
+    add("--mixed-precision", choices=("no", "bf16"), default="no",
+        help="the launcher's --mixed_precision; bf16 needs GPUs (both sides then load the base in bf16)")
     add("--seed", type=int, default=42)
     add("--output-dir", default="outputs/compare_trl", help="where each run and summary.json go")
     add("--timeout", type=int, default=600, help="seconds one launch may take")
@@ -110,10 +114,11 @@ def threads_per_process(processes: int) -> int:
 
 def launch_command(side: str, output_dir: Path, args, port: int) -> list[str]:
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(DDP_CONFIG),
-               "--num_processes", str(args.processes), "--mixed_precision", "no"]
+               "--num_processes", str(args.processes), "--mixed_precision", args.mixed_precision]
     if args.processes > 1:
         command += ["--main_process_port", str(port)]
-    command += [str(SIDES[side][1]), "--output-dir", str(output_dir), "--max-steps", str(args.steps),
+    command += [str(SIDES[side][1]), "--output-dir", str(output_dir), "--model", args.model,
+                *(["--dataset", args.dataset] if args.dataset else []), "--max-steps", str(args.steps),
                 "--batch-size", str(args.batch_size), "--grad-accum", str(args.grad_accum),
                 "--max-length", str(args.max_length), "--seed", str(args.seed)]
     if side == "ours":  # no tracker, no progress lines, evaluation only after the last (timed) step
@@ -232,10 +237,13 @@ def verdict(ratio: float) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    ensure_tiny_model()
-    print(f"workload: bundled tiny Llama + LoRA, data/train.jsonl, {args.steps} steps of {args.processes} processes "
-          f"x batch {args.batch_size} x grad-accum {args.grad_accum}, max-length {args.max_length}, fp32, "
-          f"{os.cpu_count()} CPU cores, {threads_per_process(args.processes)} torch thread(s) per process", flush=True)
+    if Path(args.model) == TINY_MODEL:
+        ensure_tiny_model()
+    model = "bundled tiny Llama" if Path(args.model) == TINY_MODEL else args.model
+    print(f"workload: {model} + LoRA, {args.dataset or 'data/train.jsonl'}, {args.steps} steps of {args.processes} "
+          f"processes x batch {args.batch_size} x grad-accum {args.grad_accum}, max-length {args.max_length}, "
+          f"{'fp32' if args.mixed_precision == 'no' else args.mixed_precision}, {os.cpu_count()} CPU cores, "
+          f"{threads_per_process(args.processes)} torch thread(s) per process", flush=True)
     runs = []
     try:
         for round_number in range(1, args.rounds + 1):

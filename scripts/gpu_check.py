@@ -11,6 +11,7 @@ Parts:
   options    tests/gpu/test_gpu_speed_options.py: bitsandbytes CUDA, Liger, attention kernels, compile, workers
   reference  scripts/benchmark.py --workload tinyllama --measure-peak (the TinyLlama-1.1B LoRA workload)
   reference34b  the CodeLlama-34B LoRA workload, layer-scaled to 8 of 48 layers
+  trl        scripts/compare_trl.py on one GPU in bf16: the recipe against TRL's SFTTrainer
 
 Written to --results (default results/<date>_<gpu>/), rewritten after every part, so that a run cut
 short still leaves its numbers: summary.md (tables), results.json (the same, machine-readable, with
@@ -45,7 +46,15 @@ PARTS = {  # part -> (command, seconds it may take)
     # CodeLlama-34B's shape cut to 8 of its 48 layers (labelled so in the table): the whole does not fit one GPU
     "reference34b": (["scripts/benchmark.py", "--workload", "codellama34b", "--layers", "8",
                       "--gradient-checkpointing", "--measure-peak"], 540),
+    # the TinyLlama workload's model, micro-batch and accumulation through TRL's SFTTrainer beside the recipe
+    # (the bundled instruction data: TRL's side needs prompt/completion rows), bf16, one GPU
+    "trl": (["scripts/compare_trl.py", "--processes", "1", "--mixed-precision", "bf16", "--model",
+             "models/tinyllama-1.1b-22-layers", "--batch-size", "16", "--grad-accum", "2", "--max-length", "1024",
+             "--steps", "40", "--rounds", "1"], 420),
 }
+# the random-weight TinyLlama-1.1B-shaped model of tests/gpu (built once, also by the planner part)
+BUILD_MODEL = ["-c", "import sys; sys.path.insert(0, 'tests/gpu'); from gpu_support import shaped_model; "
+                     "shaped_model(layers=22)"]
 
 
 def parse_args(argv=None):
@@ -151,6 +160,10 @@ def summary_markdown(record: dict) -> str:
             lines.append("")
         if result.get("table"):
             lines += [result["table"], ""]
+        if result.get("summary"):
+            summary = result["summary"]
+            lines += [f"median target tokens/s: {summary.get('median_tokens_per_s')}; ratio (ours / TRL): "
+                      f"{summary.get('ratio')}", ""]
     return "\n".join(lines) + "\n"
 
 
@@ -204,9 +217,14 @@ def main(argv=None) -> int:
             junit = scratch / f"junit-{part}.xml"
             if part.startswith("reference"):
                 command += ["--output-dir", str(scratch / "reference")]
+            elif part == "trl":
+                run([sys.executable, *BUILD_MODEL], log, timeout=600)
+                command += ["--output-dir", str(scratch / "trl")]
             else:
                 command += [f"--junitxml={junit}"]
             result = run(command, log, timeout=timeout)
+            if part == "trl" and (scratch / "trl" / "summary.json").exists():
+                result["summary"] = json.loads((scratch / "trl" / "summary.json").read_text())
             result["cases"] = junit_cases(junit)
             if part.startswith("reference"):
                 copy_reference(scratch / "reference", results_dir, result)

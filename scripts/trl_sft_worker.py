@@ -17,10 +17,11 @@ what recipes/lora.py does:
 - order: the recipe shuffles with accelerate's seedable sampler (seed + epoch). The rows are put in
   that order here and read sequentially, so every rank gets the recipe's micro-batches.
 - training: torch's fused AdamW (TRL's default; the update is AdamW's, fused or not), the recipe's lr,
-  int(warmup_ratio x steps) warm-up steps, cosine decay, max_grad_norm, weight decay, seed; fp32;
-  activation checkpointing only with --gradient-checkpointing (TRL turns it on by default, the
-  recipe leaves it off); find_unused_parameters off (Trainer turns it on for PEFT models, the recipe
-  does not, and every adapter gets a gradient); --attention when given; batches collated in the main
+  int(warmup_ratio x steps) warm-up steps, cosine decay, max_grad_norm, weight decay, seed; fp32,
+  or bf16 autocast over a bf16 base when launched with --mixed_precision bf16; activation
+  checkpointing only with --gradient-checkpointing (TRL turns it on by default, the recipe leaves
+  it off); find_unused_parameters off (Trainer turns it on for PEFT models, the recipe does not,
+  and every adapter gets a gradient); --attention when given; batches collated in the main
   process (the counting needs it; the recipe's default on CPU too); no evaluation, no checkpoints, no
   reporting. --compile, --liger and --packing are refused: their TRL counterparts do something else.
 - loss: Trainer counts the target tokens of all micro-batches and ranks of a step (num_items_in_batch)
@@ -115,7 +116,7 @@ def sft_config(args, processes: int):
         max_grad_norm=args.max_grad_norm,
         optim="adamw_torch_fused",
         seed=args.seed,
-        bf16=False,
+        bf16=launched_in_bf16(),  # as the launcher's --mixed_precision (the recipe's autocast)
         fp16=False,
         # transformers 5 names; TRL turns checkpointing on by default. The recipe's flag: every layer, or every Nth.
         activation_checkpointing=bool(checkpoint_every),
@@ -184,6 +185,10 @@ def check_same_tokens(trainer_rows, expected_rows) -> None:
             refuse(f"row {position}: TRL's tokens differ from the recipe's (TRL {theirs}, recipe {ours})")
 
 
+def launched_in_bf16() -> bool:
+    return os.environ.get("ACCELERATE_MIXED_PRECISION", "no") == "bf16"
+
+
 def build_trainer(args, tokenizer, train_rows, callbacks=(), processes: int = 1):
     """SFTTrainer on `train_rows` (prompt/completion dicts) with the recipe's model, LoRA and settings."""
     import datasets
@@ -193,7 +198,9 @@ def build_trainer(args, tokenizer, train_rows, callbacks=(), processes: int = 1)
     from trl import SFTTrainer
 
     attention = {"attn_implementation": args.attention} if args.attention else {}  # default: transformers' (SDPA)
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32, use_safetensors=True, **attention)
+    # The frozen base in the recipe's dtype: bf16 under bf16 mixed precision (modeling / Launch.float_dtype)
+    dtype = torch.bfloat16 if launched_in_bf16() else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, use_safetensors=True, **attention)
     lora_config = LoraConfig(
         r=args.lora_r,
         lora_alpha=args.lora_alpha,

@@ -138,3 +138,16 @@ def test_a_failed_launch_is_named_in_one_line():
     crashed = ["[rank0]: Traceback (most recent call last):", '[rank0]:   File "x.py", line 1',
                "[rank0]: ValueError: num_samples should be a positive integer value"]
     assert compare_trl.failure_cause(crashed) == "[rank0]: ValueError: num_samples should be a positive integer value"
+
+
+def test_both_sides_get_the_model_data_and_precision_asked_for(tmp_path):
+    """On a GPU (scripts/gpu_check.py's trl part) both launches take the model, data and bf16 given."""
+    args = compare_trl.parse_args(["--model", "/models/tinyllama", "--dataset", "rows.jsonl", "--mixed-precision",
+                                   "bf16", "--processes", "1"])
+    for side in ("ours", "trl"):
+        command = compare_trl.launch_command(side, tmp_path, args, 29500)
+        assert command[command.index("--mixed_precision") + 1] == "bf16"
+        assert command[command.index("--model") + 1] == "/models/tinyllama"
+        assert command[command.index("--dataset") + 1] == "rows.jsonl"
+    default = compare_trl.launch_command("trl", tmp_path, compare_trl.parse_args([]), 29500)
+    assert default[default.index("--mixed_precision") + 1] == "no" and "--dataset" not in default
