@@ -60,8 +60,9 @@ def reload_logits(recipe: str, output_dir: Path, base: Path, probe: dict) -> dic
             return model.eval()(input_ids=probe["input_ids"].to(device),
                                 attention_mask=probe["attention_mask"].to(device)).logits.float().cpu()
 
-    if recipe == "full":
-        return {"model": logits(AutoModelForCausalLM.from_pretrained(output_dir / "model", dtype=dtype).to(device))}
+    if recipe == "full":  # trained in fp32 under bf16 autocast, as reloaded here
+        model = AutoModelForCausalLM.from_pretrained(output_dir / "model", dtype=torch.float32)
+        return {"model": logits(model.to(device))}
     if recipe == "qlora":
         quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
                                           bnb_4bit_compute_dtype=dtype)
