@@ -39,9 +39,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 SITE = Path("/tmp/gpu-site")
 PARTS = {  # part -> (command, seconds it may take)
-    "recipes": (["-m", "pytest", "-q", "tests/gpu/test_gpu_recipes.py"], 540),
-    "planner": (["-m", "pytest", "-q", "tests/gpu/test_gpu_planner.py"], 420),
-    "options": (["-m", "pytest", "-q", "tests/gpu/test_gpu_speed_options.py"], 360),
+    "recipes": (["-m", "pytest", "-q", "-o", "junit_family=legacy", "tests/gpu/test_gpu_recipes.py"], 540),
+    "planner": (["-m", "pytest", "-q", "-o", "junit_family=legacy", "tests/gpu/test_gpu_planner.py"], 420),
+    "options": (["-m", "pytest", "-q", "-o", "junit_family=legacy", "tests/gpu/test_gpu_speed_options.py"], 360),
     "reference": (["scripts/benchmark.py", "--workload", "tinyllama", "--measure-peak"], 540),
     # CodeLlama-34B's shape cut to 8 of its 48 layers (labelled so in the table): the whole does not fit one GPU
     "reference34b": (["scripts/benchmark.py", "--workload", "codellama34b", "--layers", "8",
