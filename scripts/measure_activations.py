@@ -27,6 +27,32 @@ sys.path.insert(0, str(REPO / "recipes"))
 import planner  # noqa: E402
 
 
+def saved_by_autograd(model, batch: int, seq_len: int, bf16: bool) -> int:
+    """Bytes of the unique storages autograd keeps from one training forward of `model`, parameters
+    excluded: random tokens, the last 5 of the first row padded (the masked attention path, as in
+    training), under CPU bf16 autocast when `bf16`."""
+    import contextlib
+
+    import torch
+
+    ids = torch.randint(4, 300, (batch, seq_len))
+    mask = torch.ones(batch, seq_len, dtype=torch.long)
+    mask[0, -5:] = 0
+    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    kept = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in parameters:
+            kept[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), autocast:
+        model(input_ids=ids, attention_mask=mask, labels=ids)
+    return sum(kept.values())
+
+
 def kept_bytes(config: dict, layers: int, seq_len: int, rank: int, dropout: float) -> int:
     import torch
     from peft import LoraConfig, get_peft_model
@@ -39,22 +65,7 @@ def kept_bytes(config: dict, layers: int, seq_len: int, rank: int, dropout: floa
     model = get_peft_model(model, LoraConfig(r=rank, target_modules="all-linear", lora_dropout=dropout,
                                              task_type="CAUSAL_LM"))
     model.train()
-    ids = torch.randint(4, 300, (1, seq_len))
-    mask = torch.ones(1, seq_len, dtype=torch.long)
-    mask[0, -5:] = 0  # padding, as in training: the masked attention path
-    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    kept = {}
-
-    def pack(tensor):
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in parameters:
-            kept[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), \
-            torch.autocast("cpu", dtype=torch.bfloat16):
-        model(input_ids=ids, attention_mask=mask, labels=ids)
-    return sum(kept.values())
+    return saved_by_autograd(model, 1, seq_len, bf16=True)
 
 
 def main(argv=None) -> int:

@@ -8,7 +8,6 @@ recommendations on the two reference workloads. No training runs; the whole file
 
 from __future__ import annotations
 
-import contextlib
 import json
 import subprocess
 import sys
@@ -18,7 +17,9 @@ import pytest
 from conftest import CONFIGS, REPO
 
 sys.path.insert(0, str(REPO / "recipes"))
+sys.path.insert(0, str(REPO / "scripts"))
 import planner  # noqa: E402
+from measure_activations import saved_by_autograd  # noqa: E402
 
 TINY_CONFIG = REPO / "data" / "tiny-llama-config.json"
 PLAN = REPO / "scripts" / "plan.py"
@@ -287,22 +288,7 @@ def test_layer_activations_are_what_autograd_saves(method, precision, attention)
             model = get_peft_model(model, LoraConfig(r=8, target_modules="all-linear", lora_dropout=0.0,
                                                      task_type="CAUSAL_LM"))
         model.train()
-        ids = torch.randint(4, 300, (batch, seq))
-        mask = torch.ones(batch, seq, dtype=torch.long)
-        mask[0, -5:] = 0  # padding, as in training: the masked attention path
-        parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
-        saved = {}
-
-        def pack(tensor):
-            storage = tensor.untyped_storage()
-            if storage.data_ptr() not in parameters:
-                saved[storage.data_ptr()] = storage.nbytes()
-            return tensor
-
-        autocast = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" else contextlib.nullcontext()
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), autocast:
-            model(input_ids=ids, attention_mask=mask, labels=ids)
-        return sum(saved.values())
+        return saved_by_autograd(model, batch, seq, bf16=precision == "bf16")
 
     shape = planner.load_shape("tiny-llama")
     expected = planner.layer_activation_bytes_per_token(shape, method, "ddp", seq, lora_rank=8, precision=precision,
