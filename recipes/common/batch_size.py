@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 
-from .preflight import is_default_model, refuse
+from .preflight import planner_inputs, refuse
 
 AUTO = "auto"
 
@@ -47,21 +47,15 @@ def planned_micro_batch(args, recipe: str, launch) -> dict:
     """The planner's largest micro-batch for this run, with what it was planned for."""
     import planner
 
-    source = "tiny-llama" if is_default_model(args.model) else args.model  # before its first build
     try:
-        shape = planner.load_shape(source)
+        shape, inputs = planner_inputs(args, recipe, launch)
     except Exception as error:  # offline hub id, unknown architecture
         reason = str(error).splitlines()[0] if str(error) else type(error).__name__
         refuse(f"--batch-size auto plans from the model's config.json, which cannot be read here ({reason}); "
                "give --batch-size N")
     gib, device = memory_gib(launch)
-    lora = {} if recipe == "full" else dict(lora_rank=args.lora_r, lora_targets=args.lora_targets,
-                                            lora_dropout=args.lora_dropout)
-    precision = "bf16" if launch.precision in ("bf16", "fp16") else "fp32"
     try:
-        fit = planner.max_micro_batch(shape, recipe, launch.planner_strategy, launch.gpus, gib,
-                                      seq_len=args.max_length, gradient_checkpointing=args.gradient_checkpointing,
-                                      precision=precision, **lora)
+        fit = planner.max_micro_batch(shape, recipe, launch.planner_strategy, launch.gpus, gib, **inputs)
     except ValueError as error:  # e.g. LoRA targets the planner does not know
         refuse(f"--batch-size auto cannot plan this run ({str(error).splitlines()[0]}); give --batch-size N")
     if fit == 0:

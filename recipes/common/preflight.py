@@ -258,6 +258,20 @@ def refuse_if_disk_too_small(args, recipe: str) -> None:
                "choose another --output-dir")
 
 
+def planner_inputs(args, recipe: str, launch) -> tuple:
+    """The model's shape and the planner's keyword arguments for this run (all but the micro-batch).
+    Raises when the shape cannot be read (an offline hub id, an unknown architecture)."""
+    import planner
+
+    source = "tiny-llama" if is_default_model(args.model) else args.model  # before its first build
+    shape = planner.load_shape(source)
+    inputs = dict(seq_len=args.max_length, gradient_checkpointing=args.gradient_checkpointing,
+                  precision="bf16" if launch.precision in ("bf16", "fp16") else "fp32")
+    if recipe != "full":
+        inputs.update(lora_rank=args.lora_r, lora_targets=args.lora_targets, lora_dropout=args.lora_dropout)
+    return shape, inputs
+
+
 def announce_plan(args, recipe: str, launch) -> None:
     """Print the memory plan of this very run, and warn before loading when it will not fit."""
     if int(os.environ.get("RANK", "0")) != 0:
@@ -266,22 +280,15 @@ def announce_plan(args, recipe: str, launch) -> None:
 
     import planner
 
-    source = "tiny-llama" if is_default_model(args.model) else args.model  # before its first build
     try:
-        shape = planner.load_shape(source)
+        shape, inputs = planner_inputs(args, recipe, launch)
     except Exception as error:  # offline hub id, unknown architecture: a courtesy, never a blocker
         reason = str(error).splitlines()[0] if str(error) else type(error).__name__
         print(f"plan: skipped ({reason})", flush=True)
         return
     strategy, gpus = launch.planner_strategy, launch.gpus
-    precision = "bf16" if launch.precision in ("bf16", "fp16") else "fp32"
-    lora = {}
-    if recipe != "full":
-        lora = dict(lora_rank=args.lora_r, lora_targets=args.lora_targets, lora_dropout=args.lora_dropout)
     try:
-        need = planner.per_gpu_bytes(shape, recipe, strategy, gpus, batch_size=args.batch_size,
-                                     seq_len=args.max_length, gradient_checkpointing=args.gradient_checkpointing,
-                                     precision=precision, **lora)
+        need = planner.per_gpu_bytes(shape, recipe, strategy, gpus, batch_size=args.batch_size, **inputs)
     except ValueError as error:  # e.g. LoRA targets the planner does not know
         print(f"plan: skipped ({str(error).splitlines()[0]})", flush=True)
         return
