@@ -49,7 +49,7 @@ def main():
     # cannot train are counted and dropped. Prompt tokens are masked: the loss covers the responses only.
     modeling.ensure_default_model(args.model, accelerator)
     tokenizer = modeling.load_tokenizer(args.model, args.trust_remote_code)
-    train_set, eval_set, data_format = data.prepare(accelerator, tokenizer, args)
+    train_set, eval_set, data_format = data.prepare(accelerator, tokenizer, args, launch)
 
     # Model: the frozen base in 16 bits where mixed precision allows, trainable adapters on top.
     model = modeling.load_model(args.model, accelerator, launch, frozen=True, attention=args.attention,
@@ -74,11 +74,12 @@ def main():
     )
     probe = next(iter(eval_loader))
 
-    # fused: one kernel updates every tensor (a loop over tensors otherwise; docs/speed-options.md)
+    # fused: one kernel updates every tensor of a group (a loop over tensors otherwise; docs/speed-options.md).
+    # The groups keep tensor parallel's split weights apart from whole ones: one kernel takes one kind.
     optimizer = torch.optim.AdamW(
-        [p for p in model.parameters() if p.requires_grad], lr=args.lr, weight_decay=args.weight_decay, fused=True
+        modeling.trained_parameter_groups(model), lr=args.lr, weight_decay=args.weight_decay, fused=True
     )
-    steps_per_epoch = data.steps_per_epoch(len(train_loader) // accelerator.num_processes, args.grad_accum)
+    steps_per_epoch = data.steps_per_epoch(len(train_loader) // launch.data_parallel_size, args.grad_accum)
     total_steps = args.max_steps or math.ceil(args.epochs * steps_per_epoch)
     scheduler = get_cosine_schedule_with_warmup(optimizer, int(args.warmup_ratio * total_steps), total_steps)
     model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(

@@ -166,11 +166,21 @@ def save_full_model(accelerator, model, tokenizer, path: Path) -> None:
     """`model/`: loadable by `AutoModelForCausalLM.from_pretrained`, whatever the strategy.
 
     `get_state_dict` gathers FSDP shards and ZeRO-3 partitions on every rank (a collective),
-    then only the main process writes.
+    then only the main process writes. Tensor parallel's split weights are left to transformers by
+    accelerate: every rank gathers them here, and every rank calls `save_pretrained`, which then
+    waits for the writer (a transformers model split at load saves collectively).
     """
+    from torch.distributed.tensor import DTensor
+
     state_dict = accelerator.get_state_dict(model)
+    split = any(isinstance(tensor, DTensor) for tensor in state_dict.values())
+    if split:  # the same keys in the same order on every rank: each full_tensor() is a collective
+        state_dict = {key: tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+                      for key, tensor in state_dict.items()}
+    if accelerator.is_main_process or split:
+        accelerator.unwrap_model(model).save_pretrained(path, state_dict=state_dict, safe_serialization=True,
+                                                        is_main_process=accelerator.is_main_process)
     if accelerator.is_main_process:
-        accelerator.unwrap_model(model).save_pretrained(path, state_dict=state_dict, safe_serialization=True)
         tokenizer.save_pretrained(path)
     accelerator.wait_for_everyone()
 

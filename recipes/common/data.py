@@ -22,7 +22,7 @@ FILE_LOADERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt"
 EVAL_SPLIT_NAMES = ("eval", "validation", "valid", "test")
 
 
-def prepare(accelerator, tokenizer, args):
+def prepare(accelerator, tokenizer, args, launch):
     """(train set, eval set, format name): read, checked and tokenised before the model loads.
 
     Every rank reads and checks the files itself, so a file that cannot be read is one line on
@@ -39,7 +39,7 @@ def prepare(accelerator, tokenizer, args):
         print(f"data ({fmt}): training {counted(train_all)}; evaluation {counted(eval_all)}", flush=True)
     if args.packing:
         train_set = pack(train_set, args.max_length)
-    steps_per_epoch(len(train_set) // args.batch_size // accelerator.num_processes, args.grad_accum)
+    steps_per_epoch(len(train_set) // args.batch_size // launch.data_parallel_size, args.grad_accum)
     return train_set, eval_set, fmt
 
 

@@ -24,6 +24,7 @@ MODEL_PARALLEL = "model_parallel"  # one process, the layers spread over the vis
 DDP = "ddp"
 FSDP = "fsdp"
 DEEPSPEED = "deepspeed"
+TENSOR_PARALLEL = "tensor_parallel"  # layers split across a group of GPUs; with FSDP over the groups when there are several
 
 
 @dataclass(frozen=True)
@@ -38,16 +39,18 @@ class Launch:
     replicas: int = 1  # FSDP hybrid shard: groups that each hold a full copy of the shards
     offload_parameters: bool = False  # FSDP CPU offload, ZeRO-3 offload_param
     offload_optimizer: bool = False  # ZeRO offload_optimizer
+    tensor_parallel: int = 1  # ranks that split each layer's weights (and see the same batches)
 
     @property
     def shards_parameters(self) -> bool:
-        """Each rank stores a part of every parameter (FSDP, ZeRO-3)."""
-        return self.kind == FSDP or (self.kind == DEEPSPEED and self.zero_stage == 3)
+        """Each rank stores a part of every (tensor parallel: every split) parameter (FSDP, ZeRO-3, TP)."""
+        return self.kind in (FSDP, TENSOR_PARALLEL) or (self.kind == DEEPSPEED and self.zero_stage == 3)
 
     @property
     def data_parallel_size(self) -> int:
-        """Ranks that each train on their own micro-batches (all of them: no strategy here splits a batch)."""
-        return self.processes
+        """Ranks that each train on their own micro-batches: all of them, except that the ranks of a
+        tensor parallel group share theirs."""
+        return self.processes // self.tensor_parallel
 
     @property
     def gpus(self) -> int:
@@ -65,6 +68,8 @@ class Launch:
     @property
     def planner_strategy(self) -> str:
         """The name `scripts/plan.py` gives this strategy (one per file in accelerate_configs/)."""
+        if self.kind == TENSOR_PARALLEL:
+            return "tp" if self.data_parallel_size == 1 else "fsdp_tp"
         if self.kind == DEEPSPEED:
             return "zero3_offload" if self.zero_stage == 3 and self.offload_parameters else f"zero{self.zero_stage}"
         if self.kind == FSDP:
@@ -90,6 +95,9 @@ def describe(env=None, on_gpu: bool | None = None) -> Launch:
     visible = torch.cuda.device_count() if on_gpu else 0
     common = dict(processes=int(env.get("WORLD_SIZE", "1")), on_gpu=on_gpu, visible_gpus=visible,
                   precision=env.get("ACCELERATE_MIXED_PRECISION", "no"))
+    tensor_parallel = int(env.get("PARALLELISM_CONFIG_TP_SIZE", "1")) if flag(env, "ACCELERATE_USE_PARALLELISM_CONFIG") else 1
+    if tensor_parallel > 1:  # alone (tp.yaml) or with FSDP across the groups (fsdp_tp.yaml)
+        return Launch(TENSOR_PARALLEL, **common, tensor_parallel=tensor_parallel)
     if flag(env, "ACCELERATE_USE_DEEPSPEED"):
         from .launch_config import deepspeed_source
 

@@ -124,7 +124,7 @@ def number(env, name: str, default: int = 1) -> int:
 
 
 def refuse_unsupported_parallelism(env, on_gpu: bool) -> None:
-    """Sequence sharding and tensor parallel need loop changes these recipes do not make."""
+    """Sequence sharding needs loop changes these recipes do not make; hybrid sharding needs GPUs."""
     if env.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() != "true":
         return
     fix = "delete it from parallelism_config (for long sequences use --gradient-checkpointing and fsdp.yaml)"
@@ -133,12 +133,68 @@ def refuse_unsupported_parallelism(env, on_gpu: bool) -> None:
         if size > 1:
             refuse(f"{what} (parallelism_config_{name.lower()}_size: {size}) is not supported by these recipes, "
                    f"which keep each sequence on one rank; {fix}")
-    tp = number(env, "PARALLELISM_CONFIG_TP_SIZE")
-    if tp > 1:
-        refuse(f"tensor parallel (parallelism_config_tp_size: {tp}) is not supported by these recipes yet; set it "
-               "to 1 and shard with accelerate_configs/fsdp.yaml instead")
     if number(env, "PARALLELISM_CONFIG_DP_REPLICATE_SIZE") > 1 and not on_gpu:
         refuse_hybrid_on_cpu()
+
+
+def tensor_parallel_size(env) -> int:
+    if env.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() != "true":
+        return 1
+    return number(env, "PARALLELISM_CONFIG_TP_SIZE")
+
+
+# transformers shards a model over FSDP and tensor parallel together from this version on
+FSDP_TP_TRANSFORMERS = "5.18.0"
+
+
+def hand_tensor_parallel_to_transformers(env) -> list[str]:
+    """Tensor parallel (tp.yaml) and FSDP x TP (fsdp_tp.yaml): transformers splits the layers (and,
+    with FSDP, shards the split weights across the groups) as the model loads, on the mesh the
+    config describes; accelerate then runs the loop and the data without wrapping the model again.
+
+    accelerate 1.15's own FSDP x TP preparation imports a transformers class that transformers 5.17
+    and later no longer have, so an FSDP file is run this way, and its FSDP settings are checked here.
+    """
+    tp = tensor_parallel_size(env)
+    shard = number(env, "PARALLELISM_CONFIG_DP_SHARD_SIZE")
+    replicate = number(env, "PARALLELISM_CONFIG_DP_REPLICATE_SIZE")
+    processes = number(env, "WORLD_SIZE")
+    fsdp = env.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+    if env.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
+        refuse(f"tensor parallel (parallelism_config_tp_size: {tp}) with DeepSpeed is not supported by these recipes; "
+               "use accelerate_configs/tp.yaml or fsdp_tp.yaml, or drop parallelism_config for ZeRO")
+    if replicate > 1:
+        refuse(f"parallelism_config_dp_replicate_size {replicate} with tensor parallel is not supported by these "
+               "recipes; set it to 1 and shard over the groups with parallelism_config_dp_shard_size (fsdp_tp.yaml)")
+    if tp * shard != processes:
+        refuse(f"parallelism_config asks for tp_size {tp} x dp_shard_size {shard} = {tp * shard} processes, but "
+               f"{processes} were launched; launch {tp * shard} (--num_processes {tp * shard}) or make the sizes "
+               f"multiply to {processes}")
+    if shard > 1 and not fsdp:
+        refuse(f"parallelism_config_dp_shard_size {shard} shards with FSDP, but distributed_type is not FSDP; set "
+               "`distributed_type: FSDP` with `fsdp_version: 2` (as accelerate_configs/fsdp_tp.yaml does)")
+    if not fsdp:
+        return [f"tensor parallel: each layer split over {tp} processes, which share each batch"]
+    if shard == 1:
+        refuse(f"FSDP with tp_size {tp} = all {processes} processes leaves FSDP nothing to shard; use "
+               "accelerate_configs/tp.yaml, or set parallelism_config_dp_shard_size > 1")
+    from importlib.metadata import version
+
+    from packaging.version import Version
+
+    if Version(version("transformers")) < Version(FSDP_TP_TRANSFORMERS):
+        refuse(f"FSDP x TP needs transformers >= {FSDP_TP_TRANSFORMERS} (this is {version('transformers')}), which "
+               "shards a model both ways as it loads; `pip install -U transformers`, or use tp.yaml or fsdp.yaml")
+    for name, fix in (("FSDP_OFFLOAD_PARAMS", "use accelerate_configs/fsdp_offload.yaml without tensor parallel"),
+                      ("FSDP_ACTIVATION_CHECKPOINTING", "pass --gradient-checkpointing to the recipe instead")):
+        if env.get(name, "false").lower() in TRUE:
+            refuse(f"{setting(name)} is not available with tensor parallel (transformers shards the model); "
+                   f"set it to false and {fix}")
+    if env.get("FSDP_RESHARD_AFTER_FORWARD", "true").lower() in FALSE:
+        refuse("FSDP x TP reshards after forward (transformers' FSDP plan); set fsdp_reshard_after_forward: true, "
+               "or keep the weights unsharded between passes with accelerate_configs/tp.yaml")
+    env["ACCELERATE_USE_FSDP"] = "false"  # transformers shards at load; accelerate must not wrap it again
+    return [f"FSDP x TP: transformers shards the model as it loads: {shard} FSDP shards x {tp}-way tensor parallel"]
 
 
 def refuse_hybrid_on_cpu() -> None:
@@ -449,6 +505,8 @@ def adapt_launch(args, env=None, config_file: Path | None | str = "launcher", on
     if env.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
         notes += translate_fsdp(env, on_gpu)
         refuse_unsupported_parallelism(env, on_gpu)
+    if tensor_parallel_size(env) > 1:
+        notes += hand_tensor_parallel_to_transformers(env)
     if env.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
         source, config = deepspeed_source(env)
         notes += settle_deepspeed(config, source, args, env, on_gpu)

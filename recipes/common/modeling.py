@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from .launch import MODEL_PARALLEL
+from .launch import MODEL_PARALLEL, TENSOR_PARALLEL
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_MODEL = REPO_ROOT / "models" / "tiny-llama"
@@ -44,6 +44,8 @@ def load_model(name: str, accelerator, launch, *, frozen: bool, quantization=Non
 
     - model parallel: `device_map="auto"` spreads the layers over the visible GPUs;
     - quantised weights under DDP / ZeRO-1/2: each process loads its own copy on its device;
+    - tensor parallel (with FSDP across the groups): transformers splits (and shards) the layers as
+      they load, over the launch's processes;
     - everything else loads on CPU and `accelerator.prepare` places or shards it.
     """
     from transformers import AutoModelForCausalLM
@@ -53,6 +55,13 @@ def load_model(name: str, accelerator, launch, *, frozen: bool, quantization=Non
         kwargs["attn_implementation"] = attention
     if launch.kind == MODEL_PARALLEL:
         kwargs["device_map"] = "auto"
+    if launch.kind == TENSOR_PARALLEL:
+        from transformers.distributed import DistributedConfig
+
+        sizes = dict(tp_size=launch.tensor_parallel)
+        if launch.data_parallel_size > 1:  # FSDP over the groups (transformers >= 5.18; checked before)
+            sizes["fsdp_size"] = launch.data_parallel_size
+        kwargs["distributed_config"] = DistributedConfig(**sizes)
     if quantization is not None:
         kwargs["quantization_config"] = quantization
         if not launch.shards_parameters and launch.kind != MODEL_PARALLEL:
@@ -118,6 +127,21 @@ def module_names(name: str, trust_remote_code: bool = False, linear_only: bool =
 
     kinds = (torch.nn.Linear, Conv1D) if linear_only else (torch.nn.Module,)
     return [module_name for module_name, module in model.named_modules() if module_name and isinstance(module, kinds)]
+
+
+def trained_parameter_groups(model) -> list[dict]:
+    """The trained parameters, as optimizer groups of one kind each: plain tensors, and DTensors per
+    device mesh (tensor parallel splits some weights and leaves others whole; a fused optimizer
+    kernel cannot mix them). One group where there is one kind."""
+    from torch.distributed.tensor import DTensor
+
+    groups = {}
+    for param in model.parameters():
+        if param.requires_grad:
+            mesh = param.device_mesh if isinstance(param, DTensor) else None
+            key = None if mesh is None else (mesh.mesh_dim_names, tuple(mesh.mesh.flatten().tolist()))
+            groups.setdefault(key, []).append(param)
+    return [{"params": params} for params in groups.values()]
 
 
 def parameter_counts(model) -> dict:

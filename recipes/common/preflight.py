@@ -75,7 +75,7 @@ def check_launch(args, recipe: str):
     """Everything that can be known to fail before the model loads. Returns the checked `Launch`:
     what accelerate launch asked for, read by everything that depends on the strategy."""
     from .batch_size import settle as settle_batch
-    from .launch import FSDP, describe
+    from .launch import FSDP, TENSOR_PARALLEL, describe
     from .launch_config import adapt_launch
 
     # The user's config file first: it may translate the launch (FSDP1 -> FSDP2) or settle flags.
@@ -99,6 +99,8 @@ def check_launch(args, recipe: str):
     if batch_line and int(os.environ.get("RANK", "0")) == 0:
         print(batch_line, flush=True)
 
+    if launch.kind == TENSOR_PARALLEL:
+        check_tensor_parallel(args, recipe, launch)
     if recipe == "qlora" and getattr(args, "bits", 4) == 8 and fsdp:
         refuse("8-bit weights cannot be sharded by FSDP; use --bits 4 (QLoRA) with fsdp.yaml, or "
                "8-bit with accelerate_configs/ddp.yaml or zero3.yaml")
@@ -157,6 +159,37 @@ def check_ranges(args) -> None:
             else:
                 rule = f"in {bounds.replace('None', '')}".replace(".0", "")
             refuse(f"{flag} must be {rule}{HINTS.get(name, '')}, got {value}")
+
+
+def check_tensor_parallel(args, recipe: str, launch) -> None:
+    """What tensor parallel can split: the model's heads, and LoRA where peft splits the adapter too."""
+    plain = "accelerate_configs/fsdp.yaml"
+    if recipe == "qlora":
+        refuse(f"4-bit and 8-bit weights cannot be split by tensor parallel; QLoRA shards with {plain} instead")
+    if recipe == "lora" and launch.data_parallel_size > 1:
+        refuse("LoRA cannot run FSDP x TP: transformers shards the base as it loads, before peft adds the adapter, "
+               "so FSDP would not keep the adapter in step across the groups; use accelerate_configs/tp.yaml or "
+               f"{plain}")
+    if args.liger:
+        refuse("--liger's fused kernels take whole weights, and tensor parallel splits them; drop --liger")
+    config = model_config(args.model)
+    if config is None:  # a hub model not in the cache: transformers checks as it loads
+        return
+    from transformers import AutoConfig
+
+    plan = getattr(AutoConfig.for_model(**config), "base_model_tp_plan", None)
+    if not plan:
+        refuse(f"{config.get('model_type', args.model)} models have no tensor parallel plan in transformers; "
+               f"use {plain}")
+    import math
+
+    tp = launch.tensor_parallel
+    heads = [config[key] for key in ("num_attention_heads", "num_key_value_heads") if config.get(key)]
+    if heads and math.gcd(*heads) % tp:
+        fits = [n for n in range(2, math.gcd(*heads) + 1) if math.gcd(*heads) % n == 0]
+        refuse(f"tensor parallel over {tp} processes splits the attention heads, but {args.model} has "
+               f"{' query / '.join(map(str, heads))} key-value heads; set parallelism_config_tp_size to "
+               f"{' or '.join(map(str, fits)) or '1 (this model cannot be split)'}")
 
 
 def check_columns(columns: str | None) -> None:

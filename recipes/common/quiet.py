@@ -16,6 +16,8 @@ LOG_NOTICES = {
     "DeepSpeed": ("Setting accelerator to CPU",),
     # bitsandbytes looks for an optional CPU kernel package on every import, also for LoRA and full runs
     "bitsandbytes.backends.cpu.ops": ("Failed to load CPU gemm_4bit_forward",),
+    # FSDP x TP: torch's advice on the order of the mesh transformers builds
+    "torch.distributed.tensor._redistribute": ("While redistributing",),
 }
 # deprecation notices about the libraries' internals, repeated at every step
 WARNING_NOTICES = (
@@ -23,6 +25,8 @@ WARNING_NOTICES = (
     r"`is_gradient_checkpointing` is deprecated",
     # torch 2.13 renames DDP's broadcast_buffers; accelerate only passes the old name, which still works
     r"`broadcast_buffers` is deprecated",
+    # FSDP x TP: transformers' layers return views; nothing downstream edits them in place
+    r"FSDP2-wrapped module .* returned a view tensor",
 )
 
 

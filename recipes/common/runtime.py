@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from accelerate.utils import (DistributedDataParallelKwargs, DistributedType, Gr
                                InitProcessGroupKwargs)
 
 from . import launch_config
-from .launch import DEEPSPEED, FSDP, Launch
+from .launch import DEEPSPEED, FSDP, TENSOR_PARALLEL, Launch
 from .data import target_tokens
 
 # A rank that dies must not leave the others waiting forever in a collective.
@@ -58,7 +59,12 @@ def make_accelerator(args, launch: Launch) -> Accelerator:
     # DeepSpeed discovers its own CPU accelerator; every other strategy must be told it runs on CPU.
     if on_cpu and launch.kind != DEEPSPEED:
         kwargs["cpu"] = True
-    accelerator = Accelerator(**kwargs)
+    if on_cpu and launch.kind == TENSOR_PARALLEL:
+        with parallelism_config_hidden():  # accelerate refuses it on CPU processes: added after
+            accelerator = Accelerator(**kwargs)
+        enable_tensor_parallel_on_cpu(accelerator)
+    else:
+        accelerator = Accelerator(**kwargs)
     if on_cpu and launch.kind == FSDP:
         enable_fsdp_on_cpu(accelerator)
     if launch.kind == DEEPSPEED:
@@ -128,6 +134,35 @@ def enable_fsdp_on_cpu(accelerator: Accelerator) -> None:
     state.fsdp_plugin = plugin
     state.distributed_type = DistributedType.FSDP
     PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+
+
+@contextmanager
+def parallelism_config_hidden():
+    hidden = {name: os.environ.pop(name) for name in list(os.environ)
+              if name.startswith("PARALLELISM_CONFIG_") or name == "ACCELERATE_USE_PARALLELISM_CONFIG"}
+    try:
+        yield
+    finally:
+        os.environ.update(hidden)
+
+
+def enable_tensor_parallel_on_cpu(accelerator: Accelerator) -> None:
+    """Give the CPU process group the device mesh of the launch's parallelism_config.
+
+    accelerate accepts a parallelism_config only on GPU-like devices, though torch's tensor parallel
+    runs on CPU with gloo. As on GPUs (where `hand_tensor_parallel_to_transformers` leaves the launch
+    MULTI_GPU), the model is left as transformers split it: no DDP wrapper, and each tensor parallel
+    group of ranks is handed the same batches.
+    """
+    from accelerate.parallelism_config import ParallelismConfig
+    from accelerate.state import AcceleratorState, PartialState
+
+    config = ParallelismConfig()  # the sizes the launcher put in the environment
+    state = AcceleratorState()
+    state.parallelism_config = config
+    state.device_mesh = config.get_device_mesh("cpu")
+    state.distributed_type = DistributedType.MULTI_GPU
+    PartialState._shared_state["distributed_type"] = DistributedType.MULTI_GPU
 
 
 def align_deepspeed_with_recipe(accelerator: Accelerator, args, launch: Launch) -> None:
