@@ -64,6 +64,7 @@ def main():
         task_type="CAUSAL_LM",
     )
     model = get_peft_model(model, lora_config)
+    modeling.seed_adapter(model, args.seed)  # the same first adapter whatever the strategy split
     batch_size.confirm_on_gpu(accelerator, launch, model, args)  # --batch-size auto: does a real step fit?
     if args.compile:
         modeling.compile_layers(model)  # the first steps are slower while each shape compiles

@@ -15,6 +15,7 @@ import shutil
 import signal
 import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -57,7 +58,8 @@ def save_checkpoint(accelerator, args, step: int) -> Path:
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
     accelerator.wait_for_everyone()
-    accelerator.save_state(str(partial))  # model, optimizer, scheduler, RNG: every rank writes its part
+    with split_weights_apart(accelerator, partial, saving=True):
+        accelerator.save_state(str(partial))  # model, optimizer, scheduler, RNG: every rank writes its part
     if os.environ.get("RECIPES_TEST_KILL_DURING_SAVE") == str(step):  # fault-injection hook for the tests
         os.kill(os.getpid(), signal.SIGKILL)
     accelerator.wait_for_everyone()
@@ -71,6 +73,43 @@ def save_checkpoint(accelerator, args, step: int) -> Path:
                 shutil.rmtree(old, ignore_errors=True)
     accelerator.wait_for_everyone()
     return final
+
+
+SPLIT_STATE = "split_model_and_optimizer"  # torch.distributed.checkpoint's files: every rank's part
+
+
+@contextmanager
+def split_weights_apart(accelerator, folder: Path, saving: bool):
+    """Tensor parallel's split weights, written or read by every rank (torch's distributed checkpoint);
+    accelerate's save_state / load_state do the rest (schedule, random states, data order) inside.
+
+    accelerate leaves a tensor parallel model as transformers split it (a MULTI_GPU launch with
+    DTensor weights) and would write only the main process's part of it and of the optimizer.
+    Elsewhere this does nothing."""
+    from torch.distributed.tensor import DTensor
+
+    models, optimizers = accelerator._models, accelerator._optimizers  # what save_state / load_state walk
+    split = accelerator.distributed_type.value == "MULTI_GPU" and any(
+        isinstance(p, DTensor) for model in models for p in model.parameters())
+    if not split:
+        yield
+        return
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model, optimizer = models[0], optimizers[0].optimizer
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optimizer": optimizer_state}
+    if saving:
+        dcp.save(state, checkpoint_id=str(folder / SPLIT_STATE))
+    else:
+        dcp.load(state, checkpoint_id=str(folder / SPLIT_STATE))
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    accelerator._models, accelerator._optimizers = [], []
+    try:
+        yield
+    finally:
+        accelerator._models, accelerator._optimizers = models, optimizers
 
 
 def damage(path: Path) -> str | None:
@@ -155,7 +194,8 @@ def resume_from(accelerator, path: Path | None) -> int:
     """Restore the checkpoint `resume_point` chose and return its step (0 when starting fresh)."""
     if path is None:
         return 0
-    accelerator.load_state(str(path))
+    with split_weights_apart(accelerator, Path(path), saving=False):
+        accelerator.load_state(str(path))
     step = json.loads((Path(path) / STATE_FILE).read_text())["step"]
     if accelerator.is_main_process:
         print(f"resumed from {path} at step {step}", flush=True)

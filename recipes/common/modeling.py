@@ -129,6 +129,21 @@ def module_names(name: str, trust_remote_code: bool = False, linear_only: bool =
     return [module_name for module_name, module in model.named_modules() if module_name and isinstance(module, kinds)]
 
 
+def seed_adapter(model, seed: int) -> None:
+    """Draw the adapter's first values again, from the seed alone.
+
+    peft draws them while it builds the adapter, and how many random numbers the building takes
+    depends on the layout (under tensor parallel it builds split layers), so without this each
+    strategy would start from a different adapter and a different random stream (dropout)."""
+    from peft.tuners.lora import LoraLayer
+
+    torch.manual_seed(seed)
+    for module in model.modules():
+        if isinstance(module, LoraLayer):
+            for adapter in module.lora_A:
+                module.reset_lora_parameters(adapter, init_lora_weights=True)  # A: kaiming, B: zeros
+
+
 def trained_parameter_groups(model) -> list[dict]:
     """The trained parameters, as optimizer groups of one kind each: plain tensors, and DTensors per
     device mesh (tensor parallel splits some weights and leaves others whole; a fused optimizer

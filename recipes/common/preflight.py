@@ -183,6 +183,8 @@ def check_tensor_parallel(args, recipe: str, launch) -> None:
                f"use {plain}")
     import math
 
+    if recipe == "lora":
+        check_lora_split(args, plan)
     tp = launch.tensor_parallel
     heads = [config[key] for key in ("num_attention_heads", "num_key_value_heads") if config.get(key)]
     if heads and math.gcd(*heads) % tp:
@@ -190,6 +192,26 @@ def check_tensor_parallel(args, recipe: str, launch) -> None:
         refuse(f"tensor parallel over {tp} processes splits the attention heads, but {args.model} has "
                f"{' query / '.join(map(str, heads))} key-value heads; set parallelism_config_tp_size to "
                f"{' or '.join(map(str, fits)) or '1 (this model cannot be split)'}")
+
+
+def check_lora_split(args, plan: dict) -> None:
+    """peft splits an adapter with its layer under tensor parallel, but (peft 0.21) only on the
+    column-split layers: on a row-split one the first forward fails with a shape error."""
+    from importlib.metadata import version
+
+    from .args import lora_targets
+
+    styles = {}
+    for name, style in plan.items():
+        styles.setdefault(name.rsplit(".", 1)[-1], set()).add(style)
+    column = sorted(leaf for leaf, kinds in styles.items() if kinds == {"colwise"})
+    targets = lora_targets(args.lora_targets)
+    wanted = set(styles) if targets == "all-linear" else set(targets)
+    row = sorted(leaf for leaf in wanted if leaf in styles and styles[leaf] != {"colwise"})
+    if row:
+        refuse(f"LoRA on the row-split layers {', '.join(row)} fails under tensor parallel (peft "
+               f"{version('peft')}); pass --lora-targets {','.join(column)} (the column-split ones), or use "
+               "accelerate_configs/fsdp.yaml")
 
 
 def check_columns(columns: str | None) -> None:
