@@ -110,6 +110,10 @@ def table(plan: dict, batches: dict) -> list[str]:
 
 def launch_command(config: str, strategy: str, args, batch_size: int, grad_accum: int = 1) -> str:
     processes = "" if strategy == "model_parallel" else f" --num_processes {args.gpus}"
+    if strategy in planner.TENSOR_PARALLEL:  # the mesh for this many GPUs (the files are written for 4)
+        tp = planner.tensor_parallel_size(strategy, args.gpus)
+        processes += f" --parallelism_config_tp_size {tp}"
+        processes += f" --parallelism_config_dp_shard_size {args.gpus // tp}" if strategy == "fsdp_tp" else ""
     command = (f"accelerate launch --config_file {config}{processes} recipes/{args.method}.py "
                f"--batch-size {batch_size} --max-length {args.seq_len}")
     if grad_accum > 1:
@@ -138,7 +142,7 @@ def sentences(shape, plan: dict, batches: dict, args) -> list[str]:
     faster = None
     best = planner.SPEED_ORDER.index(fastest["strategy"]) if fastest else len(planner.SPEED_ORDER)
     for strategy in planner.SPEED_ORDER[:best]:
-        if batches[strategy]:
+        if batches.get(strategy):  # (absent: a strategy the recipes do not run for this method)
             micro = max(b for b in range(1, batches[strategy] + 1) if args.batch_size % b == 0)
             faster = (strategy, micro, args.batch_size // micro)
             lines.append(f"Faster with gradient accumulation: {strategy} ({planner.STRATEGIES[strategy]}) fits a "
@@ -174,7 +178,7 @@ def main(argv=None) -> int:
         print(json.dumps(plan, indent=2))
         return 0
     batches = {s: planner.max_micro_batch(shape, args.method, s, args.gpus, args.gpu_memory, **settings)
-               for s in planner.SPEED_ORDER}
+               for s in planner.possible_strategies(args.method, args.gpus, shape, args.lora_targets)}
     print("\n".join(describe(shape, args) + [""] + table(plan, batches) + [""] + sentences(shape, plan, batches, args)))
     return 0
 

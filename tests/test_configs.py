@@ -14,7 +14,7 @@ from conftest import CONFIGS, REPO
 
 ALL_CONFIGS = sorted(CONFIGS.glob("*.yaml"))
 EXPECTED = {"model_parallel", "ddp", "fsdp", "fsdp_grad_op", "fsdp_hybrid", "fsdp_offload",
-            "zero1", "zero2", "zero3", "zero3_offload", "multi_node"}
+            "zero1", "zero2", "zero3", "zero3_offload", "multi_node", "tp", "fsdp_tp"}
 
 
 def test_every_strategy_has_its_config():
@@ -46,6 +46,16 @@ def test_config_parses_and_explains_itself(path: Path):
 def test_hybrid_shard_config_asks_for_a_two_by_two_mesh():
     parallelism = load_config_from_file(str(CONFIGS / "fsdp_hybrid.yaml")).parallelism_config
     assert parallelism["parallelism_config_dp_replicate_size"] * parallelism["parallelism_config_dp_shard_size"] == 4
+
+
+@pytest.mark.parametrize("name, mesh", [("tp", (1, 4)), ("fsdp_tp", (2, 2))])
+def test_tensor_parallel_configs_split_the_four_gpus(name, mesh):
+    """tp.yaml: one 4-way tensor parallel group; fsdp_tp.yaml: 2 FSDP shards x 2-way tensor parallel."""
+    config = load_config_from_file(str(CONFIGS / f"{name}.yaml"))
+    parallelism = config.parallelism_config
+    sizes = (parallelism.get("parallelism_config_dp_shard_size", 1), parallelism["parallelism_config_tp_size"])
+    assert sizes == mesh and sizes[0] * sizes[1] == config.num_processes
+    assert config.distributed_type == ("FSDP" if name == "fsdp_tp" else "MULTI_GPU")
 
 
 def model_parallel_device_map(config, gpu_memory: dict) -> dict:

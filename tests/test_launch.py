@@ -48,7 +48,10 @@ def test_every_shipped_config_describes_itself_as_the_planner_names_it(config_na
     launch = described(config_name, on_gpu=on_gpu, processes=None if config_name != "fsdp_hybrid.yaml" else 4,
                        visible_gpus=4 if on_gpu else 0)
     assert launch.planner_strategy == CONFIG_OF[config_name]
-    assert launch.shards_parameters == (launch.kind == "fsdp" or launch.zero_stage == 3)
+    assert launch.shards_parameters == (launch.kind in ("fsdp", "tensor_parallel") or launch.zero_stage == 3)
+    if config_name in ("tp.yaml", "fsdp_tp.yaml"):  # the ranks of a tensor parallel group share their batches
+        mesh = {"tp.yaml": (4, 1), "fsdp_tp.yaml": (2, 2)}[config_name]
+        assert (launch.kind, launch.tensor_parallel, launch.data_parallel_size) == ("tensor_parallel", *mesh)
     if config_name == "model_parallel.yaml":
         assert (launch.kind, launch.processes, launch.gpus) == ("model_parallel", 1, 4)
 

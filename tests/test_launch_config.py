@@ -99,12 +99,56 @@ def test_a_value_accelerate_would_choke_on_is_refused(changes, message):
 @pytest.mark.parametrize("size, message", [
     ("PARALLELISM_CONFIG_CP_SIZE", "context parallel (parallelism_config_cp_size: 2) is not supported"),
     ("PARALLELISM_CONFIG_SP_SIZE", "sequence parallel (ALST/Ulysses) (parallelism_config_sp_size: 2) is not supported"),
-    ("PARALLELISM_CONFIG_TP_SIZE", "tensor parallel (parallelism_config_tp_size: 2) is not supported"),
 ])
-def test_sequence_and_tensor_sharding_are_refused_on_every_machine(size, message):
+def test_sequence_sharding_is_refused_on_every_machine(size, message):
     for on_gpu in (False, True):
         with pytest.raises(Refusal, match=message.replace("(", r"\(").replace(")", r"\)")):
             adapt(fsdp_env(ACCELERATE_USE_PARALLELISM_CONFIG="true", **{size: "2"}), on_gpu=on_gpu)
+
+
+# Tensor parallel: transformers splits the layers at load, accelerate runs the loop
+
+def tp_env(tp: int, shard: int = 1, processes: int = 4, fsdp: bool = False, **changes) -> dict:
+    """What the launcher hands a recipe for tp.yaml (MULTI_GPU) or fsdp_tp.yaml (FSDP) with these sizes."""
+    base = fsdp_env(WORLD_SIZE=str(processes)) if fsdp else {"WORLD_SIZE": str(processes)}
+    return {**base, "ACCELERATE_USE_PARALLELISM_CONFIG": "true", "PARALLELISM_CONFIG_TP_SIZE": str(tp),
+            "PARALLELISM_CONFIG_DP_SHARD_SIZE": str(shard), "PARALLELISM_CONFIG_DP_REPLICATE_SIZE": "1", **changes}
+
+
+def test_tensor_parallel_alone_runs_as_the_file_says():
+    env = tp_env(4)
+    assert adapt(env)[0] == ["tensor parallel: each layer split over 4 processes, which share each batch"]
+
+
+def test_fsdp_by_tensor_parallel_is_handed_to_transformers():
+    env = tp_env(2, shard=2, fsdp=True)
+    notes, _ = adapt(env, on_gpu=True)
+    assert notes[-1] == "FSDP x TP: transformers shards the model as it loads: 2 FSDP shards x 2-way tensor parallel"
+    assert env["ACCELERATE_USE_FSDP"] == "false"  # accelerate must not wrap the model again
+
+
+@pytest.mark.parametrize("env, message", [
+    (tp_env(2), "tp_size 2 x dp_shard_size 1 = 2 processes, but 4 were launched; launch 2 (--num_processes 2)"),
+    (tp_env(2, shard=2), "dp_shard_size 2 shards with FSDP, but distributed_type is not FSDP; set `distributed_type: FSDP`"),
+    (tp_env(4, fsdp=True), "FSDP with tp_size 4 = all 4 processes leaves FSDP nothing to shard; use accelerate_configs/tp.yaml"),
+    (tp_env(2, shard=2, fsdp=True, FSDP_OFFLOAD_PARAMS="true"), "fsdp_offload_params is not available with tensor parallel"),
+    (tp_env(2, shard=2, fsdp=True, FSDP_ACTIVATION_CHECKPOINTING="true"), "pass --gradient-checkpointing to the recipe instead"),
+    (tp_env(2, shard=2, fsdp=True, FSDP_RESHARD_AFTER_FORWARD="false"), "set fsdp_reshard_after_forward: true"),
+    (tp_env(2, shard=1, PARALLELISM_CONFIG_DP_REPLICATE_SIZE="2"), "dp_replicate_size 2 with tensor parallel is not supported"),
+    (tp_env(2, ACCELERATE_USE_DEEPSPEED="true"), "with DeepSpeed is not supported by these recipes"),
+])
+def test_a_tensor_parallel_mesh_that_cannot_run_is_refused(env, message):
+    with pytest.raises(Refusal, match=message.replace("(", r"\(").replace(")", r"\)").replace("`", ".")):
+        adapt(env, on_gpu=True)
+
+
+def test_fsdp_by_tensor_parallel_needs_a_transformers_that_shards_both_ways(monkeypatch):
+    import importlib.metadata
+
+    real = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "5.17.0" if name == "transformers" else real(name))
+    with pytest.raises(Refusal, match=r"FSDP x TP needs transformers >= 5.18.0 \(this is 5.17.0\)"):
+        adapt(tp_env(2, shard=2, fsdp=True), on_gpu=True)
 
 
 # DeepSpeed: the JSON and the recipe's flags agree

@@ -161,6 +161,8 @@ def test_per_gpu_state_builds_on_the_resident_bytes(codellama, method):
     plus only what is transient (in flight, communication buffers) and the NF4 constants."""
     for strategy in planner.STRATEGIES:
         for gpus, precision in ((1, "bf16"), (4, "bf16"), (4, "fp32"), (8, "bf16")):
+            if planner.impossible(method, strategy, gpus, codellama):  # e.g. QLoRA under tensor parallel
+                continue
             if strategy == "model_parallel":  # the GPU that holds the embedding: its own layers only
                 stage = planner.model_parallel_stages(codellama, gpus)[0]
             else:
@@ -173,7 +175,7 @@ def test_per_gpu_state_builds_on_the_resident_bytes(codellama, method):
                 per_gpu = planner.per_gpu_bytes(codellama, method, strategy, gpus, 1, 256, precision=precision)
                 assert {kind: per_gpu[kind] for kind in usage} == usage
             held = planner.resident_bytes(codellama, method, strategy, gpus, **common)
-            flight = planner.in_flight_weight_bytes(codellama, method, strategy, precision)
+            flight = planner.in_flight_weight_bytes(codellama, method, strategy, precision, gpus=gpus)
             constants = planner.quantization_constant_bytes(codellama, method, stage)
             trained = planner.resident._stage_parameters(codellama, method, stage, 16, "all-linear")["trained"]
             assert usage["weights"] == held["weights"] + constants + flight, (strategy, gpus)
@@ -373,11 +375,57 @@ def test_nothing_fits_gives_a_reason(codellama):
 
 
 def test_every_strategy_names_an_existing_config():
-    assert set(planner.STRATEGIES) == set(planner.SPEED_ORDER) and len(planner.STRATEGIES) == 10
+    assert set(planner.STRATEGIES) == set(planner.SPEED_ORDER) and len(planner.STRATEGIES) == 12
     for config in planner.STRATEGIES.values():
         assert (REPO / config).is_file(), config
     assert {p.stem for p in CONFIGS.glob("*.yaml")} - {"multi_node"} == {
         (REPO / c).stem for c in planner.STRATEGIES.values()}
+
+
+# ---------------------------------------------------------------------------- tensor parallel
+
+def test_tensor_parallel_splits_all_but_the_norms(codellama):
+    """tp over T GPUs: every linear, the embedding and lm_head / T, the norms whole on each rank;
+    fsdp_tp then shards all of it over the N / T groups (tests/test_tensor_parallel.py checks both
+    against what the ranks hold)."""
+    counts = codellama.parameter_counts()
+    split = counts["linear"] + counts["embedding"] + counts["lm_head"]
+    tp = planner.resident_bytes(codellama, "full", "tp", 4, precision="fp32")
+    assert tp["weights"] == int((split / 4 + counts["norms"]) * 4)
+    assert tp["optimizer"] == int((split / 4 + counts["norms"]) * 8)
+    # transformers leaves the embedding's gradient whole on every rank under tp (measured)
+    assert tp["gradients"] == int((split / 4 + counts["norms"] + counts["embedding"] * 3 / 4) * 4)
+    assert planner.tensor_parallel_size("fsdp_tp", 8) == 4  # 2 groups x 4-way TP
+    both = planner.resident_bytes(codellama, "full", "fsdp_tp", 8, precision="fp32")
+    assert both["weights"] == int((split / 8 + counts["norms"] / 2) * 4)
+    assert both["gradients"] == int((split / 8 + counts["norms"] / 2) * 4)
+
+
+def test_tensor_parallel_divides_the_split_activations_only(codellama):
+    whole = planner.layer_activation_bytes_per_token(codellama, "full", "tp", 2048, precision="bf16")
+    split = planner.layer_activation_bytes_per_token(codellama, "full", "tp", 2048, precision="bf16",
+                                                     tensor_parallel=4)
+    h, f = codellama.hidden, codellama.ffn
+    # the norms (fp32 residual), the bf16 copies of the q/k/v and gate/up inputs, the padding mask
+    kept_whole = 2 * (4 * h + 4 + 4 * h) + (3 + 2) * 2 * h + 2 * 2048
+    assert split == pytest.approx(kept_whole + (whole - kept_whole) / 4)
+    assert split < whole and 3 * 2 * f / 4 < split
+
+
+@pytest.mark.parametrize("method, strategy, gpus, reason", [
+    ("qlora", "tp", 4, "4-bit weights cannot be split"),
+    ("lora", "fsdp_tp", 4, "not FSDP x TP"),
+    ("lora", "tp", 4, "not o_proj, down_proj"),
+    ("full", "tp", 1, "tp needs 2 GPUs"),
+    ("full", "fsdp_tp", 2, "fsdp_tp needs 4 GPUs"),
+    ("full", "tp", 16, "8 key-value heads do not split 16 ways"),
+])
+def test_what_tensor_parallel_cannot_run_is_not_planned(codellama, method, strategy, gpus, reason):
+    assert reason in planner.impossible(method, strategy, gpus, codellama)
+    with pytest.raises(ValueError, match=reason):
+        planner.per_gpu_bytes(codellama, method, strategy, gpus)
+    assert strategy not in planner.possible_strategies(method, gpus, codellama)
+    assert planner.impossible("lora", "tp", 4, codellama, "q_proj,v_proj") is None
 
 
 # ---------------------------------------------------------------------------- command line
@@ -393,7 +441,8 @@ def test_cli_json_has_the_documented_shape(tmp_path):
     plan = json.loads(done.stdout)
     assert set(plan) == {"model", "method", "gpus", "gpu_memory_gb", "strategies", "recommendation"}
     assert (plan["model"], plan["method"], plan["gpus"], plan["gpu_memory_gb"]) == ("codellama-34b", "qlora", 2, 48)
-    assert [e["strategy"] for e in plan["strategies"]] == list(planner.SPEED_ORDER)
+    # every strategy the recipes run for QLoRA: not the tensor parallel ones, which cannot split 4-bit weights
+    assert [e["strategy"] for e in plan["strategies"]] == [s for s in planner.SPEED_ORDER if "tp" not in s]
     for entry in plan["strategies"]:
         assert set(entry) == {"strategy", "config", "per_gpu_bytes", "fits"}
         assert set(entry["per_gpu_bytes"]) == {"weights", "gradients", "optimizer", "activations", "total"}

@@ -54,7 +54,9 @@ EXPECTED = {
     "axolotl__zero3_bf16_cpuoffload_all.json": ("zero3_offload", "zero3_offload"),
     "axolotl__zero3_bf16_cpuoffload_params.json": ("zero3_offload", "zero3_offload"),
     "accelerate__fsdp.yaml": ("fsdp_full_shard", "fsdp_full_shard"),
-    "accelerate__tp_hsdp.yaml": ("error: tensor parallel",) * 2,
+    # 2 replicas x 2 shards x 2-way TP: hybrid sharding needs GPUs; on GPUs, replicas x TP are refused
+    "accelerate__tp_hsdp.yaml": ("error: hybrid sharding needs GPUs",
+                                 "error: parallelism_config_dp_replicate_size 2 with tensor parallel is not supported"),
     "accelerate__deepspeed.yaml": (f"error: ../deepspeed_config_templates/zero_stage1_config.json {SCHEDULER}",) * 2,
     "accelerate__zero_stage1_config.json": (f"error: {{path}} {SCHEDULER}",) * 2,
     "accelerate__zero_stage3_offload_config.json": (f"error: {{path}} {SCHEDULER}",) * 2,

@@ -212,8 +212,8 @@ def save_full_model(accelerator, model, tokenizer, path: Path) -> None:
     """
     from torch.distributed.tensor import DTensor
 
-    state_dict = accelerator.get_state_dict(model)
-    split = any(isinstance(tensor, DTensor) for tensor in state_dict.values())
+    state_dict = accelerator.get_state_dict(model)  # ZeRO-3: None on all but the main process
+    split = state_dict is not None and any(isinstance(tensor, DTensor) for tensor in state_dict.values())
     if split:  # the same keys in the same order on every rank: each full_tensor() is a collective
         state_dict = {key: tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
                       for key, tensor in state_dict.items()}

@@ -68,15 +68,27 @@ from .shapes import (
     lora_parameters_per_layer,
     lora_target_names,
 )
-from .strategies import ATTENTIONS, DEEPSPEED, FSDP, METHODS, SPEED_ORDER, STRATEGIES
+from .strategies import (
+    ATTENTIONS,
+    DEEPSPEED,
+    FSDP,
+    METHODS,
+    SPEED_ORDER,
+    STRATEGIES,
+    TENSOR_PARALLEL,
+    impossible,
+    possible_strategies,
+    tensor_parallel_size,
+)
 
 __all__ = [
     "ALIASES", "ATTENTIONS", "DEEPSPEED", "DEEPSPEED_REDUCE_BUCKET", "FSDP", "HEADROOM", "LAYERS_IN_FLIGHT",
     "LINEAR_NAMES", "MAX_MICRO_BATCH", "METHODS", "NF4_BITS_PER_WEIGHT", "OFFLOADED", "REPO_ROOT", "SPEED_ORDER",
-    "STRATEGIES", "WHERE", "GiB", "ModelShape", "Stage", "activation_bytes", "compute_dtypes",
-    "cpu_offload_bytes", "fits", "gradient_bytes", "hybrid_shard_size", "in_flight_weight_bytes",
+    "STRATEGIES", "TENSOR_PARALLEL", "WHERE", "GiB", "ModelShape", "Stage", "activation_bytes", "compute_dtypes",
+    "cpu_offload_bytes", "fits", "gradient_bytes", "hybrid_shard_size", "impossible", "in_flight_weight_bytes",
     "layer_activation_bytes_per_token", "load_shape", "lora_parameters", "lora_parameters_per_layer",
     "lora_target_names", "max_micro_batch", "model_parallel_stages", "optimizer_bytes", "per_gpu_bytes", "plan",
+    "possible_strategies",
     "quantization_constant_bytes", "quantized_bytes_per_weight", "resident_bytes", "state_bytes_per_parameter",
-    "usable_bytes", "weight_bytes",
+    "tensor_parallel_size", "usable_bytes", "weight_bytes",
 ]

@@ -9,12 +9,13 @@ import math
 from .dtypes import compute_dtypes
 from .resident import Stage, _stage_parameters
 from .shapes import LINEAR_NAMES, ModelShape, lora_target_names
-from .strategies import _check
+from .strategies import _check, tensor_parallel_size
 
 
 def layer_activation_bytes_per_token(shape: ModelShape, method: str, strategy: str, seq_len: int,
                                      lora_rank: int = 16, lora_targets="all-linear", precision: str = "bf16",
-                                     attention: str = "sdpa", lora_dropout: float = 0.05) -> float:
+                                     attention: str = "sdpa", lora_dropout: float = 0.05,
+                                     tensor_parallel: int = 1) -> float:
     """Bytes autograd keeps for one Llama block, per token of the micro-batch (no checkpointing).
 
     Notation: h hidden, f ffn, a heads, d head dim, q = a*d, kv = kv_heads*d, s sequence length,
@@ -44,6 +45,13 @@ def layer_activation_bytes_per_token(shape: ModelShape, method: str, strategy: s
        3*m*f (the down input is counted in 2.).
     The residual additions keep nothing.
 
+    Tensor parallel over t ranks (tp, fsdp_tp) divides by t what the split projections produce: the
+    attention tensors of 3. but the padding mask (each rank runs its heads), the SwiGLU tensors of
+    4., and the inputs of o_proj and down_proj (their input width is split); the norms, the
+    replicated inputs of the column-split linears and the LoRA tensors stay whole. This division
+    is the arithmetic of the split, not yet measured against autograd (DTensor's own copies are
+    not in it).
+
     Checked against `torch.autograd.graph.saved_tensors_hooks` on the tiny Llama (fp32 and bf16
     autocast; full, LoRA and QLoRA; sdpa and eager): equal to the byte, with the CPU's dropout
     mask being a float tensor (4 B) where CUDA's is a bool (1 B, used here).
@@ -71,25 +79,26 @@ def layer_activation_bytes_per_token(shape: ModelShape, method: str, strategy: s
 
     norms = 2 * (4 * h + 4 + (r * h if full else 0))
     kernel_keeps_output = attention != "eager"
+    t = tensor_parallel
     inputs = (saved_input(["q_proj", "k_proj", "v_proj"], h, r)
-              + saved_input(["o_proj"], q, c, kept_already=kernel_keeps_output)
+              + saved_input(["o_proj"], q, c, kept_already=kernel_keeps_output) / t
               + saved_input(["gate_proj", "up_proj"], h, r)
-              + saved_input(["down_proj"], f, m))
+              + saved_input(["down_proj"], f, m) / t)
     lora_outputs = c * lora_rank * len(adapted & set(LINEAR_NAMES))
     if attention == "sdpa":
-        core = 4 * c * q + 4 * a + c * seq_len
+        core = (4 * c * q + 4 * a) / t + c * seq_len
     elif attention == "flash":
-        core = 2 * c * q + 2 * c * kv + 4 * a
+        core = (2 * c * q + 2 * c * kv + 4 * a) / t
     else:
-        core = 3 * c * q + 4 * a * seq_len + (c * a * seq_len if c != 4 else 0)
-    mlp = 3 * m * f
+        core = (3 * c * q + 4 * a * seq_len + (c * a * seq_len if c != 4 else 0)) / t
+    mlp = 3 * m * f / t
     return float(norms + inputs + lora_outputs + core + mlp)
 
 
 def activation_bytes(shape: ModelShape, method: str, strategy: str, batch_size: int, seq_len: int,
                      gradient_checkpointing: int = 0, lora_rank: int = 16, lora_targets="all-linear",
                      precision: str = "bf16", attention: str = "sdpa", lora_dropout: float = 0.05,
-                     stage: Stage | None = None) -> int:
+                     stage: Stage | None = None, gpus: int = 1) -> int:
     """Activation memory of one micro-batch (b sequences of s tokens, T = b*s) on a GPU running
     `stage` (the whole model unless model parallel). Not sharded by FSDP / ZeRO: every GPU runs its
     own micro-batch.
@@ -103,17 +112,20 @@ def activation_bytes(shape: ModelShape, method: str, strategy: str, batch_size: 
       trained (or LoRA-adapted).
     - logits: T * vocab * (logits dtype + 4 + 4): the logits the step's `outputs` holds, the fp32
       log-softmax output the loss keeps, and its fp32 gradient at the start of the backward.
-    - autocast copies (DDP / model parallel in bf16): autocast's bf16 copy of every fp32 trained
-      linear weight (lm_head included) is kept by the backward: 2 bytes per such parameter,
-      whatever the batch.
+    - autocast copies (DDP / model parallel / tp / fsdp_tp in bf16): autocast's bf16 copy of every
+      fp32 trained linear weight (lm_head included) is kept by the backward: 2 bytes per such
+      parameter (of the rank's tensor parallel part), whatever the batch.
+    - `gpus`: for tp / fsdp_tp, the per-token block term divides as `layer_activation_bytes_per_token`
+      says for t = `tensor_parallel_size(strategy, gpus)`.
     """
     stage = stage or Stage(shape.layers)
     tokens = batch_size * seq_len
     dt = compute_dtypes(method, strategy, precision)
     c, r = dt["compute"], dt["residual"]
     h, d = shape.hidden, shape.head_dim
+    tp = tensor_parallel_size(strategy, gpus)
     per_layer = layer_activation_bytes_per_token(shape, method, strategy, seq_len, lora_rank, lora_targets,
-                                                 precision, attention, lora_dropout)
+                                                 precision, attention, lora_dropout, tp)
     if gradient_checkpointing:
         recomputed = math.ceil(stage.layers / int(gradient_checkpointing))
         kept = stage.layers - recomputed
@@ -132,7 +144,7 @@ def activation_bytes(shape: ModelShape, method: str, strategy: str, batch_size: 
     if dt["autocast_copies"]:
         if method == "full":
             linear = sum(shape.linear_parameters_per_layer().values()) * stage.layers
-            copies = 2 * (linear + (shape.vocab * h if stage.head else 0))
+            copies = 2 * (linear + (shape.vocab * h if stage.head else 0)) / tp
         else:
             copies = 2 * _stage_parameters(shape, method, stage, lora_rank, lora_targets)["trained"]
     return int(tokens * (blocks + once + logits) + copies)

@@ -12,7 +12,7 @@ from .activations import activation_bytes
 from .peak import gradient_bytes, optimizer_bytes, weight_bytes
 from .resident import Stage, model_parallel_stages
 from .shapes import ModelShape
-from .strategies import SPEED_ORDER, STRATEGIES, _check
+from .strategies import STRATEGIES, _check, impossible, possible_strategies
 
 # Keep 10% of every GPU free: the CUDA context (~0.5-1 GiB), NCCL buffers, the caching
 # allocator's fragmentation and the short-lived temporaries this model does not itemise.
@@ -31,6 +31,9 @@ def per_gpu_bytes(shape: ModelShape, method: str, strategy: str, gpus: int, batc
     _check(method, strategy, precision, attention)
     if gpus < 1 or batch_size < 1 or seq_len < 1:
         raise ValueError("gpus, batch_size and seq_len must be >= 1")
+    why_not = impossible(method, strategy, gpus, shape, lora_targets)
+    if why_not:
+        raise ValueError(f"{method} with {strategy} on {gpus} GPU(s) does not run: {why_not}")
     stages = model_parallel_stages(shape, gpus) if strategy == "model_parallel" else [Stage(shape.layers)]
     best = None
     for stage in stages:
@@ -40,7 +43,7 @@ def per_gpu_bytes(shape: ModelShape, method: str, strategy: str, gpus: int, batc
             "gradients": gradient_bytes(shape, method, strategy, gpus, **common),
             "optimizer": optimizer_bytes(shape, method, strategy, gpus, **common),
             "activations": activation_bytes(shape, method, strategy, batch_size, seq_len, gradient_checkpointing,
-                                            attention=attention, lora_dropout=lora_dropout, **common),
+                                            attention=attention, lora_dropout=lora_dropout, gpus=gpus, **common),
         }
         result["total"] = sum(result.values())
         if best is None or result["total"] > best["total"]:
@@ -87,7 +90,8 @@ def plan(shape: ModelShape, method: str, gpus: int, gpu_memory_gb: float, batch_
     """Every strategy on `gpus` GPUs of `gpu_memory_gb`, and the two recommendations.
 
     - fewest_gpus: the smallest n in 1..gpus on which some strategy fits at this micro-batch;
-      among those that fit on n, the fastest (`SPEED_ORDER`: DDP first, then sharding).
+      among those that fit on n, the fastest (`SPEED_ORDER`: DDP first, then sharding); only the
+      strategies the recipes run for this method (`possible_strategies`: no QLoRA under tensor parallel).
     - fastest: the first strategy in `SPEED_ORDER` that fits on all `gpus` GPUs.
     Each names its config file and the largest micro-batch that fits. When nothing fits, both are
     None and `recommendation["reason"]` says what came closest and what to change.
@@ -101,7 +105,7 @@ def plan(shape: ModelShape, method: str, gpus: int, gpu_memory_gb: float, batch_
         return per_gpu_bytes(shape, method, strategy, n, **settings)
 
     strategies = []
-    for strategy in SPEED_ORDER:
+    for strategy in possible_strategies(method, gpus, shape, lora_targets):
         usage = evaluate(strategy, gpus)
         strategies.append({"strategy": strategy, "config": STRATEGIES[strategy], "per_gpu_bytes": usage,
                            "fits": fits(usage["total"], gpu_memory_gb)})
@@ -115,7 +119,7 @@ def plan(shape: ModelShape, method: str, gpus: int, gpu_memory_gb: float, batch_
 
     fewest = None
     for n in range(1, gpus + 1):
-        for strategy in SPEED_ORDER:
+        for strategy in possible_strategies(method, n, shape, lora_targets):
             if fits(evaluate(strategy, n)["total"], gpu_memory_gb):
                 batch = max_micro_batch(shape, method, strategy, n, gpu_memory_gb, **batch_free)
                 fewest = {"strategy": strategy, "config": STRATEGIES[strategy], "gpus": n, "max_micro_batch": batch}

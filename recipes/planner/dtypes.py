@@ -69,7 +69,7 @@ def state_bytes_per_parameter(method: str, strategy: str, precision: str = "bf16
 def compute_dtypes(method: str, strategy: str, precision: str = "bf16") -> dict:
     """The dtypes (bytes) the forward runs in, which decide the size of the saved activations.
 
-    - `compute` c: what matmuls produce: 2 in bf16 (autocast on DDP / model parallel, FSDP2's
+    - `compute` c: what matmuls produce: 2 in bf16 (autocast on DDP / model parallel / tp, FSDP2's
       param_dtype, DeepSpeed's bf16 module), 4 in fp32.
     - `residual` r: the residual stream, i.e. the embedding's dtype: fp32 when the embedding is
       stored in fp32 under autocast (full fine-tuning on DDP / model parallel, QLoRA there after
@@ -78,15 +78,15 @@ def compute_dtypes(method: str, strategy: str, precision: str = "bf16") -> dict:
       whose 4-bit linears return their input's dtype (fp32).
     - `adapter_cast`: the LoRA adapters compute in fp32 while their input is bf16 (DDP / model
       parallel with a bf16 base), so peft casts each adapted module's input: one copy per module.
-    - `autocast_copies`: autocast's bf16 copies of the fp32 trained weights (DDP / model parallel),
-      saved for the backward.
+    - `autocast_copies`: autocast's bf16 copies of the fp32 trained weights (DDP / model parallel;
+      tp / fsdp_tp: of each rank's tensor parallel part), saved for the backward.
     - `logits`: dtype of the logits the step keeps in `outputs` (accelerate converts the outputs of
       an autocast forward to fp32; DeepSpeed's stay bf16).
     """
     _check(method, strategy, precision)
     if precision == "fp32":
         return dict(compute=4, residual=4, linear_out=4, adapter_cast=False, autocast_copies=False, logits=4)
-    autocast = strategy in ("ddp", "model_parallel")
+    autocast = strategy in ("ddp", "model_parallel", "tp", "fsdp_tp")  # accelerate's autocast over fp32 weights
     fp32_embedding = autocast and method in ("full", "qlora")
     return dict(
         compute=2,

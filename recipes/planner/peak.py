@@ -8,7 +8,7 @@ from __future__ import annotations
 from .dtypes import quantized_bytes_per_weight, state_bytes_per_parameter
 from .resident import Stage, _stage_parameters, resident_bytes
 from .shapes import ModelShape
-from .strategies import DEEPSPEED, _check
+from .strategies import DEEPSPEED, _check, tensor_parallel_size
 
 # DeepSpeed's gradient reduce bucket: accelerate's generated DeepSpeed config leaves
 # `reduce_bucket_size` unset, so DeepSpeed's default of 5e8 elements applies.
@@ -28,7 +28,7 @@ def _unsharded_bytes(shape: ModelShape, method: str, precision: str, layers: int
 
 
 def in_flight_weight_bytes(shape: ModelShape, method: str, strategy: str, precision: str = "bf16",
-                           lora_rank: int = 16, lora_targets="all-linear") -> int:
+                           lora_rank: int = 16, lora_targets="all-linear", gpus: int = 1) -> int:
     """Unsharded parameters alive on a GPU on top of its shard.
 
     - fsdp_full_shard / fsdp_hybrid / fsdp_offload: the root unit (embedding, final norm, lm_head:
@@ -39,7 +39,10 @@ def in_flight_weight_bytes(shape: ModelShape, method: str, strategy: str, precis
       embedding and lm_head (gathered while the logits are computed).
     - fsdp_grad_op: reshard-after-forward off: every unit stays gathered from its forward to its
       backward, so at the start of the backward the whole model is unsharded.
-    - ddp / zero1 / zero2 / model_parallel: nothing (the weights are already whole).
+    - fsdp_tp: full shard's units, each gathered across the groups only: its tensor parallel part
+      (1/T of the unit, T = `tensor_parallel_size(strategy, gpus)`).
+    - ddp / zero1 / zero2 / tp / model_parallel: nothing (each rank's weights are already whole,
+      or its tensor parallel part).
     QLoRA adds one dequantised linear (the largest, in the compute dtype) on every strategy:
     bitsandbytes dequantises the weight of the linear it runs.
     """
@@ -47,6 +50,9 @@ def in_flight_weight_bytes(shape: ModelShape, method: str, strategy: str, precis
     layers = min(LAYERS_IN_FLIGHT, shape.layers)
     if strategy in ("fsdp_full_shard", "fsdp_hybrid", "fsdp_offload"):
         flight = _unsharded_bytes(shape, method, precision, layers, True, True, lora_rank, lora_targets)
+    elif strategy == "fsdp_tp":
+        flight = (_unsharded_bytes(shape, method, precision, layers, True, True, lora_rank, lora_targets)
+                  / tensor_parallel_size(strategy, gpus))
     elif strategy in ("zero3", "zero3_offload"):
         blocks = _unsharded_bytes(shape, method, precision, layers, False, False, lora_rank, lora_targets)
         edges = max(_unsharded_bytes(shape, method, precision, 0, True, False, lora_rank, lora_targets),
@@ -79,7 +85,7 @@ def weight_bytes(shape: ModelShape, method: str, strategy: str, gpus: int, lora_
     (`in_flight_weight_bytes`)."""
     stage = stage or Stage(shape.layers)
     resident = resident_bytes(shape, method, strategy, gpus, lora_rank, lora_targets, precision, stage)["weights"]
-    flight = in_flight_weight_bytes(shape, method, strategy, precision, lora_rank, lora_targets)
+    flight = in_flight_weight_bytes(shape, method, strategy, precision, lora_rank, lora_targets, gpus)
     return int(resident + quantization_constant_bytes(shape, method, stage) + flight)
 
 

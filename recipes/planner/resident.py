@@ -14,8 +14,8 @@ import math
 from dataclasses import dataclass
 
 from .dtypes import state_bytes_per_parameter
-from .shapes import ModelShape, lora_parameters, lora_parameters_per_layer
-from .strategies import _check
+from .shapes import ModelShape, lora_parameters, lora_parameters_per_layer, lora_target_names
+from .strategies import TENSOR_PARALLEL, _check, tensor_parallel_size
 
 
 @dataclass
@@ -162,9 +162,47 @@ def resident_bytes(shape: ModelShape, method: str, strategy: str, gpus: int, lor
     """
     _check(method, strategy, precision)
     stage = stage or Stage(shape.layers)
+    if strategy in TENSOR_PARALLEL:
+        return _tensor_parallel_resident(shape, method, strategy, gpus, lora_rank, lora_targets, precision)
     state = _unsharded_state_bytes(shape, method, strategy, stage, lora_rank, lora_targets, precision)
     divisors = _divisors(strategy, gpus, where)
     return {kind: int(_share(state[kind], divisor)) for kind, divisor in zip(state, divisors)}
+
+
+def _tensor_parallel_resident(shape: ModelShape, method: str, strategy: str, gpus: int, lora_rank: int,
+                              lora_targets, precision: str) -> dict:
+    """tp / fsdp_tp at rest, as transformers splits a Llama-style model: every block linear, the
+    embedding and lm_head are split T ways (T = `tensor_parallel_size`); the norms are whole on every
+    rank of a group. fsdp_tp then shards all of it over the F = N / T groups. LoRA (tp only, on the
+    column-split linears): B (out x R) is split with its linear, A (R x in) is whole.
+
+    One exception, measured (transformers 5.23): under tp the embedding's gradient is whole on every
+    rank (its split style hands back a replicated gradient); FSDP's reduce-scatter shards it in fsdp_tp."""
+    tp = tensor_parallel_size(strategy, gpus)
+    groups = gpus // tp
+    per = state_bytes_per_parameter(method, strategy, precision)
+    counts = shape.parameter_counts()
+    split = counts["linear"] + counts["embedding"] + counts["lm_head"]
+    whole = counts["norms"]
+    if method == "full":
+        trained_split, trained_whole, frozen_split, frozen_whole = split, whole, 0, 0
+    else:
+        adapted = [(i, o) for name, (i, o) in shape.linear_shapes().items() if name in lora_target_names(lora_targets)]
+        trained_split = lora_rank * sum(o for _, o in adapted) * shape.layers
+        trained_whole = lora_rank * sum(i for i, _ in adapted) * shape.layers
+        frozen_split, frozen_whole = split, whole
+
+    def held(split_count, whole_count, bytes_per):
+        return (split_count / (tp * groups) + whole_count / groups) * bytes_per
+
+    whole_embedding_grad = counts["embedding"] * (1 - 1 / tp) if method == "full" and groups == 1 else 0
+    return {
+        "weights": int(held(trained_split, trained_whole, per["trained_weight"])
+                       + held(frozen_split, frozen_whole, per["frozen"])),
+        "gradients": int(held(trained_split, trained_whole, per["trained_grad"])
+                         + whole_embedding_grad * per["trained_grad"]),
+        "optimizer": int(held(trained_split, trained_whole, per["trained_optimizer"])),
+    }
 
 
 def cpu_offload_bytes(shape: ModelShape, method: str, strategy: str, gpus: int, lora_rank: int = 16,

@@ -3,6 +3,8 @@ speed), the methods and the attention implementations, and the check of a reques
 
 from __future__ import annotations
 
+import math
+
 # Strategy -> its config file, in the order of expected speed (fastest first); see `SPEED_ORDER`.
 STRATEGIES = {
     "ddp": "accelerate_configs/ddp.yaml",
@@ -12,6 +14,8 @@ STRATEGIES = {
     "fsdp_hybrid": "accelerate_configs/fsdp_hybrid.yaml",
     "fsdp_full_shard": "accelerate_configs/fsdp.yaml",
     "zero3": "accelerate_configs/zero3.yaml",
+    "tp": "accelerate_configs/tp.yaml",
+    "fsdp_tp": "accelerate_configs/fsdp_tp.yaml",
     "fsdp_offload": "accelerate_configs/fsdp_offload.yaml",
     "zero3_offload": "accelerate_configs/zero3_offload.yaml",
     "model_parallel": "accelerate_configs/model_parallel.yaml",
@@ -29,6 +33,11 @@ STRATEGIES = {
 # - fsdp_full_shard ~ zero3: all-gather P in the forward, again in the backward, reduce-scatter
 #   G: ~2P + G, every layer waiting on its all-gather. For LoRA, P is the whole frozen base
 #   while G is only the adapters: sharding costs far more than it does for full fine-tuning.
+# - tp: no weight traffic, but two all-reduces of the activations (b*s*h each) per block in the
+#   forward and two in the backward, on the critical path: fine over NVLink within a machine,
+#   slow across machines. It divides what sharding does not: the activations of the split
+#   projections (attention heads, the MLP's intermediate width).
+# - fsdp_tp: tp within each group plus fsdp_full_shard's gathers across the groups.
 # - fsdp_offload ~ zero3_offload: the same plus every parameter and gradient over PCIe and the
 #   optimizer step on the CPU: several times slower.
 # - model_parallel: little traffic, but the layers run one GPU after the other, so only ~1/N of
@@ -36,6 +45,7 @@ STRATEGIES = {
 SPEED_ORDER = tuple(STRATEGIES)
 DEEPSPEED = ("zero1", "zero2", "zero3", "zero3_offload")
 FSDP = ("fsdp_full_shard", "fsdp_grad_op", "fsdp_hybrid", "fsdp_offload")
+TENSOR_PARALLEL = ("tp", "fsdp_tp")
 METHODS = ("full", "lora", "qlora")
 ATTENTIONS = ("sdpa", "flash", "eager")
 
@@ -49,3 +59,44 @@ def _check(method: str, strategy: str, precision: str, attention: str = "sdpa") 
         raise ValueError(f"precision must be bf16 or fp32, not {precision!r}")
     if attention not in ATTENTIONS:
         raise ValueError(f"attention must be one of {ATTENTIONS}, not {attention!r}")
+
+
+def tensor_parallel_size(strategy: str, gpus: int) -> int:
+    """Ranks that split each layer: all of them for tp; for fsdp_tp the larger side of the balanced
+    mesh (fsdp_tp.yaml's 2 x 2 on 4 GPUs; 2 x 4 on 8, 4 x 4 on 16); 1 for every other strategy."""
+    if strategy == "tp":
+        return gpus
+    if strategy == "fsdp_tp":
+        return gpus // max(d for d in range(1, math.isqrt(gpus) + 1) if gpus % d == 0)
+    return 1
+
+
+# The linears transformers splits by rows (and lm_head, split by its own style): peft cannot adapt them under tp.
+ROW_SPLIT = ("o_proj", "down_proj", "lm_head")
+
+
+def impossible(method: str, strategy: str, gpus: int, shape=None, lora_targets="all-linear") -> str | None:
+    """Why the recipes refuse `method` under `strategy` on `gpus` GPUs (None: they run it)."""
+    if strategy not in TENSOR_PARALLEL:
+        return None
+    tp = tensor_parallel_size(strategy, gpus)
+    if tp < 2 or (strategy == "fsdp_tp" and gpus // tp < 2):
+        return f"{strategy} needs {'2' if strategy == 'tp' else '4'} GPUs or more"
+    if method == "qlora":
+        return "4-bit weights cannot be split by tensor parallel"
+    if method == "lora" and strategy == "fsdp_tp":
+        return "LoRA runs tp.yaml or fsdp.yaml, not FSDP x TP"
+    if method == "lora":
+        from .shapes import lora_target_names
+
+        row = [name for name in lora_target_names(lora_targets) if name in ROW_SPLIT]
+        if row:
+            return f"LoRA under tensor parallel adapts only column-split linears, not {', '.join(row)}"
+    if shape is not None and math.gcd(shape.heads, shape.kv_heads) % tp:
+        return f"{shape.kv_heads} key-value heads do not split {tp} ways"
+    return None
+
+
+def possible_strategies(method: str, gpus: int, shape=None, lora_targets="all-linear") -> tuple[str, ...]:
+    """The strategies of `SPEED_ORDER` the recipes run for `method` on `gpus` GPUs."""
+    return tuple(s for s in SPEED_ORDER if impossible(method, s, gpus, shape, lora_targets) is None)
