@@ -78,10 +78,11 @@ def launch_env(env: dict | None = None) -> dict:
 
 
 def launch(recipe: str, output_dir: Path, *recipe_args: str, config: str | None = None,
-           processes: int = 2, timeout: int = 600, env: dict | None = None, mixed_precision: str | None = "no") -> Launch:
+           processes: int = 2, timeout: int = 600, env: dict | None = None, mixed_precision: str | None = "no",
+           launcher_args: tuple = ()) -> Launch:
     """Run a launch (see `launch_command`) to its end."""
     command = launch_command(recipe, output_dir, *recipe_args, config=config, processes=processes,
-                             mixed_precision=mixed_precision)
+                             launcher_args=launcher_args, mixed_precision=mixed_precision)
     started = time.monotonic()
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=launch_env(env))
     return Launch(done.returncode, done.stdout + done.stderr, Path(output_dir), time.monotonic() - started)

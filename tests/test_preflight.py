@@ -185,3 +185,38 @@ def test_a_deepspeed_config_file_that_contradicts_the_launch_is_refused(fields, 
     monkeypatch.setenv("ACCELERATE_CONFIG_DS_FIELDS", "")
     ds_file.write_text(json.dumps({"zero_optimization": {"stage": 2}, "gradient_accumulation_steps": "auto"}))
     preflight.check_launch(recipe_args("--output-dir", str(tmp_path / "out"), *argv), "lora")  # a clean file passes
+
+
+# Tensor parallel: what it cannot split is refused before the model loads, naming the config to use.
+
+def launched_with_mesh(config: str, processes: int, tp: int, shard: int = 1):
+    sys.path.insert(0, str(REPO / "scripts"))
+    import check_config
+
+    env = check_config.launcher_environment(CONFIGS / f"{config}.yaml", processes)
+    env.update(PARALLELISM_CONFIG_TP_SIZE=str(tp), PARALLELISM_CONFIG_DP_SHARD_SIZE=str(shard))
+    return mock.patch.dict(os.environ, env)
+
+
+@pytest.mark.parametrize("recipe, config, mesh, argv, message", [
+    ("qlora", "tp", (2, 2, 1), [], "4-bit and 8-bit weights cannot be split by tensor parallel; QLoRA shards with "
+                                   "accelerate_configs/fsdp.yaml"),
+    ("lora", "fsdp_tp", (4, 2, 2), [], "LoRA cannot run FSDP x TP"),
+    ("lora", "tp", (2, 2, 1), [], "LoRA on the row-split layers down_proj, o_proj fails under tensor parallel"),
+    ("lora", "tp", (2, 2, 1), ["--lora-targets", "q_proj,o_proj"], "pass --lora-targets gate_proj,k_proj,q_proj,"
+                                                                   "up_proj,v_proj"),
+    ("full", "tp", (4, 4, 1), [], "the tiny model's 4 query / 2 key-value heads"),
+])
+def test_what_tensor_parallel_cannot_split_is_refused(recipe, config, mesh, argv, message, tmp_path):
+    processes, tp, shard = mesh
+    args = parse_args(recipe_flags(recipe), [*argv, "--output-dir", str(tmp_path / "out")])
+    with launched_with_mesh(config, processes, tp, shard), pytest.raises(Refusal) as refusal:
+        preflight.check_launch(args, recipe)
+    assert message.replace("the tiny model's", "") in str(refusal.value).replace(str(args.model), ""), refusal.value
+
+
+def test_lora_on_the_column_split_layers_passes_the_checks(tmp_path):
+    args = parse_args(recipe_flags("lora"), ["--lora-targets", "q_proj,v_proj", "--output-dir", str(tmp_path / "out")])
+    with launched_with_mesh("tp", 2, 2):
+        launch = preflight.check_launch(args, "lora")
+    assert (launch.kind, launch.tensor_parallel, launch.data_parallel_size) == ("tensor_parallel", 2, 1)

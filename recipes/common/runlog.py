@@ -69,6 +69,16 @@ def what_ran(accelerator, model) -> dict:
             "mesh": None if mesh is None else dict(zip(mesh.mesh_dim_names or ("shard",), mesh.mesh.shape)),
             "param_dtype": None if policy is None else str(policy.param_dtype).removeprefix("torch."),
         }
+    parallelism = accelerator.parallelism_config
+    if parallelism is not None and parallelism.tp_enabled:  # transformers split the weights as they loaded
+        mesh = accelerator.torch_device_mesh
+        split_over = {tuple(zip(p.device_mesh.mesh_dim_names, p.device_mesh.mesh.shape))
+                      for p in params if isinstance(p, DTensor)}
+        ran["tensor_parallel"] = {
+            "mesh": dict(zip(mesh.mesh_dim_names, mesh.mesh.shape)),  # the ranks: data x tensor parallel
+            "weights_split_over": [dict(m) for m in sorted(split_over)],  # the meshes of the split weights
+            "whole_parameters": sum(1 for p in params if not isinstance(p, DTensor)),  # e.g. the norms under tp
+        }
     if accelerator.device.type == "cpu":
         ran["note"] = "CPU-only run: offload to CPU moves nothing here"
     return ran
