@@ -71,11 +71,14 @@ def reloaded_logits(output_dir, recipe: str):
 
 
 @pytest.mark.parametrize("config", ["tp", "fsdp_tp"])
-def test_full_fine_tuning_splits_the_layers_and_matches_one_process(config, tp_runs, trained):
+def test_full_fine_tuning_splits_the_layers_and_matches_one_process(config, tp_runs, trained, record_property):
     run = tp_runs("full", config)
     assert run.returncode == 0, run.output[-4000:]
+    record_property("launch_seconds", round(run.seconds, 1))  # into --junitxml, for README's table
     reference = trained("full", "model_parallel")
-    assert max_relative_difference(reference.losses(), run.losses()) <= 1e-5, (reference.losses(), run.losses())
+    difference = max_relative_difference(reference.losses(), run.losses())
+    record_property("max_relative_difference", difference)
+    assert difference <= 1e-5, (reference.losses(), run.losses())
 
     processes, _ = MESHES[config]
     ran = run.run_json()
@@ -94,13 +97,16 @@ def test_full_fine_tuning_splits_the_layers_and_matches_one_process(config, tp_r
     assert torch.allclose(logits, trained_logits, atol=1e-4), (logits - trained_logits).abs().max()
 
 
-def test_lora_splits_its_adapters_with_the_layers(tp_runs, tmp_path):
+def test_lora_splits_its_adapters_with_the_layers(tp_runs, tmp_path, record_property):
     run = tp_runs("lora", "tp")
     assert run.returncode == 0, run.output[-4000:]
+    record_property("launch_seconds", round(run.seconds, 1))
     one = launch("lora", tmp_path / "one", *matrix_args("lora", "model_parallel"), "--lora-targets", COLUMN_SPLIT,
                  config=None)
     assert one.returncode == 0, one.output[-3000:]
-    assert max_relative_difference(one.losses(), run.losses()) <= 1e-5, (one.losses(), run.losses())
+    difference = max_relative_difference(one.losses(), run.losses())
+    record_property("max_relative_difference", difference)
+    assert difference <= 1e-5, (one.losses(), run.losses())
     ran = run.run_json()
     planned = planner.resident_bytes(SHAPE, "lora", "tp", 2, precision="fp32", lora_rank=ran["arguments"]["lora_r"],
                                      lora_targets=COLUMN_SPLIT)

@@ -80,8 +80,16 @@ class Launch:
             return "fsdp_full_shard" if self.reshard_after_forward else "fsdp_grad_op"
         return MODEL_PARALLEL if self.kind == MODEL_PARALLEL else "ddp"
 
+    @property
+    def name(self) -> str:
+        """How the run's first lines and its model card name the strategy."""
+        if self.kind == TENSOR_PARALLEL:
+            groups = f"FSDP over {self.data_parallel_size} groups x " if self.data_parallel_size > 1 else ""
+            return f"{groups}{self.tensor_parallel}-way tensor parallel"
+        return self.planner_strategy
+
     def as_record(self) -> dict:
-        return {**asdict(self), "shards_parameters": self.shards_parameters}
+        return {**asdict(self), "shards_parameters": self.shards_parameters, "name": self.name}
 
 
 def flag(env, name: str) -> bool:

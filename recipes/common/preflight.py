@@ -95,12 +95,12 @@ def check_launch(args, recipe: str):
         refuse("nothing to train: give --max-steps N or --epochs N (> 0)")
     check_columns(args.columns)
     check_speed_options(args, launch.on_gpu)
+    if launch.kind == TENSOR_PARALLEL:
+        check_tensor_parallel(args, recipe, launch)
     batch_line = settle_batch(args, recipe, launch)  # --batch-size auto, --global-batch-size
     if batch_line and int(os.environ.get("RANK", "0")) == 0:
         print(batch_line, flush=True)
 
-    if launch.kind == TENSOR_PARALLEL:
-        check_tensor_parallel(args, recipe, launch)
     if recipe == "qlora" and getattr(args, "bits", 4) == 8 and fsdp:
         refuse("8-bit weights cannot be sharded by FSDP; use --bits 4 (QLoRA) with fsdp.yaml, or "
                "8-bit with accelerate_configs/ddp.yaml or zero3.yaml")

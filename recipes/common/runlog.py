@@ -176,7 +176,7 @@ class RunLog:
             share = self.held_parameters / max(counts["total"], 1)
             self.say(
                 f"{self.recipe}: {self.accelerator.distributed_type.value} x {self.accelerator.num_processes} "
-                f"process(es), {ran['precision']} precision, {counts['total']:,} parameters "
+                f"process(es){f' ({self.launch.name})' if self.launch.kind == 'tensor_parallel' else ''}, {ran['precision']} precision, {counts['total']:,} parameters "
                 f"({counts['trainable']:,} trainable, rank 0 holds {share:.0%}), data format: {data_format}"
             )
 

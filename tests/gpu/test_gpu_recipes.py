@@ -30,7 +30,11 @@ CONFIGS = {
     "fsdp": ("fsdp", 1), "fsdp_grad_op": ("fsdp", 1), "fsdp_offload": ("fsdp", 1),
     "fsdp_hybrid": ("fsdp", 4),
     "zero1": ("deepspeed", 1), "zero2": ("deepspeed", 1), "zero3": ("deepspeed", 1), "zero3_offload": ("deepspeed", 1),
+    "tp": ("tensor_parallel", 4), "fsdp_tp": ("tensor_parallel", 4),  # the files' meshes: 4-way; 2 x 2
 }
+# What the recipes refuse under tensor parallel (tests/test_preflight.py), and LoRA's column-split targets there.
+REFUSED = {("qlora", "tp"), ("qlora", "fsdp_tp"), ("lora", "fsdp_tp")}
+EXTRA = {("lora", "tp"): ["--lora-targets", "q_proj,k_proj,v_proj,gate_proj,up_proj"]}
 STEPS = 8
 # bf16 forward of the trained model against the reloaded one: the largest logit difference allowed.
 # Chosen before any GPU run; each case records the difference it measured (junit property).
@@ -44,6 +48,8 @@ def cases():
             marks = [pytest.mark.skipif(max(GPUS, 1) < needs, reason=f"{config} needs {needs} GPUs")]
             if ON_CPU and config == "fsdp_hybrid":
                 marks.append(pytest.mark.skip(reason="hybrid shard needs GPUs"))
+            if (recipe, config) in REFUSED:
+                marks.append(pytest.mark.skip(reason=f"{recipe}.py refuses {config} in one line"))
             yield pytest.param(recipe, config, marks=marks, id=f"{recipe}-{config}")
 
 
@@ -82,7 +88,7 @@ def test_recipe_on_gpu(recipe, config, tmp_path, record_property):
     merge = ["--merge"] if recipe != "full" and config == "ddp" else []
     lr = "1e-4" if recipe == "full" else "2e-3"
     run = gpu_launch(recipe, tmp_path / "out", "--max-steps", str(STEPS), "--batch-size", "4", "--lr", lr,
-                     "--max-length", "256", *merge, config=config, model=base)
+                     "--max-length", "256", *merge, *EXTRA.get((recipe, config), []), config=config, model=base)
     assert run.returncode == 0, run.output[-4000:]
     record_property("launch_seconds", round(run.seconds, 1))
 
