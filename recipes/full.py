@@ -107,7 +107,8 @@ def main():
                     loss_sum = token_loss.sum()
                 step_loss += loss_sum.detach()
                 # The gradient of the global token mean: / step_tokens (every rank's micro-batches), and
-                # undo accelerate's division by grad_accum and the gradient all-reduce's mean over ranks.
+                # undo accelerate's division by grad_accum and the gradient all-reduce's mean over ranks
+                # (tensor parallel: each rank of a group counts the group's tokens; the same factor cancels it).
                 accelerator.backward(loss_sum / step_tokens * args.grad_accum * accelerator.num_processes)
         grad_norm = accelerator.clip_grad_norm_(parameters, args.max_grad_norm)
         optimizer.step()
