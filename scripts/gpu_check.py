@@ -8,7 +8,8 @@ of importance, and writes each result as soon as it has it.
 Parts:
   recipes    tests/gpu/test_gpu_recipes.py: every recipe x every config the GPUs present can run, bf16
   planner    tests/gpu/test_gpu_planner.py: the planner's peak against torch.cuda.max_memory_allocated
-  options    tests/gpu/test_gpu_speed_options.py: bitsandbytes CUDA, Liger, attention kernels, compile, workers
+  options    tests/gpu/test_gpu_speed_options.py: bitsandbytes CUDA, Liger, attention kernels, compile, workers,
+             --batch-size auto's probe
   reference  scripts/benchmark.py --workload tinyllama --measure-peak (the TinyLlama-1.1B LoRA workload)
   reference34b  the CodeLlama-34B LoRA workload, layer-scaled to 8 of 48 layers
   trl        scripts/compare_trl.py on one GPU in bf16: the recipe against TRL's SFTTrainer

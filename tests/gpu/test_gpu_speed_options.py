@@ -1,5 +1,6 @@
 """The code paths only a GPU takes: bitsandbytes' CUDA kernels (4- and 8-bit), Liger, the attention
-kernels that are installed, --compile, DataLoader workers with pinned memory. Each is one LoRA or
+kernels that are installed, --compile, DataLoader workers with pinned memory, and the real step that
+confirms --batch-size auto's plan. Each is one LoRA or
 QLoRA launch on the 2-layer TinyLlama-shaped model, on one GPU: it must run and learn, and records
 its losses and peak memory. Skipped without CUDA, or when the kernel's package is not installed."""
 
@@ -45,3 +46,24 @@ def test_speed_option_on_gpu(recipe, flags, tmp_path, record_property):
         record_property("peak_allocated_gib", max(r["peak_allocated_gib"] for r in run.metrics()))
         record_property("tokens_per_s", run.metrics()[-1]["tokens_per_s"])
     assert sum(losses[-2:]) < sum(losses[:2]), losses
+
+
+@pytest.mark.skipif(not HAS_GPU, reason="the --batch-size auto probe runs only on GPUs (batch_size.confirm_on_gpu)")
+def test_batch_size_auto_is_confirmed_by_a_real_step(tmp_path, record_property):
+    """--batch-size auto on a GPU: the planner's micro-batch for this GPU's memory, then one real
+    forward and backward of that size (batch_size.confirm_on_gpu), halving on out-of-memory, and the
+    accumulation that keeps --global-batch-size. The plan and the probe take --max-length tokens per
+    sequence (the worst case), so 1024 makes them large enough to matter."""
+    run = gpu_launch("lora", tmp_path / "out", "--max-steps", "4", "--batch-size", "auto", "--global-batch-size", "64",
+                     "--max-length", "1024", "--lr", "2e-3", config="ddp")
+    assert run.returncode == 0, run.output[-4000:]
+    batch = run.run_json()["batch"]
+    record_property("batch", json.dumps(batch))
+    assert batch["asked"] == {"batch_size": "auto", "global_batch_size": 64}
+    planned = batch["planner"]["fits"]
+    ran = batch["confirmed"]["ran"] if "confirmed" in batch else batch["batch_size"]
+    assert 1 <= batch["batch_size"] == ran <= planned and 64 % batch["batch_size"] == 0
+    assert batch["batch_size"] * batch["grad_accum"] * run.run_json()["num_processes"] == 64
+    assert "batch: " in run.output
+    peak = max(r["peak_allocated_gib"] for r in run.metrics())
+    record_property("peak_allocated_gib", peak)
