@@ -24,7 +24,7 @@ def test_the_entry_point_writes_a_summary_with_every_gpu_case_skipped_and_why(tm
     assert done.returncode == 0, done.stdout + done.stderr
     record = json.loads((tmp_path / "results.json").read_text())
     cases = record["results"]["recipes"]["cases"]
-    assert len(cases) == 30  # 3 recipes x 10 configs
+    assert len(cases) == 36  # 3 recipes x 12 configs (those a recipe refuses are skipped with the reason)
     assert all(case["outcome"].startswith("skipped: ") for case in cases)
     assert any("needs a CUDA GPU" in case["outcome"] for case in cases)
     summary = (tmp_path / "summary.md").read_text()
