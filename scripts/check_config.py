@@ -28,7 +28,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT / "recipes"))
 
 from common import launch_config, preflight  # noqa: E402
-from common.launch import describe  # noqa: E402
+from common.launch import TENSOR_PARALLEL, describe  # noqa: E402
 from common.args import parse_args as parse_recipe_args  # noqa: E402
 from common.args import recipe_flags  # noqa: E402
 
@@ -85,6 +85,8 @@ def check(config_file: Path, recipe: str = "lora", recipe_argv: list[str] = (), 
     with mock.patch.dict(os.environ, env, clear=True), mock.patch("torch.cuda.is_available", return_value=on_gpu):
         notes = launch_config.adapt_launch(args, config_file=None if is_deepspeed_json(path) else path, on_gpu=on_gpu)
         launch = describe(on_gpu=on_gpu)
+        if launch.kind == TENSOR_PARALLEL:  # what the recipe can split (its model's heads, LoRA's targets)
+            preflight.check_tensor_parallel(args, recipe, launch)
     lines = [f"config: {'; '.join(notes)}"] if notes else []
     return lines + [f"ok: {recipe} runs as {launch.planner_strategy} on {launch.gpus} process(es), "
                     f"precision {launch.precision}"]

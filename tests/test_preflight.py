@@ -220,3 +220,16 @@ def test_lora_on_the_column_split_layers_passes_the_checks(tmp_path):
     with launched_with_mesh("tp", 2, 2):
         launch = preflight.check_launch(args, "lora")
     assert (launch.kind, launch.tensor_parallel, launch.data_parallel_size) == ("tensor_parallel", 2, 1)
+
+
+def test_check_config_answers_for_what_tensor_parallel_can_split():
+    """scripts/check_config.py on the shipped files: the recipe's split checks too, not only the file's."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    import check_config
+
+    assert check_config.check(CONFIGS / "fsdp_tp.yaml", "full", on_gpu=False)[-1] == \
+        "ok: full runs as fsdp_tp on 4 process(es), precision bf16"
+    with pytest.raises(Refusal, match="4-bit and 8-bit weights cannot be split by tensor parallel"):
+        check_config.check(CONFIGS / "fsdp_tp.yaml", "qlora", on_gpu=False)
+    with pytest.raises(Refusal, match="splits the attention heads"):  # the bundled model: 2 key-value heads, 4-way
+        check_config.check(CONFIGS / "tp.yaml", "full", on_gpu=False)
