@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, TINY_MODEL
+from conftest import REPO, TINY_MODEL, long_test
 
 sys.path.insert(0, str(REPO / "scripts"))
 sys.path.insert(0, str(REPO / "recipes"))
@@ -35,6 +35,7 @@ def comparison(tmp_path_factory):
     return done.stdout, json.loads((output / "summary.json").read_text())
 
 
+@long_test  # the end-to-end run (~35 s): in the long run; the unit tests below in every run
 def test_last_line_is_the_ratio(comparison):
     stdout, summary = comparison
     last = stdout.strip().splitlines()[-1]
@@ -44,6 +45,7 @@ def test_last_line_is_the_ratio(comparison):
     assert float(match.group(1)) == pytest.approx(summary["ratio"], abs=0.005)
 
 
+@long_test  # the end-to-end run (~35 s): in the long run; the unit tests below in every run
 def test_both_sides_report_tokens_per_second(comparison):
     stdout, summary = comparison
     runs = [RUN_LINE.match(line) for line in stdout.splitlines() if line.startswith("round ")]
@@ -54,6 +56,7 @@ def test_both_sides_report_tokens_per_second(comparison):
     assert "limits:" in stdout and "median tokens/s: ours" in stdout
 
 
+@long_test  # the end-to-end run (~35 s): in the long run; the unit tests below in every run
 def test_both_sides_trained_on_the_same_target_tokens(comparison):
     _, summary = comparison
     ours, trl = (next(run for run in summary["runs"] if run["side"] == side) for side in ("ours", "trl"))

@@ -99,6 +99,7 @@ def test_steady_state_leaves_the_warmup_out():
         steady_state(lines[:3], warmup_steps=2)
 
 
+@long_test  # ~35 s: the script end to end; each option's launch above runs in every run
 def test_speed_options_script_measures_and_writes_its_table(tmp_path):
     done = subprocess.run(
         [sys.executable, str(REPO / "scripts" / "speed_options.py"), "--cpu", "--variants", "packing,liger",
