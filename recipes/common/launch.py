@@ -103,7 +103,9 @@ def describe(env=None, on_gpu: bool | None = None) -> Launch:
     visible = torch.cuda.device_count() if on_gpu else 0
     common = dict(processes=int(env.get("WORLD_SIZE", "1")), on_gpu=on_gpu, visible_gpus=visible,
                   precision=env.get("ACCELERATE_MIXED_PRECISION", "no"))
-    tensor_parallel = int(env.get("PARALLELISM_CONFIG_TP_SIZE", "1")) if flag(env, "ACCELERATE_USE_PARALLELISM_CONFIG") else 1
+    from .launch_config import tensor_parallel_size
+
+    tensor_parallel = tensor_parallel_size(env)
     if tensor_parallel > 1:  # alone (tp.yaml) or with FSDP across the groups (fsdp_tp.yaml)
         return Launch(TENSOR_PARALLEL, **common, tensor_parallel=tensor_parallel)
     if flag(env, "ACCELERATE_USE_DEEPSPEED"):

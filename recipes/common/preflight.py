@@ -187,8 +187,9 @@ def check_tensor_parallel(args, recipe: str, launch) -> None:
         check_lora_split(args, plan)
     tp = launch.tensor_parallel
     heads = [config[key] for key in ("num_attention_heads", "num_key_value_heads") if config.get(key)]
-    if heads and math.gcd(*heads) % tp:
-        fits = [n for n in range(2, math.gcd(*heads) + 1) if math.gcd(*heads) % n == 0]
+    shared = math.gcd(*heads) if heads else 0  # what both head counts split into
+    if shared and shared % tp:
+        fits = [n for n in range(2, shared + 1) if shared % n == 0]
         refuse(f"tensor parallel over {tp} processes splits the attention heads, but {args.model} has "
                f"{' query / '.join(map(str, heads))} key-value heads; set parallelism_config_tp_size to "
                f"{' or '.join(map(str, fits)) or '1 (this model cannot be split)'}")
