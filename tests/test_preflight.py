@@ -205,6 +205,7 @@ def launched_with_mesh(config: str, processes: int, tp: int, shard: int = 1):
     ("lora", "tp", (2, 2, 1), [], "LoRA on the row-split layers down_proj, o_proj fails under tensor parallel"),
     ("lora", "tp", (2, 2, 1), ["--lora-targets", "q_proj,o_proj"], "pass --lora-targets gate_proj,k_proj,q_proj,"
                                                                    "up_proj,v_proj"),
+    ("lora", "tp", (2, 2, 1), ["--lora-targets", "q_proj,lm_head"], "LoRA on lm_head fails under tensor parallel"),
     ("full", "tp", (4, 4, 1), [], "the tiny model's 4 query / 2 key-value heads"),
 ])
 def test_what_tensor_parallel_cannot_split_is_refused(recipe, config, mesh, argv, message, tmp_path):

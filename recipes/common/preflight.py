@@ -197,7 +197,8 @@ def check_tensor_parallel(args, recipe: str, launch) -> None:
 
 def check_lora_split(args, plan: dict) -> None:
     """peft splits an adapter with its layer under tensor parallel, but (peft 0.21) only on the
-    column-split layers: on a row-split one the first forward fails with a shape error."""
+    column-split layers: on a row-split one the first forward fails with a shape error, and lm_head
+    (split by the model class's own plan, with its output gathered) fails the same way."""
     from importlib.metadata import version
 
     from .args import lora_targets
@@ -208,11 +209,13 @@ def check_lora_split(args, plan: dict) -> None:
     column = sorted(leaf for leaf, kinds in styles.items() if kinds == {"colwise"})
     targets = lora_targets(args.lora_targets)
     wanted = set(styles) if targets == "all-linear" else set(targets)
-    row = sorted(leaf for leaf in wanted if leaf in styles and styles[leaf] != {"colwise"})
-    if row:
-        refuse(f"LoRA on the row-split layers {', '.join(row)} fails under tensor parallel (peft "
-               f"{version('peft')}); pass --lora-targets {','.join(column)} (the column-split ones), or use "
-               "accelerate_configs/fsdp.yaml")
+    outside = sorted(wanted - set(column))  # row-split, split another way, or not in the plan at all
+    if outside:
+        row = [leaf for leaf in outside if leaf in styles]
+        what = f"the row-split layers {', '.join(row)}" if row == outside else f"{', '.join(outside)}"
+        refuse(f"LoRA on {what} fails under tensor parallel (peft {version('peft')} splits an adapter only "
+               f"with a column-split layer); pass --lora-targets {','.join(column)} (the column-split ones), or "
+               "use accelerate_configs/fsdp.yaml")
 
 
 def check_columns(columns: str | None) -> None:
