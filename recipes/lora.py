@@ -70,9 +70,10 @@ def main():
         modeling.compile_layers(model)  # the first steps are slower while each shape compiles
 
     # Batches: shuffled micro-batches, each padded to its longest row; a fixed one to check reloads against.
-    train_loader, eval_loader = data.make_loaders(
-        train_set, eval_set, tokenizer, args.batch_size, args.dataloader_workers
-    )
+    # To batch differently, swap the collator: any function from a list of rows to a dict of tensors.
+    collate = data.PadToLongest(tokenizer.pad_token_id)
+    train_loader, eval_loader = data.make_loaders(train_set, eval_set, collate, args.batch_size,
+                                                  args.dataloader_workers)
     probe = next(iter(eval_loader))
 
     # fused: one kernel updates every tensor of a group (a loop over tensors otherwise; docs/speed-options.md).

@@ -6,9 +6,10 @@ import signal
 import subprocess
 import time
 
-from conftest import launch, start
+from conftest import launch, long_test, start
 
 
+@long_test  # ~30 s; every run sends Ctrl-C instead (test_interruptions.py), which StepSync handles alike
 def test_sigterm_checkpoints_and_the_run_resumes(tmp_path):
     output_dir = tmp_path / "out"
     job = start_training(output_dir, "--max-steps", "100000")

@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import TINY_MODEL, launch
+from conftest import TINY_MODEL, launch, long_test
 
 
 def build(kind: str, folder) -> None:
@@ -26,7 +26,7 @@ def build(kind: str, folder) -> None:
     tokenizer.save_pretrained(folder)
 
 
-@pytest.mark.parametrize("kind, recipe, config", [("gpt2", "lora", "fsdp"), ("qwen2", "full", "zero3")])
+@pytest.mark.parametrize("kind, recipe, config", [("gpt2", "lora", "fsdp"), pytest.param("qwen2", "full", "zero3", marks=long_test)])
 def test_other_architectures_train_shard_and_reload(kind, recipe, config, tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM

@@ -61,22 +61,56 @@ def test_lora_differs_from_full_by_the_lora_lines_only():
     assert len(changed) <= 60, "\n".join(changed)
 
 
-def test_a_copied_recipe_edited_in_its_loss_still_runs_and_trains_on_the_edit(trained, tmp_path):
-    """Copy lora.py, weight every target token by 2 in the copy alone, and launch it: the first step's
-    loss (before any update) is twice that of the untouched recipe on the same batch."""
+def launch_edited_copy(edits: list[tuple[str, str]], output_dir, steps: int):
+    """Copy lora.py with `edits` (old, new) applied to the copy alone, and launch it as the matrix does."""
     source = (REPO / "recipes" / "lora.py").read_text()
-    edit = ("loss_sum = token_loss.sum()", "loss_sum = (token_loss * 2.0).sum()  # every target token counts twice")
-    assert source.count(edit[0]) == 1
-    copy = REPO / "recipes" / "my_weighted_lora.py"
-    copy.write_text(source.replace(*edit))
+    for old, new in edits:
+        assert source.count(old) == 1, old
+        source = source.replace(old, new)
+    copy = REPO / "recipes" / f"my_edited_lora_{output_dir.parent.name}.py"
+    copy.write_text(source)
     try:
-        run = launch("my_weighted_lora", tmp_path / "out", *matrix_args("lora", "model_parallel"), "--max-steps", "1",
+        run = launch(copy.stem, output_dir, *matrix_args("lora", "model_parallel"), "--max-steps", str(steps),
                      config="model_parallel", processes=1)
     finally:
         copy.unlink()
     assert run.returncode == 0, run.output[-3000:]
+    return run
+
+
+def test_a_copied_recipe_edited_in_its_loss_and_schedule_trains_on_the_edits(trained, tmp_path):
+    """Weight every target token by 2 and hold the learning rate constant, in the copy alone: the
+    first step's loss (before any update) is twice the untouched recipe's on the same batch, and
+    the learning rate no longer follows the cosine."""
+    run = launch_edited_copy([
+        ("loss_sum = token_loss.sum()", "loss_sum = (token_loss * 2.0).sum()  # every target token counts twice"),
+        ("from transformers import get_cosine_schedule_with_warmup", "from transformers import get_constant_schedule"),
+        ("get_cosine_schedule_with_warmup(optimizer, int(args.warmup_ratio * total_steps), total_steps)",
+         "get_constant_schedule(optimizer)"),
+    ], tmp_path / "out", steps=3)
     reference = trained("lora", "model_parallel")
-    assert run.losses() == pytest.approx([2 * reference.losses()[0]], rel=1e-6)
+    assert run.losses()[0] == pytest.approx(2 * reference.losses()[0], rel=1e-6)
+    flags = matrix_args("lora", "model_parallel")
+    lr = float(flags[flags.index("--lr") + 1])
+    assert [record["lr"] for record in run.metrics()] == [lr] * 3
+    assert [record["lr"] for record in reference.metrics()[:3]] != [lr] * 3
+
+
+def test_a_copied_recipe_edited_in_its_collator_trains_on_the_edit(trained, tmp_path):
+    """A collator that also trains on the prompt, in the copy alone: step 1 scores more target
+    tokens than the untouched recipe on the same rows, and its loss differs."""
+    run = launch_edited_copy([(
+        "    collate = data.PadToLongest(tokenizer.pad_token_id)\n",
+        "    pad = data.PadToLongest(tokenizer.pad_token_id)\n\n"
+        "    def collate(rows):  # train on the prompt too: every real token is a target\n"
+        "        batch = pad(rows)\n"
+        "        batch[\"labels\"] = batch[\"input_ids\"].masked_fill(batch[\"attention_mask\"] == 0, data.IGNORE)\n"
+        "        return batch\n",
+    )], tmp_path / "out", steps=1)
+    reference = trained("lora", "model_parallel").metrics()[0]
+    edited = run.metrics()[0]
+    assert edited["tokens"] > reference["tokens"]
+    assert edited["loss"] != pytest.approx(reference["loss"], rel=1e-3)
 
 
 @pytest.mark.parametrize("recipe", RECIPES)

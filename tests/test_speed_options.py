@@ -26,7 +26,7 @@ def max_relative_difference(losses, reference) -> float:
 # The matrix's DDP LoRA launch (no dropout) is the reference; each option runs the same steps.
 @pytest.mark.parametrize("flags, tolerance", [
     # the same batches, collated elsewhere: also proves that a second run of one seed repeats the first exactly
-    (["--dataloader-workers", "2"], 0.0),
+    pytest.param(["--dataloader-workers", "2"], 0.0, marks=long_test),  # ~20 s; resume tests show repeats too
     # recomputing repeats the same forward; eager attention is the same softmax in another kernel
     (["--gradient-checkpointing", "2", "--attention", "eager"], 1e-5),
     pytest.param(["--compile"], 1e-5, marks=long_test),  # inductor's fused kernels round differently (~90 s on CPU)

@@ -70,7 +70,7 @@ def reloaded_logits(output_dir, recipe: str):
     return logits, probe["logits"]
 
 
-@pytest.mark.parametrize("config", ["tp", "fsdp_tp"])
+@pytest.mark.parametrize("config", ["tp", pytest.param("fsdp_tp", marks=long_test)])  # fsdp_tp: 4 processes, ~37 s
 def test_full_fine_tuning_splits_the_layers_and_matches_one_process(config, tp_runs, trained, record_property):
     run = tp_runs("full", config)
     assert run.returncode == 0, run.output[-4000:]

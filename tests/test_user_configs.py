@@ -148,7 +148,10 @@ LAUNCHED = {
 }
 
 
-@pytest.mark.parametrize("recipe, name", list(LAUNCHED), ids=lambda value: str(value).split("__")[-1])
+# Every run launches the LoRA and full-fine-tuning files; the two QLoRA ones (~50 s) join the long run.
+@pytest.mark.parametrize("recipe, name", [
+    pytest.param(recipe, name, marks=long_test) if recipe == "qlora" else (recipe, name) for recipe, name in LAUNCHED
+], ids=lambda value: str(value).split("__")[-1])
 def test_user_config_file_trains_as_written(recipe, name, tmp_path):
     expected = LAUNCHED[recipe, name]
     run = launch(recipe, tmp_path / "out", "--max-steps", "2", "--batch-size", "2", "--log-every", "1",
@@ -177,7 +180,7 @@ def test_user_config_file_trains_as_written(recipe, name, tmp_path):
     assert (tmp_path / "out" / saved).is_file()
 
 
-@long_test  # ~12 min; each run of the suite launches one file of each kind above
+@long_test  # ~12 min; each run of the suite launches the LoRA and full files above
 @pytest.mark.parametrize("name", sorted(name for name in EXPECTED if name != "accelerate__sp-alst.ds-config.json"))
 def test_every_fixture_trains_or_is_refused(name, user_folder, tmp_path, monkeypatch):
     """Every file launched for real, the recipes taking turns; relative paths resolve as in their projects."""

@@ -263,17 +263,17 @@ class PadToLongest:
         return {key: torch.tensor(value) for key, value in batch.items()}
 
 
-def make_loaders(train, evaluation, tokenizer, batch_size: int, workers: int | None = None):
-    """Shuffled training batches (the ragged last batch dropped) and ordered evaluation batches.
+def make_loaders(train, evaluation, collate, batch_size: int, workers: int | None = None):
+    """Shuffled training batches (the ragged last batch dropped) and ordered evaluation batches,
+    each micro-batch made by `collate` (a list of rows -> a dict of tensors).
 
     On a GPU, `workers` processes (default 2) collate the next batches while the GPU computes and
     pinned memory lets the copy to the GPU overlap too; on CPU the workers would only take cores
     from the ranks, so the default there is 0.
     """
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     on_gpu = torch.cuda.is_available()
     workers = (2 if on_gpu else 0) if workers is None else workers
-    common = dict(batch_size=batch_size, collate_fn=PadToLongest(pad_id), num_workers=workers,
+    common = dict(batch_size=batch_size, collate_fn=collate, num_workers=workers,
                   pin_memory=on_gpu, persistent_workers=workers > 0)
     train_loader = DataLoader(train, shuffle=True, drop_last=True, **common)
     eval_loader = DataLoader(evaluation, shuffle=False, **common)
