@@ -212,7 +212,7 @@ def check_lora_split(args, plan: dict) -> None:
     outside = sorted(wanted - set(column))  # row-split, split another way, or not in the plan at all
     if outside:
         row = [leaf for leaf in outside if leaf in styles]
-        what = f"the row-split layers {', '.join(row)}" if row == outside else f"{', '.join(outside)}"
+        what = f"the row-split layers {', '.join(row)}" if row == outside else ', '.join(outside)
         refuse(f"LoRA on {what} fails under tensor parallel (peft {version('peft')} splits an adapter only "
                f"with a column-split layer); pass --lora-targets {','.join(column)} (the column-split ones), or "
                "use accelerate_configs/fsdp.yaml")
