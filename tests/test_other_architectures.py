@@ -26,7 +26,10 @@ def build(kind: str, folder) -> None:
     tokenizer.save_pretrained(folder)
 
 
-@pytest.mark.parametrize("kind, recipe, config", [("gpt2", "lora", "fsdp"), pytest.param("qwen2", "full", "zero3", marks=long_test)])
+@pytest.mark.parametrize("kind, recipe, config", [
+    ("gpt2", "lora", "fsdp"),
+    pytest.param("qwen2", "full", "zero3", marks=long_test),  # ~21 s
+])
 def test_other_architectures_train_shard_and_reload(kind, recipe, config, tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM

@@ -97,7 +97,7 @@ def test_full_fine_tuning_splits_the_layers_and_matches_one_process(config, tp_r
     assert torch.allclose(logits, trained_logits, atol=1e-4), (logits - trained_logits).abs().max()
 
 
-@long_test  # two launches (~35 s); full fine-tuning under both meshes runs in every run
+@long_test  # two launches (~35 s); full fine-tuning under tp runs in every run
 def test_lora_splits_its_adapters_with_the_layers(tp_runs, tmp_path, record_property):
     run = tp_runs("lora", "tp")
     assert run.returncode == 0, run.output[-4000:]
