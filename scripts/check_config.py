@@ -31,6 +31,7 @@ from common import launch_config, preflight  # noqa: E402
 from common.launch import TENSOR_PARALLEL, describe  # noqa: E402
 from common.args import parse_args as parse_recipe_args  # noqa: E402
 from common.args import recipe_flags  # noqa: E402
+from common.batch_size import settle as settle_batch  # noqa: E402
 
 
 def is_deepspeed_json(path: Path) -> bool:
@@ -67,27 +68,49 @@ def launcher_environment(config_file: Path, num_processes: int | None = None) ->
     return env
 
 
+def refuse_what_the_launcher_chokes_on(path: Path) -> None:
+    """Files `accelerate launch` itself fails on with a traceback, before any recipe starts."""
+    config = launch_config.read_config(path)  # refuses unreadable YAML / JSON in one line
+    if not config:
+        preflight.refuse(f"{path.name} holds no settings (empty, or not a mapping of key: value); write it with "
+                         "`accelerate config`, or start from a file in accelerate_configs/")
+    for key in ("distributed_type", "mixed_precision"):
+        if isinstance(config.get(key), bool):  # YAML reads an unquoted NO / no as false
+            preflight.refuse(f"{path.name}: {key} is read as the boolean {config[key]} (YAML turns an unquoted "
+                             f"NO / no into false); write it in quotes: {key}: 'NO' / 'no'")
+
+
 def check(config_file: Path, recipe: str = "lora", recipe_argv: list[str] = (), num_processes: int | None = None,
           on_gpu: bool | None = None) -> list[str]:
     """The lines the recipe would print at start-up for this config file; raises `preflight.Refusal`."""
     path = Path(config_file)
+    refuse_what_the_launcher_chokes_on(path)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the launcher's notes about ports in use
             env = launcher_environment(path, num_processes)
-    except (ValueError, KeyError, TypeError) as error:
+    except Exception as error:  # noqa: BLE001 - whatever stops `accelerate launch` is the answer, in one line
         # accelerate stops at an unknown top-level key without naming an alternative: name one
         problem = None if is_deepspeed_json(path) else launch_config.unknown_key(launch_config.read_config(path))
-        preflight.refuse(f"{path.name}: {problem}" if problem else
-                         f"accelerate cannot launch {path.name}: {str(error).splitlines()[0]}")
+        lines = str(error).strip().splitlines() or [type(error).__name__]
+        preflight.refuse(f"{path.name}: {problem}" if problem else f"accelerate cannot launch {path.name}: {lines[0]}")
     args = parse_recipe_args(recipe_flags(recipe), list(recipe_argv))
+    if not is_deepspeed_json(path):
+        config = launch_config.read_config(path)
+        launch_config.refuse_unsupported_type(config, path.name)
+        if env["WORLD_SIZE"] == "1":  # accelerate starts one process for this file, whatever was asked
+            asked = num_processes or int(config.get("num_processes") or 1)
+            launch_config.refuse_one_process_for_several(str(config.get("distributed_type", "NO")).upper(), asked)
     on_gpu = (__import__("torch").cuda.is_available()) if on_gpu is None else on_gpu
     with mock.patch.dict(os.environ, env, clear=True), mock.patch("torch.cuda.is_available", return_value=on_gpu):
         notes = launch_config.adapt_launch(args, config_file=None if is_deepspeed_json(path) else path, on_gpu=on_gpu)
         launch = describe(on_gpu=on_gpu)
+        preflight.check_ranges(args)  # values the file handed to the flags, too
         if launch.kind == TENSOR_PARALLEL:  # what the recipe can split (its model's heads, LoRA's targets)
             preflight.check_tensor_parallel(args, recipe, launch)
+        batch_line = settle_batch(args, recipe, launch)  # the file's train_batch_size must split over the ranks
     lines = [f"config: {'; '.join(notes)}"] if notes else []
+    lines += [batch_line] if batch_line else []
     return lines + [f"ok: {recipe} runs as {launch.planner_strategy} on {launch.gpus} process(es), "
                     f"precision {launch.precision}"]
 

@@ -115,6 +115,54 @@ def described(key: str, where: str, valid: set[str], prefix: str = "") -> str:
 
 # --- the launch as the launcher describes it -----------------------------------------------------
 
+# distributed_type values the recipes run (on CUDA GPUs, or CPU processes)
+SUPPORTED_TYPES = ("NO", "MULTI_GPU", "MULTI_CPU", "FSDP", "DEEPSPEED")
+
+
+def refuse_unsupported_type(config: dict, name: str) -> None:
+    kind = str(config.get("distributed_type", "NO")).upper()
+    if kind not in SUPPORTED_TYPES:
+        refuse(f"{name}: distributed_type {kind} is not one these recipes run ({', '.join(SUPPORTED_TYPES)}, on CUDA "
+               "GPUs or CPU processes); use a file from accelerate_configs/ (ddp.yaml, fsdp.yaml, zero3.yaml, ...)")
+
+
+def refuse_one_process_for_several(distributed_type: str, requested: int) -> None:
+    """accelerate starts ONE process for `distributed_type: NO` and for MULTI_CPU without mpirun,
+    whatever --num_processes says."""
+    if requested <= 1:
+        return
+    if distributed_type == "MULTI_CPU":
+        refuse(f"distributed_type MULTI_CPU starts one process unless mpirun is set up, but {requested} were asked; "
+               f"for {requested} CPU processes use accelerate_configs/ddp.yaml with --num_processes {requested} "
+               "--mixed_precision no (DDP over gloo)")
+    refuse("model parallel runs as ONE process that spreads the layers over the GPUs, but "
+           "--num_processes > 1 was asked; drop --num_processes, or use "
+           "accelerate_configs/ddp.yaml (model fits one GPU) or fsdp.yaml (it does not)")
+
+
+def file_distributed_type() -> str:
+    """distributed_type of the config file `accelerate launch` read ("NO" when there is none)."""
+    path = config_file_of_launcher()
+    config = read_config(path) if path is not None and Path(path).is_file() else {}
+    return str(config.get("distributed_type", "NO")).upper()
+
+
+def translate_dynamo(env, args) -> list[str]:
+    """A `dynamo_config` makes accelerate compile the whole model, which renames the weights a LoRA
+    adapter is saved under; the recipes' --compile compiles each decoder layer in place instead."""
+    backend = env.get("ACCELERATE_DYNAMO_BACKEND", "no").strip().lower()
+    if backend in ("no", ""):
+        return []
+    if backend != "inductor":
+        refuse(f"dynamo_backend {backend.upper()}: the recipes compile with inductor (--compile); set "
+               "dynamo_backend: INDUCTOR, or NO")
+    env["ACCELERATE_DYNAMO_BACKEND"] = "NO"
+    if args.compile:
+        return []
+    args.compile = True
+    return ["dynamo_backend INDUCTOR -> --compile (each decoder layer compiled in place)"]
+
+
 
 def number(env, name: str, default: int = 1) -> int:
     value = env.get(name, str(default))
@@ -289,16 +337,32 @@ def translate_fsdp(env, on_gpu: bool) -> list[str]:
                        PARALLELISM_CONFIG_DP_REPLICATE_SIZE=str(processes // per_machine),
                        PARALLELISM_CONFIG_DP_SHARD_SIZE=str(per_machine))
             notes.append(f"hybrid: replicated over {processes // per_machine} machines, sharded over {per_machine}")
+    if env.get("FSDP_STATE_DICT_TYPE", "").upper() in ("LOCAL_STATE_DICT", "3"):  # FSDP2 has no local form
+        env["FSDP_STATE_DICT_TYPE"] = "SHARDED_STATE_DICT"
+        notes.append("LOCAL_STATE_DICT -> SHARDED_STATE_DICT")
+    if env.get("FSDP_AUTO_WRAP_POLICY", "").upper() in ("SIZE_BASED_WRAP", "1"):
+        # FSDP2 shards modules that run a forward; a size rule also picks the layers' ModuleList, which has none
+        env["FSDP_AUTO_WRAP_POLICY"] = "TRANSFORMER_BASED_WRAP"
+        env.pop("FSDP_MIN_NUM_PARAMS", None)
+        notes.append("SIZE_BASED_WRAP -> TRANSFORMER_BASED_WRAP (FSDP2 shards each decoder layer)")
+    prefetch = env.pop("FSDP_BACKWARD_PREFETCH", None)
+    forward = env.get("FSDP_FORWARD_PREFETCH", "false").lower() in TRUE
+    if prefetch or forward:
+        notes.append("prefetch: FSDP2 prefetches the next layer itself")
     if version == "1":
-        if env.get("FSDP_STATE_DICT_TYPE", "").upper() in ("LOCAL_STATE_DICT", "3"):
-            env["FSDP_STATE_DICT_TYPE"] = "SHARDED_STATE_DICT"
-            notes.append("LOCAL_STATE_DICT -> SHARDED_STATE_DICT")
-        prefetch = env.pop("FSDP_BACKWARD_PREFETCH", None)
-        forward = env.get("FSDP_FORWARD_PREFETCH", "false").lower() in TRUE
-        if prefetch or forward:
-            notes.append("prefetch: FSDP2 prefetches the next layer itself")
         notes.append("use_orig_params / sync_module_states: not needed by FSDP2")
     return notes
+
+
+def translate_fsdp_activation_checkpointing(env, args) -> list[str]:
+    """FSDP's activation checkpointing wraps each layer in a module of its own, which renames the
+    weights a LoRA adapter is saved under (and, without a wrap policy, has no layers to wrap).
+    transformers' own checkpointing of each decoder layer keeps the same activations and the names."""
+    if env.get("FSDP_ACTIVATION_CHECKPOINTING", "false").lower() not in TRUE or args.gradient_checkpointing:
+        return []  # not asked, or asked twice: preflight refuses the latter in one line
+    env["FSDP_ACTIVATION_CHECKPOINTING"] = "false"
+    args.gradient_checkpointing = 1
+    return ["fsdp_activation_checkpointing -> --gradient-checkpointing (transformers checkpoints each layer)"]
 
 
 # --- DeepSpeed: the JSON (or the inline keys) and the recipe agree ---------------------------------
@@ -331,6 +395,9 @@ def deepspeed_source(env) -> tuple[str, dict]:
             config = json.loads(Path(path).read_text())
         except (OSError, ValueError) as error:
             refuse(f"deepspeed_config_file {path} cannot be read as JSON ({error}); fix the file or its path")
+        if not isinstance(config, dict):
+            refuse(f"deepspeed_config_file {path} holds a JSON {type(config).__name__}, not an object of "
+                   "DeepSpeed settings; write it as {{\"zero_optimization\": {{\"stage\": ...}}, ...}}")
         if not isinstance(config.get("zero_optimization"), dict):
             refuse(f"{path} has no `zero_optimization` section; add one with the ZeRO \"stage\" to use")
         return path, config
@@ -372,6 +439,7 @@ def settle_deepspeed(config: dict, source: str, args, env, on_gpu: bool) -> list
     is changed in place); a value both give differently is refused, and so is a section the
     recipe cannot honour. Returns what was taken over, for the one line the recipe prints.
     """
+    check_deepspeed_sections(config, source, on_gpu)
     notes = []
     given = set(getattr(args, "given_flags", ()))
     for key, (flag, dest) in SETTLED_BY_FLAGS.items():
@@ -395,16 +463,20 @@ def settle_deepspeed(config: dict, source: str, args, env, on_gpu: bool) -> list
 
     optimizer = config.get("optimizer")
     if optimizer is not None:
+        if not isinstance(optimizer, dict) or "type" not in optimizer:
+            refuse(f"{source} has an `optimizer` section without a \"type\"; delete the section (the recipes "
+                   "train with AdamW), or give \"type\": \"AdamW\"")
         kind = str(optimizer.get("type", "")).lower()
-        params = optimizer.get("params", {})
+        params = optimizer.get("params") or {}
         odd = [key for key, default in ADAMW_DEFAULTS.items() if params.get(key, "auto") not in ("auto", default)]
         if kind not in ("adam", "adamw") or str(params.get("adam_w_mode", True)).lower() == "false" or odd:
             what = f"{optimizer.get('type')} with {', '.join(odd)}" if odd else optimizer.get("type")
             refuse(f"{source} asks for a DeepSpeed {what} optimizer; the recipes train with AdamW (default betas "
                    "and eps) on every strategy: delete the `optimizer` section, or edit the recipe's optimizer")
         notes.append(f"optimizer {optimizer.get('type')} -> the recipe's AdamW")
-    if "scheduler" in config:
-        refuse(f"{source} asks for a DeepSpeed {config['scheduler'].get('type', '')} scheduler, but the recipe "
+    if config.get("scheduler") is not None:
+        kind = config["scheduler"].get("type", "") if isinstance(config["scheduler"], dict) else ""
+        refuse(f"{source} asks for a DeepSpeed {kind + ' ' if kind else ''}scheduler, but the recipe "
                "builds its own warm-up + cosine schedule from --lr and --warmup-ratio; delete the `scheduler` "
                "section (or edit the recipe's schedule)")
 
@@ -419,7 +491,9 @@ def settle_deepspeed(config: dict, source: str, args, env, on_gpu: bool) -> list
             notes.append("--compile (its compile section)")
 
     launcher = env.get("ACCELERATE_MIXED_PRECISION", "no").lower()
-    explicit = [kind for kind in ("bf16", "fp16") if str(lookup(config, f"{kind}.enabled")).lower() == "true"]
+    spellings = {"bf16": ("bf16", "bfloat16"), "fp16": ("fp16",)}  # DeepSpeed still reads the old "bfloat16"
+    explicit = [kind for kind, names in spellings.items()
+                if any(str(lookup(config, f"{name}.enabled")).lower() == "true" for name in names)]
     if len(explicit) == 2:
         refuse(f"{source} enables both bf16 and fp16; keep one of them")
     precision = explicit[0] if explicit else launcher  # "auto" follows the launcher
@@ -434,6 +508,83 @@ def settle_deepspeed(config: dict, source: str, args, env, on_gpu: bool) -> list
         notes.append(f"precision {precision} (its {precision}.enabled)")
     check_zero_section(config["zero_optimization"], source)
     return notes
+
+
+def check_deepspeed_sections(config: dict, source: str, on_gpu: bool) -> None:
+    """What DeepSpeed itself would only reject after the model loaded, or fail on deep inside."""
+    zero = config["zero_optimization"]
+    stage = str(zero.get("stage", 0))
+    if stage not in ("0", "1", "2", "3"):
+        refuse(f"zero_optimization.stage in {source} is {zero.get('stage')!r}; give the ZeRO stage as 0, 1, 2 or 3 "
+               "(\"auto\" is not a stage)")
+    misplaced_or_misspelt_key(config, source)
+    for key in ("train_micro_batch_size_per_gpu", "train_batch_size", "gradient_accumulation_steps"):
+        if not is_count(config.get(key, "auto")):
+            refuse(f"{key} in {source} is {config[key]!r}; give a whole number >= 1 (or \"auto\")")
+    if isinstance(config.get("amp"), dict) and str(config["amp"].get("enabled", False)).lower() == "true":
+        refuse(f"{source} enables DeepSpeed's `amp` (NVIDIA Apex), which DeepSpeed has removed; delete the `amp` "
+               "section and use a \"bf16\": {\"enabled\": true} block")
+    for part in ("offload_param", "offload_optimizer"):
+        device = str(lookup(zero, f"{part}.device") or "none").lower()
+        if part == "offload_param" and device != "none" and stage != "3":
+            refuse(f"zero_optimization.offload_param in {source} needs ZeRO stage 3 (stage {stage} keeps whole "
+                   "parameters on each GPU); set \"stage\": 3, or offload only the optimizer (offload_optimizer)")
+        if device == "nvme" and not (on_gpu and async_io_available()):
+            refuse(f"zero_optimization.{part} in {source} offloads to NVMe, which needs DeepSpeed's async_io op "
+                   f"(libaio) {'and a GPU ' if not on_gpu else ''}that this machine lacks; offload to \"cpu\" instead")
+
+
+# Top-level DeepSpeed keys the recipe reads: a misspelt one is ignored by DeepSpeed without a word.
+READ_BY_RECIPE = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+                  "gradient_clipping", "optimizer", "scheduler", "bf16", "bfloat16", "fp16", "zero_optimization")
+
+
+def misplaced_or_misspelt_key(config: dict, source: str) -> None:
+    """DeepSpeed ignores top-level keys it does not know: a near-miss of a key the recipe reads, or a
+    zero_optimization setting written outside that section, would change the run without a word."""
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    zero_fields = set(DeepSpeedZeroConfig.model_fields) | {
+        field.alias for field in DeepSpeedZeroConfig.model_fields.values() if field.alias}
+    for key in config:
+        if key in READ_BY_RECIPE:
+            continue
+        close = difflib.get_close_matches(key, READ_BY_RECIPE, n=1, cutoff=0.85)
+        if close and not deepspeed_mentions(key):
+            refuse(f"`{key}` in {source} is not a DeepSpeed setting (DeepSpeed would ignore it); did you mean "
+                   f"`{close[0]}`? fix or delete it")
+        if key in zero_fields and not deepspeed_mentions(key, top_level_only=True):
+            refuse(f"`{key}` at the top level of {source} is a zero_optimization setting, which DeepSpeed ignores "
+                   "there; move it into the \"zero_optimization\" section")
+
+
+def deepspeed_mentions(key: str, top_level_only: bool = False) -> bool:
+    """Whether DeepSpeed's source names `key` as a string: a real setting of some part of DeepSpeed, not
+    a typo. `top_level_only`: only where DeepSpeed reads the top level of its config."""
+    import importlib.util
+
+    root = Path(importlib.util.find_spec("deepspeed").origin).parent
+    files = [root / "runtime" / "config.py", root / "runtime" / "constants.py"] if top_level_only else root.rglob("*.py")
+    return any(f'"{key}"' in text or f"'{key}'" in text for text in (path.read_text(errors="ignore") for path in files))
+
+
+def is_count(value) -> bool:
+    """A whole number >= 1 (as DeepSpeed takes batch sizes and steps: 4, 4.0, "4"), or "auto"."""
+    if value == "auto":
+        return True
+    try:
+        return not isinstance(value, bool) and float(value).is_integer() and float(value) >= 1
+    except (TypeError, ValueError):
+        return False
+
+
+def async_io_available() -> bool:
+    try:
+        from deepspeed.ops.op_builder import AsyncIOBuilder
+
+        return bool(AsyncIOBuilder().is_compatible(verbose=False))
+    except Exception:  # an unbuilt or broken DeepSpeed says the same: no NVMe offload here
+        return False
 
 
 def torch_compile_section(config: dict) -> bool | None:
@@ -455,6 +606,10 @@ def edit_deepspeed(config: dict, args) -> None:
     # DeepSpeed clips inside its own step; the value must be the recipe's, as on DDP and FSDP.
     config["gradient_clipping"] = args.max_grad_norm
     config.pop("optimizer", None)  # an AdamW section: the recipe's own AdamW is the same
+    # DeepSpeed needs a batch size; a file without one takes the recipe's, as with "auto".
+    config.setdefault("train_micro_batch_size_per_gpu", args.batch_size)
+    if "bfloat16" in config:  # the old name of the bf16 block (settle_deepspeed took its precision)
+        config.setdefault("bf16", config.pop("bfloat16"))
     if torch_compile_section(config) is not None:
         del config["compile"]  # torch.compile's options: --compile applies them (DeepSpeed would refuse them)
     zero = config.setdefault("zero_optimization", {})
@@ -498,15 +653,19 @@ def adapt_launch(args, env=None, config_file: Path | None | str = "launcher", on
     refuse_unsupported_parallelism(env, on_gpu)  # before the keys: such files often carry extra keys too
     path = config_file_of_launcher() if config_file == "launcher" else config_file
     if path is not None and Path(path).is_file():
-        problem = unknown_key(read_config(Path(path)))
+        config = read_config(Path(path))
+        problem = unknown_key(config)
         if problem:
             refuse(f"{Path(path).name}: {problem}")
-    notes = []
+        refuse_unsupported_type(config, Path(path).name)
+    notes = translate_dynamo(env, args)
     if env.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
         notes += translate_fsdp(env, on_gpu)
         refuse_unsupported_parallelism(env, on_gpu)
     if tensor_parallel_size(env) > 1:
         notes += hand_tensor_parallel_to_transformers(env)
+    elif env.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
+        notes += translate_fsdp_activation_checkpointing(env, args)
     if env.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
         source, config = deepspeed_source(env)
         notes += settle_deepspeed(config, source, args, env, on_gpu)

@@ -76,7 +76,7 @@ def check_launch(args, recipe: str):
     what accelerate launch asked for, read by everything that depends on the strategy."""
     from .batch_size import settle as settle_batch
     from .launch import FSDP, TENSOR_PARALLEL, describe
-    from .launch_config import adapt_launch
+    from .launch_config import adapt_launch, file_distributed_type, refuse_one_process_for_several
 
     # The user's config file first: it may translate the launch (FSDP1 -> FSDP2) or settle flags.
     notes = adapt_launch(args)
@@ -85,10 +85,8 @@ def check_launch(args, recipe: str):
     launch = describe()
     fsdp = launch.kind == FSDP
 
-    if launch.processes == 1 and launch.kind in ("single", "model_parallel") and requested_processes_of_launcher() > 1:
-        refuse("model parallel runs as ONE process that spreads the layers over the GPUs, but "
-               "--num_processes > 1 was asked; drop --num_processes, or use "
-               "accelerate_configs/ddp.yaml (model fits one GPU) or fsdp.yaml (it does not)")
+    if launch.processes == 1 and launch.kind in ("single", "model_parallel"):
+        refuse_one_process_for_several(file_distributed_type(), requested_processes_of_launcher())
 
     check_ranges(args)
     if args.max_steps == 0 and args.epochs == 0:
