@@ -18,8 +18,25 @@ from .preflight import refuse
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_DATASET = REPO_ROOT / "data"
 
-FILE_LOADERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text", ".csv": "csv"}
-EVAL_SPLIT_NAMES = ("eval", "validation", "valid", "test")
+FILE_LOADERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text", ".csv": "csv", ".tsv": "csv"}
+LOADER_OPTIONS = {".tsv": {"delimiter": "\t"}}
+# A file's split, from the start of its name (train.jsonl, validation-00000-of-00001.parquet, dev_set.csv).
+SPLIT_NAMES = {"train": ("train", "training"), "eval": ("eval", "evaluation"),
+               "validation": ("validation", "valid", "val", "dev"), "test": ("test",)}
+EVAL_SPLIT_NAMES = ("eval", "validation", "test")
+
+
+def suffix(path: Path) -> str:
+    return path.suffix.lower()
+
+
+def split_of(file: Path) -> str | None:
+    """train / eval / validation / test from the file's name, or None (data of no named split)."""
+    import re
+
+    stem = file.name.lower()
+    return next((split for split, names in SPLIT_NAMES.items()
+                 if any(re.match(rf"{name}(?![a-z])", stem) for name in names)), None)
 
 
 def prepare(accelerator, tokenizer, args, launch):
@@ -70,7 +87,13 @@ def usable(tokenized, split: str, args):
 
 def column_renames(columns: str | None) -> dict:
     """--columns "instruction=question,response=answer" -> {"question": "instruction", "answer": "response"}."""
-    return {old.strip(): new.strip() for new, _, old in (pair.partition("=") for pair in (columns or "").split(",")) if old}
+    pairs = [(new.strip(), old.strip()) for new, _, old in (pair.partition("=") for pair in (columns or "").split(","))
+             if old.strip()]
+    targets = [new for new, _ in pairs]
+    twice = sorted({new for new in targets if targets.count(new) > 1})
+    if twice:
+        refuse(f"--columns maps more than one column onto {', '.join(twice)}; give each target column once")
+    return {old: new for new, old in pairs}
 
 
 def check_files(files: list[Path], columns: str | None) -> None:
@@ -79,24 +102,31 @@ def check_files(files: list[Path], columns: str | None) -> None:
     traceback from deep inside pyarrow)."""
     renames = column_renames(columns)
     for path in files:
-        if path.suffix not in (".jsonl", ".json", ".txt", ".csv"):
+        if suffix(path) not in (".jsonl", ".json", ".txt", ".csv", ".tsv"):
             continue
         raw = path.read_bytes()
         try:
-            text = raw.decode("utf-8")
+            text = raw.decode("utf-8-sig")  # a byte-order mark at the start is fine (datasets skips it too)
         except UnicodeDecodeError as error:
             line = raw.count(b"\n", 0, error.start) + 1
             refuse(f"{path}:{line}: not UTF-8 (byte 0x{raw[error.start]:02x}); save the file as UTF-8")
-        if path.suffix == ".json":  # one JSON document (a list of rows), or JSON Lines under this name
+        if not text.strip():
+            refuse(f"{path} is empty; put rows in it or delete it")
+        if suffix(path) == ".json":  # one JSON document (a list of rows), or JSON Lines under this name
             try:
-                json.loads(text)
-                continue
+                document = json.loads(text)
             except json.JSONDecodeError as error:
                 if text.lstrip().startswith("["):
                     refuse(f"{path}:{error.lineno}: not valid JSON ({error.msg}, column {error.colno}); fix the file")
-        if path.suffix not in (".jsonl", ".json"):
+            else:
+                if isinstance(document, dict) and any(isinstance(value, list) for value in document.values()):
+                    refuse(f"{path} is one JSON object of lists, not rows; save the rows as a JSON array "
+                           "([{\"column\": value, ...}, ...]) or as JSON Lines (one object per line)")
+                continue
+        if suffix(path) not in (".jsonl", ".json"):
             continue
-        for number, line in enumerate(text.splitlines(), 1):
+        # Rows end at "\n" only: str.splitlines() would also cut a row at U+2028 inside a string.
+        for number, line in enumerate(text.split("\n"), 1):
             if not line.strip():
                 continue
             try:
@@ -127,7 +157,8 @@ def load_splits(spec: str | None, seed: int, columns: str | None = None):
     try:
         if path.is_file():
             check_files([path], columns)
-            loaded = datasets.load_dataset(FILE_LOADERS.get(path.suffix, "json"), data_files={"train": str(path)})
+            loaded = datasets.load_dataset(FILE_LOADERS.get(suffix(path), "json"), data_files={"train": str(path)},
+                                           **LOADER_OPTIONS.get(suffix(path), {}))
         elif path.is_dir():
             loaded = load_folder(path, columns)
         else:
@@ -143,8 +174,14 @@ def load_splits(spec: str | None, seed: int, columns: str | None = None):
         missing = sorted(set(mapping) - set(train.column_names))
         if missing:
             refuse(f"--columns names {missing}, which --dataset does not have (it has {sorted(train.column_names)})")
+        clash = sorted(new for new in mapping.values() if new in train.column_names and new not in mapping)
+        if clash:
+            refuse(f"--columns maps a column onto {', '.join(clash)}, which --dataset already has; map that one "
+                   f"too (e.g. --columns {clash[0]}_old={clash[0]},...) or pick the existing column instead")
         loaded = loaded.rename_columns(mapping)
         train = loaded["train"] if "train" in loaded else next(iter(loaded.values()))
+    loaded = with_text_columns(loaded)
+    train = loaded["train"] if "train" in loaded else next(iter(loaded.values()))
     detect_format(train.column_names)  # no known columns: refused here, on every rank
     eval_name = next((name for name in EVAL_SPLIT_NAMES if name in loaded), None)
     if eval_name is not None:
@@ -156,25 +193,52 @@ def load_splits(spec: str | None, seed: int, columns: str | None = None):
     return split["train"], split["test"]
 
 
+def with_text_columns(loaded):
+    """ShareGPT's `conversations` column is `messages`; a column of numbers that a format reads as text
+    (a CSV or parquet answer column of 0, 1, 2) becomes text, as it would be written in a prompt."""
+    from datasets import Value
+
+    for split, part in loaded.items():
+        if "conversations" in part.column_names and "messages" not in part.column_names:
+            part = part.rename_column("conversations", "messages")
+        for name, feature in part.features.items():
+            if name in TEXT_COLUMNS and isinstance(feature, Value) and feature.dtype.startswith(("int", "uint", "float")):
+                part = part.cast_column(name, Value("string"))
+        loaded[split] = part
+    return loaded
+
+
 def load_folder(folder: Path, columns: str | None = None):
+    """The folder's splits: files named train* / eval* / validation* (val*, dev*) / test* (other files
+    are notes or configs), or, when nothing is named so, its data files as the training split."""
     import datasets
 
-    files = sorted(p for p in folder.iterdir() if p.suffix in FILE_LOADERS)
+    files = sorted(p for p in folder.iterdir() if p.is_file() and suffix(p) in FILE_LOADERS)
     if not files:
-        refuse(f"--dataset {folder} holds no .jsonl/.json/.parquet/.txt/.csv file")
-
-    def split_of(file: Path):
-        return next((name for name in ("train", *EVAL_SPLIT_NAMES) if file.stem.lower().startswith(name)), None)
-
-    # Files named train*/eval*/validation*/test* are the splits; other files are data only when
-    # nothing is named so (a folder may also hold configs or notes).
+        refuse(f"--dataset {folder} holds no .jsonl/.json/.parquet/.txt/.csv/.tsv file")
     named = [f for f in files if split_of(f)]
-    check_files(named or files, columns)
     by_split = {}
     for file in named or files:
-        by_split.setdefault(split_of(file) or "train", []).append(str(file))
-    loader = FILE_LOADERS[(named or files)[0].suffix]
-    return datasets.load_dataset(loader, data_files=by_split)
+        by_split.setdefault(split_of(file) or "train", []).append(file)
+    if "train" not in by_split:
+        refuse(f"--dataset {folder} has {', '.join(sorted(by_split))} files but no train* file; name the training "
+               "file train.jsonl (or similar), or point --dataset at it")
+    kinds = {FILE_LOADERS[suffix(f)] + LOADER_OPTIONS.get(suffix(f), {}).get("delimiter", "") for f in named or files}
+    if len(kinds) > 1:
+        listed = ", ".join(f.name for f in named or files)
+        refuse(f"--dataset {folder} mixes file formats ({listed}); keep one format, or point --dataset at one file")
+    check_files(named or files, columns)
+    first = suffix((named or files)[0])
+    # one split at a time: datasets reads every split with the first split's columns otherwise
+    loaded = datasets.DatasetDict({
+        split: datasets.load_dataset(FILE_LOADERS[first], data_files={split: [str(f) for f in group]},
+                                     **LOADER_OPTIONS.get(first, {}))[split]
+        for split, group in by_split.items()})
+    columns_of = {split: sorted(part.column_names) for split, part in loaded.items()}
+    if len({tuple(names) for names in columns_of.values()}) > 1:
+        refuse(f"--dataset {folder}: the splits have different columns ({'; '.join(f'{s}: {c}' for s, c in columns_of.items())}); "
+               "give every file the same columns")
+    return loaded
 
 
 def tokenize(dataset, tokenizer, max_length: int, packing: bool = False):
@@ -323,5 +387,6 @@ def steps_per_epoch(batches_per_process: int, grad_accum: int) -> int:
     steps = batches_per_process // grad_accum
     if steps == 0:
         refuse(f"one optimizer step needs --grad-accum {grad_accum} micro-batches per process, but the "
-               f"training data gives only {batches_per_process} per process; lower --batch-size or --grad-accum")
+               f"training data gives only {batches_per_process} per process; lower --batch-size or --grad-accum, "
+               "or give more rows (or launch fewer processes)")
     return steps

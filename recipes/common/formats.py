@@ -11,6 +11,8 @@ Formats, detected from the columns:
 
 from __future__ import annotations
 
+import json
+
 from .preflight import refuse
 
 IGNORE = -100  # label of a token that is not a target (prompt, padding)
@@ -47,17 +49,48 @@ ROLES = ("system", "user", "assistant")
 TEXT_COLUMNS = ("instruction", "input", "output", "response", "prompt", "completion", "text")
 
 
+# ShareGPT's speakers, and other names datasets give the two sides
+SPEAKERS = {"human": "user", "gpt": "assistant", "chatgpt": "assistant", "bot": "assistant", "model": "assistant"}
+
+
+def conversation(cell) -> list | None:
+    """A `messages` cell as [{"role", "content"}, ...], also when written as ShareGPT's {"from", "value"},
+    with the content as a list of parts ({"type": "text", "text": ...}; other parts are not text and are
+    left out), with roles in capitals, or as a JSON string. None when it is no list of turns."""
+    if isinstance(cell, str):
+        try:
+            cell = json.loads(cell)
+        except ValueError:
+            return None
+    if not isinstance(cell, list):
+        return None
+    turns = []
+    for turn in cell:
+        if not isinstance(turn, dict):
+            return None
+        role = turn.get("role") or turn.get("from")
+        content = turn.get("content") if turn.get("content") is not None else turn.get("value")
+        if isinstance(content, list):
+            parts = [part if isinstance(part, str) else part.get("text") for part in content
+                     if isinstance(part, str) or (isinstance(part, dict) and part.get("type", "text") == "text")]
+            content = "".join(part for part in parts if isinstance(part, str)) if parts else None
+        role = SPEAKERS.get(str(role).lower(), str(role).lower()) if isinstance(role, str) else role
+        turns.append({"role": role, "content": content})
+    return turns
+
+
 def row_problem(row: dict, fmt: str) -> str | None:
     """Why a row cannot be trained on (it is dropped and counted), or None when it can."""
     if fmt == "messages":
-        turns = row["messages"]
-        if not isinstance(turns, list) or not turns:
+        turns = conversation(row["messages"])
+        if not turns:
             return "no messages"
-        if any(not isinstance(turn, dict) or not isinstance(turn.get("content"), str) for turn in turns):
+        if any(not isinstance(turn["content"], str) for turn in turns):
             return "a turn without text"
-        if any(turn.get("role") not in ROLES for turn in turns):
+        if any(turn["role"] not in ROLES for turn in turns):
             return f"a role other than {'/'.join(ROLES)}"
-        if not any(turn["role"] == "assistant" and turn["content"].strip() for turn in turns):
+        # an assistant turn before anyone spoke (a greeting) is context, not a reply
+        if not any(turn["role"] == "assistant" and turn["content"].strip() for turn in turns[1:]):
             return "no assistant reply"
         return None
     prompt_column = {"instruction": "instruction", "prompt_completion": "prompt"}.get(fmt)
@@ -83,7 +116,7 @@ def split_prompt(row: dict, fmt: str) -> tuple[str, str]:
 def tokenize_row(row: dict, tokenizer, fmt: str, max_length: int | None) -> dict:
     """input_ids and labels of one row, cut to `max_length` tokens (None: uncut)."""
     if fmt == "messages":
-        return tokenize_chat(row["messages"], tokenizer, max_length)
+        return tokenize_chat(conversation(row["messages"]), tokenizer, max_length)
     prompt, target = split_prompt(row, fmt)
     prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"] if prompt else []
     target_ids = tokenizer(target, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
@@ -109,10 +142,11 @@ def tokenize_chat(messages: list[dict], tokenizer, max_length: int) -> dict:
         input_ids, labels = [tokenizer.bos_token_id], [IGNORE]
     for i, message in enumerate(messages):
         pieces = []
-        if message["role"] == "assistant":
+        reply = message["role"] == "assistant" and i > 0  # an opening assistant turn is context
+        if reply:
             header = render(messages[:i], generation_prompt=True)
             pieces.append((header, False))
-        pieces.append((render(messages[: i + 1]), message["role"] == "assistant"))
+        pieces.append((render(messages[: i + 1]), reply))
         for text, trained in pieces:
             if not text.startswith(rendered):
                 raise RowProblem("the chat template re-renders earlier turns differently (use a template "

@@ -112,6 +112,8 @@ def check_launch(args, recipe: str):
     if args.dataset and looks_local(args.dataset) and not Path(args.dataset).exists():
         refuse(f"--dataset {args.dataset} does not exist; give a .jsonl/.json/.parquet/.txt file, "
                "a folder of them, or a hub id")
+    if fsdp:
+        check_layer_classes_to_wrap(args.model)
     context = context_length(args.model)
     if context and args.max_length > context:
         refuse(f"--max-length {args.max_length} is beyond the model's context of {context} tokens; "
@@ -285,6 +287,29 @@ def model_config(model: str) -> dict | None:
     if is_default_model(model) and not path.is_file():
         path = Path(__file__).resolve().parents[2] / "data" / "tiny-llama-config.json"
     return json.loads(path.read_text()) if path.is_file() else None
+
+
+def check_layer_classes_to_wrap(model: str) -> None:
+    """accelerate shards the layer classes `fsdp_transformer_layer_cls_to_wrap` names, and stops only
+    after the model loaded when the model has none of them (a file written for another model)."""
+    import importlib
+
+    names = [name.strip() for name in os.environ.get("FSDP_TRANSFORMER_CLS_TO_WRAP", "").split(",") if name.strip()]
+    config = model_config(model) or {}
+    kind = str(config.get("model_type", "")).replace("-", "_")
+    if not names or not kind:
+        return
+    try:
+        module = importlib.import_module(f"transformers.models.{kind}.modeling_{kind}")
+    except ImportError:  # remote code or an unusual layout: accelerate will say it
+        return
+    missing = [name for name in names if not hasattr(module, name)]
+    if missing:
+        own = sorted({layer for arch in config.get("architectures", [])
+                      for layer in getattr(getattr(module, arch, None), "_no_split_modules", None) or ()})
+        hint = f"set it to {', '.join(own)}, or delete it" if own else "delete it"
+        refuse(f"fsdp_transformer_layer_cls_to_wrap names {', '.join(missing)}, which this {kind} model does not have; "
+               f"{hint} (accelerate then shards the model's own decoder layers)")
 
 
 def context_length(model: str) -> int | None:
