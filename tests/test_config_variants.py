@@ -68,6 +68,11 @@ CASES = {
     "xla": ({"distributed_type": "XLA", "num_processes": 2}, "distributed_type XLA is not"),
     "multi_cpu_two_processes": ({"distributed_type": "MULTI_CPU", "num_processes": 2, "mixed_precision": "no"},
                                 "error: distributed_type MULTI_CPU starts one process"),
+    "a_key_written_twice": ("distributed_type: MULTI_GPU\ndistributed_type: FSDP\nnum_processes: 2\n",
+                            "`distributed_type` is set twice"),
+    "deepspeed_key_written_twice": ('{"zero_optimization": {"stage": 2, "stage": 3}}', "`stage` is set twice"),
+    "an_old_ipex_section": ({"distributed_type": "MULTI_GPU", "num_processes": 2, "ipex_config": {"ipex": False}},
+                            "(accelerate launch stops at it); fix or delete it"),
     "unquoted_no": ("distributed_type: NO\nnum_processes: 1\n", "write it in quotes"),
     "empty_file": ("", "holds no settings"),
     "tabs": ("distributed_type: FSDP\nfsdp_config:\n\tfsdp_version: 2\n", "cannot be read"),
@@ -78,7 +83,7 @@ CASES = {
 
 def write(tmp_path, name: str, contents) -> str:
     if isinstance(contents, str):
-        path = tmp_path / (name + (".json" if contents.startswith("[") else ".yaml"))
+        path = tmp_path / (name + (".json" if contents.startswith(("[", "{")) else ".yaml"))
         path.write_text(contents)
     elif "zero_optimization" in contents:
         path = tmp_path / f"{name}.json"

@@ -142,3 +142,13 @@ def test_content_parts_capitalised_roles_and_an_opening_greeting(tokenizer):
 def test_too_few_rows_for_the_processes_names_every_fix():
     with pytest.raises(Refusal, match="or give more rows \\(or launch fewer processes\\)"):
         data.steps_per_epoch(0, 1)
+
+
+def test_the_held_out_rows_are_rows_that_can_train(tmp_path):
+    rows = [{"instruction": f"Say {i}", "response": "" if i % 3 else f"ok {i}"} for i in range(40)]
+    path = tmp_path / "sparse.jsonl"
+    path.write_text(jsonl(rows))
+    train, evaluation = data.load_splits(str(path), seed=0)
+    assert len(train) + len(evaluation) == 40 and len(evaluation) == 2
+    assert all(data.row_problem(row, "instruction") is None for row in evaluation)
+    assert sum(data.row_problem(row, "instruction") is not None for row in train) == 26  # kept, to be counted

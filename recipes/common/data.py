@@ -189,8 +189,18 @@ def load_splits(spec: str | None, seed: int, columns: str | None = None):
     if len(train) < 2:
         refuse(f"--dataset {spec} has {len(train)} rows; it needs at least 2 (some are held out for evaluation)")
     held_out = max(1, min(256, len(train) // 20))
-    split = train.train_test_split(test_size=held_out, seed=seed)
-    return split["train"], split["test"]
+    # Held out from the rows that can train: an unusable row there would leave evaluation empty while
+    # training has rows (it stays in training, where it is dropped and counted).
+    fmt = detect_format(train.column_names)
+    good = [i for i, row in enumerate(train) if row_problem(row, fmt) is None]
+    if len(good) in (0, len(train)) or len(good) <= held_out:
+        split = train.train_test_split(test_size=held_out, seed=seed)
+        return split["train"], split["test"]
+    import datasets
+
+    split = train.select(good).train_test_split(test_size=held_out, seed=seed)
+    bad = train.select(sorted(set(range(len(train))) - set(good)))
+    return datasets.concatenate_datasets([split["train"], bad]), split["test"]
 
 
 def with_text_columns(loaded):

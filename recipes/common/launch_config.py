@@ -58,10 +58,45 @@ def read_config(path: Path) -> dict:
 
     try:
         text = Path(path).read_text()
-        config = json.loads(text) if Path(path).suffix == ".json" else yaml.safe_load(text)
+        if Path(path).suffix == ".json":
+            config = json.loads(text, object_pairs_hook=mapping_without_repeats)
+        else:
+            config = yaml.load(text, Loader=StrictLoader)
+    except DuplicateKey as error:
+        refuse(f"{Path(path).name}: `{error}` is set twice (the last one would win without a word); keep one")
     except (OSError, ValueError, yaml.YAMLError) as error:
         refuse(f"the accelerate config {path} cannot be read ({str(error).splitlines()[0]}); fix the file or its path")
     return config if isinstance(config, dict) else {}
+
+
+class DuplicateKey(Exception):
+    """A key written twice in one mapping of a config file."""
+
+
+def mapping_without_repeats(pairs) -> dict:
+    keys = [key for key, _ in pairs]
+    repeated = next((key for key in keys if keys.count(key) > 1), None)
+    if repeated is not None:
+        raise DuplicateKey(repeated)
+    return dict(pairs)
+
+
+def _strict_loader():
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        """yaml.safe_load that refuses a key written twice in one mapping."""
+
+    def construct_mapping(loader, node, deep=False):
+        loader.flatten_mapping(node)
+        return mapping_without_repeats([(loader.construct_object(key, deep=deep), loader.construct_object(value, deep=deep))
+                                        for key, value in node.value])
+
+    Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, construct_mapping)
+    return Loader
+
+
+StrictLoader = _strict_loader()
 
 
 def known_keys() -> dict[str, set[str]]:
@@ -81,7 +116,10 @@ def known_keys() -> dict[str, set[str]]:
         "megatron_lm_config": {key for key in options if key.startswith("megatron_lm_")},
     }
     # Keys accelerate still converts from older files (`fp16: true`, `dynamo_backend: NO`).
-    sections[""] = set(ClusterConfig.__dataclass_fields__) | {"fp16", "dynamo_backend"}
+    from accelerate.commands.config.config_args import SageMakerConfig
+
+    sections[""] = (set(ClusterConfig.__dataclass_fields__) | {"fp16", "dynamo_backend"}
+                    | set(SageMakerConfig.__dataclass_fields__))
     return sections
 
 
@@ -105,12 +143,23 @@ def unknown_key(config: dict) -> str | None:
     return None
 
 
+def closest(key: str, valid: set[str]) -> list[str]:
+    """The valid key `key` most likely misspells; a shared `_config` ending alone is no likeness."""
+    close = difflib.get_close_matches(key, sorted(valid), n=1, cutoff=0.75)
+    stem = key.removesuffix("_config")
+    if close and difflib.SequenceMatcher(None, stem, close[0].removesuffix("_config")).ratio() < 0.5:
+        return []
+    return close
+
+
 def described(key: str, where: str, valid: set[str], prefix: str = "") -> str:
-    close = difflib.get_close_matches(key, sorted(valid), n=1, cutoff=0.6)
+    close = closest(key, valid)
     if not close and prefix and not key.startswith(prefix):
-        close = difflib.get_close_matches(prefix + key, sorted(valid), n=1, cutoff=0.6)
+        close = closest(prefix + key, valid)
     hint = f"did you mean `{close[0]}`? " if close else ""
-    return f"`{key}` {where} is not an accelerate setting (accelerate would ignore it); {hint}fix or delete it"
+    # accelerate launch stops at an unknown top-level key; inside a section it drops the key
+    effect = "accelerate launch stops at it" if where == "at the top level" else "accelerate would ignore it"
+    return f"`{key}` {where} is not an accelerate setting ({effect}); {hint}fix or delete it"
 
 
 # --- the launch as the launcher describes it -----------------------------------------------------
