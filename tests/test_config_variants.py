@@ -63,6 +63,8 @@ CASES = {
                                       "offload_param in"),
     "deepspeed_misspelt_top_level_key": (zero(gradient_acumulation_steps=4), "did you mean `gradient_accumulation_steps`?"),
     "deepspeed_zero_key_at_top_level": (zero(offload_optimizer={"device": "cpu"}), "move it into the \"zero_optimization\""),
+    "deepspeed_batch_sizes_that_disagree": (zero(train_batch_size=16, train_micro_batch_size_per_gpu=2,
+                                                 gradient_accumulation_steps=2), "= 8; fix one of the three"),
     "deepspeed_optimizer_without_type": (zero(optimizer={"params": {"lr": "auto"}}), "without a \"type\""),
     "megatron": ({"distributed_type": "MEGATRON_LM", "num_processes": 2}, "distributed_type MEGATRON_LM is not"),
     "xla": ({"distributed_type": "XLA", "num_processes": 2}, "distributed_type XLA is not"),

@@ -55,11 +55,13 @@ def test_a_folder_that_cannot_mean_one_thing_is_refused(files, message, tmp_path
 
 @pytest.mark.parametrize("train_name, eval_name", [("train.jsonl", "dev.jsonl"), ("training.jsonl", "val.jsonl"),
                                                    ("train.jsonl", "validation-00000-of-00001.jsonl")])
-def test_dev_and_val_files_are_the_evaluation_split(train_name, eval_name, tmp_path):
+def test_dev_and_val_files_are_the_evaluation_split(train_name, eval_name, tmp_path, capsys):
     held = [{"instruction": "held", "response": "out"}] * 3
     path = folder(tmp_path, {train_name: jsonl(ROWS), eval_name: jsonl(held), "notes.txt": "not data\n"})
     train, evaluation = data.load_splits(path, seed=0)
     assert (len(train), len(evaluation)) == (20, 3)
+    said = capsys.readouterr().out
+    assert f"files: train: {train_name}; validation: {eval_name}; not read: notes.txt" in said
     assert evaluation[0]["instruction"] == "held"
 
 

@@ -7,6 +7,7 @@ of each format becomes tokens and labels lives in formats.py.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -238,6 +239,11 @@ def load_folder(folder: Path, columns: str | None = None):
         listed = ", ".join(f.name for f in named or files)
         refuse(f"--dataset {folder} mixes file formats ({listed}); keep one format, or point --dataset at one file")
     check_files(named or files, columns)
+    if int(os.environ.get("RANK", "0")) == 0:  # which file is which split, and what was left out
+        used = "; ".join(f"{split}: {', '.join(f.name for f in group)}"
+                         for split, group in sorted(by_split.items(), key=lambda item: item[0] != "train"))
+        left = [f.name for f in folder.iterdir() if f.is_file() and f not in (named or files)]
+        print(f"files: {used}" + (f"; not read: {', '.join(sorted(left))}" if left else ""), flush=True)
     first = suffix((named or files)[0])
     # one split at a time: datasets reads every split with the first split's columns otherwise
     loaded = datasets.DatasetDict({

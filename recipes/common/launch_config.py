@@ -503,6 +503,12 @@ def settle_deepspeed(config: dict, source: str, args, env, on_gpu: bool) -> list
         notes.append(f"{flag} {getattr(args, dest)} (its {key})")
     # The global batch: batch_size.settle works out the accumulation that keeps it, or refuses.
     train_batch = config.get("train_batch_size", "auto")
+    fixed = [config.get(key, "auto") for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps")]
+    processes = number(env, "WORLD_SIZE")
+    if train_batch != "auto" and "auto" not in fixed and int(train_batch) != int(fixed[0]) * int(fixed[1]) * processes:
+        refuse(f"{source} sets train_batch_size {train_batch}, but train_micro_batch_size_per_gpu {fixed[0]} x "
+               f"gradient_accumulation_steps {fixed[1]} x {processes} processes = {int(fixed[0]) * int(fixed[1]) * processes}; "
+               "fix one of the three, or set it to \"auto\"")
     if train_batch != "auto" and args.global_batch_size is None:
         args.global_batch_size = int(train_batch)
         notes.append(f"--global-batch-size {train_batch} (its train_batch_size)")
