@@ -146,3 +146,18 @@ def test_a_dynamo_config_compiles_the_layers_and_saves(tmp_path):
     assert run.returncode == 0, run.output[-3000:]
     assert run.run_json()["arguments"]["compile"] is True
     assert (tmp_path / "out" / "adapter" / "adapter_model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("text, message", [
+    ('{"zero_optimization": {"stage": 2}, "train_batch_size": 8, "train_batch_size": 16}', "`train_batch_size` is set twice"),
+    ('[{"zero_optimization": {"stage": 2}}]', 'holds a JSON list, not an object of DeepSpeed settings; write it as {"zero'),
+])
+def test_the_launch_reads_a_deepspeed_json_as_strictly_as_check_config(text, message, tmp_path, capsys):
+    """The recipe reads --deepspeed_config_file itself (not through check_config): the same refusals."""
+    from common.deepspeed_config import deepspeed_source
+
+    path = tmp_path / "user.json"
+    path.write_text(text)
+    with pytest.raises(Refusal):
+        deepspeed_source({"ACCELERATE_DEEPSPEED_CONFIG_FILE": str(path)})
+    assert message in capsys.readouterr().err

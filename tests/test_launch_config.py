@@ -14,7 +14,7 @@ import pytest
 from conftest import REPO
 
 sys.path.insert(0, str(REPO / "recipes"))
-from common import launch_config  # noqa: E402
+from common import deepspeed_config, launch_config  # noqa: E402
 from common.args import parse_args, recipe_flags  # noqa: E402
 from common.preflight import Refusal  # noqa: E402
 
@@ -218,7 +218,7 @@ def test_a_torch_compile_section_turns_on_compile(tmp_path):
     with pytest.raises(Refusal, match="asks torch.compile for the `eager` backend"):
         adapt(deepspeed_env(tmp_path, {"compile": {"backend": "eager"}}))
     engine_config = {"zero_optimization": {"stage": 1}, "compile": {"disable": False, "backend": "inductor"}}
-    launch_config.edit_deepspeed(engine_config, args)
+    deepspeed_config.edit_deepspeed(engine_config, args)
     assert "compile" not in engine_config
 
 
@@ -233,13 +233,13 @@ def test_the_engine_config_keeps_the_files_names_and_the_recipes_loop():
     args = parse_args(recipe_flags("lora"), ["--grad-accum", "2"])
     axolotl = {"zero_optimization": {"stage": 3, "gather_16bit_weights_on_model_save": False},
                "optimizer": {"type": "AdamW"}, "gradient_accumulation_steps": 1}
-    launch_config.edit_deepspeed(axolotl, args)
+    deepspeed_config.edit_deepspeed(axolotl, args)
     # DeepSpeed refuses a config that holds both names of the same setting
     assert axolotl["zero_optimization"] == {"stage": 3, "gather_16bit_weights_on_model_save": True}
     assert (axolotl["gradient_accumulation_steps"], axolotl["gradient_clipping"]) == (2, 1.0)
     assert "optimizer" not in axolotl
     plain = {"zero_optimization": {"stage": 3}}
-    launch_config.edit_deepspeed(plain, args)
+    deepspeed_config.edit_deepspeed(plain, args)
     assert plain["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] is True
 
 

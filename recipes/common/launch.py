@@ -109,7 +109,7 @@ def describe(env=None, on_gpu: bool | None = None) -> Launch:
     if tensor_parallel > 1:  # alone (tp.yaml) or with FSDP across the groups (fsdp_tp.yaml)
         return Launch(TENSOR_PARALLEL, **common, tensor_parallel=tensor_parallel)
     if flag(env, "ACCELERATE_USE_DEEPSPEED"):
-        from .launch_config import deepspeed_source
+        from .deepspeed_config import deepspeed_source
 
         zero = deepspeed_source(env)[1]["zero_optimization"]
         return Launch(DEEPSPEED, **common, zero_stage=int(zero.get("stage", 0)),

@@ -21,7 +21,7 @@ from accelerate import Accelerator, DataLoaderConfiguration
 from accelerate.utils import (DistributedDataParallelKwargs, DistributedType, GradientAccumulationPlugin,
                                InitProcessGroupKwargs)
 
-from . import launch_config
+from . import deepspeed_config
 from .launch import DEEPSPEED, FSDP, TENSOR_PARALLEL, Launch
 from .data import target_tokens
 
@@ -168,7 +168,7 @@ def enable_tensor_parallel_on_cpu(accelerator: Accelerator) -> None:
 def align_deepspeed_with_recipe(accelerator: Accelerator, args, launch: Launch) -> None:
     """Make DeepSpeed accumulate and clip like every other strategy and keep the full weights savable."""
     config = accelerator.state.deepspeed_plugin.deepspeed_config
-    launch_config.edit_deepspeed(config, args)
+    deepspeed_config.edit_deepspeed(config, args)
     if not launch.on_gpu and launch.offload_optimizer:
         # DeepSpeed's CPU Adam needs a compiled extension; on a CPU-only machine torch's AdamW
         # runs the same update without the build.

@@ -1,0 +1,296 @@
+"""A DeepSpeed config (its JSON, or the inline keys of an accelerate config) and the recipe agree.
+
+A DeepSpeed JSON written for another project asks for its own batch sizes, accumulation, clipping,
+precision, optimizer or schedule, and DeepSpeed reads several of its mistakes without a word (a
+misspelt top-level key, a ZeRO key outside `zero_optimization`) or only after the model loaded.
+`settle_deepspeed` takes over the values the recipe can honour as its flags and refuses the rest in
+one line; `edit_deepspeed` aligns the config accelerate starts the engine with.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+from pathlib import Path
+
+from .launch_config import DuplicateKey, mapping_without_repeats
+from .preflight import refuse
+
+# accelerate ignores these beside a `deepspeed_config_file` (and refuses with a long message).
+DEEPSPEED_FILE_CONFLICTS = ("gradient_accumulation_steps", "gradient_clipping", "zero_stage",
+                            "offload_optimizer_device", "offload_param_device", "offload_param_nvme_path",
+                            "offload_optimizer_nvme_path", "zero3_save_16bit_model", "mixed_precision")
+# DeepSpeed key -> (recipe flag, argument name)
+SETTLED_BY_FLAGS = {
+    "gradient_accumulation_steps": ("--grad-accum", "grad_accum"),
+    "gradient_clipping": ("--max-grad-norm", "max_grad_norm"),
+    "train_micro_batch_size_per_gpu": ("--batch-size", "batch_size"),
+    "optimizer.params.lr": ("--lr", "lr"),
+    "optimizer.params.weight_decay": ("--weight-decay", "weight_decay"),
+}
+ADAMW_DEFAULTS = {"betas": [0.9, 0.999], "eps": 1e-8}
+
+
+def deepspeed_source(env) -> tuple[str, dict]:
+    """(where the DeepSpeed settings come from, those settings as a DeepSpeed config dict)."""
+    path = env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "none")
+    if path != "none":
+        inline = [name for name in env.get("ACCELERATE_CONFIG_DS_FIELDS", "").split(",")
+                  if name in DEEPSPEED_FILE_CONFLICTS]
+        if inline:
+            refuse(f"the accelerate config sets {', '.join(inline)} beside deepspeed_config_file; move them into "
+                   f"{path} (or drop deepspeed_config_file and keep the inline keys)")
+        try:
+            config = json.loads(Path(path).read_text(), object_pairs_hook=mapping_without_repeats)
+        except DuplicateKey as error:
+            refuse(f"{Path(path).name}: `{error}` is set twice (the last one would win without a word); keep one")
+        except (OSError, ValueError) as error:
+            refuse(f"deepspeed_config_file {path} cannot be read as JSON ({error}); fix the file or its path")
+        if not isinstance(config, dict):
+            refuse(f"deepspeed_config_file {path} holds a JSON {type(config).__name__}, not an object of "
+                   "DeepSpeed settings; write it as {\"zero_optimization\": {\"stage\": ...}, ...}")
+        if not isinstance(config.get("zero_optimization"), dict):
+            refuse(f"{path} has no `zero_optimization` section; add one with the ZeRO \"stage\" to use")
+        return path, config
+
+    def value(name):
+        raw = env.get(name, "auto")
+        return "auto" if raw in ("auto", "none") else int(raw) if raw.isdigit() else float(raw)
+
+    return "the accelerate config", {
+        "gradient_accumulation_steps": value("ACCELERATE_GRADIENT_ACCUMULATION_STEPS"),
+        "gradient_clipping": value("ACCELERATE_GRADIENT_CLIPPING"),
+        "zero_optimization": {
+            "stage": int(env.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2")),
+            "offload_param": {"device": env.get("ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE", "none")},
+            "offload_optimizer": {"device": env.get("ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE", "none")},
+        },
+    }
+
+
+def lookup(config: dict, dotted: str):
+    for part in dotted.split("."):
+        if not isinstance(config, dict) or part not in config:
+            return None
+        config = config[part]
+    return config
+
+
+def differs(a, b) -> bool:
+    try:
+        return float(a) != float(b)
+    except (TypeError, ValueError):
+        return True
+
+
+def settle_deepspeed(config: dict, source: str, args, env, on_gpu: bool) -> list[str]:
+    """Make the DeepSpeed settings and `args` agree, or refuse in one line.
+
+    A value the config fixes and the command line does not mention becomes the recipe's (`args`
+    is changed in place); a value both give differently is refused, and so is a section the
+    recipe cannot honour. Returns what was taken over, for the one line the recipe prints.
+    """
+    check_deepspeed_sections(config, source, on_gpu)
+    notes = []
+    given = set(getattr(args, "given_flags", ()))
+    for key, (flag, dest) in SETTLED_BY_FLAGS.items():
+        value = lookup(config, key)
+        if value in (None, "auto") or not differs(value, getattr(args, dest)):
+            continue
+        if dest in given:
+            refuse(f"{source} sets {key} = {value} but {flag} is {getattr(args, dest)}; pass the same value, "
+                   f"or set \"{key.split('.')[-1]}\": \"auto\" there (or delete it) so that {flag} applies")
+        setattr(args, dest, int(value) if dest == "batch_size" else type(getattr(args, dest))(value))
+        args.given_flags = sorted(set(getattr(args, "given_flags", ())) | {dest})  # fixed by the file
+        notes.append(f"{flag} {getattr(args, dest)} (its {key})")
+    # The global batch: batch_size.settle works out the accumulation that keeps it, or refuses.
+    train_batch = config.get("train_batch_size", "auto")
+    fixed = [config.get(key, "auto") for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps")]
+    processes = int(env.get("WORLD_SIZE", "1"))
+    if train_batch != "auto" and "auto" not in fixed and int(train_batch) != int(fixed[0]) * int(fixed[1]) * processes:
+        refuse(f"{source} sets train_batch_size {train_batch}, but train_micro_batch_size_per_gpu {fixed[0]} x "
+               f"gradient_accumulation_steps {fixed[1]} x {processes} processes = {int(fixed[0]) * int(fixed[1]) * processes}; "
+               "fix one of the three, or set it to \"auto\"")
+    if train_batch != "auto" and args.global_batch_size is None:
+        args.global_batch_size = int(train_batch)
+        notes.append(f"--global-batch-size {train_batch} (its train_batch_size)")
+    elif train_batch != "auto" and differs(train_batch, args.global_batch_size):
+        refuse(f"{source} sets train_batch_size = {train_batch} but --global-batch-size is {args.global_batch_size}; "
+               "pass the same value, or set \"train_batch_size\": \"auto\" there")
+
+    optimizer = config.get("optimizer")
+    if optimizer is not None:
+        if not isinstance(optimizer, dict) or "type" not in optimizer:
+            refuse(f"{source} has an `optimizer` section without a \"type\"; delete the section (the recipes "
+                   "train with AdamW), or give \"type\": \"AdamW\"")
+        kind = str(optimizer.get("type", "")).lower()
+        params = optimizer.get("params") or {}
+        odd = [key for key, default in ADAMW_DEFAULTS.items() if params.get(key, "auto") not in ("auto", default)]
+        if kind not in ("adam", "adamw") or str(params.get("adam_w_mode", True)).lower() == "false" or odd:
+            what = f"{optimizer.get('type')} with {', '.join(odd)}" if odd else optimizer.get("type")
+            refuse(f"{source} asks for a DeepSpeed {what} optimizer; the recipes train with AdamW (default betas "
+                   "and eps) on every strategy: delete the `optimizer` section, or edit the recipe's optimizer")
+        notes.append(f"optimizer {optimizer.get('type')} -> the recipe's AdamW")
+    if config.get("scheduler") is not None:
+        kind = config["scheduler"].get("type", "") if isinstance(config["scheduler"], dict) else ""
+        refuse(f"{source} asks for a DeepSpeed {kind + ' ' if kind else ''}scheduler, but the recipe "
+               "builds its own warm-up + cosine schedule from --lr and --warmup-ratio; delete the `scheduler` "
+               "section (or edit the recipe's schedule)")
+
+    compile_asked = torch_compile_section(config)
+    if compile_asked:
+        backend = config["compile"].get("backend", "inductor")
+        if backend != "inductor":
+            refuse(f"{source} asks torch.compile for the `{backend}` backend; the recipes' --compile uses inductor: "
+                   "delete the `compile` section, or set \"backend\": \"inductor\"")
+        if not args.compile:
+            args.compile = True
+            notes.append("--compile (its compile section)")
+
+    launcher = env.get("ACCELERATE_MIXED_PRECISION", "no").lower()
+    spellings = {"bf16": ("bf16", "bfloat16"), "fp16": ("fp16",)}  # DeepSpeed still reads the old "bfloat16"
+    explicit = [kind for kind, names in spellings.items()
+                if any(str(lookup(config, f"{name}.enabled")).lower() == "true" for name in names)]
+    if len(explicit) == 2:
+        refuse(f"{source} enables both bf16 and fp16; keep one of them")
+    precision = explicit[0] if explicit else launcher  # "auto" follows the launcher
+    if explicit and launcher not in ("no", precision):
+        refuse(f"{source} enables {precision} but the launch asks for --mixed_precision {launcher}; make them "
+               "agree (or set \"enabled\": \"auto\" in the file)")
+    if precision == "fp16" and not on_gpu:
+        refuse(f"{source} trains in fp16, which DeepSpeed cannot do on CPU; on this machine set the fp16 block's "
+               "\"enabled\" to \"auto\" or false (bf16 works on CPU)")
+    if precision != launcher:
+        env["ACCELERATE_MIXED_PRECISION"] = precision  # what the plan and the model's dtypes follow
+        notes.append(f"precision {precision} (its {precision}.enabled)")
+    check_zero_section(config["zero_optimization"], source)
+    return notes
+
+
+def check_deepspeed_sections(config: dict, source: str, on_gpu: bool) -> None:
+    """What DeepSpeed itself would only reject after the model loaded, or fail on deep inside."""
+    zero = config["zero_optimization"]
+    stage = str(zero.get("stage", 0))
+    if stage not in ("0", "1", "2", "3"):
+        refuse(f"zero_optimization.stage in {source} is {zero.get('stage')!r}; give the ZeRO stage as 0, 1, 2 or 3 "
+               "(\"auto\" is not a stage)")
+    misplaced_or_misspelt_key(config, source)
+    for key in ("train_micro_batch_size_per_gpu", "train_batch_size", "gradient_accumulation_steps"):
+        if not is_count(config.get(key, "auto")):
+            refuse(f"{key} in {source} is {config[key]!r}; give a whole number >= 1 (or \"auto\")")
+    if isinstance(config.get("amp"), dict) and str(config["amp"].get("enabled", False)).lower() == "true":
+        refuse(f"{source} enables DeepSpeed's `amp` (NVIDIA Apex), which DeepSpeed has removed; delete the `amp` "
+               "section and use a \"bf16\": {\"enabled\": true} block")
+    for part in ("offload_param", "offload_optimizer"):
+        device = str(lookup(zero, f"{part}.device") or "none").lower()
+        if part == "offload_param" and device != "none" and stage != "3":
+            refuse(f"zero_optimization.offload_param in {source} needs ZeRO stage 3 (stage {stage} keeps whole "
+                   "parameters on each GPU); set \"stage\": 3, or offload only the optimizer (offload_optimizer)")
+        if device == "nvme" and not (on_gpu and async_io_available()):
+            refuse(f"zero_optimization.{part} in {source} offloads to NVMe, which needs DeepSpeed's async_io op "
+                   f"(libaio) {'and a GPU ' if not on_gpu else ''}that this machine lacks; offload to \"cpu\" instead")
+
+
+# Top-level DeepSpeed keys the recipe reads: a misspelt one is ignored by DeepSpeed without a word.
+READ_BY_RECIPE = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+                  "gradient_clipping", "optimizer", "scheduler", "bf16", "bfloat16", "fp16", "zero_optimization")
+
+
+def misplaced_or_misspelt_key(config: dict, source: str) -> None:
+    """DeepSpeed ignores top-level keys it does not know: a near-miss of a key the recipe reads, or a
+    zero_optimization setting written outside that section, would change the run without a word."""
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    zero_fields = set(DeepSpeedZeroConfig.model_fields) | {
+        field.alias for field in DeepSpeedZeroConfig.model_fields.values() if field.alias}
+    for key in config:
+        if key in READ_BY_RECIPE:
+            continue
+        close = difflib.get_close_matches(key, READ_BY_RECIPE, n=1, cutoff=0.85)
+        if close and not deepspeed_mentions(key):
+            refuse(f"`{key}` in {source} is not a DeepSpeed setting (DeepSpeed would ignore it); did you mean "
+                   f"`{close[0]}`? fix or delete it")
+        if key in zero_fields and not deepspeed_mentions(key, top_level_only=True):
+            refuse(f"`{key}` at the top level of {source} is a zero_optimization setting, which DeepSpeed ignores "
+                   "there; move it into the \"zero_optimization\" section")
+
+
+def deepspeed_mentions(key: str, top_level_only: bool = False) -> bool:
+    """Whether DeepSpeed's source names `key` as a string: a real setting of some part of DeepSpeed, not
+    a typo. `top_level_only`: only where DeepSpeed reads the top level of its config."""
+    import importlib.util
+
+    root = Path(importlib.util.find_spec("deepspeed").origin).parent
+    files = [root / "runtime" / "config.py", root / "runtime" / "constants.py"] if top_level_only else root.rglob("*.py")
+    return any(f'"{key}"' in text or f"'{key}'" in text for text in (path.read_text(errors="ignore") for path in files))
+
+
+def is_count(value) -> bool:
+    """A whole number >= 1 (as DeepSpeed takes batch sizes and steps: 4, 4.0, "4"), or "auto"."""
+    if value == "auto":
+        return True
+    try:
+        return not isinstance(value, bool) and float(value).is_integer() and float(value) >= 1
+    except (TypeError, ValueError):
+        return False
+
+
+def async_io_available() -> bool:
+    try:
+        from deepspeed.ops.op_builder import AsyncIOBuilder
+
+        return bool(AsyncIOBuilder().is_compatible(verbose=False))
+    except Exception:  # an unbuilt or broken DeepSpeed says the same: no NVMe offload here
+        return False
+
+
+def torch_compile_section(config: dict) -> bool | None:
+    """A `compile` section in the form HF Trainer and axolotl read (torch.compile's `disable` and
+    `backend`), which DeepSpeed's own, differently shaped section refuses: compile asked or not;
+    None when there is no such section (DeepSpeed's own form is left to DeepSpeed)."""
+    section = config.get("compile")
+    if not isinstance(section, dict) or not set(section) <= {"disable", "backend"}:
+        return None
+    return str(section.get("disable", False)).lower() != "true"
+
+
+def edit_deepspeed(config: dict, args) -> None:
+    """The DeepSpeed config accelerate will start the engine with, aligned with the recipe's loop
+    (after `settle_deepspeed` has checked that nothing the user asked for is lost)."""
+    # The recipe hands DeepSpeed exactly --grad-accum micro-batches per step; when the file has no
+    # value accelerate puts 1 there and would silently prefer it.
+    config["gradient_accumulation_steps"] = args.grad_accum
+    # DeepSpeed clips inside its own step; the value must be the recipe's, as on DDP and FSDP.
+    config["gradient_clipping"] = args.max_grad_norm
+    config.pop("optimizer", None)  # an AdamW section: the recipe's own AdamW is the same
+    # DeepSpeed needs a batch size; a file without one takes the recipe's, as with "auto".
+    config.setdefault("train_micro_batch_size_per_gpu", args.batch_size)
+    if "bfloat16" in config:  # the old name of the bf16 block (settle_deepspeed took its precision)
+        config.setdefault("bf16", config.pop("bfloat16"))
+    if torch_compile_section(config) is not None:
+        del config["compile"]  # torch.compile's options: --compile applies them (DeepSpeed would refuse them)
+    zero = config.setdefault("zero_optimization", {})
+    if zero.get("stage") == 3:
+        # Saving the final model needs the gathered 16-bit weights; the file may use either name.
+        name = next((key for key in ("gather_16bit_weights_on_model_save", "stage3_gather_16bit_weights_on_model_save")
+                     if key in zero), "stage3_gather_16bit_weights_on_model_save")
+        zero[name] = True
+
+
+def check_zero_section(zero: dict, source: str) -> None:
+    """DeepSpeed validates `zero_optimization` only when the engine starts, after the model loaded."""
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    from pydantic import ValidationError
+
+    try:
+        DeepSpeedZeroConfig(**{key: value for key, value in zero.items() if value != "auto"})
+    except ValidationError as error:
+        first = error.errors()[0]
+        key = ".".join(str(part) for part in first["loc"])
+        if first["type"] == "extra_forbidden":
+            valid = set(DeepSpeedZeroConfig.model_fields) | {
+                field.alias for field in DeepSpeedZeroConfig.model_fields.values() if field.alias}
+            close = difflib.get_close_matches(key, sorted(valid), n=1, cutoff=0.6)
+            hint = f"did you mean `{close[0]}`? " if close else ""
+            refuse(f"`{key}` in zero_optimization of {source} is not a DeepSpeed setting; {hint}fix or delete it")
+        refuse(f"zero_optimization.{key} in {source}: {first['msg']}; fix it")
