@@ -183,20 +183,21 @@ def load_splits(spec: str | None, seed: int, columns: str | None = None):
         train = loaded["train"] if "train" in loaded else next(iter(loaded.values()))
     loaded = with_text_columns(loaded)
     train = loaded["train"] if "train" in loaded else next(iter(loaded.values()))
-    detect_format(train.column_names)  # no known columns: refused here, on every rank
+    fmt = detect_format(train.column_names)  # no known columns: refused here, on every rank
     eval_name = next((name for name in EVAL_SPLIT_NAMES if name in loaded), None)
     if eval_name is not None:
         return train, loaded[eval_name]
     if len(train) < 2:
         refuse(f"--dataset {spec} has {len(train)} rows; it needs at least 2 (some are held out for evaluation)")
     held_out = max(1, min(256, len(train) // 20))
-    # Held out from the rows that can train: an unusable row there would leave evaluation empty while
-    # training has rows (it stays in training, where it is dropped and counted).
-    fmt = detect_format(train.column_names)
-    good = [i for i, row in enumerate(train) if row_problem(row, fmt) is None]
-    if len(good) in (0, len(train)) or len(good) <= held_out:
-        split = train.train_test_split(test_size=held_out, seed=seed)
+    split = train.train_test_split(test_size=held_out, seed=seed)
+    if all(row_problem(row, fmt) is None for row in split["test"]):
         return split["train"], split["test"]
+    # Hold out rows that can train instead: an unusable row there could leave evaluation empty while
+    # training has rows (it stays in training, where it is dropped and counted).
+    good = [i for i, row in enumerate(train) if row_problem(row, fmt) is None]
+    if len(good) <= held_out:
+        return split["train"], split["test"]  # too few good rows: the tokenised counts name the problem
     import datasets
 
     split = train.select(good).train_test_split(test_size=held_out, seed=seed)
