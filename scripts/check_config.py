@@ -95,16 +95,14 @@ def check(config_file: Path, recipe: str = "lora", recipe_argv: list[str] = (), 
         lines = str(error).strip().splitlines() or [type(error).__name__]
         preflight.refuse(f"{path.name}: {problem}" if problem else f"accelerate cannot launch {path.name}: {lines[0]}")
     args = parse_recipe_args(recipe_flags(recipe), list(recipe_argv))
-    if not is_deepspeed_json(path):
-        config = launch_config.read_config(path)
-        launch_config.refuse_unsupported_type(config, path.name)
-        if env["WORLD_SIZE"] == "1":  # accelerate starts one process for this file, whatever was asked
-            asked = num_processes or int(config.get("num_processes") or 1)
-            launch_config.refuse_one_process_for_several(str(config.get("distributed_type", "NO")).upper(), asked)
     on_gpu = (__import__("torch").cuda.is_available()) if on_gpu is None else on_gpu
     with mock.patch.dict(os.environ, env, clear=True), mock.patch("torch.cuda.is_available", return_value=on_gpu):
         notes = launch_config.adapt_launch(args, config_file=None if is_deepspeed_json(path) else path, on_gpu=on_gpu)
         launch = describe(on_gpu=on_gpu)
+        if env["WORLD_SIZE"] == "1" and not is_deepspeed_json(path):  # as preflight.check_launch, in its order:
+            config = launch_config.read_config(path)  # accelerate starts one process, whatever was asked
+            asked = num_processes or int(config.get("num_processes") or 1)
+            launch_config.refuse_one_process_for_several(str(config.get("distributed_type", "NO")).upper(), asked)
         preflight.check_ranges(args)  # values the file handed to the flags, too
         if launch.kind == TENSOR_PARALLEL:  # what the recipe can split (its model's heads, LoRA's targets)
             preflight.check_tensor_parallel(args, recipe, launch)
