@@ -118,11 +118,16 @@ def main():
                 if args.liger:  # Liger's fused linear + cross-entropy sums inside the model, never building logits
                     loss_sum = model(**batch, labels=labels, use_cache=False, num_items_in_batch=1).loss
                 else:  # no KV cache in training (it would also hide packing)
-                    logits = model(**batch, use_cache=False).logits
+                    targets = labels[:, 1:]  # position t predicts token t + 1
+                    # The LM head runs only where some row has a target: prompt and padding positions need
+                    # no logits (with a large vocabulary that saves much of the step's time and memory).
+                    positions = (targets != data.IGNORE).any(0).nonzero().squeeze(1).cpu()
+                    logits = model(**batch, use_cache=False, logits_to_keep=positions).logits
                     # The loss: cross-entropy of each next token. Prompt and padding tokens are IGNORE and
-                    # count 0; to weight tokens, multiply token_loss by the weights before the sum.
+                    # count 0; to weight tokens, multiply token_loss by weights laid out like
+                    # targets[:, positions] (flattened) before the sum.
                     token_loss = torch.nn.functional.cross_entropy(
-                        logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=data.IGNORE,
+                        logits.flatten(0, 1).float(), targets[:, positions].flatten(), ignore_index=data.IGNORE,
                         reduction="none")
                     del logits  # the largest tensor of the step: the backward keeps only what it needs
                     loss_sum = token_loss.sum()

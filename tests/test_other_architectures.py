@@ -3,11 +3,15 @@ model's own block class (GPT-2: Conv1D projections, tied embeddings; Qwen2: atte
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import TINY_MODEL, launch, long_test
+from conftest import REPO, TINY_MODEL, launch, long_test
+
+sys.path.insert(0, str(REPO / "recipes"))
 
 
 def build(kind: str, folder) -> None:
@@ -54,3 +58,30 @@ def test_other_architectures_train_shard_and_reload(kind, recipe, config, tmp_pa
         logits = reloaded.eval()(input_ids=probe["input_ids"], attention_mask=probe["attention_mask"]).logits
     mask = probe["attention_mask"].bool()
     assert (logits - probe["logits"])[mask].abs().max() <= 1e-4
+
+
+def test_a_model_without_logits_to_keep_gets_the_logits_asked_for():
+    """Remote code whose forward lacks `logits_to_keep`: the recipes' loss still gets the logits of
+    the positions it asks for (computed for every position, then kept)."""
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM
+
+    from common import modeling
+
+    class NoLogitsToKeep(LlamaForCausalLM):
+        def forward(self, input_ids=None, attention_mask=None, **kwargs):
+            assert "logits_to_keep" not in kwargs
+            return super().forward(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+
+    reference = AutoModelForCausalLM.from_pretrained(TINY_MODEL).eval()
+    model = NoLogitsToKeep.from_pretrained(TINY_MODEL).eval()
+    modeling.accept_logits_to_keep(model)
+    modeling.accept_logits_to_keep(reference)  # a model that takes it is left as it is
+    assert "forward" not in vars(reference)
+    input_ids = torch.randint(4, 300, (2, 9))
+    positions = torch.tensor([2, 3, 7])
+    with torch.no_grad():
+        everything = reference(input_ids=input_ids).logits
+        kept = model(input_ids=input_ids, logits_to_keep=positions).logits
+        last = model(input_ids=input_ids, logits_to_keep=1).logits
+    assert torch.allclose(kept, everything[:, positions], atol=1e-6)
+    assert torch.allclose(last, everything[:, -1:], atol=1e-6)

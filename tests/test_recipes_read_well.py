@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from conftest import REPO, launch
-from strategies import matrix_args
+from strategies import STEPS, matrix_args
 
 sys.path.insert(0, str(REPO / "recipes"))
 from common.args import recipe_flags  # noqa: E402
@@ -94,6 +94,18 @@ def test_a_copied_recipe_edited_in_its_loss_and_schedule_trains_on_the_edits(tra
     lr = float(flags[flags.index("--lr") + 1])
     assert [record["lr"] for record in run.metrics()] == [lr] * 3
     assert [record["lr"] for record in reference.metrics()[:3]] != [lr] * 3
+
+
+def test_logits_at_target_positions_only_give_the_textbook_loss(trained, tmp_path):
+    """The recipe's LM head runs only where some row has a target; a copy that computes every
+    position's logits and the textbook shifted cross-entropy follows the same loss curve."""
+    run = launch_edited_copy([
+        ("logits = model(**batch, use_cache=False, logits_to_keep=positions).logits",
+         "logits = model(**batch, use_cache=False).logits[:, :-1]"),
+        ("logits.flatten(0, 1).float(), targets[:, positions].flatten(),",
+         "logits.flatten(0, 1).float(), labels[:, 1:].flatten(),"),
+    ], tmp_path / "out", steps=STEPS)
+    assert run.losses() == pytest.approx(trained("lora", "model_parallel").losses(), rel=1e-5)
 
 
 def test_a_copied_recipe_edited_in_its_collator_trains_on_the_edit(trained, tmp_path):

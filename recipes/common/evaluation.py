@@ -18,9 +18,11 @@ def evaluate(accelerator, model, eval_loader) -> dict:
     model.eval()
     loss_sum = tokens = exact = rows = 0.0
     for batch in eval_loader:
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.float()
-        labels = batch["labels"][:, 1:].to(logits.device)
-        logits = logits[:, :-1]
+        labels = batch["labels"][:, 1:]  # position t predicts token t + 1
+        positions = (labels != IGNORE).any(0).nonzero().squeeze(1).cpu()  # the LM head runs where a row has a target
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                       logits_to_keep=positions).logits.float()
+        labels = labels[:, positions].to(logits.device)
         targets = labels != IGNORE
         token_loss = F.cross_entropy(logits.transpose(1, 2), labels.clamp(min=0), reduction="none") * targets
         correct = ((logits.argmax(-1) == labels) | ~targets).all(dim=1)

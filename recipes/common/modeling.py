@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import subprocess
 import sys
 from pathlib import Path
@@ -73,7 +74,27 @@ def load_model(name: str, accelerator, launch, *, frozen: bool, quantization=Non
         from transformers.integrations.liger import apply_liger_kernel
 
         apply_liger_kernel(model, None)
+    accept_logits_to_keep(model)
     return model
+
+
+def accept_logits_to_keep(model) -> None:
+    """Give `logits_to_keep` to a model whose forward lacks it (remote code, a few transformers
+    classes), so the recipes' loss runs on any model: it computes every position's logits and keeps
+    the ones asked for (the same loss, without the saving). Transformers' meaning: an int keeps the
+    last N positions (0: all), a 1-D tensor keeps those positions.
+    """
+    if "logits_to_keep" in inspect.signature(model.forward).parameters:
+        return
+    forward = model.forward
+
+    def forward_keeping_logits(*args, logits_to_keep=0, **kwargs):
+        outputs = forward(*args, **kwargs)
+        kept = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        outputs.logits = outputs.logits[:, kept]
+        return outputs
+
+    model.forward = forward_keeping_logits
 
 
 def compile_layers(model) -> None:
