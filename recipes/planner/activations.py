@@ -111,7 +111,9 @@ def activation_bytes(shape: ModelShape, method: str, strategy: str, batch_size: 
       s (sdpa / eager); the final RMSNorm 4h + 4 (+ r*h trained); lm_head's input c*h when it is
       trained (or LoRA-adapted).
     - logits: T * vocab * (logits dtype + 4 + 4): the logits the step's `outputs` holds, the fp32
-      log-softmax output the loss keeps, and its fp32 gradient at the start of the backward.
+      log-softmax output the loss keeps, and its fp32 gradient at the start of the backward. The
+      recipes compute logits only at positions where a row of the micro-batch has a target, so this
+      is the bound that packed or plain-text rows reach; prompt-masked rows hold less.
     - autocast copies (DDP / model parallel / tp / fsdp_tp in bf16): autocast's bf16 copy of every
       fp32 trained linear weight (lm_head included) is kept by the backward: 2 bytes per such
       parameter (of the rank's tensor parallel part), whatever the batch.
