@@ -29,14 +29,11 @@ same kind on both sides. The recipe's clock is metrics.jsonl's `elapsed_s`; the 
 TrainerCallback's on_step_end. Rounds alternate which side goes first, so that drift of the machine
 reaches both.
 
-Where the difference comes from, measured on 2026-11-21 on 2 CPU cores with the default workload: a
-step took 28 ms with the recipe and 42 ms with TRL. cProfile of rank 0 over the 120 steps: forward and
-backward take 2.7 s in the recipe and 3.2 s in TRL (TRL's LM head also computes entropy and token
-accuracy for its logs). On top of that, TRL and Trainer spend 1.4 s on bookkeeping they do for every
-micro-batch: four all-gathers of logged metrics (entropy, accuracy, token counts; 0.78 s), Trainer's
-FLOP count (0.31 s) and model.train() (0.31 s). These costs are fixed per micro-batch. They are large
-next to a 2-layer model on a CPU and small next to a real model's compute on GPUs, so the ratio
-measured here says little about GPU runs.
+Where the difference is likely to come from (read from TRL's and Trainer's code; no profile of TRL
+is committed, docs/results.md has what was measured): for every micro-batch, TRL and Trainer gather
+their logged metrics across ranks (entropy, token accuracy, token counts), count FLOPs and call
+model.train(). These costs are fixed per micro-batch: large next to a 2-layer model on a CPU, small
+next to a real model's compute on GPUs, so the ratio measured here says little about GPU runs.
 
 Prints one line per run, the target tokens and mean loss of both sides, the median tokens/s of each,
 what limits the comparison and, as the last line, `ratio: X` (median tokens/s, ours / TRL).
@@ -228,8 +225,9 @@ def spread(values: list[float]) -> float:
 def verdict(ratio: float) -> str:
     """What the measured ratio (ours / TRL tokens per second) says, at this overhead-bound size."""
     if ratio >= 1.1:
-        return ("the gap is then mostly TRL/Trainer's fixed per-micro-batch bookkeeping (metric all-gathers, FLOP "
-                "counting, model.train()), which a compute-bound model on GPUs would shrink")
+        return ("the gap is likely TRL/Trainer's fixed per-micro-batch bookkeeping (metric all-gathers, FLOP "
+                "counting, model.train(); not profiled by this script), which a compute-bound model on GPUs "
+                "would shrink")
     if ratio <= 1 / 1.1:
         return f"TRL is {1 / ratio:.2f}x faster here: look at the recipe's per-step work before trusting it elsewhere"
     return "the two are within 10% of each other, no difference worth reporting at this size"
