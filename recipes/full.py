@@ -101,8 +101,7 @@ def main():
                     targets = labels[:, 1:]  # position t predicts token t + 1
                     # The LM head runs only where some row has a target: prompt and padding positions need
                     # no logits (with a large vocabulary that saves much of the step's time and memory).
-                    # On the CPU, the positions can index the hidden states on whichever device holds them.
-                    positions = (targets != data.IGNORE).any(0).nonzero().squeeze(1).cpu()
+                    positions = data.positions_with_targets(targets)
                     logits = model(**batch, use_cache=False, logits_to_keep=positions).logits
                     # The loss: cross-entropy of each next token. Prompt and padding tokens are IGNORE and
                     # count 0; to weight tokens, multiply token_loss by weights laid out like

@@ -366,6 +366,13 @@ def target_tokens(batch: dict) -> torch.Tensor:
     return (batch["labels"][:, 1:] != IGNORE).sum()
 
 
+def positions_with_targets(targets: torch.Tensor) -> torch.Tensor:
+    """The sequence positions where some row of `targets` (labels shifted by one) has a target: the
+    only positions the loss needs logits for. On the CPU, so that they index the hidden states on
+    whichever device holds them (model parallel's last GPU too)."""
+    return (targets != IGNORE).any(0).nonzero().squeeze(1).cpu()
+
+
 def optimizer_steps(train_loader, grad_accum: int, start_step: int = 0):
     """Endless stream of (epoch, [grad_accum micro-batches]) from `start_step` on.
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .data import IGNORE
+from .data import IGNORE, positions_with_targets
 
 
 @torch.no_grad()
@@ -19,7 +19,7 @@ def evaluate(accelerator, model, eval_loader) -> dict:
     loss_sum = tokens = exact = rows = 0.0
     for batch in eval_loader:
         labels = batch["labels"][:, 1:]  # position t predicts token t + 1
-        positions = (labels != IGNORE).any(0).nonzero().squeeze(1).cpu()  # the LM head runs where a row has a target
+        positions = positions_with_targets(labels)  # the LM head runs where a row has a target
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                        logits_to_keep=positions).logits.float()
         labels = labels[:, positions].to(logits.device)
