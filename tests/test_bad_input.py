@@ -78,12 +78,13 @@ def tokenized(tokenizer, rows, max_length=512):
 
 def test_rows_that_cannot_train_are_counted(tokenizer):
     chats = [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]},
+             {"messages": [{"role": "user", "content": "hi"}, {"role": "narrator", "content": "{}"}]},
              {"messages": [{"role": "user", "content": "hi"}, {"role": "tool", "content": "{}"}]},
              {"messages": [{"role": "user", "content": "hi"}]},
              {"messages": [{"role": "user", "content": None}, {"role": "assistant", "content": "x"}]}]
     assert data.counted(tokenized(tokenizer, chats)) == (
-        "4 rows: 1 used, 3 dropped (a role other than system/user/assistant: 1, no assistant reply: 1, "
-        "a turn without text: 1)")
+        "5 rows: 1 used, 4 dropped (a role other than system/user/assistant (narrator): 1, tool calls or tool "
+        "results (not supported: drop those turns or rows): 1, no assistant reply: 1, a turn without text: 1)")
     pairs = [{"prompt": "p", "completion": "c"}, {"prompt": "p", "completion": None},
              {"prompt": None, "completion": "c"}, {"prompt": "p", "completion": "  "}]
     assert data.counted(tokenized(tokenizer, pairs)) == "4 rows: 1 used, 3 dropped (empty target: 2, no prompt: 1)"

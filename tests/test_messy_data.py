@@ -12,7 +12,7 @@ import pytest
 from conftest import REPO, TINY_MODEL
 
 sys.path.insert(0, str(REPO / "recipes"))
-from common import data  # noqa: E402
+from common import data, data_files  # noqa: E402
 from common.preflight import Refusal  # noqa: E402
 
 ROWS = [{"instruction": f"Say {i}", "response": f"ok {i}"} for i in range(20)]
@@ -66,9 +66,9 @@ def test_dev_and_val_files_are_the_evaluation_split(train_name, eval_name, tmp_p
 
 
 def test_names_that_only_start_like_a_split_are_not_splits(tmp_path):
-    assert data.split_of(tmp_path / "values.jsonl") is None
-    assert data.split_of(tmp_path / "devices.csv") is None
-    assert data.split_of(tmp_path / "Train.JSONL") == "train"
+    assert data_files.split_of(tmp_path / "values.jsonl") is None
+    assert data_files.split_of(tmp_path / "devices.csv") is None
+    assert data_files.split_of(tmp_path / "Train.JSONL") == "train"
 
 
 def test_numbers_in_a_csv_answer_column_are_text(tmp_path, tokenizer):
@@ -154,3 +154,162 @@ def test_the_held_out_rows_are_rows_that_can_train(tmp_path):
     assert len(train) + len(evaluation) == 40 and len(evaluation) == 2
     assert all(data.row_problem(row, "instruction") is None for row in evaluation)
     assert sum(data.row_problem(row, "instruction") is not None for row in train) == 26  # kept, to be counted
+
+
+# What users' files hold beyond the happy path: each trains on what was meant, or one line names the fix
+
+RAISES_ON_SYSTEM = ("{% for m in messages %}{% if m['role'] == 'system' %}"
+                    "{{ raise_exception('System role not supported') }}{% endif %}"
+                    "{{ m['role'] + ': ' + m['content'] + '\n' }}{% endfor %}")
+
+
+def test_a_row_the_chat_template_refuses_is_dropped_and_counted(tokenizer):
+    import copy
+
+    import datasets
+
+    strict = copy.deepcopy(tokenizer)
+    strict.chat_template = RAISES_ON_SYSTEM
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    rows = [{"messages": chat}] * 3 + [{"messages": [{"role": "system", "content": "Be brief."}, *chat]}]
+    tokenized, _ = data.tokenize_counted(datasets.Dataset.from_list(rows), strict, 64)
+    assert data.counted(tokenized) == ("4 rows: 3 used, 1 dropped (the chat template refuses it: System role "
+                                       "not supported: 1)")
+
+
+def test_weight_zero_turns_are_context_and_developer_is_the_system_role(tokenizer):
+    turns = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "q"},
+             {"role": "assistant", "content": "BAD", "weight": 0}, {"role": "user", "content": "again"},
+             {"role": "assistant", "content": "good", "weight": 1}]
+    assert data.row_problem({"messages": turns}, "messages") is None
+    row = data.tokenize_row({"messages": turns}, tokenizer, "messages", 256)
+    assert "BAD" not in targets_of(row, tokenizer) and targets_of(row, tokenizer).startswith("good")
+    assert "<|system|>" in tokenizer.decode(row["input_ids"]) or "system" in tokenizer.decode(row["input_ids"])
+    only_weightless = [turns[1], turns[2]]
+    assert data.row_problem({"messages": only_weightless}, "messages") == "no assistant reply"
+
+
+def test_rows_cut_to_max_length_are_counted(tokenizer):
+    import datasets
+
+    rows = [{"instruction": "Count.", "response": " ".join(str(i) for i in range(200))}, ROWS[0]]
+    tokenized, _ = data.tokenize_counted(datasets.Dataset.from_list(rows), tokenizer, 64)
+    assert data.counted(tokenized) == "2 rows: 2 used (1 of them cut to --max-length)"
+    assert len(tokenized[0]["input_ids"]) == 64 and tokenized["cut"] == [True, False]
+
+
+def test_csv_cells_are_read_as_written(tmp_path):
+    answers = ["1.50", "007", "1e3", "02134", "NA", "None", "null", "N/A", "3.10", "5"]
+    path = tmp_path / "answers.csv"
+    # 12,000 rows that look like numbers, then text: pandas guesses each 10,000-row chunk's types apart
+    rows = [(f"q{i}", answers[i % 10]) for i in range(12_000)] + [(f"t{i}", f"answer {i}") for i in range(20)]
+    path.write_text("instruction,output\n" + "".join(f"{q},{a}\n" for q, a in rows))
+    train, evaluation = data.load_splits(str(path), seed=0)
+    written = {row["instruction"]: row["output"] for split in (train, evaluation) for row in split}
+    assert [written[f"q{i}"] for i in range(10)] == answers and written["t3"] == "answer 3"
+
+
+def test_columns_the_format_does_not_read_are_named(tmp_path):
+    rows = [{"instruction": "Summarise.", "context": f"Passage {i}", "response": f"r {i}", "category": "qa"}
+            for i in range(20)]
+    train, _ = data.load_splits(folder(tmp_path, {"dolly.jsonl": jsonl(rows)}), seed=0)
+    assert data_files.unread_columns(train.column_names, "instruction") == (
+        "; columns not read: category, context (--columns input=context reads `context` as the input)")
+    assert data_files.unread_columns(["text"], "text") == ""
+
+
+def test_rows_of_two_formats_are_refused_naming_the_first_other_row(tmp_path):
+    rows = [{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}] * 5
+    path = tmp_path / "mixed.jsonl"
+    path.write_text(jsonl(rows + [{"text": "plain"}] * 5))
+    with pytest.raises(Refusal, match=r"mixes formats: its rows are `messages` rows \(messages\), but row 6 "
+                                      r"has `text` and no `messages`"):
+        data.load_splits(str(path), seed=0)
+    path.write_text(jsonl({"text": f"t {i}", "messages": None} for i in range(20)))  # an empty column is no format
+    train, _ = data.load_splits(str(path), seed=0)
+    assert data_files.filled_columns(train) == ["text"] and data_files.format_of(train, str(path)) == "text"
+
+
+def test_a_text_file_byte_order_mark_is_not_text(tmp_path, tokenizer):
+    path = tmp_path / "notes.txt"
+    path.write_bytes("\ufeff".encode() + b"".join(f"line {i}\n".encode() for i in range(20)))
+    train, evaluation = data.load_splits(str(path), seed=0)
+    assert not any(row["text"].startswith("\ufeff") for split in (train, evaluation) for row in split)
+
+
+@pytest.mark.parametrize("text", [json.dumps(ROWS), json.dumps(ROWS, indent=2)])
+def test_a_json_array_named_jsonl_loads(text, tmp_path):
+    path = tmp_path / "rows.jsonl"
+    path.write_text(text)
+    train, evaluation = data.load_splits(str(path), seed=0)
+    assert len(train) + len(evaluation) == 20
+
+
+@pytest.mark.parametrize("name, text, message", [
+    ("pretty.jsonl", "".join(json.dumps(row, indent=2) + "\n" for row in ROWS), "is pretty-printed JSON"),
+    ("twice.jsonl", jsonl(ROWS) + '{"instruction": "q", "output": "a", "output": "b"}\n',
+     r"twice.jsonl:21: `output` appears twice in one row; keep one"),
+    ("rows.json", json.dumps(ROWS + [{"instruction": "q", "output": ["a"]}]), r"rows.json: row 21: `output` must be text"),
+    ("rows.json", json.dumps(ROWS + ["a row"]), r"rows.json: row 21: a row must be a JSON object"),
+    ("bad.csv", "instruction,output\nq1,a1\nq2,a2,extra\n", "Expected 2 fields in line 3, saw 3"),
+    ("semi.csv", "instruction;output\nq1;a1\nq2;a2\n", "separates its columns with `;`"),
+    ("header.csv", "instruction,output\n", "has a header line but no rows"),
+])
+def test_a_file_that_cannot_be_read_names_the_line_or_the_layout(name, text, message, tmp_path):
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(Refusal, match=message):
+        data.load_splits(str(path), seed=0)
+
+
+def test_gzip_files_get_the_same_line_checks(tmp_path):
+    import gzip
+
+    path = tmp_path / "rows.jsonl.gz"
+    path.write_bytes(gzip.compress((jsonl(ROWS) + "{not json}\n").encode()))
+    with pytest.raises(Refusal, match=r"rows.jsonl.gz:21: not valid JSON"):
+        data.load_splits(str(path), seed=0)
+    path.write_bytes(gzip.compress(jsonl(ROWS).encode()))
+    (tmp_path / "inner").mkdir()
+    (tmp_path / "inner" / "train.jsonl.gz").write_bytes(path.read_bytes())
+    train, evaluation = data.load_splits(str(tmp_path / "inner"), seed=0)
+    assert len(train) + len(evaluation) == 20
+
+
+def test_a_parquet_column_that_is_not_text_is_named(tmp_path):
+    import datasets
+
+    path = tmp_path / "rows.parquet"
+    datasets.Dataset.from_list([{"instruction": r["instruction"], "output": [r["response"]]} for r in ROWS]).to_parquet(path)
+    with pytest.raises(Refusal, match=r"column `output` holds list values, not text"):
+        data.load_splits(str(path), seed=0)
+
+
+def test_save_to_disk_folders_load(tmp_path):
+    import datasets
+
+    datasets.Dataset.from_list(ROWS).save_to_disk(tmp_path / "one")
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(ROWS),
+                          "test": datasets.Dataset.from_list(ROWS[:3])}).save_to_disk(tmp_path / "two")
+    train, evaluation = data.load_splits(str(tmp_path / "one"), seed=0)
+    assert len(train) + len(evaluation) == 20
+    train, evaluation = data.load_splits(str(tmp_path / "two"), seed=0)
+    assert (len(train), len(evaluation)) == (20, 3)
+
+
+def test_a_folder_with_a_config_beside_the_rows_or_the_rows_one_level_down(tmp_path):
+    (tmp_path / "a").mkdir()
+    folder(tmp_path / "a", {"train.jsonl": jsonl(ROWS), "train_config.json": json.dumps({"lr": 0.1})})
+    with pytest.raises(Refusal, match=r"train.jsonl and train_config.json are both read as the train split"):
+        data.load_splits(str(tmp_path / "a"), seed=0)
+    (tmp_path / "b" / "data").mkdir(parents=True)
+    folder(tmp_path / "b" / "data", {"train.jsonl": jsonl(ROWS)})
+    with pytest.raises(Refusal, match=r"its folder data/ does: point --dataset at .*b/data"):
+        data.load_splits(str(tmp_path / "b"), seed=0)
+
+
+def test_a_home_folder_path_is_expanded(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "rows.jsonl").write_text(jsonl(ROWS))
+    train, evaluation = data.load_splits("~/rows.jsonl", seed=0)
+    assert len(train) + len(evaluation) == 20

@@ -49,7 +49,9 @@ def recipe_parser(doc: str) -> argparse.ArgumentParser:
     add("--warmup-ratio", type=float, default=0.03, help="fraction of the steps spent warming up")
     add("--weight-decay", type=float, default=0.0, help="AdamW's decoupled weight decay")
     add("--max-grad-norm", type=float, default=1.0, help="gradient clipping, the same on every strategy")
-    add("--max-length", type=int, default=512, help="tokens per example; longer rows are dropped and counted")
+    add("--max-length", type=int, default=512,
+        help="tokens per example; a longer row trains on its first --max-length tokens, and one with no "
+             "target left is dropped (both counted at start-up)")
     add("--seed", type=int, default=42, help="model init of new weights, dropout, data order")
     add("--eval-every", type=int, default=0, help="evaluate every N steps (0: only at the end)")
     add("--save-every", type=int, default=0, help="checkpoint every N steps (0: only at the end)")

@@ -47,16 +47,24 @@ class RowProblem(ValueError):
 ROLES = ("system", "user", "assistant")
 # columns that must hold text (or be empty) in each format
 TEXT_COLUMNS = ("instruction", "input", "output", "response", "prompt", "completion", "text")
+# the columns each format reads, and the one every row of the format has
+READ_COLUMNS = {"messages": ("messages",), "instruction": ("instruction", "input", "output", "response"),
+                "prompt_completion": ("prompt", "completion"), "text": ("text",)}
+FORMAT_KEYS = {"messages": "messages", "instruction": "instruction", "prompt_completion": "prompt", "text": "text"}
 
 
-# ShareGPT's speakers, and other names datasets give the two sides
-SPEAKERS = {"human": "user", "gpt": "assistant", "chatgpt": "assistant", "bot": "assistant", "model": "assistant"}
+# ShareGPT's speakers, and other names datasets give the two sides (OpenAI's `developer` is its system role)
+SPEAKERS = {"human": "user", "gpt": "assistant", "chatgpt": "assistant", "bot": "assistant", "model": "assistant",
+            "developer": "system"}
+TOOL_ROLES = ("tool", "function", "ipython")
 
 
 def conversation(cell) -> list | None:
     """A `messages` cell as [{"role", "content"}, ...], also when written as ShareGPT's {"from", "value"},
     with the content as a list of parts ({"type": "text", "text": ...}; other parts are not text and are
-    left out), with roles in capitals, or as a JSON string. None when it is no list of turns."""
+    left out), with roles in capitals, or as a JSON string. None when it is no list of turns.
+    OpenAI's fine-tuning `"weight": 0` on an assistant turn (keep it as context, do not train on it)
+    and the presence of `tool_calls` are kept."""
     if isinstance(cell, str):
         try:
             cell = json.loads(cell)
@@ -75,7 +83,8 @@ def conversation(cell) -> list | None:
                      if isinstance(part, str) or (isinstance(part, dict) and part.get("type", "text") == "text")]
             content = "".join(part for part in parts if isinstance(part, str)) if parts else None
         role = SPEAKERS.get(str(role).lower(), str(role).lower()) if isinstance(role, str) else role
-        turns.append({"role": role, "content": content})
+        turns.append({"role": role, "content": content, "weight": turn.get("weight", 1),
+                      "tool_calls": bool(turn.get("tool_calls") or turn.get("function_call"))})
     return turns
 
 
@@ -85,12 +94,14 @@ def row_problem(row: dict, fmt: str) -> str | None:
         turns = conversation(row["messages"])
         if not turns:
             return "no messages"
+        if any(turn["tool_calls"] or turn["role"] in TOOL_ROLES for turn in turns):
+            return "tool calls or tool results (not supported: drop those turns or rows)"
         if any(not isinstance(turn["content"], str) for turn in turns):
             return "a turn without text"
-        if any(turn["role"] not in ROLES for turn in turns):
-            return f"a role other than {'/'.join(ROLES)}"
-        # an assistant turn before anyone spoke (a greeting) is context, not a reply
-        if not any(turn["role"] == "assistant" and turn["content"].strip() for turn in turns[1:]):
+        others = sorted({str(turn["role"]) for turn in turns if turn["role"] not in ROLES})
+        if others:
+            return f"a role other than {'/'.join(ROLES)} ({', '.join(others)})"
+        if not any(is_reply(turns, i) and turn["content"].strip() for i, turn in enumerate(turns)):
             return "no assistant reply"
         return None
     prompt_column = {"instruction": "instruction", "prompt_completion": "prompt"}.get(fmt)
@@ -100,6 +111,13 @@ def row_problem(row: dict, fmt: str) -> str | None:
     if not isinstance(target, str) or not target.strip():
         return "empty target"
     return None
+
+
+def is_reply(turns: list[dict], i: int) -> bool:
+    """A trained turn: an assistant turn that answers a user (a greeting before the user spoke is
+    context), not marked `"weight": 0`."""
+    return (turns[i]["role"] == "assistant" and turns[i].get("weight", 1) != 0
+            and any(turn["role"] == "user" for turn in turns[:i]))
 
 
 def split_prompt(row: dict, fmt: str) -> tuple[str, str]:
@@ -133,8 +151,12 @@ def tokenize_chat(messages: list[dict], tokenizer, max_length: int) -> dict:
     template = tokenizer.chat_template or DEFAULT_CHAT_TEMPLATE  # the recipes' tokenizers always have one
 
     def render(turns, generation_prompt=False):
-        return tokenizer.apply_chat_template(turns, tokenize=False, chat_template=template,
-                                             add_generation_prompt=generation_prompt)
+        turns = [{"role": turn["role"], "content": turn["content"]} for turn in turns]
+        try:
+            return tokenizer.apply_chat_template(turns, tokenize=False, chat_template=template,
+                                                 add_generation_prompt=generation_prompt)
+        except Exception as error:  # a template that raises on some rows (alternation, no system role)
+            raise RowProblem(f"the chat template refuses it: {str(error).strip()[:80]}") from error
 
     input_ids, labels, rendered = [], [], ""
     bos = tokenizer.bos_token
@@ -142,7 +164,7 @@ def tokenize_chat(messages: list[dict], tokenizer, max_length: int) -> dict:
         input_ids, labels = [tokenizer.bos_token_id], [IGNORE]
     for i, message in enumerate(messages):
         pieces = []
-        reply = message["role"] == "assistant" and i > 0  # an opening assistant turn is context
+        reply = is_reply(messages, i)
         if reply:
             header = render(messages[:i], generation_prompt=True)
             pieces.append((header, False))

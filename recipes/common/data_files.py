@@ -1,0 +1,378 @@
+"""Users' data as they have it -> checked train and evaluation `datasets.Dataset`s.
+
+A hub id, a folder (split by file names, or written by save_to_disk) or one file (.jsonl, .json,
+.parquet, .txt, .csv, .tsv, also gzipped). Every rank reads and checks the files itself: a file that
+cannot be read is one line on every rank naming file:line or the layout and the fix, never a
+traceback from deep inside pyarrow. The rows' format is detected here (formats.py says how each
+format becomes tokens).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from .formats import FORMAT_KEYS, READ_COLUMNS, TEXT_COLUMNS, detect_format, row_problem
+from .preflight import refuse
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_DATASET = REPO_ROOT / "data"
+
+FILE_LOADERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text", ".csv": "csv", ".tsv": "csv"}
+DELIMITERS = {".csv": ",", ".tsv": "\t"}
+# A file's split, from the start of its name (train.jsonl, validation-00000-of-00001.parquet, dev_set.csv).
+SPLIT_NAMES = {"train": ("train", "training"), "eval": ("eval", "evaluation"),
+               "validation": ("validation", "valid", "val", "dev"), "test": ("test",)}
+EVAL_SPLIT_NAMES = ("eval", "validation", "test")
+
+
+def suffix(path: Path) -> str:
+    """The data file's kind: `.jsonl` also for `rows.jsonl.gz` (datasets reads gzip files itself)."""
+    name = path.name.lower()
+    return Path(name[:-3]).suffix if name.endswith(".gz") else Path(name).suffix
+
+
+def file_bytes(path: Path) -> bytes:
+    import gzip
+
+    return gzip.decompress(path.read_bytes()) if path.name.lower().endswith(".gz") else path.read_bytes()
+
+
+def split_of(file: Path) -> str | None:
+    """train / eval / validation / test from the file's name, or None (data of no named split)."""
+    import re
+
+    stem = file.name.lower()
+    return next((split for split, names in SPLIT_NAMES.items()
+                 if any(re.match(rf"{name}(?![a-z])", stem) for name in names)), None)
+
+
+def loader_options(file: Path) -> dict:
+    """What datasets' loader needs to read the file's cells as written: a CSV / TSV cell is text
+    (pandas would turn 007 into 7, 1.50 into 1.5 and NA into a missing value, and guesses each
+    10,000-row chunk's types apart), and a text file's byte-order mark is not text."""
+    if suffix(file) == ".txt":
+        return {"encoding": "utf-8-sig"}
+    if suffix(file) not in DELIMITERS:
+        return {}
+    import csv
+    import gzip
+
+    from datasets import Features, Value
+
+    opener = gzip.open if file.name.lower().endswith(".gz") else open
+    with opener(file, "rt", newline="", encoding="utf-8-sig") as handle:
+        header = next(csv.reader(handle, delimiter=DELIMITERS[suffix(file)]), [])
+    return {"delimiter": DELIMITERS[suffix(file)], "keep_default_na": False,
+            "features": Features({name: Value("string") for name in header})}
+
+
+def root_cause(error: BaseException) -> str:
+    """The first line of the innermost exception: datasets wraps the reader's own message (the line
+    and the problem) in "An error occurred while generating the dataset"."""
+    while (error.__cause__ or error.__context__) is not None:
+        error = error.__cause__ or error.__context__
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+def column_renames(columns: str | None) -> dict:
+    """--columns "instruction=question,response=answer" -> {"question": "instruction", "answer": "response"}."""
+    pairs = [(new.strip(), old.strip()) for new, _, old in (pair.partition("=") for pair in (columns or "").split(","))
+             if old.strip()]
+    targets = [new for new, _ in pairs]
+    twice = sorted({new for new in targets if targets.count(new) > 1})
+    if twice:
+        refuse(f"--columns maps more than one column onto {', '.join(twice)}; give each target column once")
+    return {old: new for new, old in pairs}
+
+
+def check_files(files: list[Path], columns: str | None) -> dict:
+    """JSON and text files, read line by line: the first line that is not UTF-8, not JSON, or holds
+    something other than text where text belongs is named as file:line (datasets would raise a long
+    traceback from deep inside pyarrow). Returns each JSON file's columns (those of its first row)."""
+    renames = column_renames(columns)
+    columns_of = {}
+    for path in files:
+        if suffix(path) not in (".jsonl", ".json", ".txt", ".csv", ".tsv"):
+            continue
+        raw = file_bytes(path)
+        try:
+            text = raw.decode("utf-8-sig")  # a byte-order mark at the start is fine (datasets skips it too)
+        except UnicodeDecodeError as error:
+            line = raw.count(b"\n", 0, error.start) + 1
+            refuse(f"{path}:{line}: not UTF-8 (byte 0x{raw[error.start]:02x}); save the file as UTF-8")
+        if not text.strip():
+            refuse(f"{path} is empty; put rows in it or delete it")
+        if suffix(path) in DELIMITERS:
+            check_header(path, text)
+        if suffix(path) not in (".jsonl", ".json"):
+            continue
+        # One JSON document (a list of rows, whatever the file's name), or JSON Lines.
+        try:
+            document = json.loads(text)
+        except json.JSONDecodeError as error:
+            if suffix(path) == ".json" and text.lstrip().startswith("["):
+                refuse(f"{path}:{error.lineno}: not valid JSON ({error.msg}, column {error.colno}); fix the file")
+        else:
+            if isinstance(document, dict) and any(isinstance(value, list) for value in document.values()):
+                refuse(f"{path} is one JSON object of lists, not rows; save the rows as a JSON array "
+                       "([{\"column\": value, ...}, ...]) or as JSON Lines (one object per line)")
+            if isinstance(document, list):
+                for number, row in enumerate(document, 1):
+                    check_row(row, f"{path}: row {number}", "fix that row", renames)
+                columns_of[path] = sorted(document[0]) if document else []
+                continue
+        # Rows end at "\n" only: str.splitlines() would also cut a row at U+2028 inside a string.
+        for number, line in enumerate(text.split("\n"), 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as error:
+                if number == 1 and line.strip() in ("{", "["):
+                    refuse(f"{path} is pretty-printed JSON (one row over several lines); write one row per "
+                           "line (JSON Lines), or save a JSON array of rows as a .json file")
+                refuse(f"{path}:{number}: not valid JSON ({error.msg}, column {error.colno}); fix or delete that line")
+            check_row(row, f"{path}:{number}", "fix or delete that line", renames)
+            columns_of.setdefault(path, sorted(row))
+    return columns_of
+
+
+def check_header(path: Path, text: str) -> None:
+    lines = [line for line in text.splitlines() if line.strip()]
+    if len(lines) < 2:
+        refuse(f"{path} has a header line but no rows; put rows under it or delete it")
+    delimiter = DELIMITERS[suffix(path)]
+    if delimiter not in lines[0]:
+        other = next((mark for mark in (";", "\t", ",", "|") if mark != delimiter and mark in lines[0]), None)
+        if other:
+            shown = "a tab" if other == "\t" else f"`{other}`"
+            refuse(f"{path} separates its columns with {shown}; a {suffix(path)} file is read with "
+                   f"{'commas' if delimiter == ',' else 'tabs'}: rewrite it so (tabs: name it .tsv)")
+
+
+def duplicate_key(files: list[Path]) -> str | None:
+    """file:line of the first JSON row that names a column twice (json keeps the last; datasets fails)."""
+    def no_twice(pairs):
+        keys = [key for key, _ in pairs]
+        twice = next((key for key in keys if keys.count(key) > 1), None)
+        if twice is not None:
+            raise KeyError(twice)
+        return dict(pairs)
+
+    for path in files:
+        if suffix(path) not in (".jsonl", ".json"):
+            continue
+        for number, line in enumerate(file_bytes(path).decode("utf-8-sig").split("\n"), 1):
+            try:
+                json.loads(line, object_pairs_hook=no_twice)
+            except KeyError as twice:
+                return f"{path}:{number}: `{twice.args[0]}` appears twice in one row; keep one"
+            except ValueError:
+                continue
+    return None
+
+
+def check_row(row, where: str, fix: str, renames: dict) -> None:
+    """A row is a JSON object whose text columns hold text (or null)."""
+    if not isinstance(row, dict):
+        refuse(f"{where}: a row must be a JSON object ({{\"column\": value, ...}}), got {type(row).__name__}; {fix}")
+    for column, value in row.items():
+        if renames.get(column, column) in TEXT_COLUMNS and not isinstance(value, (str, type(None))):
+            refuse(f"{where}: `{column}` must be text (or null), got {json.dumps(value)[:40]}; {fix}")
+
+
+def load_splits(spec: str | None, seed: int, columns: str | None = None):
+    """(train, eval) `datasets.Dataset`s from a hub id, a folder, or a single file.
+
+    `columns` renames the dataset's columns to the ones a format expects, e.g.
+    "instruction=question,response=answer".
+    """
+    import datasets
+
+    spec = os.path.expanduser(str(spec or DEFAULT_DATASET))
+    path = Path(spec)
+    if path.is_file() and path.stat().st_size == 0:
+        refuse(f"--dataset {spec} is an empty file; point it at a file or folder with training data")
+    verbosity = datasets.logging.get_verbosity()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its log line would repeat the refusal's cause
+    try:
+        if path.is_file():
+            check_files([path], columns)
+            loaded = datasets.load_dataset(FILE_LOADERS.get(suffix(path), "json"), data_files={"train": str(path)},
+                                           **loader_options(path))
+        elif saved_by_datasets(path):
+            loaded = datasets.load_from_disk(str(path))
+            if isinstance(loaded, datasets.Dataset):
+                loaded = datasets.DatasetDict({"train": loaded})
+        elif path.is_dir():
+            loaded = load_folder(path, columns)
+        else:
+            loaded = datasets.load_dataset(spec)
+    except Exception as error:  # datasets / pyarrow / the hub on data they cannot read: one line, not a traceback
+        files = sorted(path.iterdir()) if path.is_dir() else [path] if path.is_file() else []
+        refuse(duplicate_key(files) or f"--dataset {spec} cannot be read: {root_cause(error)}")
+    finally:
+        datasets.logging.set_verbosity(verbosity)
+    train = loaded["train"] if "train" in loaded else next(iter(loaded.values()))
+    if len(train) == 0:
+        refuse(f"--dataset {spec} has no rows; point it at a file or folder with training data")
+    if columns:
+        mapping = column_renames(columns)
+        missing = sorted(set(mapping) - set(train.column_names))
+        if missing:
+            refuse(f"--columns names {missing}, which --dataset does not have (it has {sorted(train.column_names)})")
+        clash = sorted(new for new in mapping.values() if new in train.column_names and new not in mapping)
+        if clash:
+            refuse(f"--columns maps a column onto {', '.join(clash)}, which --dataset already has; map that one "
+                   f"too (e.g. --columns {clash[0]}_old={clash[0]},...) or pick the existing column instead")
+        loaded = loaded.rename_columns(mapping)
+        train = loaded["train"] if "train" in loaded else next(iter(loaded.values()))
+    loaded = with_text_columns(loaded)
+    train = loaded["train"] if "train" in loaded else next(iter(loaded.values()))
+    fmt = format_of(train, spec)  # no known columns, or rows of two formats: refused here, on every rank
+    eval_name = next((name for name in EVAL_SPLIT_NAMES if name in loaded), None)
+    if eval_name is not None:
+        return train, loaded[eval_name]
+    if len(train) < 2:
+        refuse(f"--dataset {spec} has {len(train)} rows; it needs at least 2 (some are held out for evaluation)")
+    held_out = max(1, min(256, len(train) // 20))
+    split = train.train_test_split(test_size=held_out, seed=seed)
+    if all(row_problem(row, fmt) is None for row in split["test"]):
+        return split["train"], split["test"]
+    # Hold out rows that can train instead: an unusable row there could leave evaluation empty while
+    # training has rows (it stays in training, where it is dropped and counted).
+    good = [i for i, row in enumerate(train) if row_problem(row, fmt) is None]
+    if len(good) <= held_out:
+        return split["train"], split["test"]  # too few good rows: the tokenised counts name the problem
+    import datasets
+
+    split = train.select(good).train_test_split(test_size=held_out, seed=seed)
+    bad = train.select(sorted(set(range(len(train))) - set(good)))
+    return datasets.concatenate_datasets([split["train"], bad]), split["test"]
+
+
+def saved_by_datasets(path: Path) -> bool:
+    """A folder written by datasets' save_to_disk (a Dataset or a DatasetDict)."""
+    return path.is_dir() and ((path / "dataset_dict.json").is_file() or
+                              ((path / "state.json").is_file() and (path / "dataset_info.json").is_file()))
+
+
+def format_of(train, spec: str) -> str:
+    """The rows' format, from the columns that hold something (a row of JSON Lines that lacks a column
+    gets null there). Rows of a second format are refused, naming the first one: dropping them would
+    quietly lose part of the data. A column the format reads must hold text."""
+    from datasets import Value
+
+    if train._indices is not None:  # a selection of a table's rows: count in the rows themselves
+        train = train.flatten_indices()
+    table = train.data
+    filled = filled_columns(train)
+    fmt = detect_format(filled)
+    key = FORMAT_KEYS[fmt]
+    others = [other for other in FORMAT_KEYS.values() if other != key and other in filled]
+    if others and table.column(key).null_count:
+        import pyarrow.compute as pc
+
+        keys = table.column(key)
+        for other in others:
+            mixed = pc.and_(pc.is_null(keys), pc.is_valid(table.column(other)))
+            row = pc.index(mixed, True).as_py()
+            if row >= 0:
+                refuse(f"--dataset {spec} mixes formats: its rows are `{key}` rows ({fmt}), but row {row + 1} has "
+                       f"`{other}` and no `{key}`; keep one format per dataset (convert or remove those rows)")
+    for name in READ_COLUMNS[fmt]:
+        feature = train.features.get(name)
+        if name in TEXT_COLUMNS and feature is not None and not (
+                isinstance(feature, Value) and feature.dtype in ("string", "large_string", "null")):
+            refuse(f"--dataset {spec}: column `{name}` holds {feature_name(feature)}, not text; store it as text "
+                   "(or map another column onto it with --columns)")
+    return fmt
+
+
+def filled_columns(dataset) -> list[str]:
+    """The columns that hold something in some row (all of them when none does)."""
+    if dataset._indices is not None:
+        dataset = dataset.flatten_indices()
+    filled = [name for name in dataset.column_names if dataset.data.column(name).null_count < len(dataset)]
+    return filled or dataset.column_names
+
+
+def feature_name(feature) -> str:
+    from datasets import Value
+
+    return f"{feature.dtype} values" if isinstance(feature, Value) else f"{type(feature).__name__.lower()} values"
+
+
+def unread_columns(columns, fmt: str) -> str:
+    """`; not read: category, context (...)` for the data line: columns the format leaves out, so that a
+    column that matters (Dolly's `context`) does not vanish without a word."""
+    unread = sorted(set(columns) - set(READ_COLUMNS[fmt]))
+    if not unread:
+        return ""
+    hint = " (--columns input=context reads `context` as the input)" if (
+        fmt == "instruction" and "context" in unread and "input" not in columns) else ""
+    return f"; columns not read: {', '.join(unread)}{hint}"
+
+
+def with_text_columns(loaded):
+    """ShareGPT's `conversations` column is `messages`; a column of numbers that a format reads as text
+    (a CSV or parquet answer column of 0, 1, 2) becomes text, as it would be written in a prompt."""
+    from datasets import Value
+
+    for split, part in loaded.items():
+        if "conversations" in part.column_names and "messages" not in part.column_names:
+            part = part.rename_column("conversations", "messages")
+        for name, feature in part.features.items():
+            if name in TEXT_COLUMNS and isinstance(feature, Value) and feature.dtype.startswith(("int", "uint", "float")):
+                part = part.cast_column(name, Value("string"))
+        loaded[split] = part
+    return loaded
+
+
+def load_folder(folder: Path, columns: str | None = None):
+    """The folder's splits: files named train* / eval* / validation* (val*, dev*) / test* (other files
+    are notes or configs), or, when nothing is named so, its data files as the training split."""
+    import datasets
+
+    files = sorted(p for p in folder.iterdir() if p.is_file() and suffix(p) in FILE_LOADERS)
+    if not files:
+        inner = sorted(p.name for p in folder.iterdir() if p.is_dir() and any(
+            suffix(f) in FILE_LOADERS for f in p.iterdir() if f.is_file()))
+        refuse(f"--dataset {folder} holds no .jsonl/.json/.parquet/.txt/.csv/.tsv file"
+               + (f"; its folder {inner[0]}/ does: point --dataset at {folder / inner[0]}" if inner else ""))
+    named = [f for f in files if split_of(f)]
+    by_split = {}
+    for file in named or files:
+        by_split.setdefault(split_of(file) or "train", []).append(file)
+    if "train" not in by_split:
+        refuse(f"--dataset {folder} has {', '.join(sorted(by_split))} files but no train* file; name the training "
+               "file train.jsonl (or similar), or point --dataset at it")
+    kinds = {FILE_LOADERS[suffix(f)] + DELIMITERS.get(suffix(f), "") for f in named or files}
+    if len(kinds) > 1:
+        listed = ", ".join(f.name for f in named or files)
+        refuse(f"--dataset {folder} mixes file formats ({listed}); keep one format, or point --dataset at one file")
+    columns_of = check_files(named or files, columns)
+    for split, group in by_split.items():
+        differ = [f for f in group if columns_of.get(f, columns_of.get(group[0])) != columns_of.get(group[0])]
+        if differ:
+            refuse(f"--dataset {folder}: {group[0].name} and {differ[0].name} are both read as the {split} split "
+                   f"but have different columns; move the file that is not {split} data out of the folder, or "
+                   "point --dataset at one file")
+    if int(os.environ.get("RANK", "0")) == 0:  # which file is which split, and what was left out
+        used = "; ".join(f"{split}: {', '.join(f.name for f in group)}"
+                         for split, group in sorted(by_split.items(), key=lambda item: item[0] != "train"))
+        left = [f.name for f in folder.iterdir() if f.is_file() and f not in (named or files)]
+        print(f"files: {used}" + (f"; not read: {', '.join(sorted(left))}" if left else ""), flush=True)
+    # one split at a time: datasets reads every split with the first split's columns otherwise
+    loaded = datasets.DatasetDict({
+        split: datasets.load_dataset(FILE_LOADERS[suffix(group[0])], data_files={split: [str(f) for f in group]},
+                                     **loader_options(group[0]))[split]
+        for split, group in by_split.items()})
+    columns_of = {split: sorted(part.column_names) for split, part in loaded.items()}
+    if len({tuple(names) for names in columns_of.values()}) > 1:
+        refuse(f"--dataset {folder}: the splits have different columns ({'; '.join(f'{s}: {c}' for s, c in columns_of.items())}); "
+               "give every file the same columns")
+    return loaded
