@@ -78,8 +78,8 @@ def main():
     parameters = list(model.parameters())  # after prepare (FSDP's shards); listed once, not walked each step
 
     log = RunLog(accelerator, args, recipe="full", launch=launch)
-    log.write_run_json(model, data_format, optimizer)
     start_step = checkpoint.resume_from(accelerator, resume)
+    log.write_run_json(model, data_format, optimizer)  # after the resume: a checkpoint that fails to load changes nothing
 
     # The loop: one iteration = one optimizer step over grad_accum micro-batches on every rank.
     model.train()
@@ -130,8 +130,8 @@ def main():
             log.record_ranks()
         log.log_step(step, epoch, loss, scheduler.get_last_lr()[0], grad_norm, int(step_tokens))
         if not math.isfinite(loss):  # stop before saving anything from a diverged model
-            preflight.refuse(f"the loss became {loss} at step {step}; the last good checkpoint is kept; "
-                             "lower --lr or check the data, then --resume auto")
+            preflight.refuse(f"the loss became {loss} at step {step}; lower --lr or check the data, and start "
+                             "in a new --output-dir (a checkpoint here may already hold the update that diverged)")
         if step == total_steps or (args.eval_every and step % args.eval_every == 0):
             log.log_eval(step, evaluate(accelerator, model, eval_loader))
         if stopping or (args.save_every and step % args.save_every == 0):

@@ -90,6 +90,9 @@ def main(argv=None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=64, help="(default: 64)")
     parser.add_argument("--raw", action="store_true", help="give the prompts to the model exactly as typed")
     args = parser.parse_args(argv)
+    if args.max_new_tokens < 1:
+        print(f"error: --max-new-tokens must be >= 1, got {args.max_new_tokens}", file=sys.stderr)
+        return 2
     if not (args.output_dir / "run.json").is_file():
         print(f"error: {args.output_dir} holds no run.json; pass the --output-dir of a finished run", file=sys.stderr)
         return 2
@@ -99,6 +102,9 @@ def main(argv=None) -> int:
         print(refusal, file=sys.stderr)
         return 2
     prompts = args.prompt or [line.rstrip("\n") for line in sys.stdin if line.strip()]
+    if not prompts:
+        print("error: no prompt; pass --prompt TEXT, or give prompts on standard input, one per line", file=sys.stderr)
+        return 2
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model, tokenizer, run = load(args.output_dir, artifact, device)
     model.eval()

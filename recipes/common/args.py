@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+import yaml
+
 from .batch_size import int_or_auto
 from .modeling import DEFAULT_MODEL
 
@@ -20,9 +22,19 @@ class HelpWithDefaults(argparse.RawDescriptionHelpFormatter):
         return f"{help_text} (default: %(default)s)".lstrip()
 
 
+class OneLineErrors(argparse.ArgumentParser):
+    """A mistyped flag is one `error:` line naming the fix (argparse would print the whole usage block,
+    once per rank)."""
+
+    def error(self, message: str):
+        from .preflight import refuse
+
+        refuse(f"{message}; see --help")
+
+
 def recipe_parser(doc: str) -> argparse.ArgumentParser:
     summary, _, details = doc.partition("\n")
-    parser = argparse.ArgumentParser(
+    parser = OneLineErrors(
         # no abbreviations: which flags were typed must be known exactly (see `parse_args`)
         description=summary, epilog=details, formatter_class=HelpWithDefaults, allow_abbrev=False
     )
@@ -54,7 +66,7 @@ def recipe_parser(doc: str) -> argparse.ArgumentParser:
              "target left is dropped (both counted at start-up)")
     add("--seed", type=int, default=42, help="model init of new weights, dropout, data order")
     add("--eval-every", type=int, default=0, help="evaluate every N steps (0: only at the end)")
-    add("--save-every", type=int, default=0, help="checkpoint every N steps (0: only at the end)")
+    add("--save-every", type=int, default=0, help="checkpoint every N steps (0: none, except when SIGTERM or Ctrl-C stops the run)")
     add("--save-total-limit", type=int, default=0, help="keep only the newest N checkpoints (0: keep all)")
     add("--resume", default=None, help="a checkpoint folder to resume from, or `auto` for the newest "
         "(default: a fresh run; an elastic restart resumes by itself)")
@@ -84,7 +96,7 @@ def recipe_parser(doc: str) -> argparse.ArgumentParser:
 def add_lora_args(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add("--lora-r", type=int, default=16, help="adapter rank")
-    add("--lora-alpha", type=int, default=32, help="adapter scale numerator (scale = alpha / r)")
+    add("--lora-alpha", type=float, default=32, help="adapter scale numerator (scale = alpha / r)")
     add("--lora-dropout", type=float, default=0.05, help="dropout on the adapter's input")
     add("--lora-targets", default="all-linear",
         help="comma-separated module names to adapt, or `all-linear`")
@@ -127,18 +139,21 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None = None) -
 def flags_from_config_file(parser: argparse.ArgumentParser, argv: list[str]) -> dict:
     """{dest: value} from the file after --config, checked like typed flags; an unknown key or a
     value outside a flag's choices stops the run in one line naming the fix."""
-    path = next((argv[i + 1] for i, arg in enumerate(argv[:-1]) if arg == "--config"), None)
-    path = path or next((arg.split("=", 1)[1] for arg in argv if arg.startswith("--config=")), None)
-    if path is None:
-        return {}
-    import difflib
-
-    import yaml
-
     from .preflight import refuse
 
+    paths = [argv[i + 1] for i, arg in enumerate(argv[:-1]) if arg == "--config"]
+    paths += [arg.split("=", 1)[1] for arg in argv if arg.startswith("--config=")]
+    if not paths:
+        return {}
+    if len(paths) > 1:
+        refuse(f"--config is given {len(paths)} times; give one run file (merge the others into it)")
+    path = paths[0]
+    if not path.strip():
+        refuse("--config is empty (an unset shell variable?); give a run.yaml or leave the flag out")
+    import difflib
+
     try:
-        settings = yaml.safe_load(open(path)) or {}
+        settings = yaml.load(open(path), Loader=UniqueKeyLoader) or {}
     except (OSError, yaml.YAMLError) as error:
         refuse(f"--config {path} cannot be read: {str(error).splitlines()[0]}")
     if not isinstance(settings, dict):
@@ -152,17 +167,46 @@ def flags_from_config_file(parser: argparse.ArgumentParser, argv: list[str]) -> 
             close = difflib.get_close_matches(dest, sorted(actions), n=1, cutoff=0.6)
             hint = f"; did you mean `{close[0].replace('_', '-')}`?" if close else ""
             refuse(f"--config {path}: `{key}` is not a flag of this recipe{hint}")
-        if action.type is not None and value is not None:
-            try:
-                value = action.type(value if not isinstance(value, str) else value.strip())
-            except (TypeError, ValueError):
-                refuse(f"--config {path}: `{key}: {value}` is not a valid {action.type.__name__}")
+        if value is None and action.default is not None and not isinstance(action, argparse._StoreTrueAction):
+            refuse(f"--config {path}: `{key}` has no value; give one, or delete the line to keep the default")
+        if value is not None and not isinstance(action, argparse._StoreTrueAction):
+            value = typed_value(action, value, f"--config {path}: `{key}: {value}`")
         if action.choices is not None and value not in action.choices:
             refuse(f"--config {path}: `{key}: {value}` is not one of {', '.join(map(str, action.choices))}")
         if isinstance(action, argparse._StoreTrueAction) and not isinstance(value, bool):
             refuse(f"--config {path}: `{key}` is a switch; write `{key}: true` or `{key}: false`")
         flags[dest] = value
     return flags
+
+
+def typed_value(action, value, where: str):
+    """A run file's value as the flag would take it typed: YAML's own types are not trusted (1.9 is
+    no step count, `true` no number, a list no model name)."""
+    from .preflight import refuse
+
+    kind = action.type or str
+    if isinstance(value, (bool, list, dict)) or (isinstance(value, float) and kind is not float
+                                                   and not value.is_integer()):
+        name = {str: "text", int: "a whole number", float: "a number"}.get(kind, f"a {kind.__name__}")
+        refuse(f"{where} must be {name}; write it as you would type the flag")
+    try:
+        return kind(value.strip() if isinstance(value, str) else int(value) if isinstance(value, float)
+                    and kind is not float else value)
+    except (TypeError, ValueError):
+        refuse(f"{where} is not a valid {kind.__name__}")
+
+
+class UniqueKeyLoader(yaml.SafeLoader):
+    """YAML keeps the last of two equal keys without a word; a run file that sets a flag twice is refused."""
+
+    def construct_mapping(self, node, deep=False):
+        from .preflight import refuse
+
+        keys = [self.construct_object(key, deep=deep) for key, _ in node.value]
+        twice = next((key for key in keys if keys.count(key) > 1), None)
+        if twice is not None:
+            refuse(f"`{twice}` is set twice in the run file; keep one")
+        return super().construct_mapping(node, deep=deep)
 
 
 def lora_targets(value: str):

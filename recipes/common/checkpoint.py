@@ -64,7 +64,8 @@ def save_checkpoint(accelerator, args, step: int) -> Path:
         os.kill(os.getpid(), signal.SIGKILL)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        state = {"step": step, "recipe": args.recipe, "model": args.model, "files": file_digests(partial)}
+        state = {"step": step, "recipe": args.recipe, "model": args.model, "files": file_digests(partial),
+                 "settings": {name: getattr(args, name) for name in KEPT_SETTINGS if hasattr(args, name)}}
         (partial / STATE_FILE).write_text(json.dumps(state, indent=1) + "\n")  # last: the checkpoint is complete
         shutil.rmtree(final, ignore_errors=True)
         partial.rename(final)
@@ -130,6 +131,11 @@ def damage(path: Path) -> str | None:
     return None
 
 
+# Flags a resumed run cannot change: the adapter's shape (the checkpoint would not load), and what the
+# optimizer and scheduler states restore over the flag (a new value would be ignored without a word).
+KEPT_SETTINGS = ("lora_r", "lora_alpha", "lora_targets", "bits", "lr", "warmup_ratio", "weight_decay")
+
+
 def same_model(a: str, b: str) -> bool:
     return a == b or (Path(a).exists() and Path(b).exists() and Path(a).resolve() == Path(b).resolve())
 
@@ -159,6 +165,12 @@ def choose_resume(args) -> tuple[Path | None, list[str], str | None]:
                                  "ones to start afresh, or choose a new --output-dir")
     else:
         chosen = Path(wanted)
+        if not chosen.is_dir():
+            return None, lines, (f"--resume {chosen} does not exist; give a checkpoint folder "
+                                 f"(<output-dir>/checkpoints/step-N) or `auto`")
+        if (chosen / "checkpoints").is_dir() or (chosen / "run.json").is_file():
+            return None, lines, (f"--resume {chosen} is a run's folder, not a checkpoint; continue that run with "
+                                 f"--output-dir {chosen} --resume auto, or give one of {chosen}/checkpoints/step-N")
         why = damage(chosen)
         if why is not None:
             return None, lines, (f"--resume {chosen} cannot be used: {why}; use --resume auto to take the newest "
@@ -169,6 +181,15 @@ def choose_resume(args) -> tuple[Path | None, list[str], str | None]:
             return None, lines, (f"{chosen} was written by {state['recipe']}.py training {state['model']}; this run "
                                  f"is {args.recipe}.py training {args.model}: pass that --model, or choose a new "
                                  "--output-dir")
+        changed = {name: value for name, value in state.get("settings", {}).items()
+                   if hasattr(args, name) and getattr(args, name) != value}
+        if changed:
+            was = ", ".join(f"--{name.replace('_', '-')} {value}" for name, value in changed.items())
+            return None, lines, (f"{chosen} was trained with {was}, which a resumed run keeps; pass the same, or "
+                                 "start in a new --output-dir to change them")
+        if args.max_steps and state["step"] > args.max_steps:
+            return None, lines, (f"{chosen} is at step {state['step']}, beyond --max-steps {args.max_steps}; raise "
+                                 "--max-steps to train on, or use that run's own result")
     return chosen, lines, None
 
 

@@ -30,7 +30,14 @@ def load_tokenizer(name: str, trust_remote_code: bool = False):
 
     from .formats import DEFAULT_CHAT_TEMPLATE
 
-    tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as error:  # offline hub id, no tokenizer files, a tokenizer library missing
+        from .preflight import refuse
+
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        refuse(f"--model {name}: its tokenizer cannot be loaded ({reason[:200]}); give a folder holding the "
+               "model's tokenizer files, or a hub id that is downloaded (or reachable)")
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     if tokenizer.chat_template is None:  # chat rows are rendered with it; saved with the tokenizer, it travels along
@@ -126,9 +133,11 @@ def keep_4bit_weights_unpacked_on_cpu(model) -> None:
             module.support_avx512bf16_for_cpu = False
 
 
-def module_names(name: str, trust_remote_code: bool = False, linear_only: bool = False) -> list[str] | None:
+def module_names(name: str, trust_remote_code: bool = False, linear_only: bool = False,
+                 adaptable: bool = False) -> list[str] | None:
     """The module names of model `name`, built from its config on the meta device (no weights, no
-    memory); None when its config cannot be read here (a hub id that is not in the cache)."""
+    memory); None when its config cannot be read here (a hub id that is not in the cache).
+    `linear_only`: linear layers only; `adaptable`: the layers peft's LoRA can adapt."""
     import json
 
     from accelerate import init_empty_weights
@@ -146,7 +155,9 @@ def module_names(name: str, trust_remote_code: bool = False, linear_only: bool =
         return None
     from transformers.pytorch_utils import Conv1D
 
-    kinds = (torch.nn.Linear, Conv1D) if linear_only else (torch.nn.Module,)
+    kinds = ((torch.nn.Linear, Conv1D) if linear_only else
+             (torch.nn.Linear, Conv1D, torch.nn.Embedding, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)
+             if adaptable else (torch.nn.Module,))
     return [module_name for module_name, module in model.named_modules() if module_name and isinstance(module, kinds)]
 
 

@@ -106,12 +106,19 @@ def check_launch(args, recipe: str):
         refuse("activation checkpointing is asked twice (fsdp_activation_checkpointing in the "
                "accelerate config and --gradient-checkpointing); keep one of them")
 
-    if looks_local(args.model) and not Path(args.model).exists() and not is_default_model(args.model):
+    for flag in ("model", "dataset", "output_dir", "resume", "columns"):
+        if getattr(args, flag) is not None and not str(getattr(args, flag)).strip():
+            refuse(f"--{flag.replace('_', '-')} is empty (an unset shell variable?); give a value or leave the flag out")
+    if looks_local(args.model) and not Path(args.model).expanduser().exists() and not is_default_model(args.model):
         refuse(f"--model {args.model} does not exist; give a local folder or a hub id such as "
                "TinyLlama/TinyLlama-1.1B-Chat-v1.0")
-    if args.dataset and looks_local(args.dataset) and not Path(args.dataset).exists():
+    if args.dataset and looks_local(args.dataset) and not Path(args.dataset).expanduser().exists():
         refuse(f"--dataset {args.dataset} does not exist; give a .jsonl/.json/.parquet/.txt file, "
                "a folder of them, or a hub id")
+    check_model_folder(args.model)
+    if looks_local(args.model) and Path(args.model).expanduser().exists():
+        # recorded as given in the adapter's config and run.json: a relative path means nothing elsewhere
+        args.model = str(Path(args.model).expanduser().resolve())
     if fsdp:
         check_layer_classes_to_wrap(args.model)
     context = context_length(args.model)
@@ -128,15 +135,16 @@ def check_launch(args, recipe: str):
 
 # flag -> (low, high): a [low, high] or (low, high) bound on the value; None: unbounded
 RANGES = {
-    "max_steps": "[0, None)", "epochs": "[0, None)", "batch_size": "[1, None)", "grad_accum": "[1, None)",
+    "max_steps": "[0, None)", "epochs": "[0, 1000000]", "batch_size": "[1, None)", "grad_accum": "[1, None)",
     "global_batch_size": "[1, None)",
     "max_length": "[1, None)", "lr": "(0, None)", "warmup_ratio": "[0, 1]", "weight_decay": "[0, None)",
     "max_grad_norm": "(0, None)", "eval_every": "[0, None)", "save_every": "[0, None)",
     "save_total_limit": "[0, None)", "log_every": "[0, None)", "gradient_checkpointing": "[0, None)",
     "dataloader_workers": "[0, None)", "lora_r": "[1, None)", "lora_alpha": "(0, None)", "lora_dropout": "[0, 1)",
+    "seed": "[0, 4294967295]",
 }
 HINTS = {"max_grad_norm": " (clipping cannot be switched off, only raised: e.g. 1e9)",
-         "save_every": " (0: only at the end)"}
+         "save_every": " (0: none)"}
 
 
 def check_ranges(args) -> None:
@@ -226,13 +234,23 @@ def check_columns(columns: str | None) -> None:
             refuse(f"--columns entry `{pair}` is not NEW=OLD; write e.g. --columns instruction=question,response=answer")
 
 
+# What a run writes at the top of its folder: in a folder that holds no run, they would be someone else's.
+RUN_FILES = ("README.md", "metrics.jsonl", "samples.jsonl", "adapter", "model", "merged", "checkpoints")
+
+
 def check_output_dir(output_dir: str) -> None:
-    """The run must be able to write where it is told to, before hours of training."""
+    """The run must be able to write where it is told to, before hours of training, and must not
+    overwrite files it did not write (a project's README.md)."""
     import tempfile
 
-    folder = Path(output_dir).resolve()
+    folder = Path(output_dir).expanduser().resolve()
     if folder.exists() and not folder.is_dir():
         refuse(f"--output-dir {output_dir} is a file; choose a folder")
+    if folder.is_dir() and not (folder / "run.json").is_file():
+        theirs = [name for name in RUN_FILES if (folder / name).exists()]
+        if theirs:
+            refuse(f"--output-dir {output_dir} holds {', '.join(theirs)} but no run.json: a run would overwrite "
+                   "them; choose a new or empty folder")
     while not folder.exists():
         folder = folder.parent
     if not folder.is_dir():
@@ -264,6 +282,13 @@ def check_lora_targets(args) -> None:
         which = "match no module" if len(missing) == len(targets) else "match no module (the others do)"
         refuse(f"--lora-targets {', '.join(missing)} {which} of {args.model}; its linear layers are "
                f"{', '.join(leaves)} (or use all-linear)")
+    adaptable = module_names(args.model, args.trust_remote_code, adaptable=True)
+    other = [t for t in targets if not any(name == t or name.endswith("." + t) for name in adaptable)]
+    if other:
+        leaves = sorted({name.rsplit(".", 1)[-1] for name in module_names(args.model, args.trust_remote_code,
+                                                                          linear_only=True)})
+        refuse(f"--lora-targets {', '.join(other)} names modules LoRA cannot adapt (peft adapts linear, embedding "
+               f"and convolution layers); the model's linear layers are {', '.join(leaves)} (or use all-linear)")
 
 
 def check_speed_options(args, on_gpu: bool) -> None:
@@ -279,6 +304,11 @@ def check_speed_options(args, on_gpu: bool) -> None:
                "(the default, which picks a flash kernel itself where it can)")
     if args.attention == "flash_attention_2" and not on_gpu:
         refuse("--attention flash_attention_2 needs a CUDA GPU; use --attention sdpa on this machine")
+    if args.attention == "flex_attention" and not on_gpu:
+        refuse("--attention flex_attention has no backward on CPU (torch); use --attention sdpa on this machine")
+    tracker_package = {"wandb": "wandb", "trackio": "trackio", "tensorboard": "tensorboard"}.get(args.report_to)
+    if tracker_package and find_spec(tracker_package) is None:
+        refuse(f"--report-to {args.report_to} needs `pip install {tracker_package}`; or use --report-to none")
 
 
 def model_config(model: str) -> dict | None:
@@ -313,8 +343,51 @@ def check_layer_classes_to_wrap(model: str) -> None:
 
 
 def context_length(model: str) -> int | None:
+    """The longest sequence the model's positions reach, under whichever name its config uses."""
     config = model_config(model) or {}
-    return config.get("max_position_embeddings")
+    config = {**config.get("text_config", {}), **config}
+    return next((config[key] for key in ("max_position_embeddings", "n_positions", "n_ctx", "max_sequence_length",
+                                         "seq_length") if isinstance(config.get(key), int)), None)
+
+
+# Encoder families whose *ForCausalLM / *LMHeadModel class exists in transformers but attends both ways
+# unless the config says is_decoder: trained as a causal LM, every target would be in plain sight.
+ENCODER_TYPES = {"bert", "roberta", "xlm-roberta", "xlm-roberta-xl", "camembert", "electra", "ernie", "rembert",
+                 "roberta-prelayernorm", "data2vec-text", "xmod", "megatron-bert", "bert-generation", "big_bird",
+                 "qdqbert", "nezha", "roc_bert", "mobilebert", "distilbert", "albert", "deberta", "deberta-v2"}
+
+
+def check_model_folder(model: str) -> None:
+    """A local --model folder must hold what a causal LM loads from: config.json naming a decoder with a
+    causal-LM class, and safetensors weights (the recipes never unpickle .bin files)."""
+    if is_default_model(model) or not looks_local(model):
+        return
+    folder = Path(model).expanduser()
+    if not folder.is_dir():
+        refuse(f"--model {model} is a file; give the model's folder (config.json, tokenizer, *.safetensors)")
+    config = model_config(str(folder))
+    if config is None:
+        refuse(f"--model {model} holds no config.json; give the folder a model was saved to (save_pretrained)")
+    kind = str(config.get("model_type", ""))
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    remote = "AutoModelForCausalLM" in str(config.get("auto_map", {}))  # its own code (--trust-remote-code)
+    if kind and kind not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and not remote:
+        what = ("not a causal language model (transformers has no causal-LM class for it)"
+                if kind in CONFIG_MAPPING_NAMES else "a model type this transformers does not know")
+        refuse(f"--model {model} is a {kind} model, {what}; these recipes fine-tune decoder-only causal LMs "
+               "(Llama, Mistral, Qwen, Gemma, GPT-2, ...)")
+    if kind in ENCODER_TYPES and not config.get("is_decoder"):
+        refuse(f"--model {model} is a {kind} encoder: it attends both ways, so next-token training would see the "
+               "answers; use a decoder-only model (or set is_decoder: true in its config.json)")
+    weights = list(folder.glob("*.safetensors")) + list(folder.glob("*.safetensors.index.json"))
+    if not weights:
+        pickled = sorted(p.name for p in folder.glob("*.bin")) + sorted(p.name for p in folder.glob("*.pt*"))
+        found = f" (it has {', '.join(pickled[:3])}: convert with `model.save_pretrained(folder)` after loading "\
+                "it once with transformers, which writes safetensors)" if pickled else ""
+        refuse(f"--model {model} holds no *.safetensors weights{found}; the recipes load weights only from "
+               "safetensors files")
 
 
 def refuse_if_disk_too_small(args, recipe: str) -> None:

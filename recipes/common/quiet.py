@@ -27,6 +27,8 @@ WARNING_NOTICES = (
     r"`broadcast_buffers` is deprecated",
     # FSDP x TP: transformers' layers return views; nothing downstream edits them in place
     r"FSDP2-wrapped module .* returned a view tensor",
+    # bitsandbytes' 8-bit matmul says at every layer of every step that it computes in fp16
+    r"MatMul8bitLt: inputs will be cast",
 )
 
 
