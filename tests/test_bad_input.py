@@ -118,7 +118,7 @@ def test_a_template_that_rewrites_earlier_turns_drops_its_rows(tokenizer):
     (["--lora-r", "0"], "--lora-r must be >= 1, got 0"),
     (["--lora-dropout", "2"], r"--lora-dropout must be in \[0, 1\), got 2.0"),
     (["--lora-alpha", "0"], "--lora-alpha must be > 0, got 0"),
-    (["--save-every", "-1"], r"--save-every must be >= 0 \(0: only at the end\), got -1"),
+    (["--save-every", "-1"], r"--save-every must be >= 0 \(0: none\), got -1"),
     (["--warmup-ratio", "1.5"], r"--warmup-ratio must be in \[0, 1\], got 1.5"),
     (["--max-grad-norm", "0"], "--max-grad-norm must be > 0"),
     (["--columns", "instruction=question,answer"], "--columns entry `answer` is not NEW=OLD"),

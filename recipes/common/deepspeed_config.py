@@ -102,6 +102,7 @@ def settle_deepspeed(config: dict, source: str, args, env, on_gpu: bool) -> list
                    f"or set \"{key.split('.')[-1]}\": \"auto\" there (or delete it) so that {flag} applies")
         setattr(args, dest, int(value) if dest == "batch_size" else type(getattr(args, dest))(value))
         args.given_flags = sorted(set(getattr(args, "given_flags", ())) | {dest})  # fixed by the file
+        args.settled_from = {**getattr(args, "settled_from", {}), dest: f"{key} in {source}"}  # named by refusals
         notes.append(f"{flag} {getattr(args, dest)} (its {key})")
     # The global batch: batch_size.settle works out the accumulation that keeps it, or refuses.
     train_batch = config.get("train_batch_size", "auto")
@@ -175,6 +176,10 @@ def check_deepspeed_sections(config: dict, source: str, on_gpu: bool) -> None:
         refuse(f"zero_optimization.stage in {source} is {zero.get('stage')!r}; give the ZeRO stage as 0, 1, 2 or 3 "
                "(\"auto\" is not a stage)")
     misplaced_or_misspelt_key(config, source)
+    for name in ("fp16", "bf16", "bfloat16"):
+        if name in config and config[name] is not None and not isinstance(config[name], dict):
+            refuse(f"\"{name}\" in {source} is {json.dumps(config[name])}; DeepSpeed reads a block: write "
+                   f"\"{name}\": {{\"enabled\": {json.dumps(config[name])}}}")
     for key in ("train_micro_batch_size_per_gpu", "train_batch_size", "gradient_accumulation_steps"):
         if not is_count(config.get(key, "auto")):
             refuse(f"{key} in {source} is {config[key]!r}; give a whole number >= 1 (or \"auto\")")
@@ -270,6 +275,7 @@ def edit_deepspeed(config: dict, args) -> None:
     if torch_compile_section(config) is not None:
         del config["compile"]  # torch.compile's options: --compile applies them (DeepSpeed would refuse them)
     zero = config.setdefault("zero_optimization", {})
+    zero.setdefault("stage", 0)  # DeepSpeed's default; accelerate reads the key when it saves
     if zero.get("stage") == 3:
         # Saving the final model needs the gathered 16-bit weights; the file may use either name.
         name = next((key for key in ("gather_16bit_weights_on_model_save", "stage3_gather_16bit_weights_on_model_save")

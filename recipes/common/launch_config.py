@@ -408,11 +408,21 @@ def translate_fsdp_activation_checkpointing(env, args) -> list[str]:
     """FSDP's activation checkpointing wraps each layer in a module of its own, which renames the
     weights a LoRA adapter is saved under (and, without a wrap policy, has no layers to wrap).
     transformers' own checkpointing of each decoder layer keeps the same activations and the names."""
-    if env.get("FSDP_ACTIVATION_CHECKPOINTING", "false").lower() not in TRUE or args.gradient_checkpointing:
-        return []  # not asked, or asked twice: preflight refuses the latter in one line
+    offload = env.get("FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD", "false").lower() in TRUE
+    if env.get("FSDP_ACTIVATION_CHECKPOINTING", "false").lower() not in TRUE:
+        if offload:  # accelerate's plugin stops at it, after the model loaded
+            refuse("fsdp_activation_checkpointing_offload needs fsdp_activation_checkpointing: true; delete the "
+                   "offload line, or pass --gradient-checkpointing to the recipe")
+        return []
+    if args.gradient_checkpointing:
+        return []  # asked twice: preflight refuses it in one line
     env["FSDP_ACTIVATION_CHECKPOINTING"] = "false"
     args.gradient_checkpointing = 1
-    return ["fsdp_activation_checkpointing -> --gradient-checkpointing (transformers checkpoints each layer)"]
+    notes = ["fsdp_activation_checkpointing -> --gradient-checkpointing (transformers checkpoints each layer)"]
+    if offload:
+        env["FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD"] = "false"
+        notes.append("fsdp_activation_checkpointing_offload: not done (the checkpointed activations stay on the GPU)")
+    return notes
 
 
 # --- the whole check --------------------------------------------------------------------------
@@ -435,12 +445,13 @@ def adapt_launch(args, env=None, config_file: Path | None | str = "launcher", on
             refuse(f"{Path(path).name}: {problem}")
         refuse_unsupported_type(config, Path(path).name)
     notes = translate_dynamo(env, args)
-    if env.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
+    fsdp_file = env.get("ACCELERATE_USE_FSDP", "false").lower() == "true"  # before NO_SHARD turns it into DDP
+    if fsdp_file:
         notes += translate_fsdp(env, on_gpu)
         refuse_unsupported_parallelism(env, on_gpu)
     if tensor_parallel_size(env) > 1:
         notes += hand_tensor_parallel_to_transformers(env)
-    elif env.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
+    elif fsdp_file:
         notes += translate_fsdp_activation_checkpointing(env, args)
     if env.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
         from .deepspeed_config import deepspeed_source, settle_deepspeed

@@ -55,12 +55,13 @@ def env_flag(name: str) -> bool:
 
 
 def requested_processes_of_launcher() -> int:
-    """`--num_processes N` given to the `accelerate launch` that started this single process.
+    """`--num_processes N` given to the `accelerate launch` that started this single process, else
+    the config file's `num_processes`.
 
     With `distributed_type: 'NO'` accelerate starts one process whatever `--num_processes`
-    says; only the launcher's own command line still shows what the user asked for.
+    says; only the launcher's own command line and its file still show what the user asked for.
     """
-    from .launch_config import launcher_argv
+    from .launch_config import config_file_of_launcher, launcher_argv, read_config
 
     argv = launcher_argv()
     for i, arg in enumerate(argv):
@@ -68,7 +69,10 @@ def requested_processes_of_launcher() -> int:
             return int(arg.split("=", 1)[1])
         if arg in ("--num_processes", "--num-processes") and i + 1 < len(argv) and argv[i + 1].isdigit():
             return int(argv[i + 1])
-    return 1
+    path = config_file_of_launcher()
+    config = read_config(path) if path is not None and Path(path).is_file() else {}
+    processes = str(config.get("num_processes", 1))
+    return int(processes) if processes.isdigit() else 1
 
 
 def check_launch(args, recipe: str):
@@ -156,6 +160,8 @@ def check_ranges(args) -> None:
         if value is None or value == "auto":
             continue
         flag = "--" + name.replace("_", "-")
+        origin = getattr(args, "settled_from", {}).get(name)  # a value a config file set, not a typed flag
+        flag += f" (set by {origin})" if origin else ""
         if not math.isfinite(value):
             refuse(f"{flag} must be a finite number, got {value}")
         low, high = (None if part.strip() == "None" else float(part) for part in bounds[1:-1].split(","))
