@@ -127,11 +127,65 @@ def test_a_template_that_rewrites_earlier_turns_drops_its_rows(tokenizer):
     (["--lora-targets", "attn"], "--lora-targets attn match no module of"),
     (["--output-dir", "/sys/outputs"], "--output-dir /sys/outputs cannot be written"),
     (["--output-dir", "/etc/hostname/run"], "--output-dir /etc/hostname/run lies under the file /etc/hostname"),
+    (["--output-dir", ""], "--output-dir is empty"),
+    (["--model", ""], "--model is empty"),
+    (["--seed", "-1"], r"--seed must be in \[0, 4294967295\], got -1"),
+    (["--epochs", "1e308", "--max-steps", "0"], r"--epochs must be in \[0, 1000000\]"),
+    (["--lora-targets", "input_layernorm"], "input_layernorm names modules LoRA cannot adapt"),
+    (["--lora-targets", "layers"], "layers names modules LoRA cannot adapt"),
+    (["--attention", "flex_attention"], "flex_attention has no backward on CPU"),
 ])
 def test_a_bad_flag_is_one_line_naming_the_rule(argv, message, tmp_path):
     argv = ["--output-dir", str(tmp_path / "out"), *argv]
     with pytest.raises(Refusal, match=message):
         preflight.check_launch(args_of(*argv), "lora")
+
+
+def test_a_tracker_that_is_not_installed_is_refused(tmp_path):
+    with mock.patch("importlib.util.find_spec", return_value=None):
+        with pytest.raises(Refusal, match="--report-to wandb needs `pip install wandb`"):
+            preflight.check_speed_options(args_of("--report-to", "wandb"), on_gpu=False)
+
+
+def test_a_folder_with_files_a_run_would_overwrite_is_refused(tmp_path):
+    (tmp_path / "README.md").write_text("# my project\n")
+    with pytest.raises(Refusal, match="holds README.md but no run.json: a run would overwrite them"):
+        preflight.check_output_dir(str(tmp_path))
+    (tmp_path / "run.json").write_text("{}")  # an earlier run's folder: its own files
+    preflight.check_output_dir(str(tmp_path))
+
+
+def model_folder(path, config: dict, files=("model.safetensors",)):
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(config))
+    for name in files:
+        (path / name).write_bytes(b"")
+    return str(path)
+
+
+@pytest.mark.parametrize("config, files, message", [
+    ({"model_type": "bert", "hidden_size": 32}, ("model.safetensors",), "is a bert encoder: it attends both ways"),
+    ({"model_type": "t5"}, ("model.safetensors",), "is a t5 model, not a causal language model"),
+    ({"model_type": "llama"}, ("pytorch_model.bin",), "holds no \\*.safetensors weights \\(it has pytorch_model.bin"),
+    ({"model_type": "llama"}, (), "holds no \\*.safetensors weights; the recipes load"),
+    (None, ("tokenizer.json",), "holds no config.json"),
+])
+def test_a_model_folder_that_cannot_train_is_named_before_loading(config, files, message, tmp_path):
+    folder = tmp_path / "model"
+    if config is None:
+        folder.mkdir()
+        for name in files:
+            (folder / name).write_text("{}")
+    else:
+        model_folder(folder, config, files)
+    with pytest.raises(Refusal, match=message):
+        preflight.check_model_folder(str(folder))
+    preflight.check_model_folder(model_folder(tmp_path / "decoder", {"model_type": "bert", "is_decoder": True}))
+
+
+def test_the_context_of_a_gpt2_config_is_its_n_positions(tmp_path):
+    folder = model_folder(tmp_path / "gpt2", {"model_type": "gpt2", "n_positions": 64})
+    assert preflight.context_length(folder) == 64
 
 
 # Checkpoints: a damaged one is found and skipped; another model's is refused
@@ -240,7 +294,7 @@ EVERY_CASE = [
     ([], "chat with tools", None),  # trains; the rows with tool turns are dropped and counted
     ([], "null responses", None),  # trains; the rows without a target are dropped and counted
 ]
-DROPPED = {"chat with tools": "dropped (a role other than system/user/assistant: ", "null responses": "empty target: "}
+DROPPED = {"chat with tools": "dropped (tool calls or tool results", "null responses": "empty target: "}
 
 
 @long_test  # ~4 min
@@ -260,3 +314,20 @@ def test_every_case_through_the_launcher(flags, shape, refusal, tmp_path):
     assert run.returncode != 0 and len(errors) == 1 and refusal in errors[0], run.output[-3000:]
     assert "Loading weights" not in run.output and not (output_dir / "run.json").exists()
     assert_no_traceback_of_ours(run.output)
+
+
+def test_a_resume_that_would_change_the_run_is_refused(tmp_path):
+    folder = fake_checkpoint(tmp_path, 4)
+    state = json.loads((folder / checkpoint.STATE_FILE).read_text())
+    state["settings"] = {"lora_r": 16, "lr": 2e-4}
+    (folder / checkpoint.STATE_FILE).write_text(json.dumps(state))
+    resume = ("--output-dir", str(tmp_path), "--resume", "auto")
+    assert checkpoint.choose_resume(args_of(*resume))[2] is None
+    assert "was trained with --lora-r 16, which a resumed run keeps" in checkpoint.choose_resume(
+        args_of(*resume, "--lora-r", "8"))[2]
+    assert "was trained with --lr 0.0002" in checkpoint.choose_resume(args_of(*resume, "--lr", "1e-5"))[2]
+    assert "is at step 4, beyond --max-steps 2" in checkpoint.choose_resume(args_of(*resume, "--max-steps", "2"))[2]
+    assert "is a run's folder, not a checkpoint" in checkpoint.choose_resume(
+        args_of("--output-dir", str(tmp_path / "new"), "--resume", str(tmp_path)))[2]
+    assert "does not exist" in checkpoint.choose_resume(
+        args_of("--output-dir", str(tmp_path / "new"), "--resume", str(tmp_path / "nope")))[2]

@@ -71,6 +71,19 @@ def test_no_shard_runs_as_ddp_and_refuses_offload():
         adapt(fsdp_env(FSDP_SHARDING_STRATEGY="NO_SHARD", FSDP_OFFLOAD_PARAMS="true"))
 
 
+def test_activation_checkpointing_is_kept_under_no_shard_and_its_offload_is_named():
+    env = fsdp_env(FSDP_SHARDING_STRATEGY="NO_SHARD", FSDP_ACTIVATION_CHECKPOINTING="true")
+    notes, args = adapt(env)
+    assert args.gradient_checkpointing == 1 and notes[0] == "NO_SHARD -> DDP"
+    assert notes[1].startswith("fsdp_activation_checkpointing -> --gradient-checkpointing")
+    env = fsdp_env(FSDP_ACTIVATION_CHECKPOINTING="true", FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD="true")
+    notes, args = adapt(env)
+    assert args.gradient_checkpointing == 1 and env["FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD"] == "false"
+    assert "fsdp_activation_checkpointing_offload: not done" in notes[-1]
+    with pytest.raises(Refusal, match="fsdp_activation_checkpointing_offload needs fsdp_activation_checkpointing"):
+        adapt(fsdp_env(FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD="true"))
+
+
 def test_hybrid_shard_needs_gpus_and_becomes_a_two_level_mesh_on_them():
     with pytest.raises(Refusal, match="hybrid sharding needs GPUs"):
         adapt(fsdp_env(FSDP_VERSION="1", FSDP_SHARDING_STRATEGY="HYBRID_SHARD"))
@@ -210,6 +223,26 @@ def test_the_files_precision_is_what_runs(tmp_path):
     assert adapt(deepspeed_env(tmp_path, {"fp16": {"enabled": True}}), on_gpu=True)[0] == ["precision fp16 (its fp16.enabled)"]
 
 
+def test_a_precision_given_as_a_bare_switch_names_the_block_form(tmp_path):
+    with pytest.raises(Refusal, match=r'"fp16" in .* is true; DeepSpeed reads a block: write "fp16": \{"enabled": true\}'):
+        adapt(deepspeed_env(tmp_path, {"fp16": True}))
+
+
+def test_a_value_the_file_sets_is_refused_under_the_files_key(tmp_path):
+    from common.preflight import check_ranges
+
+    _, args = adapt(deepspeed_env(tmp_path, {"gradient_clipping": 0.0}))
+    with pytest.raises(Refusal, match=r"--max-grad-norm \(set by gradient_clipping in .*ds.json\) must be > 0"):
+        check_ranges(args)
+
+
+def test_a_zero_section_without_a_stage_gets_deepspeeds_default():
+    args = parse_args(recipe_flags("lora"), [])
+    config = {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}
+    deepspeed_config.edit_deepspeed(config, args)
+    assert config["zero_optimization"]["stage"] == 0  # accelerate reads it when the model is saved
+
+
 def test_a_torch_compile_section_turns_on_compile(tmp_path):
     """axolotl's zero1_torch_compile.json: DeepSpeed itself refuses this form of `compile`."""
     notes, args = adapt(deepspeed_env(tmp_path, {"compile": {"disable": False, "backend": "inductor"}}))
@@ -268,3 +301,17 @@ def test_keys_accelerate_does_not_read_are_named(config, problem):
 def test_the_recipe_knows_which_flags_were_typed():
     args = parse_args(recipe_flags("qlora"), ["--lr", "1e-4", "--grad-accum=2", "--bits", "4"])
     assert args.given_flags == ["bits", "grad_accum", "lr"]
+
+
+def test_the_files_num_processes_counts_as_asked_for(tmp_path, monkeypatch):
+    from common import preflight
+
+    path = tmp_path / "multi_cpu.yaml"
+    path.write_text("distributed_type: MULTI_CPU\nnum_processes: 2\nuse_cpu: true\n")
+    launcher = ["/usr/bin/python", "/usr/bin/accelerate", "launch", "--config_file", str(path), "recipes/lora.py"]
+    monkeypatch.setattr(launch_config, "launcher_argv", lambda: launcher)
+    assert preflight.requested_processes_of_launcher() == 2
+    with pytest.raises(Refusal, match="distributed_type MULTI_CPU starts one process unless mpirun is set up, but 2"):
+        launch_config.refuse_one_process_for_several("MULTI_CPU", preflight.requested_processes_of_launcher())
+    monkeypatch.setattr(launch_config, "launcher_argv", lambda: [*launcher[:3], "--num_processes", "3", *launcher[3:]])
+    assert preflight.requested_processes_of_launcher() == 3  # the command line wins, as in accelerate

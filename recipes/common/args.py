@@ -200,12 +200,10 @@ class UniqueKeyLoader(yaml.SafeLoader):
     """YAML keeps the last of two equal keys without a word; a run file that sets a flag twice is refused."""
 
     def construct_mapping(self, node, deep=False):
-        from .preflight import refuse
-
         keys = [self.construct_object(key, deep=deep) for key, _ in node.value]
         twice = next((key for key in keys if keys.count(key) > 1), None)
         if twice is not None:
-            refuse(f"`{twice}` is set twice in the run file; keep one")
+            raise yaml.YAMLError(f"`{twice}` is set twice; keep one")
         return super().construct_mapping(node, deep=deep)
 
 
