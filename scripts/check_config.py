@@ -78,6 +78,13 @@ def refuse_what_the_launcher_chokes_on(path: Path) -> None:
         if isinstance(config.get(key), bool):  # YAML reads an unquoted NO / no as false
             preflight.refuse(f"{path.name}: {key} is read as the boolean {config[key]} (YAML turns an unquoted "
                              f"NO / no into false); write it in quotes: {key}: 'NO' / 'no'")
+    kind = config.get("distributed_type")
+    if isinstance(kind, str) and kind != kind.upper():  # accelerate's enum takes capitals only
+        preflight.refuse(f"{path.name}: distributed_type `{kind}` must be written in capitals: "
+                         f"distributed_type: {kind.upper()}")
+    for key in ("num_processes", "num_machines", "machine_rank"):
+        if key in config and not isinstance(config[key], int):
+            preflight.refuse(f"{path.name}: {key} is {config[key]!r}; write a whole number without quotes")
 
 
 def check(config_file: Path, recipe: str = "lora", recipe_argv: list[str] = (), num_processes: int | None = None,
@@ -104,6 +111,7 @@ def check(config_file: Path, recipe: str = "lora", recipe_argv: list[str] = (), 
             asked = num_processes or int(config.get("num_processes") or 1)
             launch_config.refuse_one_process_for_several(str(config.get("distributed_type", "NO")).upper(), asked)
         preflight.check_ranges(args)  # values the file handed to the flags, too
+        preflight.check_strategy(args, recipe, launch)  # FSDP's layer classes against the model, ...
         if launch.kind == TENSOR_PARALLEL:  # what the recipe can split (its model's heads, LoRA's targets)
             preflight.check_tensor_parallel(args, recipe, launch)
         batch_line = settle_batch(args, recipe, launch)  # the file's train_batch_size must split over the ranks

@@ -226,3 +226,30 @@ def test_a_typo_in_the_launched_file_is_refused_before_the_model_loads(tmp_path)
     assert len(lines) == 1 and lines[0].startswith(refusal), run.output[-3000:]
     assert_no_traceback_of_ours(run.output)
     assert not (tmp_path / "out" / "run.json").exists()
+
+
+def test_check_config_runs_the_strategys_checks_against_the_model(tmp_path):
+    """A file the launch would refuse is refused by check_config too (it skipped FSDP's layer classes)."""
+    config = {"distributed_type": "FSDP", "mixed_precision": "no", "num_processes": 2,
+              "fsdp_config": {"fsdp_version": 2, "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+                              "fsdp_transformer_layer_cls_to_wrap": "MistralDecoderLayer"}}
+    path = tmp_path / "wrong_layer.yaml"
+    path.write_text(yaml.safe_dump(config))
+    with pytest.raises(Refusal, match="names MistralDecoderLayer, which this llama model does not have"):
+        check_config.check(path, "lora", num_processes=2, on_gpu=False)
+    config["fsdp_config"]["fsdp_transformer_layer_cls_to_wrap"] = ["LlamaDecoderLayer", "Embedding"]  # a YAML list
+    path.write_text(yaml.safe_dump(config))
+    note, verdict = check_config.check(path, "lora", num_processes=2, on_gpu=False)
+    assert "fsdp_transformer_layer_cls_to_wrap list -> LlamaDecoderLayer,Embedding" in note
+    assert verdict.startswith("ok: lora runs as fsdp_full_shard")
+
+
+@pytest.mark.parametrize("text, message", [
+    ("distributed_type: multi_gpu\nnum_processes: 2\n", "distributed_type `multi_gpu` must be written in capitals"),
+    ("distributed_type: MULTI_GPU\nnum_processes: '2'\n", "num_processes is '2'; write a whole number without quotes"),
+])
+def test_what_accelerate_launch_would_stop_at_is_named(text, message, tmp_path):
+    path = tmp_path / "file.yaml"
+    path.write_text(text)
+    with pytest.raises(Refusal, match=message):
+        check_config.check(path, "lora", on_gpu=False)

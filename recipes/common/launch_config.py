@@ -395,6 +395,12 @@ def translate_fsdp(env, on_gpu: bool) -> list[str]:
         env["FSDP_AUTO_WRAP_POLICY"] = "TRANSFORMER_BASED_WRAP"
         env.pop("FSDP_MIN_NUM_PARAMS", None)
         notes.append("SIZE_BASED_WRAP -> TRANSFORMER_BASED_WRAP (FSDP2 shards each decoder layer)")
+    classes = env.get("FSDP_TRANSFORMER_CLS_TO_WRAP", "")
+    if classes.strip().startswith("["):  # a YAML list: accelerate splits its text at the commas, brackets and all
+        import re
+
+        env["FSDP_TRANSFORMER_CLS_TO_WRAP"] = ",".join(re.findall(r"[A-Za-z_][A-Za-z0-9_.]*", classes))
+        notes.append(f"fsdp_transformer_layer_cls_to_wrap list -> {env['FSDP_TRANSFORMER_CLS_TO_WRAP']}")
     prefetch = env.pop("FSDP_BACKWARD_PREFETCH", None)
     forward = env.get("FSDP_FORWARD_PREFETCH", "false").lower() in TRUE
     if prefetch or forward:

@@ -79,7 +79,7 @@ def check_launch(args, recipe: str):
     """Everything that can be known to fail before the model loads. Returns the checked `Launch`:
     what accelerate launch asked for, read by everything that depends on the strategy."""
     from .batch_size import settle as settle_batch
-    from .launch import FSDP, TENSOR_PARALLEL, describe
+    from .launch import TENSOR_PARALLEL, describe
     from .launch_config import adapt_launch, file_distributed_type, refuse_one_process_for_several
 
     # The user's config file first: it may translate the launch (FSDP1 -> FSDP2) or settle flags.
@@ -87,7 +87,6 @@ def check_launch(args, recipe: str):
     if notes and int(os.environ.get("RANK", "0")) == 0:
         print(f"config: {'; '.join(notes)}", flush=True)
     launch = describe()
-    fsdp = launch.kind == FSDP
 
     if launch.processes == 1 and launch.kind in ("single", "model_parallel"):
         refuse_one_process_for_several(file_distributed_type(), requested_processes_of_launcher())
@@ -103,12 +102,7 @@ def check_launch(args, recipe: str):
     if batch_line and int(os.environ.get("RANK", "0")) == 0:
         print(batch_line, flush=True)
 
-    if recipe == "qlora" and getattr(args, "bits", 4) == 8 and fsdp:
-        refuse("8-bit weights cannot be sharded by FSDP; use --bits 4 (QLoRA) with fsdp.yaml, or "
-               "8-bit with accelerate_configs/ddp.yaml or zero3.yaml")
-    if fsdp and env_flag("FSDP_ACTIVATION_CHECKPOINTING") and args.gradient_checkpointing:
-        refuse("activation checkpointing is asked twice (fsdp_activation_checkpointing in the "
-               "accelerate config and --gradient-checkpointing); keep one of them")
+    check_strategy(args, recipe, launch)
 
     for flag in ("model", "dataset", "output_dir", "resume", "columns"):
         if getattr(args, flag) is not None and not str(getattr(args, flag)).strip():
@@ -123,8 +117,6 @@ def check_launch(args, recipe: str):
     if looks_local(args.model) and Path(args.model).expanduser().exists():
         # recorded as given in the adapter's config and run.json: a relative path means nothing elsewhere
         args.model = str(Path(args.model).expanduser().resolve())
-    if fsdp:
-        check_layer_classes_to_wrap(args.model)
     context = context_length(args.model)
     if context and args.max_length > context:
         refuse(f"--max-length {args.max_length} is beyond the model's context of {context} tokens; "
@@ -135,6 +127,22 @@ def check_launch(args, recipe: str):
     refuse_if_disk_too_small(args, recipe)
     announce_plan(args, recipe, launch)
     return launch
+
+
+def check_strategy(args, recipe: str, launch) -> None:
+    """What the launched strategy cannot do with these flags and this model (scripts/check_config.py
+    runs it too)."""
+    from .launch import FSDP
+
+    fsdp = launch.kind == FSDP
+    if recipe == "qlora" and getattr(args, "bits", 4) == 8 and fsdp:
+        refuse("8-bit weights cannot be sharded by FSDP; use --bits 4 (QLoRA) with fsdp.yaml, or "
+               "8-bit with accelerate_configs/ddp.yaml or zero3.yaml")
+    if fsdp and env_flag("FSDP_ACTIVATION_CHECKPOINTING") and args.gradient_checkpointing:
+        refuse("activation checkpointing is asked twice (fsdp_activation_checkpointing in the "
+               "accelerate config and --gradient-checkpointing); keep one of them")
+    if fsdp:
+        check_layer_classes_to_wrap(args.model)
 
 
 # flag -> (low, high): a [low, high] or (low, high) bound on the value; None: unbounded
@@ -339,7 +347,10 @@ def check_layer_classes_to_wrap(model: str) -> None:
         module = importlib.import_module(f"transformers.models.{kind}.modeling_{kind}")
     except ImportError:  # remote code or an unusual layout: accelerate will say it
         return
-    missing = [name for name in names if not hasattr(module, name)]
+    import torch
+
+    # the model's own layer classes, or torch's (nn.Embedding, nn.Linear) that every such model holds
+    missing = [name for name in names if not hasattr(module, name) and not hasattr(torch.nn, name)]
     if missing:
         own = sorted({layer for arch in config.get("architectures", [])
                       for layer in getattr(getattr(module, arch, None), "_no_split_modules", None) or ()})
