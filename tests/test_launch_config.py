@@ -236,6 +236,18 @@ def test_a_value_the_file_sets_is_refused_under_the_files_key(tmp_path):
         check_ranges(args)
 
 
+def test_deepspeeds_batch_rule_and_checkpointing_section_become_the_flags(tmp_path):
+    notes, args = adapt(deepspeed_env(tmp_path, {"train_batch_size": 16, "gradient_accumulation_steps": 4}))
+    assert (args.batch_size, args.grad_accum, args.global_batch_size) == (2, 4, 16)  # 16 / (4 x 2 processes)
+    assert "--batch-size 2 (its train_batch_size / gradient_accumulation_steps / 2 processes)" in notes
+    notes, args = adapt(deepspeed_env(tmp_path, {"activation_checkpointing": {"partition_activations": True}}))
+    assert args.gradient_checkpointing == 1 and notes[-1].startswith("activation_checkpointing -> --gradient-")
+    assert adapt(deepspeed_env(tmp_path, {"activation_checkpointing": {"partition_activations": False}}))[1] \
+        .gradient_checkpointing == 0
+    with pytest.raises(Refusal, match="the launch asks for --mixed_precision fp16, which DeepSpeed cannot do on CPU"):
+        adapt(deepspeed_env(tmp_path, {}, ACCELERATE_MIXED_PRECISION="fp16"))
+
+
 def test_a_zero_section_without_a_stage_gets_deepspeeds_default():
     args = parse_args(recipe_flags("lora"), [])
     config = {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}

@@ -112,6 +112,14 @@ def settle_deepspeed(config: dict, source: str, args, env, on_gpu: bool) -> list
         refuse(f"{source} sets train_batch_size {train_batch}, but train_micro_batch_size_per_gpu {fixed[0]} x "
                f"gradient_accumulation_steps {fixed[1]} x {processes} processes = {int(fixed[0]) * int(fixed[1]) * processes}; "
                "fix one of the three, or set it to \"auto\"")
+    if train_batch != "auto" and fixed[0] == "auto" and fixed[1] != "auto" and "batch_size" not in given:
+        # DeepSpeed's own rule: micro-batch = train_batch_size / (accumulation x processes)
+        micro, rest = divmod(int(train_batch), int(fixed[1]) * processes)
+        if micro >= 1 and rest == 0 and micro != args.batch_size:
+            args.batch_size = micro
+            args.given_flags = sorted(set(args.given_flags) | {"batch_size"})
+            notes.append(f"--batch-size {micro} (its train_batch_size / gradient_accumulation_steps / {processes} "
+                         "processes)")
     if train_batch != "auto" and args.global_batch_size is None:
         args.global_batch_size = int(train_batch)
         notes.append(f"--global-batch-size {train_batch} (its train_batch_size)")
@@ -158,9 +166,20 @@ def settle_deepspeed(config: dict, source: str, args, env, on_gpu: bool) -> list
     if explicit and launcher not in ("no", precision):
         refuse(f"{source} enables {precision} but the launch asks for --mixed_precision {launcher}; make them "
                "agree (or set \"enabled\": \"auto\" in the file)")
-    if precision == "fp16" and not on_gpu:
+    if precision == "fp16" and not on_gpu and explicit:
         refuse(f"{source} trains in fp16, which DeepSpeed cannot do on CPU; on this machine set the fp16 block's "
                "\"enabled\" to \"auto\" or false (bf16 works on CPU)")
+    if precision == "fp16" and not on_gpu:
+        refuse("the launch asks for --mixed_precision fp16, which DeepSpeed cannot do on CPU; set mixed_precision: "
+               "'no' or bf16 in the accelerate config (or pass --mixed_precision no to accelerate launch)")
+    checkpointing = config.get("activation_checkpointing")
+    asked = isinstance(checkpointing, dict) and any(value is True or (type(value) is int and value > 0)
+                                                    for value in checkpointing.values())
+    if asked and not args.gradient_checkpointing:
+        # DeepSpeed's section configures its own checkpointing API, which transformers' models never call
+        args.gradient_checkpointing = 1
+        notes.append("activation_checkpointing -> --gradient-checkpointing (transformers checkpoints each layer; "
+                     "the section's own options are not used)")
     if precision != launcher:
         env["ACCELERATE_MIXED_PRECISION"] = precision  # what the plan and the model's dtypes follow
         notes.append(f"precision {precision} (its {precision}.enabled)")
