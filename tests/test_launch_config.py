@@ -274,6 +274,12 @@ def test_a_typo_in_zero_optimization_names_the_setting(tmp_path):
         adapt(deepspeed_env(tmp_path, {"zero_optimization": zero}))
 
 
+def test_a_zero_setting_under_both_its_names_is_named(tmp_path):
+    zero = {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True, "gather_16bit_weights_on_model_save": True}
+    with pytest.raises(Refusal, match="gives `gather_16bit_weights_on_model_save` twice, under its two names"):
+        adapt(deepspeed_env(tmp_path, {"zero_optimization": zero}))
+
+
 def test_the_engine_config_keeps_the_files_names_and_the_recipes_loop():
     args = parse_args(recipe_flags("lora"), ["--grad-accum", "2"])
     axolotl = {"zero_optimization": {"stage": 3, "gather_16bit_weights_on_model_save": False},

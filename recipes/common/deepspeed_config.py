@@ -316,6 +316,8 @@ def check_zero_section(zero: dict, source: str) -> None:
             valid = set(DeepSpeedZeroConfig.model_fields) | {
                 field.alias for field in DeepSpeedZeroConfig.model_fields.values() if field.alias}
             close = difflib.get_close_matches(key, sorted(valid), n=1, cutoff=0.6)
+            if key in valid:  # a setting and its alias (stage3_... and the short name) given together
+                refuse(f"zero_optimization of {source} gives `{key}` twice, under its two names; keep one")
             hint = f"did you mean `{close[0]}`? " if close else ""
             refuse(f"`{key}` in zero_optimization of {source} is not a DeepSpeed setting; {hint}fix or delete it")
         refuse(f"zero_optimization.{key} in {source}: {first['msg']}; fix it")
