@@ -333,3 +333,11 @@ def test_the_files_num_processes_counts_as_asked_for(tmp_path, monkeypatch):
         launch_config.refuse_one_process_for_several("MULTI_CPU", preflight.requested_processes_of_launcher())
     monkeypatch.setattr(launch_config, "launcher_argv", lambda: [*launcher[:3], "--num_processes", "3", *launcher[3:]])
     assert preflight.requested_processes_of_launcher() == 3  # the command line wins, as in accelerate
+
+
+def test_the_dynamo_settings_compile_does_not_apply_are_named():
+    env = {"ACCELERATE_DYNAMO_BACKEND": "INDUCTOR", "ACCELERATE_DYNAMO_MODE": "max-autotune",
+           "ACCELERATE_DYNAMO_USE_FULLGRAPH": "True", "ACCELERATE_DYNAMO_USE_DYNAMIC": "False"}
+    notes, args = adapt(env)
+    assert args.compile and notes == ["dynamo_backend INDUCTOR -> --compile (each decoder layer compiled in place); "
+                                      "not applied: dynamo_mode max-autotune, dynamo_use_fullgraph True"]

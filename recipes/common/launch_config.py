@@ -207,10 +207,14 @@ def translate_dynamo(env, args) -> list[str]:
         refuse(f"dynamo_backend {backend.upper()}: the recipes compile with inductor (--compile); set "
                "dynamo_backend: INDUCTOR, or NO")
     env["ACCELERATE_DYNAMO_BACKEND"] = "NO"
+    # the rest of the dynamo block: --compile uses torch.compile's defaults, so say what is not applied
+    unused = [f"dynamo_{name.lower()} {env.pop(f'ACCELERATE_DYNAMO_{name}')}" for name in ("MODE", "USE_FULLGRAPH",
+              "USE_DYNAMIC") if env.get(f"ACCELERATE_DYNAMO_{name}", "").lower() not in ("", "default", "false")]
     if args.compile:
-        return []
+        return [f"not applied: {', '.join(unused)}"] if unused else []
     args.compile = True
-    return ["dynamo_backend INDUCTOR -> --compile (each decoder layer compiled in place)"]
+    return ["dynamo_backend INDUCTOR -> --compile (each decoder layer compiled in place)"
+            + (f"; not applied: {', '.join(unused)}" if unused else "")]
 
 
 
