@@ -35,7 +35,15 @@ from common.batch_size import settle as settle_batch  # noqa: E402
 
 
 def is_deepspeed_json(path: Path) -> bool:
-    return Path(path).suffix == ".json" and "zero_optimization" in launch_config.read_config(path)
+    """A DeepSpeed config (which `accelerate launch --deepspeed_config_file` takes), not an accelerate one:
+    a .json with DeepSpeed's keys and none of accelerate's."""
+    if Path(path).suffix != ".json":
+        return False
+    from common.deepspeed_config import READ_BY_RECIPE
+
+    config = launch_config.read_config(path)
+    accelerate_keys = {"distributed_type", "compute_environment", "num_processes"}
+    return not accelerate_keys & set(config) and bool(set(READ_BY_RECIPE) & set(config))
 
 
 def launcher_environment(config_file: Path, num_processes: int | None = None) -> dict:

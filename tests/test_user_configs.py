@@ -253,3 +253,11 @@ def test_what_accelerate_launch_would_stop_at_is_named(text, message, tmp_path):
     path.write_text(text)
     with pytest.raises(Refusal, match=message):
         check_config.check(path, "lora", on_gpu=False)
+
+
+def test_a_deepspeed_json_without_a_zero_section_is_read_as_deepspeed(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text('{"bf16": {"enabled": true}, "train_micro_batch_size_per_gpu": 4}')
+    assert check_config.is_deepspeed_json(path)
+    with pytest.raises(Refusal, match="has no `zero_optimization` section"):
+        check_config.check(path, "lora", on_gpu=False)
