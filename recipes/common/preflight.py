@@ -248,8 +248,9 @@ def check_columns(columns: str | None) -> None:
             refuse(f"--columns entry `{pair}` is not NEW=OLD; write e.g. --columns instruction=question,response=answer")
 
 
-# What a run writes at the top of its folder: in a folder that holds no run, they would be someone else's.
-RUN_FILES = ("README.md", "metrics.jsonl", "samples.jsonl", "adapter", "model", "merged", "checkpoints")
+# What a run writes at the top of its folder: in a folder that holds no run, they would be someone else's
+# (checkpoints/ are checked by the resume, which knows them by their state files).
+RUN_FILES = ("README.md", "metrics.jsonl", "samples.jsonl", "adapter", "model", "merged")
 
 
 def check_output_dir(output_dir: str) -> None:
