@@ -107,6 +107,7 @@ def check_launch(args, recipe: str):
     for flag in ("model", "dataset", "output_dir", "resume", "columns"):
         if getattr(args, flag) is not None and not str(getattr(args, flag)).strip():
             refuse(f"--{flag.replace('_', '-')} is empty (an unset shell variable?); give a value or leave the flag out")
+    args.output_dir = os.path.expanduser(args.output_dir)  # `~/runs/x` from a run file: no shell expanded it
     if looks_local(args.model) and not Path(args.model).expanduser().exists() and not is_default_model(args.model):
         refuse(f"--model {args.model} does not exist; give a local folder or a hub id such as "
                "TinyLlama/TinyLlama-1.1B-Chat-v1.0")
