@@ -331,3 +331,10 @@ def test_a_resume_that_would_change_the_run_is_refused(tmp_path):
         args_of("--output-dir", str(tmp_path / "new"), "--resume", str(tmp_path)))[2]
     assert "does not exist" in checkpoint.choose_resume(
         args_of("--output-dir", str(tmp_path / "new"), "--resume", str(tmp_path / "nope")))[2]
+
+
+def test_paths_from_a_run_file_expand_the_home_folder(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    args = args_of("--output-dir", "~/runs/one", "--model", str(TINY_MODEL))
+    preflight.check_launch(args, "lora")
+    assert args.output_dir == str(tmp_path / "runs" / "one") and args.model == str(TINY_MODEL.resolve())
