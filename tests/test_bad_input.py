@@ -147,12 +147,15 @@ def test_a_tracker_that_is_not_installed_is_refused(tmp_path):
             preflight.check_speed_options(args_of("--report-to", "wandb"), on_gpu=False)
 
 
-def test_a_folder_with_files_a_run_would_overwrite_is_refused(tmp_path):
+def test_a_folder_with_files_a_run_would_overwrite_is_refused(tmp_path, capsys):
     (tmp_path / "README.md").write_text("# my project\n")
     with pytest.raises(Refusal, match="holds README.md but no run.json: a run would overwrite them"):
         preflight.check_output_dir(str(tmp_path))
-    (tmp_path / "run.json").write_text("{}")  # an earlier run's folder: its own files
+    (tmp_path / "run.json").write_text("{}")  # an earlier run's folder: its own files, replaced with a note
     preflight.check_output_dir(str(tmp_path))
+    assert "holds an earlier run; this run replaces its files" in capsys.readouterr().out
+    preflight.check_output_dir(str(tmp_path), resuming=True)
+    assert capsys.readouterr().out == ""
 
 
 def model_folder(path, config: dict, files=("model.safetensors",)):
@@ -338,3 +341,14 @@ def test_paths_from_a_run_file_expand_the_home_folder(tmp_path, monkeypatch):
     args = args_of("--output-dir", "~/runs/one", "--model", str(TINY_MODEL))
     preflight.check_launch(args, "lora")
     assert args.output_dir == str(tmp_path / "runs" / "one") and args.model == str(TINY_MODEL.resolve())
+
+
+def test_a_resume_on_another_number_of_processes_says_so(tmp_path, capsys):
+    from types import SimpleNamespace
+
+    folder = fake_checkpoint(tmp_path, 2)
+    state = json.loads((folder / checkpoint.STATE_FILE).read_text())
+    (folder / checkpoint.STATE_FILE).write_text(json.dumps({**state, "processes": 2}))
+    one_process = SimpleNamespace(num_processes=1, is_main_process=True)
+    assert checkpoint.resume_point(one_process, args_of("--output-dir", str(tmp_path), "--resume", "auto")) == folder
+    assert "was written by 2 processes and resumes on 1: the data each rank sees changes" in capsys.readouterr().out

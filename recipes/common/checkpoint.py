@@ -65,7 +65,8 @@ def save_checkpoint(accelerator, args, step: int) -> Path:
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         state = {"step": step, "recipe": args.recipe, "model": args.model, "files": file_digests(partial),
-                 "settings": {name: getattr(args, name) for name in KEPT_SETTINGS if hasattr(args, name)}}
+                 "settings": {name: getattr(args, name) for name in KEPT_SETTINGS if hasattr(args, name)},
+                 "processes": accelerator.num_processes}
         (partial / STATE_FILE).write_text(json.dumps(state, indent=1) + "\n")  # last: the checkpoint is complete
         shutil.rmtree(final, ignore_errors=True)
         partial.rename(final)
@@ -203,6 +204,12 @@ def resume_point(accelerator, args) -> Path | None:
     if accelerator.num_processes > 1:
         broadcast_object_list(decision)
     chosen, lines, refusal = decision[0]
+    if chosen is not None and not refusal:
+        written_by = json.loads((chosen / STATE_FILE).read_text()).get("processes", accelerator.num_processes)
+        if written_by != accelerator.num_processes:  # allowed (an elastic job may lose a machine), but said
+            lines.append(f"note: {chosen} was written by {written_by} processes and resumes on "
+                         f"{accelerator.num_processes}: the data each rank sees changes, and so does the global batch "
+                         "unless --global-batch-size keeps it")
     if accelerator.is_main_process:
         for line in lines:
             print(line, flush=True)

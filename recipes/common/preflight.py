@@ -124,7 +124,8 @@ def check_launch(args, recipe: str):
                f"pass --max-length {context} or less")
     if recipe != "full":
         check_lora_targets(args)
-    check_output_dir(args.output_dir)
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    check_output_dir(args.output_dir, resuming=bool(args.resume) or restarted)
     refuse_if_disk_too_small(args, recipe)
     announce_plan(args, recipe, launch)
     return launch
@@ -254,7 +255,7 @@ def check_columns(columns: str | None) -> None:
 RUN_FILES = ("README.md", "metrics.jsonl", "samples.jsonl", "adapter", "model", "merged")
 
 
-def check_output_dir(output_dir: str) -> None:
+def check_output_dir(output_dir: str, resuming: bool = False) -> None:
     """The run must be able to write where it is told to, before hours of training, and must not
     overwrite files it did not write (a project's README.md)."""
     import tempfile
@@ -267,6 +268,8 @@ def check_output_dir(output_dir: str) -> None:
         if theirs:
             refuse(f"--output-dir {output_dir} holds {', '.join(theirs)} but no run.json: a run would overwrite "
                    "them; choose a new or empty folder")
+    elif folder.is_dir() and not resuming and int(os.environ.get("RANK", "0")) == 0:
+        print(f"note: --output-dir {output_dir} holds an earlier run; this run replaces its files", flush=True)
     while not folder.exists():
         folder = folder.parent
     if not folder.is_dir():
