@@ -248,6 +248,12 @@ def test_deepspeeds_batch_rule_and_checkpointing_section_become_the_flags(tmp_pa
         adapt(deepspeed_env(tmp_path, {}, ACCELERATE_MIXED_PRECISION="fp16"))
 
 
+def test_turning_on_the_gathered_save_is_said(tmp_path):
+    zero = {"stage": 3, "stage3_gather_16bit_weights_on_model_save": False}
+    notes, _ = adapt(deepspeed_env(tmp_path, {"zero_optimization": zero}))
+    assert notes == ["stage3_gather_16bit_weights_on_model_save -> true (the final save gathers the full weights)"]
+
+
 def test_a_zero_section_without_a_stage_gets_deepspeeds_default():
     args = parse_args(recipe_flags("lora"), [])
     config = {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}

@@ -183,7 +183,12 @@ def settle_deepspeed(config: dict, source: str, args, env, on_gpu: bool) -> list
     if precision != launcher:
         env["ACCELERATE_MIXED_PRECISION"] = precision  # what the plan and the model's dtypes follow
         notes.append(f"precision {precision} (its {precision}.enabled)")
-    check_zero_section(config["zero_optimization"], source)
+    zero = config["zero_optimization"]
+    gather = [key for key in ("gather_16bit_weights_on_model_save", "stage3_gather_16bit_weights_on_model_save")
+              if str(zero.get(key, "")).lower() == "false"]
+    if str(zero.get("stage")) == "3" and gather:  # edit_deepspeed turns it on: the export needs whole weights
+        notes.append(f"{gather[0]} -> true (the final save gathers the full weights)")
+    check_zero_section(zero, source)
     return notes
 
 
