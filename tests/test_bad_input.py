@@ -352,3 +352,12 @@ def test_a_resume_on_another_number_of_processes_says_so(tmp_path, capsys):
     one_process = SimpleNamespace(num_processes=1, is_main_process=True)
     assert checkpoint.resume_point(one_process, args_of("--output-dir", str(tmp_path), "--resume", "auto")) == folder
     assert "was written by 2 processes and resumes on 1: the data each rank sees changes" in capsys.readouterr().out
+
+
+def test_a_local_folder_named_like_a_hub_id_is_checked_and_recorded_whole(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "org").mkdir()
+    model_folder(tmp_path / "org" / "encoder", {"model_type": "bert"})
+    with pytest.raises(Refusal, match="org/encoder is a bert encoder"):
+        preflight.check_model_folder("org/encoder")  # transformers would load this folder, not the hub's
+    preflight.check_model_folder("org/not-here")  # a hub id: checked when it loads

@@ -185,8 +185,8 @@ def refuse_one_process_for_several(distributed_type: str, requested: int) -> Non
         refuse(f"distributed_type MULTI_CPU starts one process unless mpirun is set up, but {requested} were asked; "
                f"for {requested} CPU processes use accelerate_configs/ddp.yaml with --num_processes {requested} "
                "--mixed_precision no (DDP over gloo)")
-    refuse("model parallel runs as ONE process that spreads the layers over the GPUs, but "
-           "--num_processes > 1 was asked; drop --num_processes, or use "
+    refuse(f"model parallel runs as ONE process that spreads the layers over the GPUs, but {requested} were "
+           "asked (--num_processes, or num_processes in the config file); ask for 1, or use "
            "accelerate_configs/ddp.yaml (model fits one GPU) or fsdp.yaml (it does not)")
 
 

@@ -115,7 +115,7 @@ def check_launch(args, recipe: str):
         refuse(f"--dataset {args.dataset} does not exist; give a .jsonl/.json/.parquet/.txt file, "
                "a folder of them, or a hub id")
     check_model_folder(args.model)
-    if looks_local(args.model) and Path(args.model).expanduser().exists():
+    if Path(args.model).expanduser().exists():
         # recorded as given in the adapter's config and run.json: a relative path means nothing elsewhere
         args.model = str(Path(args.model).expanduser().resolve())
     context = context_length(args.model)
@@ -382,8 +382,8 @@ ENCODER_TYPES = {"bert", "roberta", "xlm-roberta", "xlm-roberta-xl", "camembert"
 def check_model_folder(model: str) -> None:
     """A local --model folder must hold what a causal LM loads from: config.json naming a decoder with a
     causal-LM class, and safetensors weights (the recipes never unpickle .bin files)."""
-    if is_default_model(model) or not looks_local(model):
-        return
+    if is_default_model(model) or not (looks_local(model) or Path(model).expanduser().is_dir()):
+        return  # a hub id (a local folder of the same name would be loaded instead, and is checked)
     folder = Path(model).expanduser()
     if not folder.is_dir():
         refuse(f"--model {model} is a file; give the model's folder (config.json, tokenizer, *.safetensors)")
