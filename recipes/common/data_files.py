@@ -266,10 +266,10 @@ def format_of(train, spec: str) -> str:
     quietly lose part of the data. A column the format reads must hold text."""
     from datasets import Value
 
-    if train._indices is not None:  # a selection of a table's rows: count in the rows themselves
+    filled = filled_columns(train)
+    if train._indices is not None:  # a selection of a table's rows (rare here: files load whole)
         train = train.flatten_indices()
     table = train.data
-    filled = filled_columns(train)
     fmt = detect_format(filled)
     key = FORMAT_KEYS[fmt]
     others = [other for other in FORMAT_KEYS.values() if other != key and other in filled]
@@ -293,11 +293,18 @@ def format_of(train, spec: str) -> str:
 
 
 def filled_columns(dataset) -> list[str]:
-    """The columns that hold something in some row (all of them when none does)."""
-    if dataset._indices is not None:
-        dataset = dataset.flatten_indices()
-    filled = [name for name in dataset.column_names if dataset.data.column(name).null_count < len(dataset)]
-    return filled or dataset.column_names
+    """The columns that hold something in some row (all of them when none does). Counted on the
+    table beneath; only a column with some nulls in a selection of rows (a split) is looked at row
+    by row."""
+    table, rows = dataset.data, dataset._indices
+
+    def filled(name: str) -> bool:
+        column = table.column(name)
+        if column.null_count in (0, len(table)) or rows is None:
+            return column.null_count < len(table)
+        return column.take(rows.column(0)).null_count < len(dataset)
+
+    return [name for name in dataset.column_names if filled(name)] or dataset.column_names
 
 
 def feature_name(feature) -> str:

@@ -133,15 +133,20 @@ def keep_4bit_weights_unpacked_on_cpu(model) -> None:
             module.support_avx512bf16_for_cpu = False
 
 
-def module_names(name: str, trust_remote_code: bool = False, linear_only: bool = False,
-                 adaptable: bool = False) -> list[str] | None:
-    """The module names of model `name`, built from its config on the meta device (no weights, no
-    memory); None when its config cannot be read here (a hub id that is not in the cache).
-    `linear_only`: linear layers only; `adaptable`: the layers peft's LoRA can adapt."""
+# peft's LoRA adapts these layer kinds (and Conv1D, transformers' GPT-2 linear)
+LINEAR_KINDS = (torch.nn.Linear,)
+ADAPTABLE_KINDS = (torch.nn.Linear, torch.nn.Embedding, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)
+
+
+def module_kinds(name: str, trust_remote_code: bool = False) -> dict[str, str] | None:
+    """{module name: "linear" / "adaptable" (LoRA can adapt it) / "other"} of model `name`, built once
+    from its config on the meta device (no weights, no memory); None when its config cannot be read
+    here (a hub id that is not in the cache)."""
     import json
 
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.pytorch_utils import Conv1D
 
     try:
         if Path(name).resolve() == DEFAULT_MODEL.resolve() and not (DEFAULT_MODEL / "config.json").exists():
@@ -153,12 +158,9 @@ def module_names(name: str, trust_remote_code: bool = False, linear_only: bool =
             model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
     except (OSError, ValueError):
         return None
-    from transformers.pytorch_utils import Conv1D
-
-    kinds = ((torch.nn.Linear, Conv1D) if linear_only else
-             (torch.nn.Linear, Conv1D, torch.nn.Embedding, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)
-             if adaptable else (torch.nn.Module,))
-    return [module_name for module_name, module in model.named_modules() if module_name and isinstance(module, kinds)]
+    return {module_name: "linear" if isinstance(module, (*LINEAR_KINDS, Conv1D)) else
+            "adaptable" if isinstance(module, ADAPTABLE_KINDS) else "other"
+            for module_name, module in model.named_modules() if module_name}
 
 
 def seed_adapter(model, seed: int) -> None:

@@ -284,30 +284,30 @@ def check_output_dir(output_dir: str, resuming: bool = False) -> None:
 def check_lora_targets(args) -> None:
     """Every name in --lora-targets must match a module of the model, read from its config (no weights)."""
     from .args import lora_targets
-    from .modeling import module_names
+    from .modeling import module_kinds
 
     targets = lora_targets(args.lora_targets)
     if targets == "all-linear":
         return
     if not targets:
         refuse("--lora-targets is empty; name modules (e.g. q_proj,v_proj) or use all-linear")
-    names = module_names(args.model, args.trust_remote_code)
-    if names is None:  # a hub model not in the cache: peft checks when it loads
+    kinds = module_kinds(args.model, args.trust_remote_code)
+    if kinds is None:  # a hub model not in the cache: peft checks when it loads
         return
-    missing = [t for t in targets if not any(name == t or name.endswith("." + t) for name in names)]
+
+    def matched(target: str, wanted=("linear", "adaptable", "other")) -> bool:
+        return any((name == target or name.endswith("." + target)) and kind in wanted for name, kind in kinds.items())
+
+    leaves = ", ".join(sorted({name.rsplit(".", 1)[-1] for name, kind in kinds.items() if kind == "linear"}))
+    missing = [t for t in targets if not matched(t)]
     if missing:
-        leaves = sorted({name.rsplit(".", 1)[-1] for name in module_names(args.model, args.trust_remote_code,
-                                                                          linear_only=True)})
         which = "match no module" if len(missing) == len(targets) else "match no module (the others do)"
         refuse(f"--lora-targets {', '.join(missing)} {which} of {args.model}; its linear layers are "
-               f"{', '.join(leaves)} (or use all-linear)")
-    adaptable = module_names(args.model, args.trust_remote_code, adaptable=True)
-    other = [t for t in targets if not any(name == t or name.endswith("." + t) for name in adaptable)]
+               f"{leaves} (or use all-linear)")
+    other = [t for t in targets if not matched(t, ("linear", "adaptable"))]
     if other:
-        leaves = sorted({name.rsplit(".", 1)[-1] for name in module_names(args.model, args.trust_remote_code,
-                                                                          linear_only=True)})
         refuse(f"--lora-targets {', '.join(other)} names modules LoRA cannot adapt (peft adapts linear, embedding "
-               f"and convolution layers); the model's linear layers are {', '.join(leaves)} (or use all-linear)")
+               f"and convolution layers); the model's linear layers are {leaves} (or use all-linear)")
 
 
 def check_speed_options(args, on_gpu: bool) -> None:
