@@ -52,6 +52,8 @@ def test_a_mistake_in_the_file_is_one_line(text, message, tmp_path, capsys):
 def test_whole_floats_are_whole_numbers_and_a_null_keeps_a_default_of_none(tmp_path):
     args = parsed(tmp_path, "max-steps: 2.0\ndataset: null\nlora-alpha: 16.5\n")
     assert (args.max_steps, args.dataset, args.lora_alpha) == (2, None, 16.5)
+    assert parsed(tmp_path, "gradient-checkpointing: true\n").gradient_checkpointing == 1  # as typed bare
+    assert parsed(tmp_path, "gradient-checkpointing: 2\n").gradient_checkpointing == 2
 
 
 def test_config_given_twice_or_empty_is_one_line(tmp_path):

@@ -66,7 +66,8 @@ def recipe_parser(doc: str) -> argparse.ArgumentParser:
              "target left is dropped (both counted at start-up)")
     add("--seed", type=int, default=42, help="model init of new weights, dropout, data order")
     add("--eval-every", type=int, default=0, help="evaluate every N steps (0: only at the end)")
-    add("--save-every", type=int, default=0, help="checkpoint every N steps (0: none, except when SIGTERM or Ctrl-C stops the run)")
+    add("--save-every", type=int, default=0,
+        help="checkpoint every N steps (0: none, except when SIGTERM or Ctrl-C stops the run)")
     add("--save-total-limit", type=int, default=0, help="keep only the newest N checkpoints (0: keep all)")
     add("--resume", default=None, help="a checkpoint folder to resume from, or `auto` for the newest "
         "(default: a fresh run; an elastic restart resumes by itself)")
@@ -169,6 +170,8 @@ def flags_from_config_file(parser: argparse.ArgumentParser, argv: list[str]) -> 
             refuse(f"--config {path}: `{key}` is not a flag of this recipe{hint}")
         if value is None and action.default is not None and not isinstance(action, argparse._StoreTrueAction):
             refuse(f"--config {path}: `{key}` has no value; give one, or delete the line to keep the default")
+        if isinstance(value, bool) and action.nargs == "?":  # a flag that can be given bare: true is bare
+            value = action.const if value else action.default
         if value is not None and not isinstance(action, argparse._StoreTrueAction):
             value = typed_value(action, value, f"--config {path}: `{key}: {value}`")
         if action.choices is not None and value not in action.choices:
