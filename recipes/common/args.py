@@ -5,8 +5,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-import yaml
-
 from .batch_size import int_or_auto
 from .modeling import DEFAULT_MODEL
 
@@ -153,8 +151,14 @@ def flags_from_config_file(parser: argparse.ArgumentParser, argv: list[str]) -> 
         refuse("--config is empty (an unset shell variable?); give a run.yaml or leave the flag out")
     import difflib
 
+    import yaml
+
+    from .launch_config import DuplicateKey, StrictLoader
+
     try:
-        settings = yaml.load(open(path), Loader=UniqueKeyLoader) or {}
+        settings = yaml.load(open(path), Loader=StrictLoader) or {}  # a flag set twice is refused, not the last kept
+    except DuplicateKey as twice:
+        refuse(f"--config {path} cannot be read: `{twice}` is set twice; keep one")
     except (OSError, yaml.YAMLError) as error:
         refuse(f"--config {path} cannot be read: {str(error).splitlines()[0]}")
     if not isinstance(settings, dict):
@@ -197,17 +201,6 @@ def typed_value(action, value, where: str):
                     and kind is not float else value)
     except (TypeError, ValueError):
         refuse(f"{where} is not a valid {kind.__name__}")
-
-
-class UniqueKeyLoader(yaml.SafeLoader):
-    """YAML keeps the last of two equal keys without a word; a run file that sets a flag twice is refused."""
-
-    def construct_mapping(self, node, deep=False):
-        keys = [self.construct_object(key, deep=deep) for key, _ in node.value]
-        twice = next((key for key in keys if keys.count(key) > 1), None)
-        if twice is not None:
-            raise yaml.YAMLError(f"`{twice}` is set twice; keep one")
-        return super().construct_mapping(node, deep=deep)
 
 
 def lora_targets(value: str):

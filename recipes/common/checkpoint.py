@@ -141,8 +141,9 @@ def same_model(a: str, b: str) -> bool:
     return a == b or (Path(a).exists() and Path(b).exists() and Path(a).resolve() == Path(b).resolve())
 
 
-def choose_resume(args) -> tuple[Path | None, list[str], str | None]:
-    """(checkpoint to resume from, lines to print, refusal): the decision of `resume_point`."""
+def choose_resume(args, processes: int | None = None) -> tuple[Path | None, list[str], str | None]:
+    """(checkpoint to resume from, lines to print, refusal): the decision of `resume_point` for a run
+    of `processes` processes."""
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     wanted = args.resume or ("auto" if restarted else None)  # an elastic restart continues the run
     found = complete_checkpoints(args.output_dir)
@@ -191,6 +192,10 @@ def choose_resume(args) -> tuple[Path | None, list[str], str | None]:
         if args.max_steps and state["step"] > args.max_steps:
             return None, lines, (f"{chosen} is at step {state['step']}, beyond --max-steps {args.max_steps}; raise "
                                  "--max-steps to train on, or use that run's own result")
+        written_by = state.get("processes", processes)
+        if processes is not None and written_by != processes:  # allowed (an elastic job may lose a machine), but said
+            lines.append(f"note: {chosen} was written by {written_by} processes and resumes on {processes}: the "
+                         "data each rank sees changes, and so does the global batch unless --global-batch-size keeps it")
     return chosen, lines, None
 
 
@@ -200,16 +205,10 @@ def resume_point(accelerator, args) -> Path | None:
     so a refusal is the same line on every rank."""
     from accelerate.utils import broadcast_object_list
 
-    decision = [choose_resume(args) if accelerator.is_main_process else None]
+    decision = [choose_resume(args, accelerator.num_processes) if accelerator.is_main_process else None]
     if accelerator.num_processes > 1:
         broadcast_object_list(decision)
     chosen, lines, refusal = decision[0]
-    if chosen is not None and not refusal:
-        written_by = json.loads((chosen / STATE_FILE).read_text()).get("processes", accelerator.num_processes)
-        if written_by != accelerator.num_processes:  # allowed (an elastic job may lose a machine), but said
-            lines.append(f"note: {chosen} was written by {written_by} processes and resumes on "
-                         f"{accelerator.num_processes}: the data each rank sees changes, and so does the global batch "
-                         "unless --global-batch-size keeps it")
     if accelerator.is_main_process:
         for line in lines:
             print(line, flush=True)

@@ -141,7 +141,10 @@ def check_files(files: list[Path], columns: str | None) -> dict:
 
 
 def check_header(path: Path, text: str) -> None:
-    lines = [line for line in text.splitlines() if line.strip()]
+    import io
+    from itertools import islice
+
+    lines = list(islice((line for line in io.StringIO(text) if line.strip()), 2))  # the header and one row
     if len(lines) < 2:
         refuse(f"{path} has a header line but no rows; put rows under it or delete it")
     delimiter = DELIMITERS[suffix(path)]
@@ -155,21 +158,16 @@ def check_header(path: Path, text: str) -> None:
 
 def duplicate_key(files: list[Path]) -> str | None:
     """file:line of the first JSON row that names a column twice (json keeps the last; datasets fails)."""
-    def no_twice(pairs):
-        keys = [key for key, _ in pairs]
-        twice = next((key for key in keys if keys.count(key) > 1), None)
-        if twice is not None:
-            raise KeyError(twice)
-        return dict(pairs)
+    from .launch_config import DuplicateKey, mapping_without_repeats
 
     for path in files:
         if suffix(path) not in (".jsonl", ".json"):
             continue
         for number, line in enumerate(file_bytes(path).decode("utf-8-sig").split("\n"), 1):
             try:
-                json.loads(line, object_pairs_hook=no_twice)
-            except KeyError as twice:
-                return f"{path}:{number}: `{twice.args[0]}` appears twice in one row; keep one"
+                json.loads(line, object_pairs_hook=mapping_without_repeats)
+            except DuplicateKey as twice:
+                return f"{path}:{number}: `{twice}` appears twice in one row; keep one"
             except ValueError:
                 continue
     return None
