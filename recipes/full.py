@@ -52,7 +52,7 @@ def main():
     model = modeling.load_model(args.model, accelerator, launch, frozen=False, attention=args.attention,
                                 liger=args.liger, trust_remote_code=args.trust_remote_code)
     if args.gradient_checkpointing:  # recompute every Nth layer's activations in the backward instead of keeping them
-        model.activation_checkpointing_enable(every_n_layers=args.gradient_checkpointing)
+        modeling.checkpoint_activations(model, every_n_layers=args.gradient_checkpointing)
     batch_size.confirm_on_gpu(accelerator, launch, model, args)  # --batch-size auto: does a real step fit?
     if args.compile:
         modeling.compile_layers(model)  # the first steps are slower while each shape compiles

@@ -55,7 +55,7 @@ def main():
     model = modeling.load_model(args.model, accelerator, launch, frozen=True, attention=args.attention,
                                 liger=args.liger, trust_remote_code=args.trust_remote_code)
     if args.gradient_checkpointing:  # recompute every Nth layer's activations in the backward instead of keeping them
-        model.activation_checkpointing_enable(every_n_layers=args.gradient_checkpointing)
+        modeling.checkpoint_activations(model, every_n_layers=args.gradient_checkpointing)
     lora_config = LoraConfig(
         r=args.lora_r,
         lora_alpha=args.lora_alpha,

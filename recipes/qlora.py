@@ -63,7 +63,7 @@ def main():
         # Upcasts norms for stability; FSDP / ZeRO-3 need one dtype throughout, so they skip it.
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     if args.gradient_checkpointing:  # recompute every Nth layer's activations in the backward instead of keeping them
-        model.activation_checkpointing_enable(every_n_layers=args.gradient_checkpointing)
+        modeling.checkpoint_activations(model, every_n_layers=args.gradient_checkpointing)
     lora_config = LoraConfig(
         r=args.lora_r,
         lora_alpha=args.lora_alpha,

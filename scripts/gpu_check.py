@@ -2,23 +2,32 @@
 """The GPU proof in one command: installs what the GPU box lacks, then runs on its GPUs, in order
 of importance, and writes each result as soon as it has it.
 
-    python scripts/gpu_check.py --wheels .whl --results $OUT     # everything (about 25 min on one H100)
-    python scripts/gpu_check.py --parts recipes --results $OUT   # one part (each fits a 10-minute slot)
+    python scripts/gpu_check.py --wheels .whl --parts headline,core --budget-s 540 --results $OUT
 
-Parts:
-  recipes    tests/gpu/test_gpu_recipes.py: every recipe x every config the GPUs present can run, bf16
+A lent GPU comes for 30 minutes of device time, 10 a call, each call maybe on a bare box: README's
+"Running on GPUs" gives the three calls in order. Each call reinstalls the wheels (skipped when the
+box still has them) and starts no part it has no time left for (--budget-s).
+
+Parts, in order of importance:
+  headline   the TinyLlama-1.1B LoRA reference epoch under ddp.yaml (scripts/benchmark.py --workload tinyllama
+             --strategies ddp --measure-peak): wall time, tokens/s, MFU, peak memory
+  core       tests/gpu/test_gpu_recipes.py for the three recipes under ddp, fsdp and zero3 (9 launches)
+  recipes    the rest of tests/gpu/test_gpu_recipes.py: every other config the GPUs present can run, bf16
+  reference  the TinyLlama workload's other strategies (model_parallel, zero2, zero3, qlora_ddp)
   planner    tests/gpu/test_gpu_planner.py: the planner's peak against torch.cuda.max_memory_allocated
   options    tests/gpu/test_gpu_speed_options.py: bitsandbytes CUDA, Liger, attention kernels, compile, workers,
              --batch-size auto's probe
-  reference  scripts/benchmark.py --workload tinyllama --measure-peak (the TinyLlama-1.1B LoRA workload)
   reference34b  the CodeLlama-34B LoRA workload, layer-scaled to 8 of 48 layers
   trl        scripts/compare_trl.py on one GPU in bf16: the recipe against TRL's SFTTrainer
 
 Written to --results (default results/<date>_<gpu>/), rewritten after every part, so that a run cut
-short still leaves its numbers: summary.md (tables), results.json (the same, machine-readable, with
-every test case's recorded figures), log.txt (every command and its output) and the reference
-benchmark's reference.md, reference.json and chart.png: 6 files in one folder, within what the
-device tool brings back (8 files).
+short still leaves its numbers: summary.md (tables, the benchmarks' too), results.json (the same,
+machine-readable, with every test case's recorded figures and the box's package versions), log.txt
+(every command and its output), and <part>.json / <part>.png for each benchmark part: at most 7 files
+per call, within the 8 the device tool brings back.
+
+--cpu-stand-in runs the same parts on a machine without a GPU (RECIPES_GPU_SUITE_ON_CPU=1, the benchmark's
+--smoke): it checks the plumbing before GPU time is spent, and says nothing about GPUs.
 
 Wheels (--wheels DIR): a folder of wheels made on a connected machine by scripts/gpu_wheels.sh,
 installed with `pip --no-index` into /tmp/gpu-site (added to PYTHONPATH for every launch); a
@@ -31,6 +40,7 @@ import argparse
 import datetime
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -38,22 +48,48 @@ import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "recipes"))
+from common.versions import LOWEST  # noqa: E402
+
+LIBRARIES = ("transformers", "accelerate", "huggingface_hub", "tokenizers", "peft", "datasets", "bitsandbytes",
+             "deepspeed", "trl", "liger-kernel", "flash-attn", "safetensors")
 SITE = Path("/tmp/gpu-site")
-PARTS = {  # part -> (command, seconds it may take)
-    "recipes": (["-m", "pytest", "-q", "-o", "junit_family=legacy", "tests/gpu/test_gpu_recipes.py"], 540),
-    "planner": (["-m", "pytest", "-q", "-o", "junit_family=legacy", "tests/gpu/test_gpu_planner.py"], 420),
-    "options": (["-m", "pytest", "-q", "-o", "junit_family=legacy", "tests/gpu/test_gpu_speed_options.py"], 360),
-    "reference": (["scripts/benchmark.py", "--workload", "tinyllama", "--measure-peak"], 540),
+PYTEST = ["-m", "pytest", "-q", "-o", "junit_family=legacy"]
+RECIPE_TESTS = "tests/gpu/test_gpu_recipes.py"
+CORE_CASES = [f"{RECIPE_TESTS}::test_recipe_on_gpu[{recipe}-{config}]"
+              for recipe in ("full", "lora", "qlora") for config in ("ddp", "fsdp", "zero3")]
+TINYLLAMA = ["scripts/benchmark.py", "--workload", "tinyllama", "--measure-peak"]
+# part -> (command, seconds it may take at most, seconds it needs at least to give a result: a part starts
+# only when the call's budget has that much left; a test part stopped early keeps the cases it ran, a
+# benchmark keeps nothing). In order of importance: the default runs them in this order. Estimates for one
+# H100, not yet measured.
+PARTS = {
+    "headline": ([*TINYLLAMA, "--strategies", "ddp"], 420, 180),
+    "core": ([*PYTEST, *CORE_CASES], 480, 60),
+    "recipes": ([*PYTEST, RECIPE_TESTS, *(f"--deselect={case}" for case in CORE_CASES)], 540, 60),
+    "reference": ([*TINYLLAMA, "--strategies", "model_parallel,zero2,zero3,qlora_ddp"], 540, 360),
+    "planner": ([*PYTEST, "tests/gpu/test_gpu_planner.py"], 420, 60),
+    "options": ([*PYTEST, "tests/gpu/test_gpu_speed_options.py"], 360, 60),
     # CodeLlama-34B's shape cut to 8 of its 48 layers (labelled so in the table): the whole does not fit one GPU
     "reference34b": (["scripts/benchmark.py", "--workload", "codellama34b", "--layers", "8",
-                      "--gradient-checkpointing", "--measure-peak"], 540),
+                      "--gradient-checkpointing", "--measure-peak"], 540, 360),
     # the TinyLlama workload's model, micro-batch and accumulation through TRL's SFTTrainer beside the recipe
     # (the bundled instruction data: TRL's side needs prompt/completion rows), bf16, one GPU
     "trl": (["scripts/compare_trl.py", "--processes", "1", "--mixed-precision", "bf16", "--model",
              "models/tinyllama-1.1b-22-layers", "--batch-size", "16", "--grad-accum", "2", "--max-length", "1024",
-             "--steps", "40", "--rounds", "1"], 420),
+             "--steps", "40", "--rounds", "1"], 420, 300),
 }
+BENCHMARKS = ("headline", "reference", "reference34b")
+# What a part runs instead on the CPU stand-in: the benchmark's smoke path (2 CPU processes, the tiny model).
+CPU_STAND_IN = {"headline": ["scripts/benchmark.py", "--smoke", "--strategies", "ddp"],
+                "reference": ["scripts/benchmark.py", "--smoke", "--strategies", "zero2"],
+                "reference34b": ["scripts/benchmark.py", "--smoke", "--strategies", "ddp"],
+                "trl": ["scripts/compare_trl.py", "--processes", "1", "--steps", "4", "--rounds", "1"]}
 # the random-weight TinyLlama-1.1B-shaped model of tests/gpu (built once, also by the planner part)
+# A part past its time gets Ctrl-C, then this long to write what it has before it is killed.
+STOP_GRACE_S = 30
+# Seconds kept at the end of a budget: a late part's grace, then writing the results.
+SAVE_MARGIN_S = STOP_GRACE_S + 15
 BUILD_MODEL = ["-c", "import sys; sys.path.insert(0, 'tests/gpu'); from gpu_support import shaped_model; "
                      "shaped_model(layers=22)"]
 
@@ -65,6 +101,11 @@ def parse_args(argv=None):
     parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, among {', '.join(PARTS)}")
     parser.add_argument("--wheels", type=Path, default=None, help="a folder of wheels to install first")
     parser.add_argument("--results", type=Path, default=None, help="where to write (default: results/<date>_<gpu>)")
+    parser.add_argument("--budget-s", type=int, default=None,
+                        help="seconds this call may take in all: a part starts only if the time it needs is left, "
+                             "and is stopped before the budget ends (default: no budget)")
+    parser.add_argument("--cpu-stand-in", action="store_true",
+                        help="run the parts' plumbing on a machine without a GPU (fp32, the tiny model)")
     args = parser.parse_args(argv)
     unknown = [part for part in args.parts.split(",") if part not in PARTS]
     if unknown:
@@ -72,11 +113,33 @@ def parse_args(argv=None):
     return args
 
 
+def box_has_supported(wheel: Path) -> bool:
+    """Whether the box already has this wheel's library at a version the recipes support (versions.LOWEST):
+    then the box's own runs, as users of such an image would run it."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from packaging.version import Version
+
+    name = wheel.name.split("-")[0].lower()
+    lowest = {key.replace("-", "_"): value for key, value in LOWEST.items()}.get(name)
+    if lowest is None:
+        return False
+    try:
+        return Version(Version(version(name)).base_version) >= Version(lowest)
+    except PackageNotFoundError:
+        return False
+
+
 def install_wheels(folder: Path, log) -> dict:
-    """pip --no-index from `folder` into SITE; DeepSpeed from its source archive without ops."""
+    """pip --no-index from `folder` into SITE, except libraries the box has at a supported version;
+    DeepSpeed from its source archive without ops."""
     SITE.mkdir(parents=True, exist_ok=True)
-    wheels = sorted(str(p) for p in folder.glob("*.whl"))
+    wheels = sorted(str(p) for p in folder.glob("*.whl") if not box_has_supported(p))
     archives = sorted(str(p) for p in folder.glob("deepspeed-*.tar.gz"))
+    names = [Path(w).name for w in wheels + archives]
+    marker = SITE / "installed-wheels.json"
+    if marker.exists() and json.loads(marker.read_text()) == names:  # a warm box from the previous call
+        return {"wheels": names, "returncodes": [], "already_installed": True}
     commands = []
     if wheels:
         commands.append([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
@@ -85,25 +148,27 @@ def install_wheels(folder: Path, log) -> dict:
         commands.append([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps",
                          "--no-build-isolation", "--target", str(SITE), archive])
     codes = [run(command, log, timeout=600, env={"DS_BUILD_OPS": "0"})["returncode"] for command in commands]
-    return {"wheels": [Path(w).name for w in wheels + archives], "returncodes": codes}
+    if all(code == 0 for code in codes):
+        marker.write_text(json.dumps(names))
+    return {"wheels": names, "returncodes": codes}
 
 
 def environment() -> dict:
-    code = ("import json, torch; p = torch.cuda.get_device_properties(0) if torch.cuda.is_available() else None; "
+    """The GPU and every library version as the launches see them (the carried wheels in SITE first)."""
+    code = ("import json, torch; from importlib.metadata import PackageNotFoundError, version\n"
+            "def found(name):\n"
+            "    try:\n"
+            "        return version(name)\n"
+            "    except PackageNotFoundError:\n"
+            "        return None\n"
+            "p = torch.cuda.get_device_properties(0) if torch.cuda.is_available() else None\n"
             "print(json.dumps({'torch': torch.__version__, 'cuda': torch.version.cuda, "
             "'gpus': torch.cuda.device_count(), 'gpu': p.name if p else None, "
-            "'gpu_memory_gib': round(p.total_memory / 2**30, 1) if p else None}))")
-    found = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                                      env=launch_env(), check=True).stdout)
-    from importlib.metadata import PackageNotFoundError, version
-
-    for name in ("transformers", "accelerate", "peft", "datasets", "bitsandbytes", "deepspeed", "trl",
-                 "liger-kernel", "flash-attn"):
-        try:
-            found[name] = version(name)
-        except PackageNotFoundError:
-            found[name] = None
-    return found
+            "'gpu_memory_gib': round(p.total_memory / 2**30, 1) if p else None, "
+            "'python': '.'.join(map(str, __import__('sys').version_info[:3])), "
+            f"**{{name: found(name) for name in {LIBRARIES!r}}}}}))")
+    return json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                     env=launch_env(), check=True).stdout)
 
 
 def launch_env(extra: dict | None = None) -> dict:
@@ -114,16 +179,28 @@ def launch_env(extra: dict | None = None) -> dict:
 
 
 def run(command: list[str], log, timeout: int, env: dict | None = None) -> dict:
-    """Run `command` in the repository, its output into the log; never raises."""
+    """Run `command` in the repository, its output into the log; never raises. Past `timeout` it is
+    interrupted (Ctrl-C: pytest still writes the junit XML of the cases it ran), then, if still running
+    after STOP_GRACE_S, killed with every process it started (launched ranks would keep holding the GPU)."""
     started = time.monotonic()
     log.write(f"\n$ {' '.join(command)}\n")
     log.flush()
+    process = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=launch_env(env),
+                               start_new_session=True)
     try:
-        done = subprocess.run(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, timeout=timeout,
-                              env=launch_env(env))
-        code = done.returncode
+        code = process.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         code = "timeout"
+        process.send_signal(signal.SIGINT)
+        try:
+            process.wait(timeout=STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            pass
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        process.wait()
     return {"returncode": code, "seconds": round(time.monotonic() - started, 1)}
 
 
@@ -146,11 +223,17 @@ def junit_cases(path: Path) -> list[dict]:
 
 def summary_markdown(record: dict) -> str:
     env = record["environment"]
-    lines = [f"# GPU check, {record['date']}: {env.get('gpu')} x {env.get('gpus')}", "",
-             f"`python scripts/gpu_check.py --parts {record['parts']}` at commit {record['commit']}.", "",
+    title = ("CPU stand-in (no GPU: the plumbing only, fp32, the tiny model)" if record.get("cpu_stand_in")
+             else f"{env.get('gpu')} x {env.get('gpus')}")
+    flags = "".join(f" --{k.replace('_', '-')}" + ("" if v is True else f" {v}")
+                    for k, v in (("cpu_stand_in", record.get("cpu_stand_in")), ("budget_s", record.get("budget_s"))) if v)
+    lines = [f"# GPU check, {record['date']}: {title}", "",
+             f"`python scripts/gpu_check.py --parts {record['parts']}{flags}` at commit {record['commit']}.", "",
              "Versions: " + ", ".join(f"{k} {v}" for k, v in env.items() if k not in ("gpu", "gpus") and v), ""]
     for part, result in record["results"].items():
-        lines += [f"## {part}", "", f"exit {result['returncode']} after {result['seconds']} s", ""]
+        ended = (f"not started: {result['why']}" if result["returncode"] == "not started"
+                 else f"exit {result['returncode']} after {result['seconds']} s")
+        lines += [f"## {part}", "", ended, ""]
         cases = result.get("cases", [])
         if cases:
             keys = sorted({k for c in cases for k in c} - {"name", "outcome", "seconds"})
@@ -168,15 +251,15 @@ def summary_markdown(record: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def copy_reference(folder: Path, results_dir: Path, result: dict) -> None:
-    """benchmark.py's table, numbers and chart (its newest results folder) beside the summary."""
+def copy_benchmark(part: str, folder: Path, results_dir: Path, result: dict) -> None:
+    """benchmark.py's table (into the summary), numbers and chart (as <part>.json / <part>.png), from its
+    newest results folder under `folder`."""
     tables = sorted(folder.rglob("results.md"), key=lambda p: p.stat().st_mtime)
     if not tables:
         return
     source = tables[-1].parent
-    result["table"] = tables[-1].read_text()
-    for name, target in (("results.md", "reference.md"), ("results.json", "reference.json"),
-                         ("chart.png", "chart.png")):
+    result["table"] = tables[-1].read_text().replace("(chart.png)", f"({part}.png)")
+    for name, target in (("results.json", f"{part}.json"), ("chart.png", f"{part}.png")):
         if (source / name).exists():
             (results_dir / target).write_bytes((source / name).read_bytes())
 
@@ -188,11 +271,14 @@ def git_commit() -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    started = time.monotonic()
     parts = args.parts.split(",")
+    stand_in = {"RECIPES_GPU_SUITE_ON_CPU": "1"} if args.cpu_stand_in else None
     date = datetime.date.today().isoformat()
     results_dir = args.results
     results_dir_default = results_dir is None
-    record = {"date": date, "parts": args.parts, "commit": git_commit(), "results": {}}
+    record = {"date": date, "parts": args.parts, "commit": git_commit(), "cpu_stand_in": args.cpu_stand_in,
+              "budget_s": args.budget_s, "results": {}}
     temporary = Path("/tmp/gpu-check-log.txt")
     with open(temporary, "a") as log:
         if args.wheels:
@@ -213,22 +299,33 @@ def main(argv=None) -> int:
         scratch = Path("/tmp/gpu-check")
         scratch.mkdir(parents=True, exist_ok=True)
         for part in parts:
-            command, timeout = PARTS[part]
+            command, timeout, needed = PARTS[part]
+            if args.cpu_stand_in and part in CPU_STAND_IN:
+                command = CPU_STAND_IN[part]
+            left = None if args.budget_s is None else args.budget_s - (time.monotonic() - started) - SAVE_MARGIN_S
+            if left is not None and left < needed:
+                record["results"][part] = {"returncode": "not started", "seconds": 0,
+                                           "why": f"{left:.0f} s of the budget left, {needed} s needed"}
+                save()
+                print(f"{part}: not started ({left:.0f} s left of the budget, {needed} s needed)", flush=True)
+                continue
             command = [sys.executable, *command]
             junit = scratch / f"junit-{part}.xml"
-            if part.startswith("reference"):
-                command += ["--output-dir", str(scratch / "reference")]
+            junit.unlink(missing_ok=True)
+            if part in BENCHMARKS:
+                command += ["--output-dir", str(scratch / part)]
             elif part == "trl":
-                run([sys.executable, *BUILD_MODEL], log, timeout=600)
+                if not args.cpu_stand_in:
+                    run([sys.executable, *BUILD_MODEL], log, timeout=600)
                 command += ["--output-dir", str(scratch / "trl")]
             else:
                 command += [f"--junitxml={junit}"]
-            result = run(command, log, timeout=timeout)
+            result = run(command, log, timeout=int(min(timeout, left if left is not None else timeout)), env=stand_in)
             if part == "trl" and (scratch / "trl" / "summary.json").exists():
                 result["summary"] = json.loads((scratch / "trl" / "summary.json").read_text())
             result["cases"] = junit_cases(junit)
-            if part.startswith("reference"):
-                copy_reference(scratch / "reference", results_dir, result)
+            if part in BENCHMARKS:
+                copy_benchmark(part, scratch / part, results_dir, result)
             record["results"][part] = result
             save()
             print(f"{part}: exit {result['returncode']} after {result['seconds']} s", flush=True)

@@ -39,6 +39,7 @@ import json
 import os
 import sys
 import time
+from importlib.metadata import version
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -97,6 +98,21 @@ def training_order(rows: int, seed: int, steps: int, batch_size: int, grad_accum
     return order[: steps * rows_per_step]
 
 
+def checkpointing_settings(config_class, every_n: int) -> dict:
+    """The recipe's --gradient-checkpointing [N] as TrainingArguments fields (TRL turns checkpointing on by
+    default, so it is always set). transformers 5.23 renamed them to activation_checkpointing*; before it,
+    Trainer passes gradient_checkpointing_kwargs to torch's checkpoint, which has no every-Nth-layer form."""
+    import dataclasses
+
+    if "activation_checkpointing" in {field.name for field in dataclasses.fields(config_class)}:
+        return {"activation_checkpointing": bool(every_n),
+                "activation_checkpointing_kwargs": {"every_n_layers": every_n} if every_n > 1 else None}
+    if every_n > 1:
+        refuse(f"TRL's side checkpoints every Nth layer only with transformers >= 5.23 (this is "
+               f"{version('transformers')}); pass --gradient-checkpointing without N")
+    return {"gradient_checkpointing": bool(every_n)}
+
+
 def sft_config(args, processes: int):
     """SFTConfig with the recipe's settings (see the module docstring for each choice)."""
     import torch
@@ -118,9 +134,7 @@ def sft_config(args, processes: int):
         seed=args.seed,
         bf16=launched_in_bf16(),  # as the launcher's --mixed_precision (the recipe's autocast)
         fp16=False,
-        # transformers 5 names; TRL turns checkpointing on by default. The recipe's flag: every layer, or every Nth.
-        activation_checkpointing=bool(checkpoint_every),
-        activation_checkpointing_kwargs={"every_n_layers": checkpoint_every} if checkpoint_every > 1 else None,
+        **checkpointing_settings(SFTConfig, checkpoint_every),
         max_length=args.max_length,
         packing=False,
         completion_only_loss=True,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +15,8 @@ from conftest import REPO
 
 sys.path.insert(0, str(REPO / "scripts"))
 import gpu_check  # noqa: E402
+
+CORE_NAMES = {case.partition("::")[2] for case in gpu_check.CORE_CASES}
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-side behaviour")
 
@@ -24,11 +27,12 @@ def test_the_entry_point_writes_a_summary_with_every_gpu_case_skipped_and_why(tm
     assert done.returncode == 0, done.stdout + done.stderr
     record = json.loads((tmp_path / "results.json").read_text())
     cases = record["results"]["recipes"]["cases"]
-    assert len(cases) == 36  # 3 recipes x 12 configs (those a recipe refuses are skipped with the reason)
+    # 3 recipes x 12 configs (those a recipe refuses are skipped with the reason), less the 9 of the core part
+    assert len(cases) == 27 and not {case["name"] for case in cases} & CORE_NAMES
     assert all(case["outcome"].startswith("skipped: ") for case in cases)
     assert any("needs a CUDA GPU" in case["outcome"] for case in cases)
     summary = (tmp_path / "summary.md").read_text()
-    assert "test_recipe_on_gpu[lora-zero3]" in summary and (tmp_path / "log.txt").exists()
+    assert "test_recipe_on_gpu[lora-zero2]" in summary and (tmp_path / "log.txt").exists()
 
 
 def test_recorded_figures_become_table_columns(tmp_path):
@@ -49,3 +53,54 @@ def test_recorded_figures_become_table_columns(tmp_path):
 def test_unknown_parts_are_refused():
     with pytest.raises(SystemExit):
         gpu_check.parse_args(["--parts", "recipes,everything"])
+
+
+def test_the_core_part_is_the_three_recipes_under_ddp_fsdp_and_zero3(tmp_path):
+    done = subprocess.run([sys.executable, "scripts/gpu_check.py", "--parts", "core", "--results", str(tmp_path)],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    cases = json.loads((tmp_path / "results.json").read_text())["results"]["core"]["cases"]
+    assert {case["name"] for case in cases} == CORE_NAMES and len(CORE_NAMES) == 9
+    assert {"test_recipe_on_gpu[qlora-zero3]", "test_recipe_on_gpu[full-ddp]"} <= CORE_NAMES
+
+
+def test_a_part_the_budget_has_no_time_for_is_not_started_and_says_why(tmp_path):
+    done = subprocess.run([sys.executable, "scripts/gpu_check.py", "--parts", "headline,core", "--budget-s", "100",
+                           "--results", str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    results = json.loads((tmp_path / "results.json").read_text())["results"]
+    assert [results[part]["returncode"] for part in ("headline", "core")] == ["not started", "not started"]
+    assert "s needed" in results["core"]["why"]
+    assert "headline\n\nnot started: " in (tmp_path / "summary.md").read_text()
+
+
+def test_wheels_already_installed_on_a_warm_box_are_not_installed_again(tmp_path, monkeypatch):
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    (wheels / "example-1.0-py3-none-any.whl").write_bytes(b"")
+    site = tmp_path / "site"
+    monkeypatch.setattr(gpu_check, "SITE", site)
+    site.mkdir()
+    (site / "installed-wheels.json").write_text(json.dumps(["example-1.0-py3-none-any.whl"]))
+    ran = []
+    monkeypatch.setattr(gpu_check, "run", lambda command, *a, **k: ran.append(command) or {"returncode": 0})
+    assert gpu_check.install_wheels(wheels, log=None)["already_installed"] and not ran
+    (wheels / "other-2.0-py3-none-any.whl").write_bytes(b"")
+    assert gpu_check.install_wheels(wheels, log=None)["returncodes"] == [0] and len(ran) == 1
+
+
+def test_a_part_past_its_time_is_interrupted_and_keeps_what_it_wrote(tmp_path, monkeypatch):
+    """Ctrl-C first (pytest writes its junit XML on it), then the whole process group is killed."""
+    monkeypatch.setattr(gpu_check, "STOP_GRACE_S", 2)
+    script = tmp_path / "slow.py"
+    script.write_text("import signal, sys, time, subprocess\n"
+                      "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+                      "open(sys.argv[1], 'w').write(str(child.pid))\n"
+                      "try:\n    time.sleep(600)\nexcept KeyboardInterrupt:\n"
+                      "    open(sys.argv[2], 'w').write('interrupted')\n    time.sleep(600)\n")
+    pid_file, note = tmp_path / "pid", tmp_path / "note"
+    with open(tmp_path / "log", "w") as log:  # 15 s: ample time to start, even on a busy machine
+        result = gpu_check.run([sys.executable, str(script), str(pid_file), str(note)], log, timeout=15)
+    assert result["returncode"] == "timeout" and note.read_text() == "interrupted"
+    child = int(pid_file.read_text())
+    assert not Path(f"/proc/{child}").exists() or "Z" in Path(f"/proc/{child}/stat").read_text().split()[2]

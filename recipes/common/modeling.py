@@ -104,6 +104,16 @@ def accept_logits_to_keep(model) -> None:
     model.forward = forward_keeping_logits
 
 
+def checkpoint_activations(model, every_n_layers: int) -> None:
+    """Recompute every Nth decoder layer's activations in the backward instead of keeping them.
+
+    transformers 5.23 named it `activation_checkpointing_enable`; 5.17 to 5.22 call it
+    `gradient_checkpointing_enable` with the same arguments (the old name warns from 5.23 on).
+    """
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    enable(every_n_layers=every_n_layers)
+
+
 def compile_layers(model) -> None:
     """torch.compile every decoder layer in place (regional compilation).
 

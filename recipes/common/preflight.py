@@ -81,8 +81,13 @@ def check_launch(args, recipe: str):
     from .batch_size import settle as settle_batch
     from .launch import TENSOR_PARALLEL, describe
     from .launch_config import adapt_launch, file_distributed_type, refuse_one_process_for_several
+    from .versions import too_old
 
-    # The user's config file first: it may translate the launch (FSDP1 -> FSDP2) or settle flags.
+    old = too_old()
+    if old:
+        refuse(f"too old for these recipes: {', '.join(old)}; pip install -r requirements.txt (the tested "
+               "versions), or upgrade just these")
+    # The user's config file: it may translate the launch (FSDP1 -> FSDP2) or settle flags.
     notes = adapt_launch(args)
     if notes and int(os.environ.get("RANK", "0")) == 0:
         print(f"config: {'; '.join(notes)}", flush=True)

@@ -1,0 +1,35 @@
+"""The library versions the recipes run on.
+
+`requirements.txt` pins the versions every test runs on; `LOWEST` are the oldest ones the recipes are
+tested with (those of the GPU box this project measures on, and the oldest peft and datasets that run
+beside them; `requirements-lowest.txt`). An older library is named before anything loads, since what
+fails on it fails late and far from the cause (a missing method after the model is built).
+"""
+
+from __future__ import annotations
+
+LOWEST = {
+    "torch": "2.11",
+    "transformers": "5.17",
+    "accelerate": "1.15",
+    "huggingface_hub": "1.33",
+    "peft": "0.18",
+    "datasets": "4.7",
+}
+
+
+def too_old() -> list[str]:
+    """'name found (needs >= lowest)' for each installed library older than LOWEST."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from packaging.version import Version
+
+    found = []
+    for name, lowest in LOWEST.items():
+        try:
+            installed = version(name)
+        except PackageNotFoundError:  # a missing library fails at its import, with Python's own message
+            continue
+        if Version(Version(installed).base_version) < Version(lowest):
+            found.append(f"{name} {installed} (needs >= {lowest})")
+    return found
