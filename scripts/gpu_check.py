@@ -53,7 +53,7 @@ from common.versions import LOWEST  # noqa: E402
 
 LIBRARIES = ("transformers", "accelerate", "huggingface_hub", "tokenizers", "peft", "datasets", "bitsandbytes",
              "deepspeed", "trl", "liger-kernel", "flash-attn", "safetensors")
-SITE = Path("/tmp/gpu-site")
+SITE = Path(os.environ.get("GPU_CHECK_SITE", "/tmp/gpu-site"))  # where carried wheels go
 PYTEST = ["-m", "pytest", "-q", "-o", "junit_family=legacy"]
 RECIPE_TESTS = "tests/gpu/test_gpu_recipes.py"
 CORE_CASES = [f"{RECIPE_TESTS}::test_recipe_on_gpu[{recipe}-{config}]"
@@ -147,10 +147,11 @@ def install_wheels(folder: Path, log) -> dict:
     for archive in archives:
         commands.append([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps",
                          "--no-build-isolation", "--target", str(SITE), archive])
-    codes = [run(command, log, timeout=600, env={"DS_BUILD_OPS": "0"})["returncode"] for command in commands]
+    ran = [run(command, log, timeout=600, env={"DS_BUILD_OPS": "0"}) for command in commands]
+    codes = [result["returncode"] for result in ran]
     if all(code == 0 for code in codes):
         marker.write_text(json.dumps(names))
-    return {"wheels": names, "returncodes": codes}
+    return {"wheels": names, "returncodes": codes, "seconds": round(sum(result["seconds"] for result in ran), 1)}
 
 
 def environment() -> dict:
@@ -227,8 +228,13 @@ def summary_markdown(record: dict) -> str:
              else f"{env.get('gpu')} x {env.get('gpus')}")
     flags = "".join(f" --{k.replace('_', '-')}" + ("" if v is True else f" {v}")
                     for k, v in (("cpu_stand_in", record.get("cpu_stand_in")), ("budget_s", record.get("budget_s"))) if v)
+    install = record.get("install")
+    installed = ([f"Wheels: {len(install['wheels'])} installed in {install.get('seconds')} s (exit codes "
+                  f"{install['returncodes']})" if install.get("returncodes") else "Wheels: already installed", ""]
+                 if install else [])
     lines = [f"# GPU check, {record['date']}: {title}", "",
              f"`python scripts/gpu_check.py --parts {record['parts']}{flags}` at commit {record['commit']}.", "",
+             *installed,
              "Versions: " + ", ".join(f"{k} {v}" for k, v in env.items() if k not in ("gpu", "gpus") and v), ""]
     for part, result in record["results"].items():
         ended = (f"not started: {result['why']}" if result["returncode"] == "not started"
@@ -279,8 +285,8 @@ def main(argv=None) -> int:
     results_dir_default = results_dir is None
     record = {"date": date, "parts": args.parts, "commit": git_commit(), "cpu_stand_in": args.cpu_stand_in,
               "budget_s": args.budget_s, "results": {}}
-    temporary = Path("/tmp/gpu-check-log.txt")
-    with open(temporary, "a") as log:
+    temporary = Path(f"/tmp/gpu-check-log-{os.getpid()}.txt")
+    with open(temporary, "w") as log:
         if args.wheels:
             record["install"] = install_wheels(args.wheels, log)
         record["environment"] = environment()
@@ -312,8 +318,8 @@ def main(argv=None) -> int:
             command = [sys.executable, *command]
             junit = scratch / f"junit-{part}.xml"
             junit.unlink(missing_ok=True)
-            if part in BENCHMARKS:
-                command += ["--output-dir", str(scratch / part)]
+            if part in BENCHMARKS:  # the built models shared between parts and, on a warm box, calls
+                command += ["--output-dir", str(scratch / part), "--model-cache", str(scratch / "models")]
             elif part == "trl":
                 if not args.cpu_stand_in:
                     run([sys.executable, *BUILD_MODEL], log, timeout=600)

@@ -83,7 +83,7 @@ def test_wheels_already_installed_on_a_warm_box_are_not_installed_again(tmp_path
     site.mkdir()
     (site / "installed-wheels.json").write_text(json.dumps(["example-1.0-py3-none-any.whl"]))
     ran = []
-    monkeypatch.setattr(gpu_check, "run", lambda command, *a, **k: ran.append(command) or {"returncode": 0})
+    monkeypatch.setattr(gpu_check, "run", lambda command, *a, **k: ran.append(command) or {"returncode": 0, "seconds": 1})
     assert gpu_check.install_wheels(wheels, log=None)["already_installed"] and not ran
     (wheels / "other-2.0-py3-none-any.whl").write_bytes(b"")
     assert gpu_check.install_wheels(wheels, log=None)["returncodes"] == [0] and len(ran) == 1
