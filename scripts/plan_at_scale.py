@@ -1,0 +1,370 @@
+#!/usr/bin/env python
+"""The memory planner against what FSDP2 ranks hold at real model sizes, on a CPU machine.
+
+    python scripts/plan_at_scale.py --out results/2026-11-24_cpu_fake-process-group-plan
+    python scripts/plan_at_scale.py --models tiny-llama --ranks 4 --json      # seconds
+
+For every model x method x strategy x number of ranks, each rank is simulated in turn in this one
+process: torch's fake process group (backend "fake", FakeStore) makes this process rank k of N, so
+every collective returns at once without moving data. The model is built the way the recipes build
+it, from its config.json on the meta device (`AutoModelForCausalLM.from_config` under
+`torch.device("meta")`): full fine-tuning in fp32, LoRA (peft, r=16, all-linear, dropout 0.05) on a
+frozen bf16 base, as `Launch.float_dtype` loads them with `mixed_precision: bf16`. It is sharded by
+accelerate's own `fsdp2_prepare_model` (the function `accelerator.prepare` calls: fp32 upcast of the
+trained parameters, `fully_shard` per decoder layer, the embedding, the final norm + lm_head, then
+the root, `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=bf16)`), with the plugin fsdp.yaml
+(reshard after forward) or fsdp_grad_op.yaml (not) describes. The meta shards then become fake
+tensors (`to_empty` under `FakeTensorMode`): they have shapes and dtypes and no storage, so a 34B
+model costs nothing. Two training steps run on them as recipes/lora.py runs a step (forward with
+the padding mask and `logits_to_keep`, fp32 cross-entropy, backward, gradient clipping, fused AdamW,
+`zero_grad`), so the gradients and the optimizer state are created by the real step.
+
+Measured, per rank:
+- at rest: `common.runlog.held_bytes` after the first optimizer step (what run.json's
+  `memory_by_rank` records on real launches), against `planner.resident_bytes`;
+- per GPU: torch's `FSDPMemTracker` over the second step (the tracker sees every tensor the
+  step creates and frees, sorted into FSDP's categories), against `planner.per_gpu_bytes`:
+  weights = sharded + unsharded parameters + all-gather buffers, gradients = sharded + unsharded
+  gradients + reduce-scatter buffers, optimizer = AdamW's state, activations = the forward's
+  tensors + the backward's temporaries + the inputs; each the largest it gets during the step,
+  and the total the largest sum at any moment (the planner's total is the sum of its parts).
+
+CPU fake tensors, not CUDA ones: `fully_shard` asks `torch.cuda.current_device()`, which the CPU
+build of torch cannot answer. So the kernels are the CPU's (attention: CPU SDPA's flash kernel).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import time
+import types
+import warnings
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "recipes"))
+import planner  # noqa: E402
+
+KINDS = ("weights", "gradients", "optimizer")
+PEAK_KINDS = KINDS + ("activations", "total")
+STRATEGIES = ("fsdp_full_shard", "fsdp_grad_op")
+LORA = dict(r=16, lora_alpha=32, lora_dropout=0.05)  # the recipes' defaults (recipes/common/args.py)
+MASKED = 5  # the first row's last tokens are padding, so the attention runs the masked path, as in training
+
+# FSDPMemTracker's categories summed into the planner's four parts.
+GROUPS = {
+    "weights": ("Sharded Param", "Unsharded Param", "All Gather"),
+    "gradients": ("Sharded Grad", "Unsharded Grad", "Reduce Scatter"),
+    "optimizer": ("OptState",),
+    "activations": ("Activation", "Temp", "Inputs"),
+}
+
+
+def build_model(config_path: Path, method: str, gradient_checkpointing: int):
+    """The model on the meta device, as the recipe has it just before `accelerator.prepare`."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(config_path)
+    config._attn_implementation = "sdpa"
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32 if method == "full" else torch.bfloat16)
+    if gradient_checkpointing:
+        model.activation_checkpointing_enable(every_n_layers=gradient_checkpointing)
+    if method == "lora":
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(**LORA, target_modules="all-linear", task_type="CAUSAL_LM"))
+    return model
+
+
+def shard(model, strategy: str):
+    """accelerate's FSDP2 preparation, on the model as the recipes' CPU launch hands it over
+    (`runtime.enable_fsdp_on_cpu`'s plugin: rank-local loading, bf16 mixed precision)."""
+    import torch
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from accelerate.utils.fsdp_utils import fsdp2_prepare_model
+
+    os.environ["FSDP_CPU_RAM_EFFICIENT_LOADING"] = "false"
+    plugin = FullyShardedDataParallelPlugin(
+        fsdp_version=2, auto_wrap_policy="transformer_based_wrap", cpu_ram_efficient_loading=False,
+        reshard_after_forward=strategy == "fsdp_full_shard", state_dict_type="SHARDED_STATE_DICT")
+    plugin.set_mixed_precision("bf16")
+    accelerator = types.SimpleNamespace(state=types.SimpleNamespace(fsdp_plugin=plugin), mixed_precision="bf16",
+                                        is_main_process=False, device=torch.device("cpu"), parallelism_config=None,
+                                        torch_device_mesh=None)
+    return fsdp2_prepare_model(accelerator, model)
+
+
+def category_peaks_tracker(model, optimizer):
+    """FSDPMemTracker that also keeps, besides the peak of the total, the largest value each group
+    of `GROUPS` reaches during the step."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+    class Tracker(FSDPMemTracker):
+        def _update_snap(self, *args, **kwargs):
+            super()._update_snap(*args, **kwargs)
+            for snap in self._curr_mem_snap.values():
+                values = {str(getattr(k, "value", k)): v for k, v in snap.items()}
+                for group, names in GROUPS.items():
+                    self.group_peaks[group] = max(self.group_peaks.get(group, 0), sum(values[n] for n in names))
+
+    tracker = Tracker(model, optimizer)
+    tracker.group_peaks = {}
+    return tracker
+
+
+def simulate_rank(config_path: Path, method: str, strategy: str, ranks: int, rank: int, batch_size: int,
+                  seq_len: int, gradient_checkpointing: int) -> dict:
+    """Two training steps of rank `rank` of `ranks` on fake tensors: the bytes it holds after the
+    first step, and the second step's peaks."""
+    import torch
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from common.modeling import trained_parameter_groups
+    from common.runlog import held_bytes
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=ranks)
+    try:
+        model = shard(build_model(config_path, method, gradient_checkpointing), strategy)
+        vocab = model.config.vocab_size
+        fake = FakeTensorMode(allow_non_fake_inputs=True)
+        with fake:
+            model.to_empty(device="cpu")  # fake shards: shapes and dtypes, no storage
+        trained = [p for p in model.parameters() if p.requires_grad]
+        groups = trained_parameter_groups(model)  # the recipes' optimizer groups (reads the mesh: outside fake mode)
+        with fake:
+            optimizer = torch.optim.AdamW(groups, lr=1e-4, weight_decay=0.0, fused=True)
+            held = {}
+            optimizer.register_step_post_hook(lambda opt, *_: held.update(held or held_bytes(model, opt)))
+            ids = torch.randint(4, vocab, (batch_size, seq_len))
+            mask = torch.ones(batch_size, seq_len, dtype=torch.long)
+            mask[0, -MASKED:] = 0
+            positions = torch.arange(seq_len - 1)  # every position has a target (plain-text rows)
+            model.train()
+
+            def step(tracker=None):
+                logits = model(input_ids=ids, attention_mask=mask, use_cache=False, logits_to_keep=positions).logits
+                token_loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(),
+                                                               ids[:, 1:].flatten(), reduction="none")
+                del logits
+                loss = token_loss.sum()
+                if tracker is not None:  # what the forward leaves for the backward, before it starts
+                    snap = next(iter(tracker.get_tracker_snapshot("current").values()))
+                    forward_end.update(activations=sum(snap[name] for name in snap if str(getattr(name, "value", name))
+                                           in GROUPS["activations"]))
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(trained, 1.0)
+                optimizer.step()
+                optimizer.zero_grad()
+
+            step()
+            tracker = category_peaks_tracker(model, optimizer)
+            tracker.track_inputs((ids, mask))
+            forward_end = {}  # filled by step(): {"activations": bytes}
+            with tracker:
+                step(tracker)
+            peak = tracker.group_peaks
+            total = max(snap["Total"] for snap in tracker.get_tracker_snapshot("peak").values())
+        return {"at_rest": {k: int(held[k]) for k in KINDS},
+                "peak": {**{k: int(peak.get(k, 0)) for k in GROUPS}, "total": int(total)},
+                "forward_end": {"activations": int(forward_end["activations"])}}
+    finally:
+        dist.destroy_process_group()
+
+
+def planned(shape, method: str, strategy: str, ranks: int, batch_size: int, seq_len: int,
+            gradient_checkpointing: int) -> dict:
+    lora = dict(lora_rank=LORA["r"], lora_dropout=LORA["lora_dropout"]) if method == "lora" else {}
+    rest = planner.resident_bytes(shape, method, strategy, ranks, precision="bf16",
+                                  **{k: v for k, v in lora.items() if k == "lora_rank"})
+    per_gpu = planner.per_gpu_bytes(shape, method, strategy, ranks, batch_size=batch_size, seq_len=seq_len,
+                                    gradient_checkpointing=gradient_checkpointing, precision="bf16",
+                                    attention="sdpa", **lora)
+    # At the forward's end the backward has not started: no fp32 gradient of the log-softmax yet
+    # (the planner's logits term is T * vocab * (logits + 4 + 4)), and with checkpointing no block
+    # is being recomputed.
+    tokens = batch_size * seq_len
+    forward_end = per_gpu["activations"] - tokens * shape.vocab * 4
+    if gradient_checkpointing:
+        forward_end -= tokens * planner.layer_activation_bytes_per_token(
+            shape, method, strategy, seq_len, precision="bf16", attention="sdpa",
+            **({"lora_rank": LORA["r"], "lora_dropout": LORA["lora_dropout"]} if method == "lora" else {}))
+    return {"at_rest": {k: int(rest[k]) for k in KINDS}, "peak": {k: int(per_gpu[k]) for k in PEAK_KINDS},
+            "forward_end": {"activations": int(forward_end)}}
+
+
+def difference(measured: int, plan: int) -> float | None:
+    """(planned - measured) / measured, in %; None when both are 0."""
+    if measured == 0:
+        return None if plan == 0 else float("inf")
+    return 100.0 * (plan - measured) / measured
+
+
+def _simulate(case: dict) -> dict:
+    """One case in a worker process (its own fake process group)."""
+    import torch
+    import transformers
+
+    warnings.filterwarnings("ignore")
+    transformers.logging.set_verbosity_error()
+    torch.set_num_threads(1)
+    started = time.perf_counter()
+    with contextlib.redirect_stdout(sys.stderr):
+        measured = simulate_rank(Path(case["config"]), case["method"], case["strategy"], case["ranks"], case["rank"],
+                                 case["batch_size"], case["seq_len"], case["gradient_checkpointing"])
+    return {"measured": measured, "seconds": round(time.perf_counter() - started, 1)}
+
+
+def run(models, methods, strategies, rank_counts, batch_size, seq_len, checkpointing, ranks_simulated="first-last", jobs=1,
+        progress=None):
+    cases = []
+    for model in models:
+        config_path = planner.ALIASES.get(model, Path(model))
+        for method in methods:
+            for strategy in strategies:
+                for ranks in rank_counts:
+                    for every in checkpointing:
+                        for rank in (range(ranks) if ranks_simulated == "all" else [0] if ranks_simulated == "first"
+                                     else sorted({0, ranks - 1})):
+                            cases.append({"model": model, "config": str(config_path), "method": method,
+                                          "strategy": strategy, "ranks": ranks, "rank": rank,
+                                          "batch_size": batch_size, "seq_len": seq_len,
+                                          "gradient_checkpointing": every})
+    if jobs > 1:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+            results = list(pool.map(_simulate, cases))
+    else:
+        results = [_simulate(case) for case in cases]
+    rows = []
+    for case, result in zip(cases, results):
+        shape = planner.load_shape(case["config"])
+        plan = planned(shape, case["method"], case["strategy"], case["ranks"], batch_size, seq_len,
+                       case["gradient_checkpointing"])
+        measured = result["measured"]
+        row = {k: v for k, v in case.items() if k != "config"}
+        row.update(measured=measured, planned=plan, seconds=result["seconds"])
+        row["difference_percent"] = {part: {k: difference(measured[part][k], plan[part][k]) for k in plan[part]}
+                                     for part in ("at_rest", "peak", "forward_end")}
+        rows.append(row)
+        if progress:
+            progress(row)
+    return rows
+
+
+UNIT = {"GiB": 2**30}
+
+
+def gib(value: int) -> str:
+    name, size = next(iter(UNIT.items()))
+    return f"{value / size:.3f}"
+
+
+def percent(value) -> str:
+    return "-" if value is None else f"{value:+.2f}%"
+
+
+def tables(rows) -> list[str]:
+    """Markdown: the at-rest table (resident_bytes) and the per-GPU table (per_gpu_bytes)."""
+    head = "| model | method | strategy | ranks | rank | checkpointing |"
+    out = [f"At rest, after the first optimizer step: `held_bytes` measured / `planner.resident_bytes` planned, "
+           "GiB (difference = planned - measured, % of measured)", "",
+           head + "".join(f" {k} measured | {k} planned | {k} diff |" for k in KINDS),
+           "|" + "---|" * (6 + 3 * len(KINDS))]
+    key = lambda r: (r["model"], r["method"], r["strategy"], r["ranks"], r["rank"])  # noqa: E731
+    seen = set()
+    for r in rows:
+        if key(r) in seen:  # the state at rest does not depend on checkpointing
+            continue
+        seen.add(key(r))
+        cells = [r["model"], r["method"], r["strategy"], str(r["ranks"]), str(r["rank"]), "any"]
+        for k in KINDS:
+            cells += [gib(r["measured"]["at_rest"][k]), gib(r["planned"]["at_rest"][k]),
+                      percent(r["difference_percent"]["at_rest"][k])]
+        out.append("| " + " | ".join(cells) + " |")
+    out += ["", f"Per GPU, the second step's peaks (FSDPMemTracker) / `planner.per_gpu_bytes`, {next(iter(UNIT))}, "
+            f"micro-batch {rows[0]['batch_size']} x {rows[0]['seq_len']} tokens" if rows else "", "",
+            head + "".join(f" {k} measured | {k} planned | {k} diff |" for k in PEAK_KINDS)
+            + " activations at the forward's end measured | planned | diff |",
+            "|" + "---|" * (6 + 3 * len(PEAK_KINDS) + 3)]
+    for r in rows:
+        every = r["gradient_checkpointing"]
+        cells = [r["model"], r["method"], r["strategy"], str(r["ranks"]), str(r["rank"]),
+                 "every layer" if every == 1 else (f"1 in {every}" if every else "off")]
+        for k in PEAK_KINDS:
+            cells += [gib(r["measured"]["peak"][k]), gib(r["planned"]["peak"][k]),
+                      percent(r["difference_percent"]["peak"][k])]
+        cells += [gib(r["measured"]["forward_end"]["activations"]), gib(r["planned"]["forward_end"]["activations"]),
+                  percent(r["difference_percent"]["forward_end"]["activations"])]
+        out.append("| " + " | ".join(cells) + " |")
+    return out
+
+
+def parse_args(argv=None):
+    summary, _, details = __doc__.partition("\n")
+    parser = argparse.ArgumentParser(description=summary, epilog=details,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=["tinyllama-1.1b", "codellama-34b"],
+                        help="aliases of recipes/planner (tiny-llama, tinyllama-1.1b, codellama-34b) or config .json files")
+    parser.add_argument("--methods", nargs="+", choices=("full", "lora"), default=["full", "lora"])
+    parser.add_argument("--strategies", nargs="+", choices=STRATEGIES, default=list(STRATEGIES))
+    parser.add_argument("--ranks", nargs="+", type=int, default=[4, 8])
+    parser.add_argument("--all-ranks", action="store_true",
+                        help="simulate every rank (default: the first and the last, where uneven shards differ)")
+    parser.add_argument("--first-rank-only", action="store_true",
+                        help="simulate rank 0 only (every rank holds the same when all splits divide)")
+    parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--gradient-checkpointing", nargs="+", type=int, default=[0, 1], metavar="EVERY_N",
+                        help="values to run: 0 off, 1 every layer, N every Nth (default: 0 1)")
+    parser.add_argument("--unit", choices=("GiB", "MiB"), default="GiB", help="unit of the tables (default: GiB)")
+    parser.add_argument("--jobs", type=int, default=1, help="simulate this many ranks at once, one process each")
+    parser.add_argument("--out", type=Path, help="write table.md and results.json into this folder")
+    parser.add_argument("--json", action="store_true", help="print the rows as JSON instead of the tables")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    UNIT.clear()
+    UNIT[args.unit] = 2**30 if args.unit == "GiB" else 2**20
+    warnings.filterwarnings("ignore")
+    import torch
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    started = time.perf_counter()
+
+    def progress(row):
+        if not args.json:
+            print(f"  {row['model']} {row['method']} {row['strategy']} {row['ranks']} ranks, rank {row['rank']}, "
+                  f"checkpointing {row['gradient_checkpointing']}: {row['seconds']} s", file=sys.stderr)
+
+    with contextlib.redirect_stdout(sys.stderr):  # library notices stay off the table
+        rows = run(args.models, args.methods, args.strategies, args.ranks, args.batch_size, args.seq_len,
+                   args.gradient_checkpointing,
+                   "all" if args.all_ranks else "first" if args.first_rank_only else "first-last", args.jobs, progress)
+    record = {"command": "python scripts/plan_at_scale.py " + " ".join(sys.argv[1:] if argv is None else argv),
+              "torch": torch.__version__, "transformers": transformers.__version__,
+              "accelerate": __import__("accelerate").__version__, "peft": __import__("peft").__version__,
+              "seconds": round(time.perf_counter() - started, 1), "rows": rows}
+    text = "\n".join(tables(rows))
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "results.json").write_text(json.dumps(record, indent=1) + "\n")
+        (args.out / "table.md").write_text(text + "\n")
+    print(json.dumps(record, indent=1) if args.json else text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
