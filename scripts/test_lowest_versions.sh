@@ -8,7 +8,8 @@
 #   - the launch matrix's every-run subset (tests/test_matrix.py) and the per-launch checks that share its
 #     launches (tests/test_plan_vs_ranks.py);
 #   - the GPU suite's CPU stand-in (RECIPES_GPU_SUITE_ON_CPU=1 tests/gpu: every recipe x config a CPU runs);
-#   - the speed options' launches (tests/test_speed_options.py: --gradient-checkpointing N, --compile, ...);
+#   - the speed options' launches, the long ones too (tests/test_speed_options.py: --gradient-checkpointing N,
+#     --compile, loader workers, scripts/speed_options.py);
 #   - gpu_check.py's first call (headline,core) on the CPU stand-in.
 #
 # torch: on a machine without GPUs the default is the CPU build of torch 2.13.0 (the one this machine's pip
@@ -52,7 +53,7 @@ echo "python: $("$py" --version 2>&1)"
     ('torch', 'transformers', 'accelerate', 'huggingface_hub', 'peft', 'datasets', 'trl', 'deepspeed', 'bitsandbytes')))"
 part matrix tests/test_matrix.py tests/test_plan_vs_ranks.py
 RECIPES_GPU_SUITE_ON_CPU=1 part gpu-suite-on-cpu tests/gpu
-part speed-options tests/test_speed_options.py
+RECIPES_LONG_TESTS=1 part speed-options tests/test_speed_options.py  # with the long ones: --compile, loader workers
 started=$SECONDS
 RECIPES_GPU_SUITE_ON_CPU=1 "$py" scripts/gpu_check.py --cpu-stand-in --parts headline,core \
     --results "$out/gpu-check" > "$out/gpu-check.txt" 2>&1
