@@ -188,6 +188,33 @@ def load_splits(spec: str | None, seed: int, columns: str | None = None):
     `columns` renames the dataset's columns to the ones a format expects, e.g.
     "instruction=question,response=answer".
     """
+    loaded, spec = read_splits(spec, columns)
+    train = loaded["train"] if "train" in loaded else next(iter(loaded.values()))
+    fmt = format_of(train, spec)  # no known columns, or rows of two formats: refused here, on every rank
+    eval_name = next((name for name in EVAL_SPLIT_NAMES if name in loaded), None)
+    if eval_name is not None:
+        return train, loaded[eval_name]
+    if len(train) < 2:
+        refuse(f"--dataset {spec} has {len(train)} rows; it needs at least 2 (some are held out for evaluation)")
+    held_out = max(1, min(256, len(train) // 20))
+    split = train.train_test_split(test_size=held_out, seed=seed)
+    if all(row_problem(row, fmt) is None for row in split["test"]):
+        return split["train"], split["test"]
+    # Hold out rows that can train instead: an unusable row there could leave evaluation empty while
+    # training has rows (it stays in training, where it is dropped and counted).
+    good = [i for i, row in enumerate(train) if row_problem(row, fmt) is None]
+    if len(good) <= held_out:
+        return split["train"], split["test"]  # too few good rows: the tokenised counts name the problem
+    import datasets
+
+    split = train.select(good).train_test_split(test_size=held_out, seed=seed)
+    bad = train.select(sorted(set(range(len(train))) - set(good)))
+    return datasets.concatenate_datasets([split["train"], bad]), split["test"]
+
+
+def read_splits(spec: str | None, columns: str | None = None):
+    """(the dataset's splits as read and checked, rows in file order and none held out yet; `spec` as
+    read, the bundled data/ when None): what load_splits splits, and what scripts/inspect_data.py shows."""
     import datasets
 
     spec = os.path.expanduser(str(spec or DEFAULT_DATASET))
@@ -228,28 +255,7 @@ def load_splits(spec: str | None, seed: int, columns: str | None = None):
                    f"too (e.g. --columns {clash[0]}_old={clash[0]},...) or pick the existing column instead")
         loaded = loaded.rename_columns(mapping)
         train = loaded["train"] if "train" in loaded else next(iter(loaded.values()))
-    loaded = with_text_columns(loaded)
-    train = loaded["train"] if "train" in loaded else next(iter(loaded.values()))
-    fmt = format_of(train, spec)  # no known columns, or rows of two formats: refused here, on every rank
-    eval_name = next((name for name in EVAL_SPLIT_NAMES if name in loaded), None)
-    if eval_name is not None:
-        return train, loaded[eval_name]
-    if len(train) < 2:
-        refuse(f"--dataset {spec} has {len(train)} rows; it needs at least 2 (some are held out for evaluation)")
-    held_out = max(1, min(256, len(train) // 20))
-    split = train.train_test_split(test_size=held_out, seed=seed)
-    if all(row_problem(row, fmt) is None for row in split["test"]):
-        return split["train"], split["test"]
-    # Hold out rows that can train instead: an unusable row there could leave evaluation empty while
-    # training has rows (it stays in training, where it is dropped and counted).
-    good = [i for i, row in enumerate(train) if row_problem(row, fmt) is None]
-    if len(good) <= held_out:
-        return split["train"], split["test"]  # too few good rows: the tokenised counts name the problem
-    import datasets
-
-    split = train.select(good).train_test_split(test_size=held_out, seed=seed)
-    bad = train.select(sorted(set(range(len(train))) - set(good)))
-    return datasets.concatenate_datasets([split["train"], bad]), split["test"]
+    return with_text_columns(loaded), spec
 
 
 def saved_by_datasets(path: Path) -> bool:
