@@ -29,6 +29,12 @@ Measured, per rank:
   tensors + the backward's temporaries + the inputs; each the largest it gets during the step,
   and the total the largest sum at any moment (the planner's total is the sum of its parts).
 
+ZeRO-3 (`--strategies zero3`, TinyLlama-1.1B and the tiny model only): DeepSpeed allocates each rank's
+partitions, fp32 master weights and AdamW state as real tensors, so the rank is built for real on the CPU
+(`simulate_rank_zero3`: the recipes' `make_accelerator` with accelerate's DeepSpeed plugin as zero3.yaml
+launches it, `accelerator.prepare`, zero-filled collectives), `held_bytes` after the first step, and
+the most bytes of live tensors during the second (`LiveBytes`; a total, not split into kinds).
+
 CPU fake tensors, not CUDA ones: `fully_shard` asks `torch.cuda.current_device()`, which the CPU
 build of torch cannot answer. So the kernels are the CPU's (attention: CPU SDPA's flash kernel).
 """
@@ -37,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import sys
@@ -51,7 +58,9 @@ import planner  # noqa: E402
 
 KINDS = ("weights", "gradients", "optimizer")
 PEAK_KINDS = KINDS + ("activations", "total")
-STRATEGIES = ("fsdp_full_shard", "fsdp_grad_op")
+STRATEGIES = ("fsdp_full_shard", "fsdp_grad_op", "zero3")
+# ZeRO-3 allocates each rank's partitions, fp32 master weights and AdamW state as real CPU tensors.
+ZERO3_MODELS = ("tiny-llama", "tinyllama-1.1b")
 LORA = dict(r=16, lora_alpha=32, lora_dropout=0.05)  # the recipes' defaults (recipes/common/args.py)
 MASKED = 5  # the first row's last tokens are padding, so the attention runs the masked path, as in training
 
@@ -179,6 +188,195 @@ def simulate_rank(config_path: Path, method: str, strategy: str, ranks: int, ran
         dist.destroy_process_group()
 
 
+class LiveBytes:
+    """The bytes of every tensor storage alive in this process, and the most they reach while it is
+    entered: the storages alive at the start (found by the garbage collector: the model's partitions,
+    DeepSpeed's flat buffers, the optimizer state) plus every storage an operator creates inside (a
+    `TorchDispatchMode` sees them all, on CPU too), each subtracted again when it is freed."""
+
+    def __new__(cls):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                import torch.utils._pytree as pytree
+
+                out = func(*args, **(kwargs or {}))
+                for t in pytree.tree_leaves(out):
+                    self.add(t)
+                return out
+
+            def __enter__(self):
+                import gc
+
+                import torch
+
+                self.live, self.current, self.peak = {}, 0, 0
+                gc.collect()
+                for obj in gc.get_objects():
+                    if torch.is_tensor(obj) and not obj.is_meta:
+                        self.add(obj)
+                self.baseline = self.current
+                return super().__enter__()
+
+            def add(self, t):
+                import weakref
+
+                import torch
+
+                if not torch.is_tensor(t) or t.is_meta:
+                    return
+                storage = t.untyped_storage()
+                key = storage._cdata
+                if key in self.live or storage.nbytes() == 0:
+                    return
+                self.live[key] = storage.nbytes()
+                self.current += storage.nbytes()
+                self.peak = max(self.peak, self.current)
+                weakref.finalize(storage, self.free, key)
+
+            def free(self, key):
+                self.current -= self.live.pop(key, 0)
+
+        return Mode()
+
+
+def zero_filled_collectives():
+    """The fake group's all-gathers and reduce-scatters leave their outputs uninitialised; zeros
+    instead, so that the gathered weights and the reduced gradients are finite (DeepSpeed skips the
+    optimizer step when the gradient norm is not)."""
+    import torch.distributed as dist
+
+    for name in ("all_gather_into_tensor", "reduce_scatter_tensor", "_all_gather_base", "_reduce_scatter_base",
+                 "all_gather", "reduce_scatter"):
+        original = getattr(dist, name, None)
+        if original is None or getattr(original, "zero_filled", False):
+            continue
+
+        def wrapped(*args, _original=original, **kwargs):
+            work = _original(*args, **kwargs)
+            out = kwargs.get("output_tensor", kwargs.get("output", kwargs.get("tensor_list", args[0] if args else None)))
+            for tensor in out if isinstance(out, (list, tuple)) else [out]:
+                tensor.zero_()
+            return work
+
+        wrapped.zero_filled = True
+        setattr(dist, name, wrapped)
+
+
+LAUNCHER_ENV = {  # what `accelerate launch --config_file accelerate_configs/zero3.yaml` puts in each rank's environment
+    "ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_MIXED_PRECISION": "bf16", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3",
+    "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE": "none", "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE": "none",
+    "ACCELERATE_DEEPSPEED_ZERO3_INIT": "true", "ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL": "true",
+    "ACCELERATE_DEEPSPEED_CONFIG_FILE": "none",
+}
+
+
+def simulate_rank_zero3(config_path: Path, method: str, ranks: int, rank: int, batch_size: int, seq_len: int,
+                        gradient_checkpointing: int) -> dict:
+    """Two training steps of ZeRO-3 rank `rank` of `ranks`, through the recipes' own launch path:
+    `runtime.make_accelerator` with the environment accelerate's launcher sets for zero3.yaml (DeepSpeed
+    plugin, zero3_init_flag, bf16, gloo on CPU; `edit_deepspeed` aligns the generated JSON), the model
+    built under the `zero.Init` that transformers opens for it, `accelerator.prepare` (which calls
+    `deepspeed.initialize`), real CPU tensors. Returns `held_bytes` after the first step and the most
+    bytes alive during the second (no split into kinds: DeepSpeed's buffers carry no category)."""
+    import torch
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    saved = {k: os.environ.get(k) for k in (*LAUNCHER_ENV, "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                            "MASTER_PORT")}
+    os.environ.update(LAUNCHER_ENV, RANK=str(rank), WORLD_SIZE=str(ranks), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=ranks)
+    zero_filled_collectives()
+    import deepspeed.runtime.zero.partitioned_param_coordinator as coordinator
+
+    # Its check that every rank traced the same module order broadcasts rank 0's list, which the fake
+    # group does not deliver; every simulated rank runs the same modules.
+    checked, coordinator.assert_ints_same_as_other_ranks = coordinator.assert_ints_same_as_other_ranks, lambda ints: None
+    handler = __import__("signal").getsignal(__import__("signal").SIGINT)
+    try:
+        from accelerate.state import AcceleratorState
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        from common import runtime
+        from common.launch import DEEPSPEED, Launch
+        from common.modeling import trained_parameter_groups
+        from common.runlog import held_bytes
+
+        launch = Launch(DEEPSPEED, processes=ranks, on_gpu=False, visible_gpus=0, precision="bf16", zero_stage=3)
+        args = types.SimpleNamespace(grad_accum=1, max_grad_norm=1.0, batch_size=batch_size, report_to="none",
+                                     output_dir=str(REPO / "outputs" / "plan_at_scale"))
+        accelerator = runtime.make_accelerator(args, launch)
+        config = AutoConfig.from_pretrained(config_path)
+        config._attn_implementation = "sdpa"
+        # Launch.float_dtype: fp32 trained weights, a bf16 frozen base; zero.Init partitions as it builds.
+        model = AutoModelForCausalLM.from_config(config, dtype=launch.float_dtype(frozen=method != "full"))
+        if gradient_checkpointing:
+            model.activation_checkpointing_enable(every_n_layers=gradient_checkpointing)
+        if method == "lora":
+            from peft import LoraConfig, get_peft_model
+
+            model = get_peft_model(model, LoraConfig(**LORA, target_modules="all-linear", task_type="CAUSAL_LM"))
+        optimizer = torch.optim.AdamW(trained_parameter_groups(model), lr=1e-4, weight_decay=0.0, fused=True)
+        loader = torch.utils.data.DataLoader([0] * batch_size * ranks, batch_size=batch_size)  # sizes the batch
+        model, optimizer, _ = accelerator.prepare(model, optimizer, loader)
+        inner = optimizer
+        while not isinstance(inner, torch.optim.Optimizer) or hasattr(inner, "accelerator_state"):
+            inner = inner.optimizer  # as RunLog.measure_first_step finds torch's AdamW inside DeepSpeed's
+        held = {}
+        inner.register_step_post_hook(lambda opt, *_: held.update(held or held_bytes(model, opt)))
+        ids = torch.randint(4, config.vocab_size, (batch_size, seq_len))
+        mask = torch.ones(batch_size, seq_len, dtype=torch.long)
+        mask[0, -MASKED:] = 0
+        positions = torch.arange(seq_len - 1)
+        model.train()
+        parameters = list(model.parameters())
+
+        def step():
+            logits = model(input_ids=ids, attention_mask=mask, use_cache=False, logits_to_keep=positions).logits
+            token_loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), ids[:, 1:].flatten(),
+                                                           reduction="none")
+            del logits
+            accelerator.backward(token_loss.sum())
+            accelerator.clip_grad_norm_(parameters, 1.0)
+            optimizer.step()
+            optimizer.zero_grad()
+
+        step()
+        if not held:
+            raise RuntimeError("DeepSpeed skipped the optimizer step (a non-finite gradient norm?)")
+        tracker = LiveBytes()
+        with tracker:
+            step()
+        return {"at_rest": {k: int(held[k]) for k in KINDS}, "peak": {"total": int(tracker.peak)},
+                "before_step": {"total": int(tracker.baseline)}}
+    finally:
+        coordinator.assert_ints_same_as_other_ranks = checked
+        __import__("signal").signal(__import__("signal").SIGINT, handler)
+        from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+        unset_hf_deepspeed_config()
+        AcceleratorState._reset_state(True)
+        import deepspeed.comm
+        from deepspeed.utils import groups
+
+        deepspeed.comm.comm.cdb = None
+        for name, value in vars(groups).copy().items():  # the process groups DeepSpeed cached for this group
+            if name.isupper() and name.startswith("_") and isinstance(value, dict):
+                value.clear()
+            elif name in ("_WORLD_GROUP", "_ZERO_PARAM_INTRA_PARALLEL_GROUP", "_DATA_PARALLEL_GROUP", "mpu",
+                          "mesh_device", "_MODEL_PARALLEL_GROUP", "_TENSOR_MODEL_PARALLEL_GROUP"):
+                setattr(groups, name, None)
+        dist.destroy_process_group()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def planned(shape, method: str, strategy: str, ranks: int, batch_size: int, seq_len: int,
             gradient_checkpointing: int) -> dict:
     lora = dict(lora_rank=LORA["r"], lora_dropout=LORA["lora_dropout"]) if method == "lora" else {}
@@ -217,8 +415,11 @@ def _simulate(case: dict) -> dict:
     torch.set_num_threads(1)
     started = time.perf_counter()
     with contextlib.redirect_stdout(sys.stderr):
-        measured = simulate_rank(Path(case["config"]), case["method"], case["strategy"], case["ranks"], case["rank"],
-                                 case["batch_size"], case["seq_len"], case["gradient_checkpointing"])
+        simulate = simulate_rank_zero3 if case["strategy"] == "zero3" else functools.partial(simulate_rank,
+                                                                                            strategy=case["strategy"])
+        measured = simulate(Path(case["config"]), method=case["method"], ranks=case["ranks"], rank=case["rank"],
+                            batch_size=case["batch_size"], seq_len=case["seq_len"],
+                            gradient_checkpointing=case["gradient_checkpointing"])
     return {"measured": measured, "seconds": round(time.perf_counter() - started, 1)}
 
 
@@ -237,11 +438,11 @@ def run(models, methods, strategies, rank_counts, batch_size, seq_len, checkpoin
                                           "strategy": strategy, "ranks": ranks, "rank": rank,
                                           "batch_size": batch_size, "seq_len": seq_len,
                                           "gradient_checkpointing": every})
-    if jobs > 1:
+    if jobs > 1 or any(case["strategy"] == "zero3" for case in cases):  # DeepSpeed: a fresh process per rank
         import multiprocessing
         from concurrent.futures import ProcessPoolExecutor
 
-        with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"), max_tasks_per_child=1) as pool:
             results = list(pool.map(_simulate, cases))
     else:
         results = [_simulate(case) for case in cases]
@@ -253,7 +454,8 @@ def run(models, methods, strategies, rank_counts, batch_size, seq_len, checkpoin
         measured = result["measured"]
         row = {k: v for k, v in case.items() if k != "config"}
         row.update(measured=measured, planned=plan, seconds=result["seconds"])
-        row["difference_percent"] = {part: {k: difference(measured[part][k], plan[part][k]) for k in plan[part]}
+        row["difference_percent"] = {part: {k: difference(measured[part][k], plan[part][k]) for k in plan[part]
+                                            if k in measured.get(part, {})}
                                      for part in ("at_rest", "peak", "forward_end")}
         rows.append(row)
         if progress:
@@ -271,6 +473,12 @@ def gib(value: int) -> str:
 
 def percent(value) -> str:
     return "-" if value is None else f"{value:+.2f}%"
+
+
+def measured_cell(row, part: str, kind: str) -> str:
+    """GiB, or "-" where it was not measured (ZeRO-3's peak is a total only)."""
+    value = row["measured"].get(part, {}).get(kind)
+    return "-" if value is None else gib(value)
 
 
 def tables(rows) -> list[str]:
@@ -291,7 +499,8 @@ def tables(rows) -> list[str]:
             cells += [gib(r["measured"]["at_rest"][k]), gib(r["planned"]["at_rest"][k]),
                       percent(r["difference_percent"]["at_rest"][k])]
         out.append("| " + " | ".join(cells) + " |")
-    out += ["", f"Per GPU, the second step's peaks (FSDPMemTracker) / `planner.per_gpu_bytes`, {next(iter(UNIT))}, "
+    out += ["", f"Per GPU, the second step's peaks (FSDPMemTracker; zero3: the most bytes of live tensors, "
+            f"`LiveBytes`, a total only) / `planner.per_gpu_bytes`, {next(iter(UNIT))}, "
             f"micro-batch {rows[0]['batch_size']} x {rows[0]['seq_len']} tokens" if rows else "", "",
             head + "".join(f" {k} measured | {k} planned | {k} diff |" for k in PEAK_KINDS)
             + " activations at the forward's end measured | planned | diff |",
@@ -301,10 +510,10 @@ def tables(rows) -> list[str]:
         cells = [r["model"], r["method"], r["strategy"], str(r["ranks"]), str(r["rank"]),
                  "every layer" if every == 1 else (f"1 in {every}" if every else "off")]
         for k in PEAK_KINDS:
-            cells += [gib(r["measured"]["peak"][k]), gib(r["planned"]["peak"][k]),
-                      percent(r["difference_percent"]["peak"][k])]
-        cells += [gib(r["measured"]["forward_end"]["activations"]), gib(r["planned"]["forward_end"]["activations"]),
-                  percent(r["difference_percent"]["forward_end"]["activations"])]
+            cells += [measured_cell(r, "peak", k), gib(r["planned"]["peak"][k]),
+                      percent(r["difference_percent"]["peak"].get(k))]
+        cells += [measured_cell(r, "forward_end", "activations"), gib(r["planned"]["forward_end"]["activations"]),
+                  percent(r["difference_percent"]["forward_end"].get("activations"))]
         out.append("| " + " | ".join(cells) + " |")
     return out
 
@@ -335,6 +544,13 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if "zero3" in args.strategies:
+        large = [m for m in args.models if m not in ZERO3_MODELS]
+        if large:
+            print(f"zero3 runs on {', '.join(ZERO3_MODELS)} only, not {', '.join(large)}: DeepSpeed allocates each "
+                  "rank's partitions, fp32 master weights and AdamW state as real CPU tensors (no fake tensors), "
+                  "e.g. ~68 GB per rank for CodeLlama-34B on 8 ranks", file=sys.stderr)
+            return 2
     UNIT.clear()
     UNIT[args.unit] = 2**30 if args.unit == "GiB" else 2**20
     warnings.filterwarnings("ignore")

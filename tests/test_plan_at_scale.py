@@ -76,3 +76,34 @@ def test_the_weights_and_optimizer_state_at_the_peak_are_what_the_planner_says(m
     planned = plan_at_scale.planned(SHAPE, method, "fsdp_full_shard", RANKS, 1, 32, 0)["peak"]
     for kind in ("weights", "optimizer"):
         assert abs(planned[kind] - peak[kind]) <= TOLERANCE * peak[kind], (method, kind, peak[kind], planned[kind])
+
+
+@pytest.fixture(scope="module")
+def held_zero3():
+    """What rank 1 of 4 holds after its first ZeRO-3 optimizer step, per method: accelerate's DeepSpeed
+    plugin as zero3.yaml launches it (zero3_init_flag, bf16), `accelerator.prepare`, real CPU tensors."""
+    config = planner.ALIASES["tiny-llama"]
+    return {method: plan_at_scale.simulate_rank_zero3(config, method, RANKS, 1, batch_size=1, seq_len=32,
+                                                      gradient_checkpointing=0)
+            for method in ("full", "lora")}
+
+
+@pytest.mark.parametrize("method", ["full", "lora"])
+def test_each_zero3_rank_holds_what_the_planner_says(method, held_zero3):
+    """bf16 ZeRO-3: bf16 partitions of the weights (LoRA's adapters stay fp32), the fp32 gradient of
+    DeepSpeed's flat partition at the step, its fp32 master copy + AdamW's m and v."""
+    measured = held_zero3[method]["at_rest"]
+    planned = plan_at_scale.planned(SHAPE, method, "zero3", RANKS, 1, 32, 0)["at_rest"]
+    assert all(measured[k] > 0 for k in plan_at_scale.KINDS), measured
+    assert not off_by(measured, planned), f"{method}: (measured, planned) bytes {off_by(measured, planned)}"
+    assert held_zero3[method]["peak"]["total"] >= sum(measured.values())
+
+
+def test_the_zero3_comparison_catches_a_wrong_plan(held_zero3):
+    """Against plans wrong in known ways: over 2 ranks instead of 4, and fp32 precision (fp32 weight partitions;
+    the gradient and the master copy are fp32 in either)."""
+    measured = held_zero3["full"]["at_rest"]
+    assert set(off_by(measured, plan_at_scale.planned(SHAPE, "full", "zero3", 2, 1, 32, 0)["at_rest"])) == \
+        set(plan_at_scale.KINDS)
+    fp32 = planner.resident_bytes(SHAPE, "full", "zero3", RANKS, precision="fp32")
+    assert set(off_by(measured, fp32)) == {"weights"}

@@ -6,7 +6,8 @@ Bytes per parameter (they follow `Launch.float_dtype` in recipes/common/launch.p
 | precision bf16                | trained parameter                    | frozen float | NF4 base linear |
 |-------------------------------|--------------------------------------|--------------|-----------------|
 | DDP / FSDP / model parallel   | weight 4 + grad 4 + AdamW 8 = 16     | 2 (*)        | 0.5 + 0.0159    |
-| DeepSpeed ZeRO-1/2/3          | weight 2 + grad 2 + master 4 + AdamW 8 = 16 | 2     | 0.5 + 0.0159    |
+| DeepSpeed ZeRO-1/2            | weight 2 + grad 2 + master 4 + AdamW 8 = 16 | 2     | 0.5 + 0.0159    |
+| DeepSpeed ZeRO-3              | weight 2 (LoRA: 4) + grad 4 + master 4 + AdamW 8 | 2 | 0.5 + 0.0159 |
 
 (*) QLoRA's embedding, lm_head and norms are 4 on DDP / model parallel: the QLoRA recipe runs
 peft's `prepare_model_for_kbit_training` there, which upcasts them to fp32.
@@ -57,9 +58,13 @@ def state_bytes_per_parameter(method: str, strategy: str, precision: str = "bf16
     frozen = 4 if precision == "fp32" else 2
     if method == "qlora" and precision == "bf16" and strategy in ("ddp", "model_parallel"):
         frozen = 4
+    # ZeRO-3 in bf16, measured (deepspeed 0.19.8, scripts/plan_at_scale.py): the gradient the step sees is
+    # the fp32 copy DeepSpeed casts its reduced bf16 partition into, and peft's adapters, created after
+    # zero.Init, stay fp32 in their partitions.
+    zero3_bf16 = precision == "bf16" and strategy in ("zero3", "zero3_offload")
     return {
-        "trained_weight": 2 if deepspeed_bf16 else 4,
-        "trained_grad": 2 if deepspeed_bf16 else 4,
+        "trained_weight": 2 if deepspeed_bf16 and not (zero3_bf16 and method != "full") else 4,
+        "trained_grad": 2 if deepspeed_bf16 and not zero3_bf16 else 4,
         "trained_optimizer": 12 if strategy in DEEPSPEED else 8,  # DeepSpeed: + its fp32 master, in any precision
         "frozen": frozen,
         "quantized": quantized_bytes_per_weight(),
