@@ -190,8 +190,9 @@ def test_per_gpu_state_builds_on_the_resident_bytes(codellama, method):
                 assert held["gradients"] == pytest.approx(trained * grad / gpus, abs=1)
             elif strategy in planner.DEEPSPEED:
                 assert transient == min(trained, planner.DEEPSPEED_REDUCE_BUCKET) * grad
-            else:
-                assert transient == 0, (strategy, gpus)
+            else:  # FSDP: the unit being reduced, unsharded
+                assert transient == planner.in_flight_gradient_bytes(codellama, method, strategy, precision)
+                assert (transient > 0) == (strategy in planner.FSDP), (strategy, gpus)
     assert planner.quantization_constant_bytes(codellama, method) == (
         int(codellama.parameter_counts()["linear"] * (planner.quantized_bytes_per_weight() - 0.5))
         if method == "qlora" else 0)
@@ -253,7 +254,8 @@ def test_sharding_divides_what_each_strategy_says(codellama):
     assert usage("fsdp_hybrid", 4)["optimizer"] == pytest.approx(usage("fsdp_full_shard", 2)["optimizer"], abs=1)
     # Offload keeps nothing of the state on the GPU but the layers in flight.
     offload = usage("fsdp_offload", 4)
-    assert offload["gradients"] == offload["optimizer"] == 0
+    assert offload["optimizer"] == 0  # the gradients: only the unit being reduced, unsharded
+    assert offload["gradients"] == planner.in_flight_gradient_bytes(codellama, "full", "fsdp_offload", "fp32")
     assert offload["weights"] == planner.in_flight_weight_bytes(codellama, "full", "fsdp_offload", "fp32")
     # Grad-op holds the whole model gathered between forward and backward.
     assert usage("fsdp_grad_op", 4)["weights"] > ddp["weights"]

@@ -5,8 +5,9 @@ built on the meta device, sharded by accelerate's `fsdp2_prepare_model` with bf1
 training steps on fake tensors, `held_bytes` after the first. What each rank holds at rest must be
 what `planner.resident_bytes` says (within 2%; every split of the tiny model divides by 4, so in
 practice to the byte). Of the per-GPU peaks, the weights (shards plus the two units gathered at once)
-and the optimizer state must match too; the gradients and activations at the step's peak are reported by
-the script, not asserted here: the planner is known to differ from them (see the results' README).
+and the optimizer state must match too, and the gradients must stay within the plan (an upper bound);
+the activations at the step's peak are reported by the script, not asserted here: the planner is known
+to differ from them (see the results' README).
 """
 
 from __future__ import annotations
@@ -107,3 +108,13 @@ def test_the_zero3_comparison_catches_a_wrong_plan(held_zero3):
         set(plan_at_scale.KINDS)
     fp32 = planner.resident_bytes(SHAPE, "full", "zero3", RANKS, precision="fp32")
     assert set(off_by(measured, fp32)) == {"weights"}
+
+
+@pytest.mark.parametrize("method", ["full", "lora"])
+def test_the_gradients_at_the_peak_stay_within_the_plan(method, held):
+    """The unsharded gradient of the unit being reduced is an upper bound (at real sizes 0-8% above the
+    measured peak, here more: the tiny model's units are large next to its shards); without it the plan
+    is below the peak."""
+    peak = held[method]["peak"]["gradients"]
+    planned = plan_at_scale.planned(SHAPE, method, "fsdp_full_shard", RANKS, 1, 32, 0)["peak"]["gradients"]
+    assert peak <= planned <= 1.6 * peak, (method, peak, planned)

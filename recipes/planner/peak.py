@@ -8,7 +8,7 @@ from __future__ import annotations
 from .dtypes import quantized_bytes_per_weight, state_bytes_per_parameter
 from .resident import Stage, _stage_parameters, resident_bytes
 from .shapes import ModelShape
-from .strategies import DEEPSPEED, _check, tensor_parallel_size
+from .strategies import DEEPSPEED, FSDP, _check, tensor_parallel_size
 
 # DeepSpeed's gradient reduce bucket: accelerate's generated DeepSpeed config leaves
 # `reduce_bucket_size` unset, so DeepSpeed's default of 5e8 elements applies.
@@ -27,19 +27,28 @@ def _unsharded_bytes(shape: ModelShape, method: str, precision: str, layers: int
     return (params["trained"] + params["frozen"]) * c + params["quantized"] * 0.5
 
 
+def fsdp_units(shape: ModelShape) -> list[dict]:
+    """The parts accelerate's FSDP2 preparation shards as units of their own: each decoder block, the
+    embedding, and the final norm with the lm_head (as `_unsharded_bytes` arguments)."""
+    block = {"layers": 1, "embedding": False, "head": False}
+    return [block] * shape.layers + [{"layers": 0, "embedding": True, "head": False},
+                                     {"layers": 0, "embedding": False, "head": True}]
+
+
 def in_flight_weight_bytes(shape: ModelShape, method: str, strategy: str, precision: str = "bf16",
                            lora_rank: int = 16, lora_targets="all-linear", gpus: int = 1) -> int:
     """Unsharded parameters alive on a GPU on top of its shard.
 
-    - fsdp_full_shard / fsdp_hybrid / fsdp_offload: two neighbouring units, the one computing and
-      the one prefetched. accelerate shards every decoder layer, the embedding, and the final norm
-      with the lm_head as units of their own (each resharded after use), so the pair is two blocks,
-      or one block beside the embedding or the head, whichever is larger (measured on FSDP2 ranks of
-      TinyLlama-1.1B and CodeLlama-34B: results/2026-11-24_cpu_fake-process-group-plan/).
+    - fsdp_full_shard / fsdp_hybrid / fsdp_offload: two units at once, the one computing and the
+      one prefetched. accelerate shards every decoder layer, the embedding, and the final norm with
+      the lm_head as units of their own (`fsdp_units`), so the planner counts the two largest of them:
+      two blocks for CodeLlama-34B, the embedding and the head for TinyLlama-1.1B, whose vocabulary
+      matrices outweigh a block (both as measured on FSDP2 ranks: results/2026-11-24_cpu_fake-process-group-plan/).
     - zero3 / zero3_offload: DeepSpeed gathers module by module: 2 blocks + the larger of the
       embedding and lm_head (gathered while the logits are computed).
     - fsdp_grad_op: reshard-after-forward off: every unit stays gathered from its forward to its
-      backward, so at the start of the backward the whole model is unsharded.
+      backward, so at the start of the backward the whole model is unsharded, and one unit more (the
+      largest; measured so at both sizes).
     - fsdp_tp: full shard's units, each gathered across the groups only: its tensor parallel part
       (1/T of the unit, T = `tensor_parallel_size(strategy, gpus)`).
     - ddp / zero1 / zero2 / tp / model_parallel: nothing (each rank's weights are already whole,
@@ -48,25 +57,21 @@ def in_flight_weight_bytes(shape: ModelShape, method: str, strategy: str, precis
     bitsandbytes dequantises the weight of the linear it runs.
     """
     _check(method, strategy, precision)
-    layers = min(LAYERS_IN_FLIGHT, shape.layers)
-
-    def gathered(blocks: int, embedding: bool = False, head: bool = False) -> float:
-        return _unsharded_bytes(shape, method, precision, blocks, embedding, head, lora_rank, lora_targets)
-
-    def neighbouring_units() -> float:
-        return max(gathered(layers), gathered(1, embedding=True), gathered(1, head=True))
-
+    units = sorted(_unsharded_bytes(shape, method, precision, **unit, lora_rank=lora_rank, lora_targets=lora_targets)
+                   for unit in fsdp_units(shape))
     if strategy in ("fsdp_full_shard", "fsdp_hybrid", "fsdp_offload"):
-        flight = neighbouring_units()
+        flight = sum(units[-2:])
     elif strategy == "fsdp_tp":
-        flight = neighbouring_units() / tensor_parallel_size(strategy, gpus)
+        flight = sum(units[-2:]) / tensor_parallel_size(strategy, gpus)
     elif strategy in ("zero3", "zero3_offload"):
+        layers = min(LAYERS_IN_FLIGHT, shape.layers)
         blocks = _unsharded_bytes(shape, method, precision, layers, False, False, lora_rank, lora_targets)
         edges = max(_unsharded_bytes(shape, method, precision, 0, True, False, lora_rank, lora_targets),
                     _unsharded_bytes(shape, method, precision, 0, False, True, lora_rank, lora_targets))
         flight = blocks + edges
     elif strategy == "fsdp_grad_op":
         flight = _unsharded_bytes(shape, method, precision, shape.layers, True, True, lora_rank, lora_targets)
+        flight += units[-1]
     else:
         flight = 0
     if method == "qlora":
@@ -83,6 +88,21 @@ def quantization_constant_bytes(shape: ModelShape, method: str, stage: Stage | N
     stage = stage or Stage(shape.layers)
     quantized = sum(shape.linear_parameters_per_layer().values()) * stage.layers
     return int(quantized * (quantized_bytes_per_weight() - 0.5))
+
+
+def in_flight_gradient_bytes(shape: ModelShape, method: str, strategy: str, precision: str = "bf16",
+                             lora_rank: int = 16, lora_targets="all-linear") -> int:
+    """FSDP's unsharded gradients on a GPU on top of its sharded ones: the largest unit's (`fsdp_units`)
+    trained parameters in the compute dtype, twice: as the backward wrote them and copied into the
+    reduce-scatter's input (accelerate reduces in the compute dtype); with offload too (reduced on the
+    GPU). An upper bound: on fake FSDP2 ranks of TinyLlama-1.1B and CodeLlama-34B the step's gradient
+    peak was 0 to 8% below the plan with it, 5 to 32% above it without
+    (results/2026-11-24_cpu_fake-process-group-plan/). 0 for every other strategy."""
+    if strategy not in FSDP:
+        return 0
+    largest = max(_stage_parameters(shape, method, Stage(**unit), lora_rank, lora_targets)["trained"]
+                  for unit in fsdp_units(shape))
+    return int(2 * largest * (4 if precision == "fp32" else 2))
 
 
 def weight_bytes(shape: ModelShape, method: str, strategy: str, gpus: int, lora_rank: int = 16,
@@ -108,7 +128,7 @@ def gradient_bytes(shape: ModelShape, method: str, strategy: str, gpus: int, lor
       + trained * grad bytes * (1 - 1/N) on top of the partition.
     - DeepSpeed: the reduce bucket, min(trained, 5e8) elements * grad bytes (its default
       `reduce_bucket_size`), also with offload (the gradients are reduced on the GPU).
-    - FSDP: nothing extra (the reduce-scatter output is the sharded gradient); offload: none on GPU.
+    - FSDP: the unsharded gradient of the unit being reduced (`in_flight_gradient_bytes`).
     """
     stage = stage or Stage(shape.layers)
     per = state_bytes_per_parameter(method, strategy, precision)
@@ -121,7 +141,7 @@ def gradient_bytes(shape: ModelShape, method: str, strategy: str, gpus: int, lor
         grads = whole
     if strategy in DEEPSPEED:
         grads += min(trained, DEEPSPEED_REDUCE_BUCKET) * per["trained_grad"]
-    return int(grads)
+    return int(grads + in_flight_gradient_bytes(shape, method, strategy, precision, lora_rank, lora_targets))
 
 
 def optimizer_bytes(shape: ModelShape, method: str, strategy: str, gpus: int, lora_rank: int = 16,
