@@ -59,7 +59,7 @@ def parse_args(argv=None):
 
 def tokenizer_of(model: str, trust_remote_code: bool = False):
     """The tokenizer a recipe trains with (modeling.load_tokenizer): the bundled model's before its first build."""
-    if preflight.is_default_model(model) and not (Path(model) / "tokenizer.json").is_file():
+    if modeling.is_default_model(model) and not (Path(model) / "tokenizer.json").is_file():
         model = str(BUNDLED_TOKENIZER)
     elif preflight.looks_local(model) and not Path(model).expanduser().exists():
         preflight.refuse(f"--model {model} does not exist; give a model folder (a folder with its tokenizer is "

@@ -25,7 +25,7 @@ class OneLineErrors(argparse.ArgumentParser):
     once per rank)."""
 
     def error(self, message: str):
-        from .preflight import refuse
+        from .refusal import refuse
 
         refuse(f"{message}; see --help")
 
@@ -138,7 +138,7 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None = None) -
 def flags_from_config_file(parser: argparse.ArgumentParser, argv: list[str]) -> dict:
     """{dest: value} from the file after --config, checked like typed flags; an unknown key or a
     value outside a flag's choices stops the run in one line naming the fix."""
-    from .preflight import refuse
+    from .refusal import refuse
 
     paths = [argv[i + 1] for i, arg in enumerate(argv[:-1]) if arg == "--config"]
     paths += [arg.split("=", 1)[1] for arg in argv if arg.startswith("--config=")]
@@ -153,7 +153,7 @@ def flags_from_config_file(parser: argparse.ArgumentParser, argv: list[str]) -> 
 
     import yaml
 
-    from .launch_config import DuplicateKey, StrictLoader
+    from .strict_reading import DuplicateKey, StrictLoader
 
     try:
         settings = yaml.load(open(path), Loader=StrictLoader) or {}  # a flag set twice is refused, not the last kept
@@ -189,7 +189,7 @@ def flags_from_config_file(parser: argparse.ArgumentParser, argv: list[str]) -> 
 def typed_value(action, value, where: str):
     """A run file's value as the flag would take it typed: YAML's own types are not trusted (1.9 is
     no step count, `true` no number, a list no model name)."""
-    from .preflight import refuse
+    from .refusal import refuse
 
     kind = action.type or str
     if isinstance(value, (bool, list, dict)) or (isinstance(value, float) and kind is not float

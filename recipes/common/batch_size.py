@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import os
 
-from .preflight import planner_inputs, refuse
+from .modeling import is_default_model
+from .refusal import refuse
 
 AUTO = "auto"
 
@@ -28,6 +29,20 @@ class IntOrAuto:
 
 
 int_or_auto = IntOrAuto()
+
+
+def planner_inputs(args, recipe: str, launch) -> tuple:
+    """The model's shape and the planner's keyword arguments for this run (all but the micro-batch).
+    Raises when the shape cannot be read (an offline hub id, an unknown architecture)."""
+    import planner
+
+    source = "tiny-llama" if is_default_model(args.model) else args.model  # before its first build
+    shape = planner.load_shape(source)
+    inputs = dict(seq_len=args.max_length, gradient_checkpointing=args.gradient_checkpointing,
+                  precision="bf16" if launch.precision in ("bf16", "fp16") else "fp32")
+    if recipe != "full":
+        inputs.update(lora_rank=args.lora_r, lora_targets=args.lora_targets, lora_dropout=args.lora_dropout)
+    return shape, inputs
 
 
 def memory_gib(launch) -> tuple[float, str]:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from .preflight import refuse
+from .refusal import refuse
 
 STATE_FILE = "recipe_state.json"
 # What `accelerate launch` puts in the environment; the merge process must not inherit it.

@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader
 
 from .data_files import filled_columns, load_splits, unread_columns
 from .formats import IGNORE, RowProblem, detect_format, row_problem, tokenize_row
-from .preflight import refuse
+from .refusal import refuse
 
 
 def prepare(accelerator, tokenizer, args, launch):

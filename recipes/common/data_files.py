@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 
 from .formats import FORMAT_KEYS, READ_COLUMNS, TEXT_COLUMNS, detect_format, row_problem
-from .preflight import refuse
+from .refusal import refuse
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_DATASET = REPO_ROOT / "data"
@@ -158,7 +158,7 @@ def check_header(path: Path, text: str) -> None:
 
 def duplicate_key(files: list[Path]) -> str | None:
     """file:line of the first JSON row that names a column twice (json keeps the last; datasets fails)."""
-    from .launch_config import DuplicateKey, mapping_without_repeats
+    from .strict_reading import DuplicateKey, mapping_without_repeats
 
     for path in files:
         if suffix(path) not in (".jsonl", ".json"):

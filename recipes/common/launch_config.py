@@ -20,7 +20,8 @@ import json
 import os
 from pathlib import Path
 
-from .preflight import refuse
+from .refusal import refuse
+from .strict_reading import DuplicateKey, StrictLoader, mapping_without_repeats
 
 TRUE = ("true", "1", "yes", "on", "y", "t")
 FALSE = ("false", "0", "no", "off", "n", "f")
@@ -70,34 +71,6 @@ def read_config(path: Path) -> dict:
     return config if isinstance(config, dict) else {}
 
 
-class DuplicateKey(Exception):
-    """A key written twice in one mapping of a config file."""
-
-
-def mapping_without_repeats(pairs) -> dict:
-    keys = [key for key, _ in pairs]
-    repeated = next((key for key in keys if keys.count(key) > 1), None)
-    if repeated is not None:
-        raise DuplicateKey(repeated)
-    return dict(pairs)
-
-
-def _strict_loader():
-    import yaml
-
-    class Loader(yaml.SafeLoader):
-        """yaml.safe_load that refuses a key written twice in one mapping."""
-
-    def construct_mapping(loader, node, deep=False):
-        loader.flatten_mapping(node)
-        return mapping_without_repeats([(loader.construct_object(key, deep=deep), loader.construct_object(value, deep=deep))
-                                        for key, value in node.value])
-
-    Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, construct_mapping)
-    return Loader
-
-
-StrictLoader = _strict_loader()
 
 
 def known_keys() -> dict[str, set[str]]:

@@ -15,6 +15,10 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_MODEL = REPO_ROOT / "models" / "tiny-llama"
 
 
+def is_default_model(name: str) -> bool:
+    return Path(name).resolve() == DEFAULT_MODEL.resolve()
+
+
 def ensure_default_model(name: str, accelerator) -> None:
     """Build the bundled tiny model the first time it is asked for (random init, a few seconds)."""
     if Path(name).resolve() != DEFAULT_MODEL.resolve():
@@ -33,7 +37,7 @@ def load_tokenizer(name: str, trust_remote_code: bool = False):
     try:
         tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as error:  # offline hub id, no tokenizer files, a tokenizer library missing
-        from .preflight import refuse
+        from .refusal import refuse
 
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         refuse(f"--model {name}: its tokenizer cannot be loaded ({reason[:200]}); give a folder holding the "

@@ -10,44 +10,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import sys
-import time
 from pathlib import Path
 
-EXIT_REFUSED = 2
-
-
-class Refusal(SystemExit):
-    """A launch that cannot work; raised so tests can catch it, printed as one line otherwise."""
-
-    def __init__(self, message: str):
-        super().__init__(EXIT_REFUSED)
-        self.message = message
-
-    def __str__(self) -> str:
-        return self.message
-
-
-# How long another rank waits for rank 0 (which may start seconds later) to print a refusal every rank reached.
-REFUSAL_GRACE_S = 30
-
-
-def refuse(message: str) -> None:
-    """Print the line once (rank 0) and stop. Every rank reaches the same verdict; the others wait
-    a moment, because the launcher stops every rank as soon as one exits, and the first to exit
-    must not be a silent one. A rank still running after the grace (rank 0 did not refuse) speaks."""
-    rank = int(os.environ.get("RANK", "0"))
-    launched = "LOCAL_RANK" in os.environ  # started by a launcher, not called in-process by a test
-    if rank != 0 and launched:
-        import signal
-
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the launcher's stop must stop this rank, not checkpoint it
-        time.sleep(REFUSAL_GRACE_S)
-    if rank == 0 or launched:
-        from tqdm import tqdm
-
-        tqdm.write(f"error: {message}", file=sys.stderr)  # on a line of its own, even under a progress bar
-    raise Refusal(message)
+from .refusal import Refusal, refuse  # noqa: F401  (preflight.refuse and preflight.Refusal, as the recipes and tests use them)
 
 
 def env_flag(name: str) -> bool:
@@ -81,6 +46,7 @@ def check_launch(args, recipe: str):
     from .batch_size import settle as settle_batch
     from .launch import TENSOR_PARALLEL, describe
     from .launch_config import adapt_launch, file_distributed_type, refuse_one_process_for_several
+    from .modeling import is_default_model
     from .versions import too_old
 
     old = too_old()
@@ -337,6 +303,8 @@ def check_speed_options(args, on_gpu: bool) -> None:
 
 def model_config(model: str) -> dict | None:
     """The model's config.json when it is local (the default model's before its first build)."""
+    from .modeling import is_default_model
+
     path = Path(model) / "config.json"
     if is_default_model(model) and not path.is_file():
         path = Path(__file__).resolve().parents[2] / "data" / "tiny-llama-config.json"
@@ -387,6 +355,8 @@ ENCODER_TYPES = {"bert", "roberta", "xlm-roberta", "xlm-roberta-xl", "camembert"
 def check_model_folder(model: str) -> None:
     """A local --model folder must hold what a causal LM loads from: config.json naming a decoder with a
     causal-LM class, and safetensors weights (the recipes never unpickle .bin files)."""
+    from .modeling import is_default_model
+
     if is_default_model(model) or not (looks_local(model) or Path(model).expanduser().is_dir()):
         return  # a hub id (a local folder of the same name would be loaded instead, and is checked)
     folder = Path(model).expanduser()
@@ -440,20 +410,6 @@ def refuse_if_disk_too_small(args, recipe: str) -> None:
                "choose another --output-dir")
 
 
-def planner_inputs(args, recipe: str, launch) -> tuple:
-    """The model's shape and the planner's keyword arguments for this run (all but the micro-batch).
-    Raises when the shape cannot be read (an offline hub id, an unknown architecture)."""
-    import planner
-
-    source = "tiny-llama" if is_default_model(args.model) else args.model  # before its first build
-    shape = planner.load_shape(source)
-    inputs = dict(seq_len=args.max_length, gradient_checkpointing=args.gradient_checkpointing,
-                  precision="bf16" if launch.precision in ("bf16", "fp16") else "fp32")
-    if recipe != "full":
-        inputs.update(lora_rank=args.lora_r, lora_targets=args.lora_targets, lora_dropout=args.lora_dropout)
-    return shape, inputs
-
-
 def announce_plan(args, recipe: str, launch) -> None:
     """Print the memory plan of this very run, and warn before loading when it will not fit."""
     if int(os.environ.get("RANK", "0")) != 0:
@@ -461,6 +417,8 @@ def announce_plan(args, recipe: str, launch) -> None:
     import torch
 
     import planner
+
+    from .batch_size import planner_inputs
 
     try:
         shape, inputs = planner_inputs(args, recipe, launch)
@@ -495,9 +453,3 @@ def size(num_bytes: float) -> str:
 def looks_local(name: str) -> bool:
     """A path rather than a hub id (`org/name`)."""
     return name.startswith((".", "/", "~")) or name.count("/") != 1 or Path(name).suffix != ""
-
-
-def is_default_model(name: str) -> bool:
-    from .modeling import DEFAULT_MODEL
-
-    return Path(name).resolve() == DEFAULT_MODEL.resolve()
