@@ -306,6 +306,7 @@ def simulate_rank_zero3(config_path: Path, method: str, ranks: int, rank: int, b
         from common.runlog import held_bytes
 
         launch = Launch(DEEPSPEED, processes=ranks, on_gpu=False, visible_gpus=0, precision="bf16", zero_stage=3)
+        AcceleratorState._reset_state(True)  # a state left by an earlier Accelerator in this process has no DeepSpeed plugin
         args = types.SimpleNamespace(grad_accum=1, max_grad_norm=1.0, batch_size=batch_size, report_to="none",
                                      output_dir=str(REPO / "outputs" / "plan_at_scale"))
         accelerator = runtime.make_accelerator(args, launch)
