@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -102,5 +103,15 @@ def test_a_part_past_its_time_is_interrupted_and_keeps_what_it_wrote(tmp_path, m
     with open(tmp_path / "log", "w") as log:  # 15 s: ample time to start, even on a busy machine
         result = gpu_check.run([sys.executable, str(script), str(pid_file), str(note)], log, timeout=15)
     assert result["returncode"] == "timeout" and note.read_text() == "interrupted"
-    child = int(pid_file.read_text())
-    assert not Path(f"/proc/{child}").exists() or "Z" in Path(f"/proc/{child}/stat").read_text().split()[2]
+    child = Path(f"/proc/{int(pid_file.read_text())}")
+
+    def gone() -> bool:  # ended (a zombie until its new parent reaps it), or reaped
+        try:
+            return (child / "stat").read_text().split()[2] in ("Z", "X")
+        except FileNotFoundError:
+            return True
+
+    deadline = time.monotonic() + 10  # SIGKILL takes effect asynchronously
+    while not gone() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert gone()
