@@ -49,7 +49,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "recipes"))
-from common.versions import LOWEST  # noqa: E402
+from common.versions import LOWEST, older_than_lowest  # noqa: E402
 
 LIBRARIES = ("transformers", "accelerate", "huggingface_hub", "tokenizers", "peft", "datasets", "bitsandbytes",
              "deepspeed", "trl", "liger-kernel", "flash-attn", "safetensors")
@@ -118,14 +118,11 @@ def box_has_supported(wheel: Path) -> bool:
     then the box's own runs, as users of such an image would run it."""
     from importlib.metadata import PackageNotFoundError, version
 
-    from packaging.version import Version
-
-    name = wheel.name.split("-")[0].lower()
-    lowest = {key.replace("-", "_"): value for key, value in LOWEST.items()}.get(name)
-    if lowest is None:
+    name = wheel.name.split("-")[0].lower()  # a wheel's file name spells the library with underscores, as LOWEST does
+    if name not in LOWEST:
         return False
     try:
-        return Version(Version(version(name)).base_version) >= Version(lowest)
+        return not older_than_lowest(name, version(name))
     except PackageNotFoundError:
         return False
 
@@ -326,7 +323,7 @@ def main(argv=None) -> int:
                 command += ["--output-dir", str(scratch / "trl")]
             else:
                 command += [f"--junitxml={junit}"]
-            result = run(command, log, timeout=int(min(timeout, left if left is not None else timeout)), env=stand_in)
+            result = run(command, log, timeout=timeout if left is None else int(min(timeout, left)), env=stand_in)
             if part == "trl" and (scratch / "trl" / "summary.json").exists():
                 result["summary"] = json.loads((scratch / "trl" / "summary.json").read_text())
             result["cases"] = junit_cases(junit)

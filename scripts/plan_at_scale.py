@@ -78,12 +78,14 @@ def build_model(config_path: Path, method: str, gradient_checkpointing: int):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from common.modeling import checkpoint_activations
+
     config = AutoConfig.from_pretrained(config_path)
     config._attn_implementation = "sdpa"
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32 if method == "full" else torch.bfloat16)
     if gradient_checkpointing:
-        model.activation_checkpointing_enable(every_n_layers=gradient_checkpointing)
+        checkpoint_activations(model, every_n_layers=gradient_checkpointing)
     if method == "lora":
         from peft import LoraConfig, get_peft_model
 
@@ -302,7 +304,7 @@ def simulate_rank_zero3(config_path: Path, method: str, ranks: int, rank: int, b
 
         from common import runtime
         from common.launch import DEEPSPEED, Launch
-        from common.modeling import trained_parameter_groups
+        from common.modeling import checkpoint_activations, trained_parameter_groups
         from common.runlog import held_bytes
 
         launch = Launch(DEEPSPEED, processes=ranks, on_gpu=False, visible_gpus=0, precision="bf16", zero_stage=3)
@@ -315,7 +317,7 @@ def simulate_rank_zero3(config_path: Path, method: str, ranks: int, rank: int, b
         # Launch.float_dtype: fp32 trained weights, a bf16 frozen base; zero.Init partitions as it builds.
         model = AutoModelForCausalLM.from_config(config, dtype=launch.float_dtype(frozen=method != "full"))
         if gradient_checkpointing:
-            model.activation_checkpointing_enable(every_n_layers=gradient_checkpointing)
+            checkpoint_activations(model, every_n_layers=gradient_checkpointing)
         if method == "lora":
             from peft import LoraConfig, get_peft_model
 

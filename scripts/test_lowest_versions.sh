@@ -14,8 +14,9 @@
 #
 # torch: on a machine without GPUs the default is the CPU build of torch 2.13.0 (the one this machine's pip
 # has on disk); the GPU box has 2.11. A second argument installs another torch first: `torch==2.11.0` takes
-# PyPI's build, with CUDA's libraries (~3 GB; it runs on a CPU). Writes junit XML per part, pip's freeze
-# and a README table into the results folder. About 35 minutes on 2 cores; not part of CI (20-minute budget).
+# PyPI's build, with CUDA's libraries (~3 GB; it runs on a CPU). Writes each part's pytest output and junit
+# XML, pip's freeze and summary.txt (this script's output) into the results folder. 18 to 26 minutes on 2
+# cores; not part of CI (20-minute budget).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-results/$(date +%F)_cpu_lowest-versions}

@@ -71,8 +71,6 @@ def read_config(path: Path) -> dict:
     return config if isinstance(config, dict) else {}
 
 
-
-
 def known_keys() -> dict[str, set[str]]:
     """Every key accelerate reads from a config file: at the top level, and inside each section."""
     from accelerate.commands.config.config_args import ClusterConfig

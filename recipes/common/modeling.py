@@ -21,7 +21,7 @@ def is_default_model(name: str) -> bool:
 
 def ensure_default_model(name: str, accelerator) -> None:
     """Build the bundled tiny model the first time it is asked for (random init, a few seconds)."""
-    if Path(name).resolve() != DEFAULT_MODEL.resolve():
+    if not is_default_model(name):
         return
     with accelerator.local_main_process_first():
         if accelerator.is_local_main_process and not (DEFAULT_MODEL / "config.json").exists():

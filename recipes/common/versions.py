@@ -18,11 +18,16 @@ LOWEST = {
 }
 
 
+def older_than_lowest(name: str, installed: str) -> bool:
+    """Whether `installed` (a version of the library `name` in LOWEST) is older than the lowest supported."""
+    from packaging.version import Version
+
+    return Version(Version(installed).base_version) < Version(LOWEST[name])
+
+
 def too_old() -> list[str]:
     """'name found (needs >= lowest)' for each installed library older than LOWEST."""
     from importlib.metadata import PackageNotFoundError, version
-
-    from packaging.version import Version
 
     found = []
     for name, lowest in LOWEST.items():
@@ -30,6 +35,6 @@ def too_old() -> list[str]:
             installed = version(name)
         except PackageNotFoundError:  # a missing library fails at its import, with Python's own message
             continue
-        if Version(Version(installed).base_version) < Version(lowest):
+        if older_than_lowest(name, installed):
             found.append(f"{name} {installed} (needs >= {lowest})")
     return found

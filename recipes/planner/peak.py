@@ -28,11 +28,11 @@ def _unsharded_bytes(shape: ModelShape, method: str, precision: str, layers: int
 
 
 def fsdp_units(shape: ModelShape) -> list[dict]:
-    """The parts accelerate's FSDP2 preparation shards as units of their own: each decoder block, the
-    embedding, and the final norm with the lm_head (as `_unsharded_bytes` arguments)."""
-    block = {"layers": 1, "embedding": False, "head": False}
-    return [block] * shape.layers + [{"layers": 0, "embedding": True, "head": False},
-                                     {"layers": 0, "embedding": False, "head": True}]
+    """The kinds of part accelerate's FSDP2 preparation shards as a unit of its own, as `Stage`
+    arguments: a decoder block (`shape.layers` of them, all alike), the embedding, and the final norm
+    with the lm_head."""
+    return [{"layers": 1, "embedding": False, "head": False}, {"layers": 0, "embedding": True, "head": False},
+            {"layers": 0, "embedding": False, "head": True}]
 
 
 def in_flight_weight_bytes(shape: ModelShape, method: str, strategy: str, precision: str = "bf16",
@@ -57,12 +57,16 @@ def in_flight_weight_bytes(shape: ModelShape, method: str, strategy: str, precis
     bitsandbytes dequantises the weight of the linear it runs.
     """
     _check(method, strategy, precision)
-    units = sorted(_unsharded_bytes(shape, method, precision, **unit, lora_rank=lora_rank, lora_targets=lora_targets)
-                   for unit in fsdp_units(shape))
+
+    def largest_units() -> list[float]:  # the units' bytes, ascending; a block twice: two can be in flight at once
+        block, embedding, head = (_unsharded_bytes(shape, method, precision, **unit, lora_rank=lora_rank,
+                                                   lora_targets=lora_targets) for unit in fsdp_units(shape))
+        return sorted([block] * min(2, shape.layers) + [embedding, head])
+
     if strategy in ("fsdp_full_shard", "fsdp_hybrid", "fsdp_offload"):
-        flight = sum(units[-2:])
+        flight = sum(largest_units()[-2:])
     elif strategy == "fsdp_tp":
-        flight = sum(units[-2:]) / tensor_parallel_size(strategy, gpus)
+        flight = sum(largest_units()[-2:]) / tensor_parallel_size(strategy, gpus)
     elif strategy in ("zero3", "zero3_offload"):
         layers = min(LAYERS_IN_FLIGHT, shape.layers)
         blocks = _unsharded_bytes(shape, method, precision, layers, False, False, lora_rank, lora_targets)
@@ -71,7 +75,7 @@ def in_flight_weight_bytes(shape: ModelShape, method: str, strategy: str, precis
         flight = blocks + edges
     elif strategy == "fsdp_grad_op":
         flight = _unsharded_bytes(shape, method, precision, shape.layers, True, True, lora_rank, lora_targets)
-        flight += units[-1]
+        flight += largest_units()[-1]
     else:
         flight = 0
     if method == "qlora":
