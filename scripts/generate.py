@@ -58,17 +58,14 @@ def load(output_dir: Path, artifact: Path, device: str):
 
 
 def prompt_ids(prompt: str, tokenizer, data_format: str, raw: bool) -> list[int]:
-    """The prompt's tokens as training saw such prompts (BOS first where the tokenizer has one)."""
+    """The prompt's tokens as training tokenised such prompts: a chat rendering as the template writes it
+    (its own BOS), plain text with the tokenizer's own special tokens."""
     if data_format == "messages" and not raw:
         text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
                                              add_generation_prompt=True)
-    elif data_format == "instruction" and not raw:
-        text = PROMPT_TEMPLATE.format(instruction=prompt)
-    else:
-        text = prompt
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    bos = tokenizer.bos_token_id
-    return ([bos] if bos is not None and ids[:1] != [bos] else []) + ids
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+    text = PROMPT_TEMPLATE.format(instruction=prompt) if data_format == "instruction" and not raw else prompt
+    return tokenizer(text)["input_ids"]
 
 
 @torch.no_grad()

@@ -104,7 +104,7 @@ def training_texts(rows: list[dict[str, str]]) -> list[str]:
 
 def build_tokenizer(rows: list[dict[str, str]], output_dir: Path) -> None:
     """Train a byte-level BPE on ``rows`` and save it as a HF fast tokenizer."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
     tokenizer = Tokenizer(models.BPE(unk_token=UNK_TOKEN))
@@ -119,6 +119,9 @@ def build_tokenizer(rows: list[dict[str, str]], output_dir: Path) -> None:
         show_progress=False,
     )
     tokenizer.train_from_iterator(training_texts(rows), trainer=trainer)
+    # BOS before every text, as Llama's tokenizers put it: inference tokenises a prompt with it
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{BOS_TOKEN} $A", pair=f"{BOS_TOKEN} $A $B", special_tokens=[(BOS_TOKEN, tokenizer.token_to_id(BOS_TOKEN))])
 
     hf_tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=tokenizer,

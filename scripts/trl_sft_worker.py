@@ -64,14 +64,12 @@ def recipe_rows(args, tokenizer):
     if fmt not in ("instruction", "prompt_completion"):
         refuse(f"the TRL comparison takes instruction or prompt/completion data; --dataset is `{fmt}`")
     expected, _ = data.tokenize(rows, tokenizer, args.max_length)
-    # The recipe puts BOS in front of the prompt tokens; as text it gives the same token.
-    bos = tokenizer.bos_token if tokenizer.bos_token_id is not None else ""
     prompt_completion = []
     for row in rows:
-        labels = formats.tokenize_row(row, tokenizer, fmt, args.max_length)["labels"]
+        labels = data.tokenize_row(row, tokenizer, fmt, args.max_length)["labels"]
         if any(label != formats.IGNORE for label in labels[1:]):
             prompt, completion = formats.split_prompt(row, fmt)
-            prompt_completion.append({"prompt": bos + prompt, "completion": completion})
+            prompt_completion.append({"prompt": prompt, "completion": completion})
     if len(prompt_completion) != len(expected):
         refuse(f"kept {len(prompt_completion)} rows, the recipe keeps {len(expected)}")
     return prompt_completion, expected

@@ -101,7 +101,10 @@ def start(recipe: str, output_dir: Path, *recipe_args: str, config: str | None =
 @pytest.fixture(scope="session", autouse=True)
 def tiny_model():
     """The bundled tiny Llama, built once (the recipes would build it on first use too)."""
-    if not (TINY_MODEL / "config.json").exists():
+    sys.path.insert(0, str(REPO / "recipes"))
+    from common.modeling import default_model_needs_building
+
+    if default_model_needs_building():
         subprocess.run([sys.executable, str(REPO / "scripts" / "build_tiny_model.py")], check=True, cwd=REPO)
     return TINY_MODEL
 

@@ -155,4 +155,4 @@ def test_the_chat_template_travels_with_the_saved_tokenizer(tmp_path):
     conversation = [{"role": "user", "content": "Sort: 2 1"}]
     text = AutoTokenizer.from_pretrained(tmp_path).apply_chat_template(conversation, tokenize=False,
                                                                       add_generation_prompt=True)
-    assert text == "<|user|>\nSort: 2 1\n<|assistant|>\n"
+    assert text == "<s><|user|>\nSort: 2 1\n<|assistant|>\n"

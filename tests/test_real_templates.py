@@ -1,21 +1,21 @@
-"""What chat rows train on under model families' published chat templates and real kinds of tokenizer.
+"""What rows train on under model families' published chat templates and real kinds of tokenizer.
 
 Every fixture template (tests/fixtures/chat_templates/) x every fixture tokenizer (bundled
 character-level, sentencepiece-style, byte-level BPE; tests/chat_fixtures.py), over generated
 multi-turn rows (1-3 turns, about half with a system prompt), through the recipes' own
-`data.tokenize_counted`. The properties (issue 33):
+`data.tokenize_counted`. The properties:
 
   inference_ids    a kept row's input_ids are `apply_chat_template(messages, tokenize=True)`, the
-                   ids the model sees at inference;
+                   ids the model sees at inference (under a template that ends no reply, with the EOS
+                   the model is taught to stop with after each reply);
   replies_trained  each trained assistant reply is one run of targets that holds the reply's text;
   prompts_masked   no user or system text is inside the targets;
   stop_signal      the last target of each reply is a stop signal (the template's end-of-turn marker,
                    or EOS);
   rows_kept        no row is dropped that its template can render.
 
-Cases that fail with today's data path are strict xfails, each with its cause: the rewrite of the
-data path turns them into passes (and a strict xfail that passes fails the suite, so the marks go
-as the faults are fixed).
+Then the same for plain rows (instruction, prompt / completion) under the three tokenizers, and for
+Qwen3 rows whose replies carry their reasoning.
 """
 
 from __future__ import annotations
@@ -34,50 +34,15 @@ from common import data, formats  # noqa: E402
 ROWS = 24  # per case; seeded, so every run checks the same rows
 PROPERTIES = ("inference_ids", "replies_trained", "prompts_masked", "stop_signal", "rows_kept")
 
-# Why today's data path fails a case, one line each.
-CAUSES = {
-    "qwen3_prefix": "the template renders an empty <think> block on the last reply only, so a reply rendered last is not "
-                    "a prefix of the whole conversation: tokenize_chat drops every multi-turn row",
-    "gpt_oss_prefix": "the last reply ends with <|return|>, an earlier one with <|end|>, so a reply rendered last is not a "
-                      "prefix of the whole conversation: tokenize_chat drops every multi-turn row",
-    "phi3_prefix": "the template ends every rendering with EOS, so no turn's rendering extends the last: every row dropped",
-    "r1_prefix": "the generation prompt pre-fills <think>\\n, which the reply's rendering does not have: every row dropped",
-    "bos": "a BOS is put before a rendering that does not start with one: ids that inference never has",
-    "newline_after_marker": "the reply is the rendered text up to the next turn, so its targets run past the "
-                            "end-of-turn marker to the newline the template puts after it",
-    "no_stop": "the template renders nothing after a reply and no EOS is added: the reply has no stop signal",
-    "sp_word_start": "the reply tokenised apart from its header gains a \"▁\" (\"▁Here\"; \"Here\" in the whole rendering)",
-    "bl_newlines": "the header tokenised apart ends in \"\\n\\n\" as one token; the whole rendering has two before the reply",
-}
-ALL = fixtures.TOKENIZERS
 
-
-def _expected_failures() -> dict:
-    """(family, tokenizer, property) -> cause, for each case today's data path fails."""
-    xfail = {}
-
-    def mark(family, tokenizers, properties, cause):
-        for tokenizer in tokenizers:
-            for prop in properties:
-                xfail[(family, tokenizer, prop)] = CAUSES[cause]
-
-    mark("qwen3", ALL, ["rows_kept"], "qwen3_prefix")
-    mark("qwen3", ALL, ["stop_signal"], "newline_after_marker")
-    mark("phi3", ALL, PROPERTIES, "phi3_prefix")
-    mark("deepseek_r1_distill", ALL, PROPERTIES, "r1_prefix")
-    mark("gpt_oss", ALL, ["rows_kept"], "gpt_oss_prefix")
-    mark("gpt_oss", ALL, ["inference_ids"], "bos")
-    mark("llama3_1", ["sentencepiece"], ["inference_ids"], "sp_word_start")
-    mark("llama3_1", ["byte_level"], ["inference_ids"], "bl_newlines")
-    mark("gemma3", ALL, ["stop_signal"], "newline_after_marker")
-    mark("gemma3", ["sentencepiece"], ["inference_ids"], "sp_word_start")
-    mark("mistral_instruct", ["sentencepiece"], ["inference_ids"], "sp_word_start")
-    mark("solar_instruct", ALL, ["inference_ids"], "bos")
-    mark("solar_instruct", ALL, ["stop_signal"], "no_stop")
-    return xfail
-
-
-XFAIL = _expected_failures()
+def inference_ids(tok, family: str, messages: list[dict]) -> list[int]:
+    """The ids a model of `family` sees for `messages` at inference; a template that renders nothing
+    after a reply gets the EOS the model is taught to stop with."""
+    if fixtures.index()[family]["end_of_turn"] is None:
+        turns = formats.conversation(messages)
+        messages = [dict(message, content=message["content"] + tok.eos_token) if formats.is_reply(turns, i)
+                    else message for i, message in enumerate(messages)]
+    return tok.apply_chat_template(messages, tokenize=True)["input_ids"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -132,7 +97,7 @@ def check(family: str, tokenizer_name: str, prop: str) -> None:
     for row, out in pairs:
         messages = row["messages"]
         if prop == "inference_ids":
-            expected = tok.apply_chat_template(messages, tokenize=True)["input_ids"]
+            expected = inference_ids(tok, family, messages)
             if out["input_ids"] != expected:
                 at = next((i for i, (a, b) in enumerate(zip(out["input_ids"], expected)) if a != b),
                           min(len(expected), len(out["input_ids"])))
@@ -159,9 +124,7 @@ def check(family: str, tokenizer_name: str, prop: str) -> None:
                                           f"not a stop signal: {text!r}")
 
 
-CASES = [pytest.param(family, name, prop, id=f"{family}-{name}-{prop}",
-                      marks=[pytest.mark.xfail(strict=True, reason=XFAIL[(family, name, prop)])]
-                      if (family, name, prop) in XFAIL else [])
+CASES = [pytest.param(family, name, prop, id=f"{family}-{name}-{prop}")
          for family in fixtures.FAMILIES for name in fixtures.TOKENIZERS for prop in PROPERTIES]
 
 

@@ -10,8 +10,12 @@ import torch
 from torch.utils.data import DataLoader
 
 from .data_files import filled_columns, load_splits, unread_columns
-from .formats import IGNORE, RowProblem, detect_format, row_problem, tokenize_row
+from .formats import IGNORE, detect_format
+from .targets import tokenize_row, tokenize_rows  # noqa: F401 (tokenize_row: one row, for scripts and tests)
 from .refusal import refuse
+
+
+REPORT_COLUMNS = ["dropped", "needs", "cut", "eos_added", "stop", "boundary"]  # what the data line counts
 
 
 def prepare(accelerator, tokenizer, args, launch):
@@ -37,7 +41,8 @@ def prepare(accelerator, tokenizer, args, launch):
 
 
 def counted(tokenized) -> str:
-    """`1,000 rows: 960 used (12 of them cut to --max-length), 40 dropped (too long: 30, empty target: 10)`."""
+    """`1,000 rows: 960 used (12 of them cut to --max-length), 40 dropped (too long: 30, empty target: 10)`,
+    then the stop signal replies end with and any prompt/target boundary inside a token."""
     from collections import Counter
 
     reasons = Counter(reason for reason in tokenized["dropped"] if reason)
@@ -48,6 +53,17 @@ def counted(tokenized) -> str:
         line += f" ({cut:,} of them cut to --max-length)"
     if dropped:
         line += f", {dropped:,} dropped ({', '.join(f'{why}: {n:,}' for why, n in reasons.most_common())})"
+    if "eos_added" in tokenized.column_names:
+        added = sum(tokenized["eos_added"])
+        stops = Counter(stop for stop in tokenized["stop"] if stop)
+        if added:
+            line += f"; EOS added after {added:,} replies (the chat template ends them with no special token)"
+        elif stops:
+            line += f"; replies end with {' / '.join(stop for stop, _ in stops.most_common(2))}"
+        boundary = sum(tokenized["boundary"])
+        if boundary:
+            line += (f"; in {boundary:,} rows one token holds the prompt's end and the target's start "
+                     "(trained as target, as the whole text tokenises)")
     return line
 
 
@@ -55,7 +71,7 @@ def usable(tokenized, split: str, args):
     """The rows that can train; none at all is a refusal that names the limit or the fix."""
     kept = tokenized.select([i for i, why in enumerate(tokenized["dropped"]) if not why])
     if len(kept):
-        return kept.remove_columns(["dropped", "needs", "cut"])
+        return kept.remove_columns(REPORT_COLUMNS)
     too_long = [needs for needs, why in zip(tokenized["needs"], tokenized["dropped"]) if why.startswith("too long")]
     if too_long:
         fix = f"pass --max-length {min(too_long)} or more (the shortest row needs that many tokens)"
@@ -69,33 +85,39 @@ def tokenize(dataset, tokenizer, max_length: int, packing: bool = False):
     sequences of up to `max_length` tokens whose `position_ids` restart at every row."""
     tokenized, fmt = tokenize_counted(dataset, tokenizer, max_length)
     tokenized = tokenized.select([i for i, why in enumerate(tokenized["dropped"]) if not why])
-    tokenized = tokenized.remove_columns(["dropped", "needs", "cut"])
+    tokenized = tokenized.remove_columns(REPORT_COLUMNS)
     return (pack(tokenized, max_length) if packing else tokenized), fmt
 
 
 def tokenize_counted(dataset, tokenizer, max_length: int):
     """(every row tokenised, format name). Each row also gets `dropped`: why it cannot train ("" when
-    it can), `needs`: the --max-length that keeps one of its targets, and `cut`: whether it trains on
-    its first `max_length` tokens only (the rest of its targets are lost)."""
+    it can), `needs`: the --max-length that keeps one of its targets, `cut`: whether it trains on its
+    first `max_length` tokens only (the rest of its targets are lost), and what the data line reports
+    (`eos_added`, `stop`, `boundary`: see targets.tokenize_rows)."""
     fmt = detect_format(filled_columns(dataset))
 
-    def one_row(row):
-        problem = row_problem(row, fmt)
-        if problem is None:
-            try:
-                whole = tokenize_row(row, tokenizer, fmt, None)
-            except RowProblem as error:
-                problem = str(error)
-        if problem is not None:
-            return {"input_ids": [], "labels": [], "dropped": problem, "needs": 0, "cut": False}
-        # The label of token i is predicted from token i - 1: the first target at i needs i + 1 tokens.
-        needs = next((i + 1 for i, label in enumerate(whole["labels"]) if i and label != IGNORE), 0)
-        # A row whose targets were all cut off by --max-length teaches nothing.
-        dropped = f"too long for --max-length {max_length}" if needs > max_length else ""
-        return {"input_ids": whole["input_ids"][:max_length], "labels": whole["labels"][:max_length],
-                "dropped": dropped, "needs": needs, "cut": not dropped and len(whole["input_ids"]) > max_length}
+    def batch_of_rows(columns: dict) -> dict:
+        rows = [dict(zip(columns, values)) for values in zip(*columns.values())]
+        out = {key: [] for key in ("input_ids", "labels", "dropped", "needs", "cut", "eos_added", "stop", "boundary")}
+        for row in tokenize_rows(rows, tokenizer, fmt):
+            labels = row["labels"]
+            # The label of token i is predicted from token i - 1: the first target at i needs i + 1 tokens.
+            needs = next((i + 1 for i, label in enumerate(labels) if i and label != IGNORE), 0)
+            # A row whose targets were all cut off by --max-length teaches nothing.
+            dropped = row["problem"] or (f"too long for --max-length {max_length}" if needs > max_length else "")
+            keep = not dropped
+            out["input_ids"].append(row["input_ids"][:max_length] if keep else [])
+            out["labels"].append(labels[:max_length] if keep else [])
+            out["dropped"].append(dropped)
+            out["needs"].append(needs)
+            out["cut"].append(keep and len(row["input_ids"]) > max_length)
+            for key in ("eos_added", "stop", "boundary"):
+                out[key].append(row[key] if keep else type(row[key])())
+        return out
 
-    return dataset.map(one_row, remove_columns=dataset.column_names, desc="tokenising"), fmt
+    tokenized = dataset.map(batch_of_rows, batched=True, batch_size=512, remove_columns=dataset.column_names,
+                            desc="tokenising")
+    return tokenized, fmt
 
 
 def pack(tokenized, max_length: int):

@@ -1,4 +1,4 @@
-"""How a row of each supported format becomes tokens and labels (-100 = not trained on).
+"""The row formats: how each is recognised, read and checked (targets.py makes tokens of them).
 
 Formats, detected from the columns:
   messages                                chat turns rendered with the tokenizer's chat template
@@ -18,9 +18,9 @@ from .refusal import refuse
 IGNORE = -100  # label of a token that is not a target (prompt, padding)
 PROMPT_TEMPLATE = "### Instruction:\n{instruction}\n\n### Response:\n"
 PROMPT_WITH_INPUT_TEMPLATE = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
-# For tokenizers without a chat template: one header line per turn, EOS closes an assistant turn.
+# For tokenizers without a chat template: BOS, one header line per turn, EOS closes an assistant turn.
 DEFAULT_CHAT_TEMPLATE = (
-    "{% for message in messages %}{{ '<|' + message['role'] + '|>\\n' + message['content'] }}"
+    "{% if bos_token %}{{ bos_token }}{% endif %}{% for message in messages %}{{ '<|' + message['role'] + '|>\\n' + message['content'] }}"
     "{% if message['role'] == 'assistant' %}{{ eos_token }}{% endif %}{{ '\\n' }}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
 )
@@ -129,52 +129,3 @@ def split_prompt(row: dict, fmt: str) -> tuple[str, str]:
     if fmt == "prompt_completion":
         return row["prompt"], row["completion"]
     return "", row["text"]
-
-
-def tokenize_row(row: dict, tokenizer, fmt: str, max_length: int | None) -> dict:
-    """input_ids and labels of one row, cut to `max_length` tokens (None: uncut)."""
-    if fmt == "messages":
-        return tokenize_chat(conversation(row["messages"]), tokenizer, max_length)
-    prompt, target = split_prompt(row, fmt)
-    prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"] if prompt else []
-    target_ids = tokenizer(target, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-    prefix = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
-    input_ids = (prefix + prompt_ids + target_ids)[:max_length]
-    masked = len(prefix) + len(prompt_ids)
-    labels = [IGNORE] * masked + target_ids
-    return {"input_ids": input_ids, "labels": labels[:max_length]}
-
-
-def tokenize_chat(messages: list[dict], tokenizer, max_length: int) -> dict:
-    """Render the conversation turn by turn; the tokens of each assistant reply (and its end
-    marker) are targets, everything else (system, user, role headers) is masked."""
-    template = tokenizer.chat_template or DEFAULT_CHAT_TEMPLATE  # the recipes' tokenizers always have one
-
-    def render(turns, generation_prompt=False):
-        turns = [{"role": turn["role"], "content": turn["content"]} for turn in turns]
-        try:
-            return tokenizer.apply_chat_template(turns, tokenize=False, chat_template=template,
-                                                 add_generation_prompt=generation_prompt)
-        except Exception as error:  # a template that raises on some rows (alternation, no system role)
-            raise RowProblem(f"the chat template refuses it: {str(error).strip()[:80]}") from error
-
-    input_ids, labels, rendered = [], [], ""
-    bos = tokenizer.bos_token
-    if bos and not render(messages[:1]).startswith(bos):
-        input_ids, labels = [tokenizer.bos_token_id], [IGNORE]
-    for i, message in enumerate(messages):
-        pieces = []
-        reply = is_reply(messages, i)
-        if reply:
-            header = render(messages[:i], generation_prompt=True)
-            pieces.append((header, False))
-        pieces.append((render(messages[: i + 1]), reply))
-        for text, trained in pieces:
-            if not text.startswith(rendered):
-                raise RowProblem("the chat template re-renders earlier turns differently (use a template "
-                                 "whose output grows turn by turn)")
-            ids = tokenizer(text[len(rendered):], add_special_tokens=False)["input_ids"]
-            input_ids += ids
-            labels += ids if trained else [IGNORE] * len(ids)
-            rendered = text
-    return {"input_ids": input_ids[:max_length], "labels": labels[:max_length]}

@@ -19,12 +19,19 @@ def is_default_model(name: str) -> bool:
     return Path(name).resolve() == DEFAULT_MODEL.resolve()
 
 
+def default_model_needs_building() -> bool:
+    """Not built yet, or built before the bundled tokenizer changed (its rows would tokenise differently)."""
+    saved = DEFAULT_MODEL / "tokenizer.json"
+    bundled = REPO_ROOT / "data" / "tokenizer" / "tokenizer.json"
+    return not (DEFAULT_MODEL / "config.json").exists() or not saved.exists() or saved.read_bytes() != bundled.read_bytes()
+
+
 def ensure_default_model(name: str, accelerator) -> None:
     """Build the bundled tiny model the first time it is asked for (random init, a few seconds)."""
     if not is_default_model(name):
         return
     with accelerator.local_main_process_first():
-        if accelerator.is_local_main_process and not (DEFAULT_MODEL / "config.json").exists():
+        if accelerator.is_local_main_process and default_model_needs_building():
             builder = REPO_ROOT / "scripts" / "build_tiny_model.py"
             subprocess.run([sys.executable, str(builder), "--output-dir", str(DEFAULT_MODEL)], check=True)
 

@@ -1,0 +1,244 @@
+"""Which tokens of a row are trained: the row rendered once, as the model sees it at inference,
+tokenised once (a whole batch of rows in one call of the fast tokenizer), and its targets found as
+character spans of the rendering.
+
+Chat rows are rendered with the chat template twice: as they are, and with each trained reply's
+text replaced by a marker. What lies between the markers is the template's own text, so aligning
+the two renderings finds every reply in the real one, also under templates that re-render earlier
+turns (Qwen3 drops old reasoning, Phi-3 ends the conversation with EOS, GPT-OSS ends the last reply
+with another marker). A reply's targets run from where the model starts writing (the end of the
+template's generation prompt) through its text to the first special token the template puts after
+it: its end-of-turn marker. Where the template puts none there, EOS is added after the reply.
+
+Plain rows (instruction, prompt / completion, text) are prompt + target as one text, tokenised as
+`tokenizer(text)` tokenises it; the tokens after the prompt's characters are targets, then EOS.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .formats import DEFAULT_CHAT_TEMPLATE, IGNORE, RowProblem, conversation, is_reply, row_problem, split_prompt
+from .refusal import refuse
+
+# Private-use characters: no template writes them and no row is expected to hold them.
+MARK_OPEN, MARK_CLOSE = "\ue000", "\ue001"
+MARKER = re.compile(f"{MARK_OPEN}(\\d+){MARK_CLOSE}")
+PROBE_USER = "\ue002"
+
+
+@dataclass
+class Rendering:
+    """One row as text, the character spans it trains on, and what the data line reports."""
+    text: str
+    spans: list[tuple[int, int]]
+    plain: bool = False             # tokenised with the tokenizer's own special tokens (BOS), EOS appended
+    eos_added: int = 0              # replies after which EOS was added (the template ends none)
+    stops: list[str] = field(default_factory=list)  # the stop signal of each reply
+    boundary: bool = False          # a token holds the prompt's last and the target's first characters
+
+
+class ChatTemplate:
+    """The tokenizer's chat template (the default one where it has none), with what is needed to find
+    the replies in its renderings: its special tokens and the text a reply opens with."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.template = tokenizer.chat_template or DEFAULT_CHAT_TEMPLATE
+        specials = {token for token in tokenizer.all_special_tokens if token}
+        specials |= {added.content for added in tokenizer.added_tokens_decoder.values() if added.special and added.content}
+        self.special = re.compile("|".join(re.escape(token) for token in sorted(specials, key=len, reverse=True))) \
+            if specials else None
+        self.opening = self._opening()
+
+    def render(self, messages: list[dict], generation_prompt: bool = False) -> str:
+        try:
+            return self.tokenizer.apply_chat_template(messages, chat_template=self.template, tokenize=False,
+                                                      add_generation_prompt=generation_prompt)
+        except Exception as error:  # a template that raises on some rows (alternation, no system role)
+            reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            raise RowProblem(f"the chat template refuses it: {reason[:80]}") from error
+
+    def _opening(self) -> str:
+        """What the model writes after the generation prompt and before a reply's text (GPT-OSS:
+        `<|channel|>final<|message|>`; usually nothing): part of the targets."""
+        try:
+            asked = self.render([{"role": "user", "content": PROBE_USER}], generation_prompt=True)
+            answered = self.render([{"role": "user", "content": PROBE_USER},
+                                    {"role": "assistant", "content": MARK_OPEN + "0" + MARK_CLOSE}])
+        except RowProblem:
+            return ""
+        mark = answered.find(MARK_OPEN)
+        start = common_prefix_length(asked, answered)
+        return answered[start:mark] if 0 <= start <= mark else ""
+
+    def stop_after(self, text: str, start: int, end: int):
+        """The first special token in text[start:end], or None: a reply's end-of-turn marker."""
+        return self.special.search(text, start, end) if self.special else None
+
+
+def common_prefix_length(a: str, b: str) -> int:
+    """How many leading characters `a` and `b` share (bisection over C-speed slice comparisons)."""
+    low, high = 0, min(len(a), len(b))
+    while low < high:
+        middle = (low + high + 1) // 2
+        if a[:middle] == b[:middle]:
+            low = middle
+        else:
+            high = middle - 1
+    return low
+
+
+def _marked(turns: list[dict], replies: list[int], only: int | None = None) -> list[dict]:
+    marked = [dict(turn) for turn in turns]
+    for k, i in enumerate(replies):
+        if only is None or k == only:
+            marked[i]["content"] = f"{MARK_OPEN}{k}{MARK_CLOSE}"
+    return marked
+
+
+def _regions_by_alignment(text: str, marked: str, count: int):
+    """Each reply's [start, end) in `text`, by matching the template's text between the markers of
+    `marked` (one rendering with every reply marked); None when the template's own text changed."""
+    pieces = MARKER.split(marked)  # [between_0, "0", between_1, "1", ..., between_n]
+    if len(pieces) != 2 * count + 1 or pieces[1::2] != [str(k) for k in range(count)]:
+        return None
+    between = pieces[0::2]
+    if not text.startswith(between[0]):
+        return None
+    regions, position = [], len(between[0])
+    for k in range(count):
+        follows = between[k + 1]
+        if k == count - 1:
+            end = len(text) - len(follows)
+            if not text.endswith(follows) or end < position:
+                return None
+        else:
+            end = text.find(follows, position)
+            if end < 0 or not follows:
+                return None
+        regions.append((position, end, follows))
+        position = end + len(follows)
+    return regions
+
+
+def render_chat(turns: list[dict], chat: ChatTemplate) -> Rendering:
+    """The conversation rendered once, with each trained reply's span (opening, text, stop signal)."""
+    messages = [{"role": turn["role"], "content": turn["content"]} for turn in turns]
+    replies = [i for i in range(len(turns)) if is_reply(turns, i)]
+    text = chat.render(messages)
+    regions = _regions_by_alignment(text, chat.render(_marked(messages, replies)), len(replies))
+    opening = chat.opening
+    if regions is None:  # the template renders around a reply differently when its text changes
+        regions = []
+        for k, i in enumerate(replies):
+            before, found, follows = chat.render(_marked(messages, replies, only=k)).partition(f"{MARK_OPEN}{k}{MARK_CLOSE}")
+            if not found:
+                raise RowProblem("the chat template leaves the reply out of its rendering")
+            start = min(common_prefix_length(text, before), common_prefix_length(text, chat.render(messages[:i], True)))
+            end = len(text) - len(follows)
+            if not text.endswith(follows) or start > end or (regions and start < regions[-1][1]):
+                raise RowProblem("the chat template renders the rest of the conversation differently for each "
+                                 "reply's text, so the reply cannot be found in the rendering")
+            regions.append((start, end, follows))
+        opening = ""
+    eos = chat.tokenizer.eos_token
+    pieces, spans, stops, eos_added, copied, shift = [], [], [], 0, 0, 0
+    for k, (start, end, follows) in enumerate(regions):
+        if opening and text[max(0, start - len(opening)):start] == opening:
+            start -= len(opening)
+        stop = chat.stop_after(text, end, end + len(follows))
+        later = replies[k] + 1
+        next_text = str(messages[later]["content"]).strip() if later < len(messages) else ""
+        if stop is not None and next_text and next_text in text[end:stop.start()]:
+            stop = None  # the next turn began before that token: it is not this reply's end
+        if stop is not None:
+            spans.append((start + shift, stop.end() + shift))
+            stops.append(stop.group())
+        elif eos:
+            pieces += [text[copied:end], eos]
+            copied = end
+            spans.append((start + shift, end + shift + len(eos)))
+            shift += len(eos)
+            stops.append(eos)
+            eos_added += 1
+        else:
+            spans.append((start + shift, end + shift))
+            stops.append("")
+    return Rendering("".join(pieces) + text[copied:], spans, eos_added=eos_added, stops=stops)
+
+
+def render_plain(row: dict, fmt: str) -> Rendering:
+    prompt, target = split_prompt(row, fmt)
+    prompt = prompt or ""
+    return Rendering(prompt + target, [(len(prompt), len(prompt) + len(target))], plain=True)
+
+
+def render_row(row: dict, fmt: str, chat: ChatTemplate | None) -> Rendering:
+    if fmt == "messages":
+        return render_chat(conversation(row["messages"]), chat)
+    return render_plain(row, fmt)
+
+
+def trained_mask(offsets, spans) -> np.ndarray:
+    """Which tokens (character offsets [start, end)) overlap a trained span."""
+    offsets = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
+    starts, ends = offsets[:, 0], offsets[:, 1]
+    mask = np.zeros(len(offsets), dtype=bool)
+    for start, end in spans:
+        mask |= (ends > start) & (starts < end)
+    return mask
+
+
+def tokenize_rows(rows: list[dict], tokenizer, fmt: str) -> list[dict]:
+    """Each row as {input_ids, labels, problem ("" or why it cannot train), eos_added, stop, boundary},
+    all rows tokenised in one call."""
+    if not getattr(tokenizer, "is_fast", False):
+        refuse(f"the tokenizer ({type(tokenizer).__name__}) is not a fast (Rust) tokenizer, which the data path "
+               "needs for character offsets; give a model folder with a tokenizer.json")
+    chat = ChatTemplate(tokenizer) if fmt == "messages" else None
+    renderings: list[Rendering | str] = []
+    for row in rows:
+        problem = row_problem(row, fmt)
+        if problem is None:
+            try:
+                renderings.append(render_row(row, fmt, chat))
+                continue
+            except RowProblem as error:
+                problem = str(error)
+        renderings.append(problem)
+    texts = [r.text for r in renderings if isinstance(r, Rendering)]
+    encoded = tokenizer(texts, add_special_tokens=fmt != "messages", return_offsets_mapping=True,
+                        return_attention_mask=False, verbose=False) if texts else {"input_ids": [], "offset_mapping": []}
+    eos_id = tokenizer.eos_token_id
+    out, done = [], 0
+    for rendering in renderings:
+        if not isinstance(rendering, Rendering):
+            out.append({"input_ids": [], "labels": [], "problem": rendering, "eos_added": 0, "stop": "", "boundary": False})
+            continue
+        ids, offsets = list(encoded["input_ids"][done]), list(encoded["offset_mapping"][done])
+        done += 1
+        if rendering.plain:
+            if ids and ids[-1] == eos_id and tuple(offsets[-1]) == (0, 0):  # the tokenizer's own EOS: trained below
+                ids, offsets = ids[:-1], offsets[:-1]
+            (cut,) = [start for start, _ in rendering.spans]
+            rendering.boundary = cut > 0 and any(start < cut < end for start, end in offsets)
+        mask = trained_mask(offsets, rendering.spans)
+        labels = np.where(mask, np.asarray(ids, dtype=np.int64), IGNORE).tolist()
+        if rendering.plain and eos_id is not None:
+            ids, labels = ids + [eos_id], labels + [eos_id]
+        out.append({"input_ids": ids, "labels": labels, "problem": "", "eos_added": rendering.eos_added,
+                    "stop": rendering.stops[-1] if rendering.stops else "", "boundary": rendering.boundary})
+    return out
+
+
+def tokenize_row(row: dict, tokenizer, fmt: str, max_length: int | None = None) -> dict:
+    """input_ids and labels of one row, cut to `max_length` tokens (None: uncut); RowProblem when it
+    cannot train."""
+    (one,) = tokenize_rows([row], tokenizer, fmt)
+    if one["problem"]:
+        raise RowProblem(one["problem"])
+    return {"input_ids": one["input_ids"][:max_length], "labels": one["labels"][:max_length]}
