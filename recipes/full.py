@@ -45,7 +45,7 @@ def main():
     # Data, before the model: a file that cannot be read stops the run here (file:line), rows that
     # cannot train are counted and dropped. Prompt tokens are masked: the loss covers the responses only.
     modeling.ensure_default_model(args.model, accelerator)
-    tokenizer = modeling.load_tokenizer(args.model, args.trust_remote_code)
+    tokenizer = modeling.load_tokenizer(args.model, args.trust_remote_code, args.chat_template)
     train_set, eval_set, data_format = data.prepare(accelerator, tokenizer, args, launch)
 
     # Model: every weight is trained, so it stays in fp32 (mixed precision runs the maths in 16 bits).

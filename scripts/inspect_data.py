@@ -49,6 +49,8 @@ def parse_args(argv=None):
                              "(default: the bundled tiny Llama)")
     parser.add_argument("--dataset", default=None, help="as the recipes take it (default: the bundled data/)")
     parser.add_argument("--columns", default=None, help="as the recipes take it, e.g. instruction=question,response=answer")
+    parser.add_argument("--chat-template", default=None, metavar="FILE",
+                        help="as the recipes take it (default: the model's own chat template)")
     parser.add_argument("--max-length", type=int, default=512, help="as the recipes take it (default: 512)")
     parser.add_argument("--rows", type=int, default=None,
                         help="show the first K rows (default: 5; with --json every row)")
@@ -57,7 +59,7 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
-def tokenizer_of(model: str, trust_remote_code: bool = False):
+def tokenizer_of(model: str, trust_remote_code: bool = False, chat_template: str | None = None):
     """The tokenizer a recipe trains with (modeling.load_tokenizer): the bundled model's before its first build."""
     if modeling.is_default_model(model) and not (Path(model) / "tokenizer.json").is_file():
         model = str(BUNDLED_TOKENIZER)
@@ -65,7 +67,7 @@ def tokenizer_of(model: str, trust_remote_code: bool = False):
         preflight.refuse(f"--model {model} does not exist; give a model folder (a folder with its tokenizer is "
                          "enough) or a hub id")
     return modeling.load_tokenizer(str(Path(model).expanduser()) if Path(model).expanduser().exists() else model,
-                                   trust_remote_code)
+                                   trust_remote_code, chat_template)
 
 
 def tokenised_splits(args, tokenizer, log=sys.stdout):
@@ -113,7 +115,7 @@ def marked(tokenizer, row: dict, colour: bool) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    tokenizer = tokenizer_of(args.model, args.trust_remote_code)
+    tokenizer = tokenizer_of(args.model, args.trust_remote_code, args.chat_template)
     import datasets
 
     datasets.disable_progress_bars()

@@ -242,7 +242,7 @@ def main():
     import torch
 
     processes = int(os.environ.get("WORLD_SIZE", "1"))
-    tokenizer = modeling.load_tokenizer(args.model)
+    tokenizer = modeling.load_tokenizer(args.model, chat_template=args.chat_template)
     prompt_completion, expected = recipe_rows(args, tokenizer)
     order = training_order(len(expected), args.seed, args.max_steps, args.batch_size, args.grad_accum, processes)
 

@@ -152,3 +152,27 @@ def stop_ids(tok, family: str) -> set[int]:
     markers = index()[family]["end_of_turn"] or []
     markers = [markers] if isinstance(markers, str) else markers
     return {tok.convert_tokens_to_ids(marker) for marker in markers} | {tok.eos_token_id}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Rows with a tool call and its result, in OpenAI's layout (arguments as JSON text, as files hold them)
+
+TOOLS = [{"type": "function", "function": {"name": "largest_of", "description": "The largest of some numbers.",
+                                             "parameters": {"type": "object", "required": ["numbers"],
+                                                            "properties": {"numbers": {"type": "array"}}}}}]
+
+
+def tool_rows(count: int, seed: int = 0) -> list[dict]:
+    """`count` rows: a user asks, the assistant calls `largest_of`, the tool answers, the assistant replies."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(count):
+        numbers = [rng.randint(0, 99) for _ in range(rng.randint(2, 6))]
+        call = {"id": f"call{rng.randint(0, 999)}", "type": "function",
+                "function": {"name": "largest_of", "arguments": json.dumps({"numbers": numbers})}}
+        messages = [{"role": "user", "content": f"Which is the largest of {' '.join(map(str, numbers))}?"},
+                    {"role": "assistant", "content": "", "tool_calls": [call]},
+                    {"role": "tool", "tool_call_id": call["id"], "content": json.dumps({"largest": max(numbers)})},
+                    {"role": "assistant", "content": f"The largest is {max(numbers)}."}]
+        rows.append({"messages": messages, "tools": json.dumps(TOOLS)})
+    return rows

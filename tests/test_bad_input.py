@@ -83,12 +83,8 @@ def test_rows_that_cannot_train_are_counted(tokenizer):
              {"messages": [{"role": "user", "content": "hi"}]},
              {"messages": [{"role": "user", "content": None}, {"role": "assistant", "content": "x"}]}]
     assert data.counted(tokenized(tokenizer, chats)) == (
-        "5 rows: 1 used, 4 dropped (a role other than system/user/assistant (narrator): 1, tool calls or tool "
-        "results (not supported: drop those turns or rows): 1, no assistant reply: 1, a turn without text: 1); "
-        "replies end with </s>")
-    pairs = [{"prompt": "p", "completion": "c"}, {"prompt": "p", "completion": None},
-             {"prompt": None, "completion": "c"}, {"prompt": "p", "completion": "  "}]
-    assert data.counted(tokenized(tokenizer, pairs)) == "4 rows: 1 used, 3 dropped (empty target: 2, no prompt: 1)"
+        "5 rows: 1 used, 4 dropped (no assistant reply: 2, a role other than system/user/assistant/tool/function/ipython "
+        "(narrator): 1, a turn without text: 1); replies end with </s>")
 
 
 def test_no_usable_row_names_the_max_length_that_would_keep_one(tokenizer):
@@ -244,7 +240,10 @@ DATA_SHAPES = {
     "latin-1": [GOOD] * 5 + [b'{"instruction": "na\xefve", "response": "x"}'],
     "all too long": [{"instruction": "Sort: " + " ".join("9" * 200), "response": "9"}] * 40,
     "no text columns": [{"question": "q", "answer": "a"}] * 40,
-    "chat with tools": [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}] * 30
+    "chat with tools": [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}] * 20
+    + [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "look", "arguments": '{"at": "sky"}'}}]},
+        {"role": "tool", "content": "blue"}, {"role": "assistant", "content": "It is blue."}]}] * 10
     + [{"messages": [{"role": "user", "content": "hi"}, {"role": "tool", "content": "x"}]}] * 10,
 }
 # Only launched by the long test below (the random launches draw from DATA_SHAPES).
@@ -295,10 +294,10 @@ EVERY_CASE = [
     ([], "no text columns", "the dataset has no usable text columns"),
     ([], "empty", "is an empty file"),
     (["--resume", "auto"], "good", "was written by lora.py training org/other-model"),  # see below
-    ([], "chat with tools", None),  # trains; the rows with tool turns are dropped and counted
+    ([], "chat with tools", None),  # trains, tool calls too; the rows without a reply are dropped and counted
     ([], "null responses", None),  # trains; the rows without a target are dropped and counted
 ]
-DROPPED = {"chat with tools": "dropped (tool calls or tool results", "null responses": "empty target: "}
+DROPPED = {"chat with tools": "dropped (no assistant reply: ", "null responses": "empty target: "}
 
 
 @long_test  # ~4 min

@@ -52,11 +52,11 @@ def model_folders(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def chat_file(tmp_path_factory):
-    """Multi-turn chat rows, and two that no template can train: one without a reply, one with a tool call."""
+    """Multi-turn chat rows, and two that no template can train: one without a reply, one with a role no
+    template knows."""
     rows = fixtures.chat_rows(16, seed=11)
     rows.insert(3, {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello?"}]})
-    rows.insert(9, {"messages": [{"role": "user", "content": "Weather?"},
-                                 {"role": "assistant", "content": "", "tool_calls": [{"type": "function"}]}]})
+    rows.insert(9, {"messages": [{"role": "user", "content": "Weather?"}, {"role": "narrator", "content": "It rains."}]})
     path = tmp_path_factory.mktemp("chats") / "chats.jsonl"
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return path
@@ -101,7 +101,7 @@ def test_json_rows_of_a_chat_file_are_what_the_recipes_train_on(name, model_fold
     kept = [row for row in rows if not row["dropped"]]
     assert kept == [{**row, "dropped": ""} for row in recipes_rows(chat_file, model_folders[name], 4096)]
     assert rows[3] == {"input_ids": [], "labels": [], "dropped": "no assistant reply"}
-    assert rows[9]["input_ids"] == [] and rows[9]["dropped"].startswith("tool calls")
+    assert rows[9]["input_ids"] == [] and rows[9]["dropped"].startswith("a role other than")
     for row in kept:
         assert len(row["input_ids"]) == len(row["labels"]) and any(label != data.IGNORE for label in row["labels"])
     if name == "byte_level":  # Qwen3's template, which re-renders earlier replies: no row lost to it
@@ -135,7 +135,7 @@ def test_printed_rows_bracket_the_trained_tokens_and_list_the_dropped(model_fold
         assert visible == tokenizer.decode(targets)
         assert "\x1b[" not in text  # no colour when stdout is not a terminal
     dropped = out.split("--- dropped")[1]
-    assert "train row 4: no assistant reply" in dropped and "train row 10: tool calls" in dropped
+    assert "train row 4: no assistant reply" in dropped and "train row 10: a role other than" in dropped
     assert out.strip().splitlines()[-1].startswith("data (messages): train 18 rows: ")
 
 

@@ -85,7 +85,7 @@ def test_recipe_runs_strategy(recipe, config, trained, record_property):
     from transformers import AutoTokenizer
 
     saved = AutoTokenizer.from_pretrained(run.output_dir / ("model" if recipe == "full" else "adapter"))
-    assert saved.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False).startswith("<|user|>")
+    assert saved.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False).startswith("<s><|user|>")
 
     # 3. What it saved reloads and computes what the trained model computed.
     probe = load_file(str(run.output_dir / "probe_logits.safetensors"))

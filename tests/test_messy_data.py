@@ -12,7 +12,7 @@ import pytest
 from conftest import REPO, TINY_MODEL
 
 sys.path.insert(0, str(REPO / "recipes"))
-from common import data, data_files  # noqa: E402
+from common import data, data_files, formats  # noqa: E402
 from common.preflight import Refusal  # noqa: E402
 
 ROWS = [{"instruction": f"Say {i}", "response": f"ok {i}"} for i in range(20)]
@@ -135,10 +135,10 @@ def test_content_parts_capitalised_roles_and_an_opening_greeting(tokenizer):
     turns = [{"role": "Assistant", "content": [{"type": "text", "text": "Hello!"}]},
              {"role": "User", "content": [{"type": "text", "text": "hi"}, {"type": "image_url", "image_url": "x"}]},
              {"role": "Assistant", "content": [{"type": "text", "text": "yo"}]}]
-    assert data.row_problem({"messages": turns}, "messages") is None
+    assert formats.row_problem({"messages": turns}, "messages") is None
     row = data.tokenize_row({"messages": json.dumps(turns)}, tokenizer, "messages", 128)  # a JSON string too
     assert targets_of(row, tokenizer).strip() == "yo" + tokenizer.eos_token  # the greeting is context, not a target
-    assert data.row_problem({"messages": turns[:2]}, "messages") == "no assistant reply"
+    assert formats.row_problem({"messages": turns[:2]}, "messages") == "no assistant reply"
 
 
 def test_too_few_rows_for_the_processes_names_every_fix():
@@ -152,8 +152,8 @@ def test_the_held_out_rows_are_rows_that_can_train(tmp_path):
     path.write_text(jsonl(rows))
     train, evaluation = data.load_splits(str(path), seed=0)
     assert len(train) + len(evaluation) == 40 and len(evaluation) == 2
-    assert all(data.row_problem(row, "instruction") is None for row in evaluation)
-    assert sum(data.row_problem(row, "instruction") is not None for row in train) == 26  # kept, to be counted
+    assert all(formats.row_problem(row, "instruction") is None for row in evaluation)
+    assert sum(formats.row_problem(row, "instruction") is not None for row in train) == 26  # kept, to be counted
 
 
 # What users' files hold beyond the happy path: each trains on what was meant, or one line names the fix
@@ -174,19 +174,20 @@ def test_a_row_the_chat_template_refuses_is_dropped_and_counted(tokenizer):
     rows = [{"messages": chat}] * 3 + [{"messages": [{"role": "system", "content": "Be brief."}, *chat]}]
     tokenized, _ = data.tokenize_counted(datasets.Dataset.from_list(rows), strict, 64)
     assert data.counted(tokenized) == ("4 rows: 3 used, 1 dropped (the chat template refuses it: System role "
-                                       "not supported: 1)")
+                                       "not supported: 1); EOS added after 3 replies (the chat template ends them "
+                                       "with no special token)")
 
 
 def test_weight_zero_turns_are_context_and_developer_is_the_system_role(tokenizer):
     turns = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "q"},
              {"role": "assistant", "content": "BAD", "weight": 0}, {"role": "user", "content": "again"},
              {"role": "assistant", "content": "good", "weight": 1}]
-    assert data.row_problem({"messages": turns}, "messages") is None
+    assert formats.row_problem({"messages": turns}, "messages") is None
     row = data.tokenize_row({"messages": turns}, tokenizer, "messages", 256)
     assert "BAD" not in targets_of(row, tokenizer) and targets_of(row, tokenizer).startswith("good")
     assert "<|system|>" in tokenizer.decode(row["input_ids"]) or "system" in tokenizer.decode(row["input_ids"])
     only_weightless = [turns[1], turns[2]]
-    assert data.row_problem({"messages": only_weightless}, "messages") == "no assistant reply"
+    assert formats.row_problem({"messages": only_weightless}, "messages") == "no assistant reply"
 
 
 def test_rows_cut_to_max_length_are_counted(tokenizer):

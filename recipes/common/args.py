@@ -44,6 +44,9 @@ def recipe_parser(doc: str) -> argparse.ArgumentParser:
     add("--columns", default=None,
         help="rename dataset columns to a known format, e.g. instruction=question,response=answer "
              "(default: the columns as they are)")
+    add("--chat-template", default=None, metavar="FILE",
+        help="a Jinja chat template for chat rows, saved with the tokenizer (default: the model's own; a plain "
+             "one for a model without)")
     add("--packing", action="store_true",
         help="pack several rows into each --max-length sequence (attention stays within each row)")
     add("--output-dir", default="outputs/run", help="where run.json, metrics, checkpoints and the result go")

@@ -15,7 +15,7 @@ from .targets import tokenize_row, tokenize_rows  # noqa: F401 (tokenize_row: on
 from .refusal import refuse
 
 
-REPORT_COLUMNS = ["dropped", "needs", "cut", "eos_added", "stop", "boundary"]  # what the data line counts
+REPORT_COLUMNS = ["dropped", "needs", "cut", "eos_added", "stops", "boundary"]  # what the data line counts
 
 
 def prepare(accelerator, tokenizer, args, launch):
@@ -55,7 +55,7 @@ def counted(tokenized) -> str:
         line += f", {dropped:,} dropped ({', '.join(f'{why}: {n:,}' for why, n in reasons.most_common())})"
     if "eos_added" in tokenized.column_names:
         added = sum(tokenized["eos_added"])
-        stops = Counter(stop for stop in tokenized["stop"] if stop)
+        stops = Counter(stop for row_stops in tokenized["stops"] for stop in row_stops)
         if added:
             line += f"; EOS added after {added:,} replies (the chat template ends them with no special token)"
         elif stops:
@@ -68,16 +68,28 @@ def counted(tokenized) -> str:
 
 
 def usable(tokenized, split: str, args):
-    """The rows that can train; none at all is a refusal that names the limit or the fix."""
+    """The rows that can train; none at all is a refusal that names what to change for each cause found."""
     kept = tokenized.select([i for i, why in enumerate(tokenized["dropped"]) if not why])
     if len(kept):
         return kept.remove_columns(REPORT_COLUMNS)
+    refuse(f"no {split} row can be used: {counted(tokenized)}; {'; '.join(fixes(tokenized))}")
+
+
+def fixes(tokenized) -> list[str]:
+    """What to change, one entry per kind of cause among the dropped rows, the commonest first."""
+    from collections import Counter
+
+    kinds = Counter()
+    for why in tokenized["dropped"]:
+        if why:
+            kinds["length" if why.startswith("too long") else "template" if why.startswith("the chat template")
+                  else "rows"] += 1
     too_long = [needs for needs, why in zip(tokenized["needs"], tokenized["dropped"]) if why.startswith("too long")]
-    if too_long:
-        fix = f"pass --max-length {min(too_long)} or more (the shortest row needs that many tokens)"
-    else:
-        fix = "fix the rows (or map your columns with --columns)"
-    refuse(f"no {split} row can be used: {counted(tokenized)}; {fix}")
+    fix = {"length": f"pass --max-length {min(too_long or [0])} or more (the shortest row needs that many tokens)",
+           "template": "the chat template cannot render these rows: pass --chat-template FILE with one that can "
+                       "(or drop the turns it refuses)",
+           "rows": "fix the rows, or map your columns with --columns"}
+    return [fix[kind] for kind, _ in kinds.most_common()]
 
 
 def tokenize(dataset, tokenizer, max_length: int, packing: bool = False):
@@ -93,12 +105,12 @@ def tokenize_counted(dataset, tokenizer, max_length: int):
     """(every row tokenised, format name). Each row also gets `dropped`: why it cannot train ("" when
     it can), `needs`: the --max-length that keeps one of its targets, `cut`: whether it trains on its
     first `max_length` tokens only (the rest of its targets are lost), and what the data line reports
-    (`eos_added`, `stop`, `boundary`: see targets.tokenize_rows)."""
+    (`eos_added`, `stops`, `boundary`: see targets.tokenize_rows)."""
     fmt = detect_format(filled_columns(dataset))
 
     def batch_of_rows(columns: dict) -> dict:
         rows = [dict(zip(columns, values)) for values in zip(*columns.values())]
-        out = {key: [] for key in ("input_ids", "labels", "dropped", "needs", "cut", "eos_added", "stop", "boundary")}
+        out = {key: [] for key in ("input_ids", "labels", "dropped", "needs", "cut", "eos_added", "stops", "boundary")}
         for row in tokenize_rows(rows, tokenizer, fmt):
             labels = row["labels"]
             # The label of token i is predicted from token i - 1: the first target at i needs i + 1 tokens.
@@ -111,7 +123,7 @@ def tokenize_counted(dataset, tokenizer, max_length: int):
             out["dropped"].append(dropped)
             out["needs"].append(needs)
             out["cut"].append(keep and len(row["input_ids"]) > max_length)
-            for key in ("eos_added", "stop", "boundary"):
+            for key in ("eos_added", "stops", "boundary"):
                 out[key].append(row[key] if keep else type(row[key])())
         return out
 

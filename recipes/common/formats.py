@@ -18,9 +18,11 @@ from .refusal import refuse
 IGNORE = -100  # label of a token that is not a target (prompt, padding)
 PROMPT_TEMPLATE = "### Instruction:\n{instruction}\n\n### Response:\n"
 PROMPT_WITH_INPUT_TEMPLATE = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
-# For tokenizers without a chat template: BOS, one header line per turn, EOS closes an assistant turn.
+# For tokenizers without a chat template: BOS, one header line per turn (tool calls as JSON after the
+# text), EOS closes an assistant turn.
 DEFAULT_CHAT_TEMPLATE = (
     "{% if bos_token %}{{ bos_token }}{% endif %}{% for message in messages %}{{ '<|' + message['role'] + '|>\\n' + message['content'] }}"
+    "{% if message['tool_calls'] %}{{ message['tool_calls'] | tojson }}{% endif %}"
     "{% if message['role'] == 'assistant' %}{{ eos_token }}{% endif %}{{ '\\n' }}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
 )
@@ -48,7 +50,7 @@ ROLES = ("system", "user", "assistant")
 # columns that must hold text (or be empty) in each format
 TEXT_COLUMNS = ("instruction", "input", "output", "response", "prompt", "completion", "text")
 # the columns each format reads, and the one every row of the format has
-READ_COLUMNS = {"messages": ("messages",), "instruction": ("instruction", "input", "output", "response"),
+READ_COLUMNS = {"messages": ("messages", "tools"), "instruction": ("instruction", "input", "output", "response"),
                 "prompt_completion": ("prompt", "completion"), "text": ("text",)}
 FORMAT_KEYS = {"messages": "messages", "instruction": "instruction", "prompt_completion": "prompt", "text": "text"}
 
@@ -59,17 +61,17 @@ SPEAKERS = {"human": "user", "gpt": "assistant", "chatgpt": "assistant", "bot": 
 TOOL_ROLES = ("tool", "function", "ipython")
 
 
+# Keys of a turn that templates read besides role and content (tool calls, their results, reasoning).
+TURN_EXTRAS = ("tool_calls", "tool_call_id", "name", "reasoning_content", "thinking")
+
+
 def conversation(cell) -> list | None:
-    """A `messages` cell as [{"role", "content"}, ...], also when written as ShareGPT's {"from", "value"},
+    """A `messages` cell as [{"role", "content", ...}, ...], also when written as ShareGPT's {"from", "value"},
     with the content as a list of parts ({"type": "text", "text": ...}; other parts are not text and are
     left out), with roles in capitals, or as a JSON string. None when it is no list of turns.
-    OpenAI's fine-tuning `"weight": 0` on an assistant turn (keep it as context, do not train on it)
-    and the presence of `tool_calls` are kept."""
-    if isinstance(cell, str):
-        try:
-            cell = json.loads(cell)
-        except ValueError:
-            return None
+    OpenAI's fine-tuning `"weight": 0` on an assistant turn (keep it as context, do not train on it) is
+    kept, and so are the keys templates read for tool calls, tool results and reasoning (TURN_EXTRAS)."""
+    cell = json_value(cell)
     if not isinstance(cell, list):
         return None
     turns = []
@@ -83,9 +85,42 @@ def conversation(cell) -> list | None:
                      if isinstance(part, str) or (isinstance(part, dict) and part.get("type", "text") == "text")]
             content = "".join(part for part in parts if isinstance(part, str)) if parts else None
         role = SPEAKERS.get(str(role).lower(), str(role).lower()) if isinstance(role, str) else role
-        turns.append({"role": role, "content": content, "weight": turn.get("weight", 1),
-                      "tool_calls": bool(turn.get("tool_calls") or turn.get("function_call"))})
+        extras = {key: turn[key] for key in TURN_EXTRAS if turn.get(key) is not None}  # datasets fills absent keys with None
+        if turn.get("function_call") and "tool_calls" not in extras:  # OpenAI's older form of one call
+            extras["tool_calls"] = [{"type": "function", "function": turn["function_call"]}]
+        if "tool_calls" in extras:
+            extras["tool_calls"] = without_nulls([dict(call, function=dict(call["function"], arguments=json_value(
+                call["function"].get("arguments")))) if isinstance(call, dict) and isinstance(call.get("function"), dict)
+                else call for call in json_value(extras["tool_calls"]) or []])
+            content = "" if content is None else content  # a turn that only calls a tool
+        turns.append({"role": role, "content": content, "weight": turn.get("weight", 1), **extras})
     return turns
+
+
+def tools_of(row: dict) -> list | None:
+    """The row's `tools` column (function schemas the template lists for the model), or None."""
+    tools = without_nulls(json_value(row.get("tools")))
+    return tools if isinstance(tools, list) and tools else None
+
+
+def without_nulls(value):
+    """`value` with the None entries of its dicts left out, at every depth: a dataset read from JSON
+    gives every object of a column the keys of all of them, the absent ones None."""
+    if isinstance(value, dict):
+        return {key: without_nulls(item) for key, item in value.items() if item is not None}
+    if isinstance(value, list):
+        return [without_nulls(item) for item in value]
+    return value
+
+
+def json_value(value):
+    """`value`, or what it holds when it is JSON text of a list or an object."""
+    if isinstance(value, str) and value[:1] in "[{":
+        try:
+            return json.loads(value)
+        except ValueError:
+            return value
+    return value
 
 
 def row_problem(row: dict, fmt: str) -> str | None:
@@ -94,14 +129,13 @@ def row_problem(row: dict, fmt: str) -> str | None:
         turns = conversation(row["messages"])
         if not turns:
             return "no messages"
-        if any(turn["tool_calls"] or turn["role"] in TOOL_ROLES for turn in turns):
-            return "tool calls or tool results (not supported: drop those turns or rows)"
         if any(not isinstance(turn["content"], str) for turn in turns):
             return "a turn without text"
-        others = sorted({str(turn["role"]) for turn in turns if turn["role"] not in ROLES})
+        others = sorted({str(turn["role"]) for turn in turns if turn["role"] not in ROLES + TOOL_ROLES})
         if others:
-            return f"a role other than {'/'.join(ROLES)} ({', '.join(others)})"
-        if not any(is_reply(turns, i) and turn["content"].strip() for i, turn in enumerate(turns)):
+            return f"a role other than {'/'.join(ROLES + TOOL_ROLES)} ({', '.join(others)})"
+        if not any(is_reply(turns, i) and (turn["content"].strip() or turn.get("tool_calls"))
+                   for i, turn in enumerate(turns)):
             return "no assistant reply"
         return None
     prompt_column = {"instruction": "instruction", "prompt_completion": "prompt"}.get(fmt)

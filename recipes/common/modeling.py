@@ -36,21 +36,32 @@ def ensure_default_model(name: str, accelerator) -> None:
             subprocess.run([sys.executable, str(builder), "--output-dir", str(DEFAULT_MODEL)], check=True)
 
 
-def load_tokenizer(name: str, trust_remote_code: bool = False):
+def load_tokenizer(name: str, trust_remote_code: bool = False, chat_template: str | None = None):
+    """The model's tokenizer, with a pad token, and a chat template: the file `chat_template` when given,
+    else its own, else the plain default."""
     from transformers import AutoTokenizer
 
     from .formats import DEFAULT_CHAT_TEMPLATE
+    from .refusal import refuse
+
+    template = None
+    if chat_template:
+        try:
+            template = Path(chat_template).expanduser().read_text()
+        except (OSError, UnicodeDecodeError) as error:
+            refuse(f"--chat-template {chat_template} cannot be read ({type(error).__name__}: "
+                   f"{getattr(error, 'strerror', None) or error}); give a Jinja template file")
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as error:  # offline hub id, no tokenizer files, a tokenizer library missing
-        from .refusal import refuse
-
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         refuse(f"--model {name}: its tokenizer cannot be loaded ({reason[:200]}); give a folder holding the "
                "model's tokenizer files, or a hub id that is downloaded (or reachable)")
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
+    if template is not None:
+        tokenizer.chat_template = template
     if tokenizer.chat_template is None:  # chat rows are rendered with it; saved with the tokenizer, it travels along
         tokenizer.chat_template = DEFAULT_CHAT_TEMPLATE
     return tokenizer

@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .formats import DEFAULT_CHAT_TEMPLATE, IGNORE, RowProblem, conversation, is_reply, row_problem, split_prompt
+from .formats import (DEFAULT_CHAT_TEMPLATE, IGNORE, TURN_EXTRAS, RowProblem, conversation, is_reply, row_problem,
+                      split_prompt, tools_of)
 from .refusal import refuse
 
 # Private-use characters: no template writes them and no row is expected to hold them.
@@ -53,10 +54,11 @@ class ChatTemplate:
         self.special = re.compile("|".join(re.escape(token) for token in sorted(specials, key=len, reverse=True))) \
             if specials else None
         self.opening = self._opening()
+        self.opening_specials = set(self.special.findall(self.opening)) if self.special else set()
 
-    def render(self, messages: list[dict], generation_prompt: bool = False) -> str:
+    def render(self, messages: list[dict], generation_prompt: bool = False, tools: list | None = None) -> str:
         try:
-            return self.tokenizer.apply_chat_template(messages, chat_template=self.template, tokenize=False,
+            return self.tokenizer.apply_chat_template(messages, tools=tools, chat_template=self.template, tokenize=False,
                                                       add_generation_prompt=generation_prompt)
         except Exception as error:  # a template that raises on some rows (alternation, no system role)
             reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
@@ -75,9 +77,16 @@ class ChatTemplate:
         start = common_prefix_length(asked, answered)
         return answered[start:mark] if 0 <= start <= mark else ""
 
-    def stop_after(self, text: str, start: int, end: int):
-        """The first special token in text[start:end], or None: a reply's end-of-turn marker."""
-        return self.special.search(text, start, end) if self.special else None
+    def end_marker(self, text: str, start: int, calls_only: bool = False):
+        """The first special token after `start` that ends a reply (its end-of-turn marker), or None. The
+        special tokens a reply opens with are part of it: those of the template's opening (GPT-OSS's
+        `<|channel|>`, `<|message|>`), and for a reply that only calls a tool, those before the call's
+        text (Mistral's `[TOOL_CALLS]`)."""
+        for match in self.special.finditer(text, start) if self.special else ():
+            if match.group() in self.opening_specials or (calls_only and not text[start:match.start()].strip()):
+                continue
+            return match
+        return None
 
 
 def common_prefix_length(a: str, b: str) -> int:
@@ -125,39 +134,59 @@ def _regions_by_alignment(text: str, marked: str, count: int):
     return regions
 
 
-def render_chat(turns: list[dict], chat: ChatTemplate) -> Rendering:
-    """The conversation rendered once, with each trained reply's span (opening, text, stop signal)."""
-    messages = [{"role": turn["role"], "content": turn["content"]} for turn in turns]
+def render_chat(turns: list[dict], chat: ChatTemplate, tools: list | None = None) -> Rendering:
+    """The conversation rendered once, with each trained reply's span (opening, text, stop signal).
+
+    A reply with text is found by its marker (see the module's docstring). A reply that only calls a
+    tool has no text to mark (and templates write such a turn differently): it starts where the model
+    starts writing and ends at the first special token after the call.
+    """
+    messages = [{"role": turn["role"], "content": turn["content"], **{key: turn[key] for key in TURN_EXTRAS if key in turn}}
+                for turn in turns]
     replies = [i for i in range(len(turns)) if is_reply(turns, i)]
-    text = chat.render(messages)
-    regions = _regions_by_alignment(text, chat.render(_marked(messages, replies)), len(replies))
-    opening = chat.opening
-    if regions is None:  # the template renders around a reply differently when its text changes
+    with_text = [i for i in replies if messages[i]["content"].strip() or not messages[i].get("tool_calls")]
+
+    def render(conversation, generation_prompt=False):
+        return chat.render(conversation, generation_prompt, tools)
+
+    def writing_starts(i: int) -> int:  # where the model starts writing reply i: the generation prompt's end
+        return common_prefix_length(text, render(messages[:i], True))
+
+    text = render(messages)
+    regions = _regions_by_alignment(text, render(_marked(messages, with_text)), len(with_text))
+    if regions is not None:
+        regions = [(start - len(chat.opening) if chat.opening and text[max(0, start - len(chat.opening)):start] == chat.opening
+                    else start, end) for start, end, _ in regions]
+    else:  # the template renders around a reply differently when its text changes: one reply at a time
         regions = []
-        for k, i in enumerate(replies):
-            before, found, follows = chat.render(_marked(messages, replies, only=k)).partition(f"{MARK_OPEN}{k}{MARK_CLOSE}")
+        for k, i in enumerate(with_text):
+            before, found, follows = render(_marked(messages, with_text, only=k)).partition(f"{MARK_OPEN}{k}{MARK_CLOSE}")
             if not found:
                 raise RowProblem("the chat template leaves the reply out of its rendering")
-            start = min(common_prefix_length(text, before), common_prefix_length(text, chat.render(messages[:i], True)))
-            end = len(text) - len(follows)
+            start, end = min(common_prefix_length(text, before), writing_starts(i)), len(text) - len(follows)
             if not text.endswith(follows) or start > end or (regions and start < regions[-1][1]):
                 raise RowProblem("the chat template renders the rest of the conversation differently for each "
                                  "reply's text, so the reply cannot be found in the rendering")
-            regions.append((start, end, follows))
-        opening = ""
+            regions.append((start, end))
+    located = dict(zip(with_text, regions))
     eos = chat.tokenizer.eos_token
     pieces, spans, stops, eos_added, copied, shift = [], [], [], 0, 0, 0
-    for k, (start, end, follows) in enumerate(regions):
-        if opening and text[max(0, start - len(opening)):start] == opening:
-            start -= len(opening)
-        stop = chat.stop_after(text, end, end + len(follows))
-        later = replies[k] + 1
-        next_text = str(messages[later]["content"]).strip() if later < len(messages) else ""
+    for i in replies:
+        calls_only = i not in located
+        start, end = (writing_starts(i),) * 2 if calls_only else located[i]
+        if spans and start + shift < spans[-1][1]:
+            raise RowProblem("the chat template renders the replies out of order, so they cannot be found")
+        stop = chat.end_marker(text, end, calls_only)
+        next_text = str(messages[i + 1]["content"]).strip() if i + 1 < len(messages) else ""
         if stop is not None and next_text and next_text in text[end:stop.start()]:
             stop = None  # the next turn began before that token: it is not this reply's end
+        if calls_only and stop is not None and not all(name in text[start:stop.start()] for name in called(messages[i])):
+            raise RowProblem("the chat template leaves the tool call out of its rendering")
         if stop is not None:
             spans.append((start + shift, stop.end() + shift))
             stops.append(stop.group())
+        elif calls_only:
+            raise RowProblem("the chat template ends a tool call with no special token")
         elif eos:
             pieces += [text[copied:end], eos]
             copied = end
@@ -171,6 +200,12 @@ def render_chat(turns: list[dict], chat: ChatTemplate) -> Rendering:
     return Rendering("".join(pieces) + text[copied:], spans, eos_added=eos_added, stops=stops)
 
 
+def called(turn: dict) -> list[str]:
+    """The names of the functions a turn calls."""
+    return [call["function"]["name"] for call in turn.get("tool_calls") or []
+            if isinstance(call, dict) and isinstance(call.get("function"), dict) and isinstance(call["function"].get("name"), str)]
+
+
 def render_plain(row: dict, fmt: str) -> Rendering:
     prompt, target = split_prompt(row, fmt)
     prompt = prompt or ""
@@ -179,7 +214,7 @@ def render_plain(row: dict, fmt: str) -> Rendering:
 
 def render_row(row: dict, fmt: str, chat: ChatTemplate | None) -> Rendering:
     if fmt == "messages":
-        return render_chat(conversation(row["messages"]), chat)
+        return render_chat(conversation(row["messages"]), chat, tools_of(row))
     return render_plain(row, fmt)
 
 
@@ -194,7 +229,8 @@ def trained_mask(offsets, spans) -> np.ndarray:
 
 
 def tokenize_rows(rows: list[dict], tokenizer, fmt: str) -> list[dict]:
-    """Each row as {input_ids, labels, problem ("" or why it cannot train), eos_added, stop, boundary},
+    """Each row as {input_ids, labels, problem ("" or why it cannot train), eos_added, stops (its replies'
+    stop signals), boundary},
     all rows tokenised in one call."""
     if not getattr(tokenizer, "is_fast", False):
         refuse(f"the tokenizer ({type(tokenizer).__name__}) is not a fast (Rust) tokenizer, which the data path "
@@ -217,7 +253,7 @@ def tokenize_rows(rows: list[dict], tokenizer, fmt: str) -> list[dict]:
     out, done = [], 0
     for rendering in renderings:
         if not isinstance(rendering, Rendering):
-            out.append({"input_ids": [], "labels": [], "problem": rendering, "eos_added": 0, "stop": "", "boundary": False})
+            out.append({"input_ids": [], "labels": [], "problem": rendering, "eos_added": 0, "stops": [], "boundary": False})
             continue
         ids, offsets = list(encoded["input_ids"][done]), list(encoded["offset_mapping"][done])
         done += 1
@@ -231,7 +267,7 @@ def tokenize_rows(rows: list[dict], tokenizer, fmt: str) -> list[dict]:
         if rendering.plain and eos_id is not None:
             ids, labels = ids + [eos_id], labels + [eos_id]
         out.append({"input_ids": ids, "labels": labels, "problem": "", "eos_added": rendering.eos_added,
-                    "stop": rendering.stops[-1] if rendering.stops else "", "boundary": rendering.boundary})
+                    "stops": [stop for stop in dict.fromkeys(rendering.stops) if stop], "boundary": rendering.boundary})
     return out
 
 
