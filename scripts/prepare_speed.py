@@ -3,7 +3,7 @@ beside another revision, on the same generated chat file and tokenizers, run alt
 
     python scripts/prepare_speed.py --baseline 13b2f67 --rows 10000 --repeats 3 --out results/<dir>
 
-Each measurement is a fresh process that imports the revision's `recipes/common` and times
+Each measurement is a fresh process (its peak resident memory is reported) that imports the revision's `recipes/common` and times
 `data.tokenize_counted` on the file (datasets' cache off, so every run tokenises). Tokenizers: the
 bundled character-level one with the recipes' default template, and the sentencepiece-style and
 byte-level BPE fixtures of tests/chat_fixtures.py with Llama-3.1's template (a template both data
@@ -47,7 +47,9 @@ tokenized, fmt = data.tokenize_counted(rows, tokenizer, 1 << 16)
 seconds = time.perf_counter() - started
 kept = sum(1 for why in tokenized["dropped"] if not why)
 tokens = sum(len(ids) for ids in tokenized["input_ids"])
-print(json.dumps({"rows": len(rows), "kept": kept, "tokens": tokens, "seconds": seconds}))
+import resource
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # MiB (Linux reports KiB)
+print(json.dumps({"rows": len(rows), "kept": kept, "tokens": tokens, "seconds": seconds, "peak_mib": round(peak)}))
 """
 
 
@@ -131,11 +133,13 @@ def main(argv=None) -> int:
                                 "rows": measured[0]["rows"], "kept": measured[0]["kept"],
                                 "tokens": measured[0]["tokens"], "median_seconds": round(seconds, 2),
                                 "rows_per_second": round(measured[0]["rows"] / seconds),
+                                "peak_mib": max(run["peak_mib"] for run in measured),
                                 "seconds": [round(run["seconds"], 2) for run in measured]})
-    lines = ["| tokenizer (template) | revision | rows kept | tokens | median s | rows/s | runs (s) |", "|---|---|---|---|---|---|---|"]
+    lines = ["| tokenizer (template) | revision | rows kept | tokens | median s | rows/s | peak RSS (MiB) | runs (s) |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in results:
         lines.append(f"| {r['tokenizer']} ({r['template']}) | {r['side']} | {r['kept']:,} of {r['rows']:,} | "
-                     f"{r['tokens']:,} | {r['median_seconds']} | {r['rows_per_second']:,} | {r['seconds']} |")
+                     f"{r['tokens']:,} | {r['median_seconds']} | {r['rows_per_second']:,} | {r['peak_mib']:,} | {r['seconds']} |")
     table = "\n".join(lines)
     print(table)
     if args.out:
