@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 from conftest import REPO, launch
 
@@ -19,6 +20,8 @@ def test_packed_chat_data_trains_under_ddp(tmp_path):
     assert run.returncode == 0, run.output[-3000:]
     assert run.run_json()["data_format"] == "messages"
     assert "data format: messages" in run.output
+    packing = next(line for line in run.output.splitlines() if line.startswith("packing: "))
+    assert re.fullmatch(r"packing: 48\d training rows into \d+ sequences of up to 128 tokens, \d+\.\d% full", packing), packing
     losses = run.losses()
     assert sum(losses[-3:]) < sum(losses[:3]), losses
     # Packed: each micro-batch of 2 sequences carries many rows' targets.

@@ -11,6 +11,7 @@ from torch.utils.data import DataLoader
 
 from .data_files import filled_columns, load_splits, unread_columns
 from .formats import IGNORE, detect_format
+from .packing import pack
 from .targets import tokenize_row, tokenize_rows  # noqa: F401 (tokenize_row: one row, for scripts and tests)
 from .refusal import refuse
 
@@ -35,7 +36,12 @@ def prepare(accelerator, tokenizer, args, launch):
         print(f"data ({fmt}): training {counted(train_all)}; evaluation {counted(eval_all)}"
               f"{unread_columns(train_rows.column_names, fmt)}", flush=True)
     if args.packing:
-        train_set = pack(train_set, args.max_length)
+        with accelerator.main_process_first():  # rank 0 writes the packed set, the others map its file
+            rows = len(train_set)
+            train_set, fill = pack(train_set, args.max_length)
+        if accelerator.is_main_process:
+            print(f"packing: {rows:,} training rows into {len(train_set):,} sequences of up to {args.max_length:,} "
+                  f"tokens, {fill:.1%} full", flush=True)
     steps_per_epoch(len(train_set) // args.batch_size // launch.data_parallel_size, args.grad_accum)
     return train_set, eval_set, fmt
 
@@ -98,7 +104,7 @@ def tokenize(dataset, tokenizer, max_length: int, packing: bool = False):
     tokenized, fmt = tokenize_counted(dataset, tokenizer, max_length)
     tokenized = tokenized.select([i for i, why in enumerate(tokenized["dropped"]) if not why])
     tokenized = tokenized.remove_columns(REPORT_COLUMNS)
-    return (pack(tokenized, max_length) if packing else tokenized), fmt
+    return (pack(tokenized, max_length)[0] if packing else tokenized), fmt
 
 
 def tokenize_counted(dataset, tokenizer, max_length: int):
@@ -130,33 +136,6 @@ def tokenize_counted(dataset, tokenizer, max_length: int):
     tokenized = dataset.map(batch_of_rows, batched=True, batch_size=512, remove_columns=dataset.column_names,
                             desc="tokenising")
     return tokenized, fmt
-
-
-def pack(tokenized, max_length: int):
-    """Greedy packing, in order, without splitting a row.
-
-    Each packed sequence carries `position_ids` that restart at 0 for every row; transformers
-    reads them as packed sequences and keeps attention inside each row (sdpa / eager build a
-    block-diagonal causal mask, flash-attention uses the varlen kernel). A row's first label is
-    its masked BOS or prompt, so no target crosses a boundary.
-    """
-    import datasets
-
-    packed = {"input_ids": [], "labels": [], "position_ids": []}
-    current = {key: [] for key in packed}
-    for row in tokenized:
-        length = len(row["input_ids"])
-        if current["input_ids"] and len(current["input_ids"]) + length > max_length:
-            for key in packed:
-                packed[key].append(current[key])
-            current = {key: [] for key in packed}
-        current["input_ids"] += row["input_ids"]
-        current["labels"] += row["labels"]
-        current["position_ids"] += list(range(length))
-    if current["input_ids"]:
-        for key in packed:
-            packed[key].append(current[key])
-    return datasets.Dataset.from_dict(packed)
 
 
 class PadToLongest:
