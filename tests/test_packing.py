@@ -74,3 +74,22 @@ def test_the_packed_batches_mask_padding_as_rows_of_their_own():
     batch = data.PadToLongest(0)([packed[i] for i in range(len(packed))])
     assert batch["input_ids"].shape[1] == 5 and "attention_mask" not in batch
     assert int((batch["labels"] != -100).sum()) == 3 * 3
+
+
+def test_a_packed_set_is_written_once_and_mapped_again(tmp_path):
+    """The packed set is a file named by the tokenised set, --max-length and the packing code: the same
+    inputs map the same file (a rerun, the other ranks), other inputs get their own."""
+    import datasets
+
+    source = tmp_path / "rows.jsonl"
+    source.write_text("".join(f'{{"input_ids": {list(range(2, 2 + n))}, "labels": {list(range(2, 2 + n))}}}\n'
+                              for n in range(2, 40)))
+    rows = datasets.load_dataset("json", data_files=str(source), split="train", cache_dir=str(tmp_path / "cache"))
+    first, _ = packing.pack(rows, 64)
+    path = packing.packed_path(rows, 64)
+    assert tmp_path / "cache" in path.parents  # beside the tokenised set's cache
+    written = path.stat().st_mtime_ns
+    again, _ = packing.pack(rows, 64)
+    assert path.stat().st_mtime_ns == written and again["input_ids"] == first["input_ids"]
+    assert packing.packed_path(rows, 32) != path
+    assert not list(path.parent.glob("*.partial"))

@@ -12,7 +12,7 @@ import bisect
 
 import numpy as np
 
-CHUNK_ROWS = 20_000  # rows gathered at a time while writing the packed sequences
+CHUNK_ROWS = 8_000  # rows gathered at a time while writing the packed sequences
 
 
 def best_fit(lengths: np.ndarray, capacity: int) -> list[np.ndarray]:
@@ -54,8 +54,9 @@ def row_lengths(tokenized) -> np.ndarray:
     return lengths.to_numpy(zero_copy_only=False).astype(np.int64)
 
 
-def _packed_sequences(tokenized, bins: list[np.ndarray]):
-    """Yield each packed sequence (input_ids, labels, position_ids restarting at every row)."""
+def _packed_tables(tokenized, bins: list[np.ndarray]):
+    """The packed sequences as Arrow tables of a few thousand sequences each: input_ids, labels and
+    position_ids (restarting at every row), int32."""
     import pyarrow as pa
 
     start = 0
@@ -65,22 +66,33 @@ def _packed_sequences(tokenized, bins: list[np.ndarray]):
             chunk.append(bins[start])
             rows += len(bins[start])
             start += 1
-        gathered = tokenized.with_format("arrow")[np.concatenate(chunk).tolist()]
-        columns = {}
+        gathered = tokenized.with_format("arrow", columns=["input_ids", "labels"])[np.concatenate(chunk).tolist()]
+        columns, row_offsets = {}, None
         for name in ("input_ids", "labels"):
-            lists = pa.concat_arrays(gathered.column(name).chunks) if gathered.column(name).num_chunks != 1 \
-                else gathered.column(name).chunk(0)
-            columns[name] = lists.flatten().to_numpy(zero_copy_only=False)
-            offsets = lists.offsets.to_numpy()
-            offsets = offsets - offsets[0]
-        first = 0
-        for rows_of_sequence in chunk:
-            last = first + len(rows_of_sequence)
-            begin, end = offsets[first], offsets[last]
-            starts = np.repeat(offsets[first:last], np.diff(offsets[first:last + 1]))
-            yield {"input_ids": columns["input_ids"][begin:end], "labels": columns["labels"][begin:end],
-                   "position_ids": np.arange(begin, end) - starts}
-            first = last
+            lists = gathered.column(name).combine_chunks()
+            row_offsets = lists.offsets.to_numpy() - lists.offsets[0].as_py()
+            columns[name] = lists.flatten().to_numpy(zero_copy_only=False).astype(np.int32)
+        # a row's tokens are consecutive in the gathered rows, and so are a sequence's rows
+        ends_of_sequences = np.cumsum([len(rows_of_sequence) for rows_of_sequence in chunk])
+        sequence_offsets = np.concatenate([[0], row_offsets[ends_of_sequences]]).astype(np.int32)
+        row_lengths_here = np.diff(row_offsets)
+        columns["position_ids"] = (np.arange(row_offsets[-1]) - np.repeat(row_offsets[:-1], row_lengths_here)).astype(np.int32)
+        yield pa.table({name: pa.ListArray.from_arrays(pa.array(sequence_offsets), pa.array(values))
+                        for name, values in columns.items()})
+
+
+def packed_path(tokenized, max_length: int):
+    """Where the packed set of `tokenized` is written: beside its cache files (in the system's temporary
+    folder for a set held in memory), named by its fingerprint, `max_length` and this module's code."""
+    import hashlib
+    import tempfile
+    from pathlib import Path
+
+    cached = tokenized.cache_files
+    folder = Path(cached[0]["filename"]).parent if cached else Path(tempfile.gettempdir()) / "recipes-packed"
+    folder.mkdir(parents=True, exist_ok=True)
+    layout = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:8]  # a changed packing never reuses a file
+    return folder / f"packed-{tokenized._fingerprint}-{max_length}-{layout}.arrow"
 
 
 def pack(tokenized, max_length: int):
@@ -90,22 +102,24 @@ def pack(tokenized, max_length: int):
     transformers reads such position_ids as packed sequences and keeps attention inside each row
     (sdpa / eager build a block-diagonal causal mask, flash-attention uses the varlen kernel). A row's
     first label is its masked BOS or prompt, so no target crosses a boundary.
+
+    The packed set is an Arrow file (`packed_path`): a rerun, and the other ranks, map the file that is
+    there.
     """
+    import os
+
     import datasets
+    import pyarrow as pa
 
     lengths = row_lengths(tokenized)
     bins = best_fit(lengths, max_length)
-    features = datasets.Features({name: datasets.Sequence(datasets.Value("int32"))
-                                  for name in ("input_ids", "labels", "position_ids")})
-    if not bins:
-        return datasets.Dataset.from_dict({name: [] for name in features}, features=features), 0.0
-    progress = datasets.utils.logging.is_progress_bar_enabled()
-    datasets.disable_progress_bars()  # the generator's own bars say nothing more than the `packing:` line
-    try:
-        packed = datasets.Dataset.from_generator(_packed_sequences, features=features,
-                                                 gen_kwargs={"tokenized": tokenized, "bins": bins})
-    finally:
-        if progress:
-            datasets.enable_progress_bars()
     fill = float(lengths.sum()) / (len(bins) * max_length) if bins else 0.0
-    return packed, fill
+    path = packed_path(tokenized, max_length)
+    if not path.exists():
+        schema = pa.schema({name: pa.list_(pa.int32()) for name in ("input_ids", "labels", "position_ids")})
+        partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
+        with pa.OSFile(str(partial), "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
+            for table in _packed_tables(tokenized, bins):
+                writer.write_table(table)
+        os.replace(partial, path)  # whole or absent: a crash leaves no half-written set to reuse
+    return datasets.Dataset.from_file(str(path)), fill
