@@ -11,7 +11,7 @@ machine without GPUs (add `--num_processes 2 --mixed_precision no` to the launch
 Writes to --output-dir: run.json (what ran), metrics.jsonl (one line per step and per
 evaluation), checkpoints/step-N/ (resumable) and model/ (AutoModelForCausalLM.from_pretrained).
 
-Flags: --model --dataset --columns --chat-template --packing --output-dir --epochs --max-steps --batch-size --global-batch-size
+Flags: --model --dataset --eval-dataset --columns --chat-template --packing --output-dir --epochs --max-steps --batch-size --global-batch-size
        --grad-accum --lr --warmup-ratio --weight-decay --max-grad-norm --max-length --seed --eval-every
        --save-every --save-total-limit --resume --gradient-checkpointing --log-every --report-to --trust-remote-code
        --config (a YAML file of any of these flags)

@@ -12,7 +12,7 @@ Writes to --output-dir: run.json (what ran), metrics.jsonl (one line per step an
 evaluation), checkpoints/step-N/ (resumable), adapter/ (PeftModel.from_pretrained) and, with
 --merge, merged/ (AutoModelForCausalLM.from_pretrained).
 
-Flags: --model --dataset --columns --chat-template --packing --output-dir --epochs --max-steps --batch-size --global-batch-size
+Flags: --model --dataset --eval-dataset --columns --chat-template --packing --output-dir --epochs --max-steps --batch-size --global-batch-size
        --grad-accum --lr --warmup-ratio --weight-decay --max-grad-norm --max-length --seed --eval-every
        --save-every --save-total-limit --resume --gradient-checkpointing --log-every --report-to --trust-remote-code
        --config (a YAML file of any of these flags)

@@ -13,7 +13,7 @@ evaluation), checkpoints/step-N/ (resumable), adapter/ (PeftModel.from_pretraine
 --merge, merged/ (AutoModelForCausalLM.from_pretrained): the adapter merged onto the
 dequantized 4-bit base, i.e. onto the weights it was trained against.
 
-Flags: --model --dataset --columns --chat-template --packing --output-dir --epochs --max-steps --batch-size --global-batch-size
+Flags: --model --dataset --eval-dataset --columns --chat-template --packing --output-dir --epochs --max-steps --batch-size --global-batch-size
        --grad-accum --lr --warmup-ratio --weight-decay --max-grad-norm --max-length --seed --eval-every
        --save-every --save-total-limit --resume --gradient-checkpointing --log-every --report-to --trust-remote-code
        --config (a YAML file of any of these flags)

@@ -314,3 +314,29 @@ def test_a_home_folder_path_is_expanded(tmp_path, monkeypatch):
     (tmp_path / "rows.jsonl").write_text(jsonl(ROWS))
     train, evaluation = data.load_splits("~/rows.jsonl", seed=0)
     assert len(train) + len(evaluation) == 20
+
+
+def test_an_eval_dataset_is_the_evaluation_and_every_training_row_trains(tmp_path):
+    train_file, eval_file = tmp_path / "train.jsonl", tmp_path / "held.csv"
+    train_file.write_text("".join(f'{{"prompt": "p{i}", "completion": "c{i}"}}\n' for i in range(40)))
+    eval_file.write_text("prompt,completion\n" + "".join(f"q{i},d{i}\n" for i in range(7)))
+    train, evaluation = data_files.load_splits(str(train_file), 0, None, str(eval_file))
+    assert len(train) == 40 and evaluation["prompt"] == [f"q{i}" for i in range(7)]
+    other = tmp_path / "other.jsonl"
+    other.write_text('{"text": "plain"}\n')
+    with pytest.raises(Refusal, match=r"^--eval-dataset .*other.jsonl holds text rows, --dataset .* prompt_completion rows"):
+        data_files.load_splits(str(train_file), 0, None, str(other))
+
+
+def test_trl_conversational_prompt_completion_rows_train_on_the_completion(tmp_path, tokenizer):
+    rows = [{"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": f"Sort {i} 1"},
+                        {"role": "assistant", "content": "Earlier answer."}, {"role": "user", "content": "Again?"}],
+             "completion": [{"role": "assistant", "content": f"1 {i}"}]} for i in range(2, 30)]
+    file = tmp_path / "pc.jsonl"
+    file.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    train, evaluation = data_files.load_splits(str(file), 0)
+    assert data.detect_format(train.column_names) == "messages" and len(train) + len(evaluation) == len(rows)
+    tokenized, _ = data.tokenize_counted(train, tokenizer, 512)
+    for row in tokenized:
+        trained = tokenizer.decode([t for t, label in zip(row["input_ids"], row["labels"]) if label != data.IGNORE])
+        assert trained.startswith("1 ") and "Earlier answer." not in trained and "Sort" not in trained

@@ -5,7 +5,6 @@ the refusal when no row is left, --chat-template, and one launch under a Qwen3-s
 from __future__ import annotations
 
 import json
-import re
 import sys
 
 import pytest
@@ -151,18 +150,26 @@ def qwen3_style_model(tmp_path_factory):
 
 
 def test_a_launch_under_a_qwen3_style_template_keeps_every_multi_turn_row(qwen3_style_model, tmp_path):
+    """Multi-turn rows with reasoning and tool-calling rows train; --eval-dataset's rows, in TRL's
+    conversational prompt-completion layout, are evaluated."""
     rows = with_reasoning(fixtures.chat_rows(64, seed=9))
     assert sum(len(row["messages"]) > 3 for row in rows) > 20
-    file = tmp_path / "chats.jsonl"
+    rows += fixtures.tool_rows(8, seed=1)
+    file, held = tmp_path / "chats.jsonl", tmp_path / "prompt_completion.jsonl"
     file.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    # TRL's conversational prompt-completion layout: the prompt's turns are context, the completion trains
+    conversations = fixtures.chat_rows(8, seed=2)
+    held.write_text("".join(json.dumps({"prompt": row["messages"][:-1], "completion": row["messages"][-1:]}) + "\n"
+                            for row in conversations))
     run = launch("lora", tmp_path / "out", "--model", str(qwen3_style_model), "--dataset", str(file),
-                 "--max-steps", "2", "--batch-size", "2", "--max-length", "1024", config="ddp")
+                 "--eval-dataset", str(held), "--max-steps", "2", "--batch-size", "2", "--max-length", "1024",
+                 config="ddp")
     assert run.returncode == 0, run.output[-3000:]
     assert_no_traceback_of_ours(run.output)
     line = next(line for line in run.output.splitlines() if line.startswith("data (messages)"))
-    kept = re.search(r"training (\d+) rows: (\d+) used; replies end with <\|im_end\|>; evaluation (\d+) rows: (\d+) used", line)
-    assert kept and kept[1] == kept[2] and kept[3] == kept[4], line
-    assert int(kept[1]) + int(kept[3]) == len(rows)
+    assert line.startswith(f"data (messages): training {len(rows)} rows: {len(rows)} used; replies end with <|im_end|>; "
+                           "evaluation 8 rows: 8 used; replies end with <|im_end|>"), line
+    assert run.metrics("eval")  # the tool-calling rows were evaluated
 
 
 @pytest.mark.parametrize("tokenizer_name", fixtures.TOKENIZERS)

@@ -40,7 +40,10 @@ def recipe_parser(doc: str) -> argparse.ArgumentParser:
     add("--model", default=str(DEFAULT_MODEL),
         help="hub id or local folder (default: the bundled tiny Llama, built on first use)")
     add("--dataset", default=None,
-        help="hub id, local folder, or .jsonl/.json/.parquet/.txt file (default: the bundled data/)")
+        help="hub id, local folder, or .jsonl/.json/.parquet/.txt/.csv/.tsv file (default: the bundled data/)")
+    add("--eval-dataset", default=None,
+        help="the evaluation rows, from a file, folder or hub id as --dataset takes them; all of --dataset's "
+             "training rows then train (default: --dataset's eval/validation/test split, else 5%% of it held out)")
     add("--columns", default=None,
         help="rename dataset columns to a known format, e.g. instruction=question,response=answer "
              "(default: the columns as they are)")

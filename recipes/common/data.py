@@ -27,7 +27,7 @@ def prepare(accelerator, tokenizer, args, launch):
     and the others reuse its cache. Rows that cannot train are dropped and counted; with no row
     left the run stops with the limit or the fix to change.
     """
-    train_rows, eval_rows = load_splits(args.dataset, args.seed, args.columns)
+    train_rows, eval_rows = load_splits(args.dataset, args.seed, args.columns, getattr(args, "eval_dataset", None))
     with accelerator.main_process_first():
         train_all, fmt = tokenize_counted(train_rows, tokenizer, args.max_length)
         eval_all, _ = tokenize_counted(eval_rows, tokenizer, args.max_length)

@@ -178,19 +178,32 @@ def check_row(row, where: str, fix: str, renames: dict) -> None:
     if not isinstance(row, dict):
         refuse(f"{where}: a row must be a JSON object ({{\"column\": value, ...}}), got {type(row).__name__}; {fix}")
     for column, value in row.items():
-        if renames.get(column, column) in TEXT_COLUMNS and not isinstance(value, (str, type(None))):
+        name = renames.get(column, column)
+        if name in ("prompt", "completion") and isinstance(value, list) and all(isinstance(turn, dict) for turn in value):
+            continue  # TRL's conversational prompt-completion: messages, read as a conversation
+        if name in TEXT_COLUMNS and not isinstance(value, (str, type(None))):
             refuse(f"{where}: `{column}` must be text (or null), got {json.dumps(value)[:40]}; {fix}")
 
 
-def load_splits(spec: str | None, seed: int, columns: str | None = None):
+def load_splits(spec: str | None, seed: int, columns: str | None = None, eval_spec: str | None = None):
     """(train, eval) `datasets.Dataset`s from a hub id, a folder, or a single file.
 
     `columns` renames the dataset's columns to the ones a format expects, e.g.
-    "instruction=question,response=answer".
+    "instruction=question,response=answer". `eval_spec` (--eval-dataset) gives the evaluation rows:
+    its evaluation split, else all of its rows; the dataset's training rows then all train.
     """
     loaded, spec = read_splits(spec, columns)
     train = loaded["train"] if "train" in loaded else next(iter(loaded.values()))
     fmt = format_of(train, spec)  # no known columns, or rows of two formats: refused here, on every rank
+    if eval_spec:
+        held, eval_spec = read_splits(eval_spec, columns)
+        name = next((name for name in EVAL_SPLIT_NAMES if name in held), "train" if "train" in held else next(iter(held)))
+        evaluation = held[name]
+        eval_fmt = format_of(evaluation, eval_spec)
+        if eval_fmt != fmt:
+            refuse(f"--eval-dataset {eval_spec} holds {eval_fmt} rows, --dataset {spec} {fmt} rows; give both in "
+                   "one format (map columns with --columns)")
+        return train, evaluation
     eval_name = next((name for name in EVAL_SPLIT_NAMES if name in loaded), None)
     if eval_name is not None:
         return train, loaded[eval_name]
@@ -254,8 +267,29 @@ def read_splits(spec: str | None, columns: str | None = None):
             refuse(f"--columns maps a column onto {', '.join(clash)}, which --dataset already has; map that one "
                    f"too (e.g. --columns {clash[0]}_old={clash[0]},...) or pick the existing column instead")
         loaded = loaded.rename_columns(mapping)
-        train = loaded["train"] if "train" in loaded else next(iter(loaded.values()))
-    return with_text_columns(loaded), spec
+    return with_text_columns(conversations_of_prompt_completion(loaded)), spec
+
+
+def conversations_of_prompt_completion(loaded):
+    """TRL's conversational prompt-completion rows (`prompt` and `completion` each a list of messages) as
+    `messages` rows: the prompt's turns are context (an assistant turn in it is not trained), the
+    completion's replies are the targets."""
+    train = loaded["train"] if "train" in loaded else next(iter(loaded.values()))
+    if not {"prompt", "completion"} <= set(train.column_names) or "messages" in train.column_names:
+        return loaded
+    first = next((row for row in train.select_columns(["prompt", "completion"]) if row["prompt"] is not None), None)
+    if not (first and isinstance(first["prompt"], list) and isinstance(first["completion"], list)):
+        return loaded
+
+    def as_messages(batch: dict) -> dict:
+        messages = []
+        for prompt, completion in zip(batch["prompt"], batch["completion"]):
+            context = [dict(turn, weight=0) if isinstance(turn, dict) else turn for turn in prompt or []]
+            messages.append(context + [dict(turn, weight=1) if isinstance(turn, dict) else turn for turn in completion or []])
+        return {"messages": messages}
+
+    return loaded.map(as_messages, batched=True, remove_columns=["prompt", "completion"],
+                      desc="prompt and completion -> messages")
 
 
 def saved_by_datasets(path: Path) -> bool:

@@ -82,9 +82,10 @@ def check_launch(args, recipe: str):
     if looks_local(args.model) and not Path(args.model).expanduser().exists() and not is_default_model(args.model):
         refuse(f"--model {args.model} does not exist; give a local folder or a hub id such as "
                "TinyLlama/TinyLlama-1.1B-Chat-v1.0")
-    if args.dataset and looks_local(args.dataset) and not Path(args.dataset).expanduser().exists():
-        refuse(f"--dataset {args.dataset} does not exist; give a .jsonl/.json/.parquet/.txt file, "
-               "a folder of them, or a hub id")
+    for flag, spec in (("--dataset", args.dataset), ("--eval-dataset", getattr(args, "eval_dataset", None))):
+        if spec and looks_local(spec) and not Path(spec).expanduser().exists():
+            refuse(f"{flag} {spec} does not exist; give a .jsonl/.json/.parquet/.txt/.csv/.tsv file, "
+                   "a folder of them, or a hub id")
     check_model_folder(args.model)
     if Path(args.model).expanduser().exists():
         # recorded as given in the adapter's config and run.json: a relative path means nothing elsewhere
