@@ -305,8 +305,28 @@ def test_a_folder_with_a_config_beside_the_rows_or_the_rows_one_level_down(tmp_p
         data.load_splits(str(tmp_path / "a"), seed=0)
     (tmp_path / "b" / "data").mkdir(parents=True)
     folder(tmp_path / "b" / "data", {"train.jsonl": jsonl(ROWS)})
-    with pytest.raises(Refusal, match=r"its folder data/ does: point --dataset at .*b/data"):
+    (tmp_path / "b" / "other").mkdir()
+    folder(tmp_path / "b" / "other", {"train.jsonl": jsonl(ROWS)})
+    with pytest.raises(Refusal, match=r"its folders data/, other/ do: point --dataset at the one to train on, e.g. .*b/data"):
         data.load_splits(str(tmp_path / "b"), seed=0)
+
+
+def test_a_hub_dataset_as_downloaded_is_read_from_its_data_folder(tmp_path, capsys):
+    """`huggingface-cli download --repo-type dataset ORG/NAME --local-dir d`: README.md beside data/,
+    which holds the sharded split files."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (tmp_path / "data").mkdir()
+    (tmp_path / "README.md").write_text("---\nconfigs:\n- config_name: default\n---\n# A dataset\n")
+    (tmp_path / ".gitattributes").write_text("*.parquet filter=lfs\n")
+    for name, rows in (("train-00000-of-00002", ROWS[:12]), ("train-00001-of-00002", ROWS[12:]),
+                       ("test-00000-of-00001", ROWS[:4])):
+        pq.write_table(pa.Table.from_pylist(rows), tmp_path / "data" / f"{name}.parquet")
+    train, evaluation = data.load_splits(str(tmp_path), seed=0)
+    assert (len(train), len(evaluation)) == (len(ROWS), 4)
+    assert "files: train: data/train-00000-of-00002.parquet, data/train-00001-of-00002.parquet; test: " \
+           "data/test-00000-of-00001.parquet" in capsys.readouterr().out
 
 
 def test_a_home_folder_path_is_expanded(tmp_path, monkeypatch):

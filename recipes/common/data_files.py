@@ -377,17 +377,23 @@ def with_text_columns(loaded):
     return loaded
 
 
-def load_folder(folder: Path, columns: str | None = None):
+def load_folder(folder: Path, columns: str | None = None, given: Path | None = None):
     """The folder's splits: files named train* / eval* / validation* (val*, dev*) / test* (other files
-    are notes or configs), or, when nothing is named so, its data files as the training split."""
+    are notes or configs), or, when nothing is named so, its data files as the training split. A folder
+    whose data files are all in one subfolder (a hub dataset as downloaded: README.md beside data/) is
+    read from that subfolder."""
     import datasets
 
+    given = given or folder
     files = sorted(p for p in folder.iterdir() if p.is_file() and suffix(p) in FILE_LOADERS)
     if not files:
         inner = sorted(p.name for p in folder.iterdir() if p.is_dir() and any(
             suffix(f) in FILE_LOADERS for f in p.iterdir() if f.is_file()))
+        if len(inner) == 1:
+            return load_folder(folder / inner[0], columns, given)
         refuse(f"--dataset {folder} holds no .jsonl/.json/.parquet/.txt/.csv/.tsv file"
-               + (f"; its folder {inner[0]}/ does: point --dataset at {folder / inner[0]}" if inner else ""))
+               + (f"; its folders {', '.join(f'{name}/' for name in inner)} do: point --dataset at the one to "
+                  f"train on, e.g. {folder / inner[0]}" if inner else ""))
     named = [f for f in files if split_of(f)]
     by_split = {}
     for file in named or files:
@@ -407,7 +413,7 @@ def load_folder(folder: Path, columns: str | None = None):
                    f"but have different columns; move the file that is not {split} data out of the folder, or "
                    "point --dataset at one file")
     if int(os.environ.get("RANK", "0")) == 0:  # which file is which split, and what was left out
-        used = "; ".join(f"{split}: {', '.join(f.name for f in group)}"
+        used = "; ".join(f"{split}: {', '.join(str(f.relative_to(given)) for f in group)}"
                          for split, group in sorted(by_split.items(), key=lambda item: item[0] != "train"))
         left = [f.name for f in folder.iterdir() if f.is_file() and f not in (named or files)]
         print(f"files: {used}" + (f"; not read: {', '.join(sorted(left))}" if left else ""), flush=True)
