@@ -158,3 +158,23 @@ def test_the_chat_template_travels_with_the_saved_tokenizer(tmp_path):
     text = AutoTokenizer.from_pretrained(tmp_path).apply_chat_template(conversation, tokenize=False,
                                                                       add_generation_prompt=True)
     assert text == "<s><|user|>\nSort: 2 1\n<|assistant|>\n"
+
+
+def test_tokenised_rows_are_cached_by_rows_tokenizer_flags_and_code(tokenizer, tmp_path, monkeypatch):
+    """A rerun with the same rows, tokenizer and --max-length reads the cached rows; a changed data
+    path (its code) or --max-length tokenises again."""
+    import datasets
+
+    source = tmp_path / "rows.jsonl"
+    source.write_text("".join(f'{{"prompt": "p{i}", "completion": "c{i}"}}\n' for i in range(30)))
+    rows = datasets.load_dataset("json", data_files=str(source), split="train", cache_dir=str(tmp_path / "cache"))
+
+    def cache_file(max_length=64):
+        tokenized, _ = data.tokenize_counted(rows, tokenizer, max_length)
+        return tokenized.cache_files[0]["filename"]
+
+    first = cache_file()
+    assert cache_file() == first and str(tmp_path / "cache") in first
+    assert cache_file(128) != first
+    monkeypatch.setattr(data, "data_path_code", lambda: "another version")
+    assert cache_file() != first

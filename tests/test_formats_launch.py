@@ -20,6 +20,7 @@ def test_packed_chat_data_trains_under_ddp(tmp_path):
     assert run.returncode == 0, run.output[-3000:]
     assert run.run_json()["data_format"] == "messages"
     assert "data format: messages" in run.output
+    assert "data cache: " in run.output  # where a rerun reads the tokenised rows from
     packing = next(line for line in run.output.splitlines() if line.startswith("packing: "))
     assert re.fullmatch(r"packing: 48\d training rows into \d+ sequences of up to 128 tokens, \d+\.\d% full", packing), packing
     losses = run.losses()

@@ -6,6 +6,8 @@ row of each format becomes tokens and labels lives in formats.py.
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch.utils.data import DataLoader
 
@@ -35,6 +37,8 @@ def prepare(accelerator, tokenizer, args, launch):
     if accelerator.is_main_process:
         print(f"data ({fmt}): training {counted(train_all)}; evaluation {counted(eval_all)}"
               f"{unread_columns(train_rows.column_names, fmt)}", flush=True)
+        if train_all.cache_files:  # where a rerun (or a resume) with the same rows, tokenizer and flags reads them
+            print(f"data cache: {os.path.dirname(train_all.cache_files[0]['filename'])}", flush=True)
     if args.packing:
         with accelerator.main_process_first():  # rank 0 writes the packed set, the others map its file
             rows = len(train_set)
@@ -107,6 +111,16 @@ def tokenize(dataset, tokenizer, max_length: int, packing: bool = False):
     return (pack(tokenized, max_length)[0] if packing else tokenized), fmt
 
 
+def data_path_code() -> str:
+    """A hash of the modules that turn rows into tokens and targets."""
+    import hashlib
+    from pathlib import Path
+
+    here = Path(__file__).parent
+    return hashlib.sha256(b"".join((here / name).read_bytes() for name in ("formats.py", "targets.py", "data.py")))\
+        .hexdigest()[:16]
+
+
 def tokenize_counted(dataset, tokenizer, max_length: int):
     """(every row tokenised, format name). Each row also gets `dropped`: why it cannot train ("" when
     it can), `needs`: the --max-length that keeps one of its targets, `cut`: whether it trains on its
@@ -114,7 +128,7 @@ def tokenize_counted(dataset, tokenizer, max_length: int):
     (`eos_added`, `stops`, `boundary`: see targets.tokenize_rows)."""
     fmt = detect_format(filled_columns(dataset))
 
-    def batch_of_rows(columns: dict) -> dict:
+    def batch_of_rows(columns: dict, code: str) -> dict:  # `code` only keys datasets' cache (see below)
         rows = [dict(zip(columns, values)) for values in zip(*columns.values())]
         out = {key: [] for key in ("input_ids", "labels", "dropped", "needs", "cut", "eos_added", "stops", "boundary")}
         for row in tokenize_rows(rows, tokenizer, fmt):
@@ -133,8 +147,11 @@ def tokenize_counted(dataset, tokenizer, max_length: int):
                 out[key].append(row[key] if keep else type(row[key])())
         return out
 
+    # datasets keys its cache by the rows, this function and its arguments (the tokenizer and its template
+    # included), but not by the code this function calls: the hash of that code is an argument too, so a
+    # changed data path never reuses rows tokenised by an older one
     tokenized = dataset.map(batch_of_rows, batched=True, batch_size=512, remove_columns=dataset.column_names,
-                            desc="tokenising")
+                            fn_kwargs={"code": data_path_code()}, desc="tokenising")
     return tokenized, fmt
 
 
