@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 import pytest
@@ -178,3 +179,16 @@ def test_tokenised_rows_are_cached_by_rows_tokenizer_flags_and_code(tokenizer, t
     assert cache_file(128) != first
     monkeypatch.setattr(data, "data_path_code", lambda: "another version")
     assert cache_file() != first
+
+
+def test_several_processes_tokenise_what_one_does(tokenizer, monkeypatch):
+    """A large set is tokenised by a process per core; the rows come out the same and in order."""
+    import datasets
+
+    rows = datasets.Dataset.from_list([{"prompt": f"p{i} " * (i % 7), "completion": f"c{i}"} for i in range(60)])
+    alone, _ = data.tokenize_counted(rows, tokenizer, 64)
+    monkeypatch.setattr(data, "ROWS_PER_PROCESS", 20)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2}, raising=False)
+    assert data.preparing_processes(len(rows)) == 3
+    together, _ = data.tokenize_counted(rows, tokenizer, 64)
+    assert together.to_list() == alone.to_list()

@@ -111,6 +111,17 @@ def tokenize(dataset, tokenizer, max_length: int, packing: bool = False):
     return (pack(tokenized, max_length)[0] if packing else tokenized), fmt
 
 
+ROWS_PER_PROCESS = 10_000  # below this a process of its own costs more than it saves
+
+
+def preparing_processes(rows: int) -> int | None:
+    """Processes that tokenise a large set together (every core of the machine: the other ranks only
+    wait meanwhile); None, the calling process alone, for a small one."""
+    processes = min(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1,
+                    rows // ROWS_PER_PROCESS)
+    return processes if processes > 1 else None
+
+
 def data_path_code() -> str:
     """A hash of the modules that turn rows into tokens and targets."""
     import hashlib
@@ -150,8 +161,11 @@ def tokenize_counted(dataset, tokenizer, max_length: int):
     # datasets keys its cache by the rows, this function and its arguments (the tokenizer and its template
     # included), but not by the code this function calls: the hash of that code is an argument too, so a
     # changed data path never reuses rows tokenised by an older one
+    processes = preparing_processes(len(dataset))
+    if processes:  # the work is split over processes: the tokenizer's own threads would only compete (and warn)
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
     tokenized = dataset.map(batch_of_rows, batched=True, batch_size=512, remove_columns=dataset.column_names,
-                            fn_kwargs={"code": data_path_code()}, desc="tokenising")
+                            fn_kwargs={"code": data_path_code()}, num_proc=processes, desc="tokenising")
     return tokenized, fmt
 
 
