@@ -203,3 +203,24 @@ def test_tool_rows_train_under_the_default_template_too():
         trained = trained_text(tok, got)
         assert '"name": "largest_of"' in trained and row["messages"][3]["content"] in trained
         assert row["messages"][2]["content"] not in trained and trained.count(tok.eos_token) == 2
+
+
+# A reply that ends where the next role token starts (as GLM-4's template renders), and nothing after the last
+NEXT_ROLE_ENDS_REPLY = ("[gMASK]<sop>{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}{% endfor %}"
+                        "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+
+
+@pytest.mark.parametrize("tokenizer_name", fixtures.TOKENIZERS)
+def test_the_next_role_token_ends_a_reply_and_eos_ends_the_last(tokenizer_name):
+    tok = fixtures.tokenizer(tokenizer_name)
+    tok.add_special_tokens({"additional_special_tokens": ["[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>"]})
+    tok.chat_template = NEXT_ROLE_ENDS_REPLY
+    rows = [row for row in fixtures.chat_rows(16, seed=6) if len(row["messages"]) > 3]
+    out = list(tokenised(rows, tok))
+    assert rows and not [row["dropped"] for row in out if row["dropped"]]
+    for row, got in zip(rows, out):
+        replies = [m["content"] for m in row["messages"] if m["role"] == "assistant"]
+        ends = [got["input_ids"][i] for i, (label, following) in
+                enumerate(zip(got["labels"], got["labels"][1:] + [data.IGNORE])) if label != data.IGNORE and following == data.IGNORE]
+        assert tok.convert_ids_to_tokens(ends) == ["<|user|>"] * (len(replies) - 1) + [tok.eos_token]
+        assert got["eos_added"] == 1
