@@ -224,3 +224,13 @@ def test_the_next_role_token_ends_a_reply_and_eos_ends_the_last(tokenizer_name):
                 enumerate(zip(got["labels"], got["labels"][1:] + [data.IGNORE])) if label != data.IGNORE and following == data.IGNORE]
         assert tok.convert_ids_to_tokens(ends) == ["<|user|>"] * (len(replies) - 1) + [tok.eos_token]
         assert got["eos_added"] == 1
+
+
+def test_a_tokenizer_without_offsets_is_refused_in_one_line():
+    from common import targets
+
+    class SlowTokenizer:
+        is_fast = False
+
+    with pytest.raises(Refusal, match=r"^the tokenizer \(SlowTokenizer\) is not a fast \(Rust\) tokenizer, .*tokenizer.json$"):
+        targets.tokenize_rows([{"text": "hello"}], SlowTokenizer(), "text")
