@@ -14,9 +14,8 @@ from torch.utils.data import DataLoader
 from .data_files import filled_columns, load_splits, unread_columns
 from .formats import IGNORE, detect_format
 from .packing import pack
-from .targets import tokenize_row, tokenize_rows  # noqa: F401 (tokenize_row: one row, for scripts and tests)
 from .refusal import refuse
-
+from .targets import tokenize_row, tokenize_rows  # noqa: F401 (tokenize_row: one row, for scripts and tests)
 
 REPORT_COLUMNS = ["dropped", "needs", "cut", "eos_added", "stops", "boundary"]  # what the data line counts
 
@@ -63,25 +62,24 @@ def counted(tokenized) -> str:
         line += f" ({cut:,} of them cut to --max-length)"
     if dropped:
         line += f", {dropped:,} dropped ({', '.join(f'{why}: {n:,}' for why, n in reasons.most_common())})"
-    if "eos_added" in tokenized.column_names:
-        added = sum(tokenized["eos_added"])
-        stops = Counter(stop for row_stops in tokenized["stops"] for stop in row_stops)
-        if added:
-            line += f"; EOS added after {added:,} replies (the chat template ends them with no special token)"
-        elif stops:
-            line += f"; replies end with {' / '.join(stop for stop, _ in stops.most_common(2))}"
-        boundary = sum(tokenized["boundary"])
-        if boundary:
-            line += (f"; in {boundary:,} rows one token holds the prompt's end and the target's start "
-                     "(trained as target, as the whole text tokenises)")
+    added = sum(tokenized["eos_added"])
+    stops = Counter(stop for row_stops in tokenized["stops"] for stop in row_stops)
+    if added:
+        line += f"; EOS added after {added:,} replies (the chat template ends them with no special token)"
+    elif stops:
+        line += f"; replies end with {' / '.join(stop for stop, _ in stops.most_common(2))}"
+    boundary = sum(tokenized["boundary"])
+    if boundary:
+        line += (f"; in {boundary:,} rows one token holds the prompt's end and the target's start "
+                 "(trained as target, as the whole text tokenises)")
     return line
 
 
 def usable(tokenized, split: str, args):
     """The rows that can train; none at all is a refusal that names what to change for each cause found."""
-    kept = tokenized.select([i for i, why in enumerate(tokenized["dropped"]) if not why])
+    kept = kept_rows(tokenized)
     if len(kept):
-        return kept.remove_columns(REPORT_COLUMNS)
+        return kept
     refuse(f"no {split} row can be used: {counted(tokenized)}; {'; '.join(fixes(tokenized))}")
 
 
@@ -106,9 +104,13 @@ def tokenize(dataset, tokenizer, max_length: int, packing: bool = False):
     """(tokenised dataset of the usable rows, format name); with `packing`, rows are packed into
     sequences of up to `max_length` tokens whose `position_ids` restart at every row."""
     tokenized, fmt = tokenize_counted(dataset, tokenizer, max_length)
-    tokenized = tokenized.select([i for i, why in enumerate(tokenized["dropped"]) if not why])
-    tokenized = tokenized.remove_columns(REPORT_COLUMNS)
+    tokenized = kept_rows(tokenized)
     return (pack(tokenized, max_length)[0] if packing else tokenized), fmt
+
+
+def kept_rows(tokenized):
+    """The rows that can train, without the columns the data line counts."""
+    return tokenized.select([i for i, why in enumerate(tokenized["dropped"]) if not why]).remove_columns(REPORT_COLUMNS)
 
 
 ROWS_PER_PROCESS = 10_000  # below this a process of its own costs more than it saves
@@ -141,7 +143,7 @@ def tokenize_counted(dataset, tokenizer, max_length: int):
 
     def batch_of_rows(columns: dict, code: str) -> dict:  # `code` only keys datasets' cache (see below)
         rows = [dict(zip(columns, values)) for values in zip(*columns.values())]
-        out = {key: [] for key in ("input_ids", "labels", "dropped", "needs", "cut", "eos_added", "stops", "boundary")}
+        out = {key: [] for key in ["input_ids", "labels", *REPORT_COLUMNS]}
         for row in tokenize_rows(rows, tokenizer, fmt):
             labels = row["labels"]
             # The label of token i is predicted from token i - 1: the first target at i needs i + 1 tokens.

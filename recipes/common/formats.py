@@ -126,24 +126,28 @@ def json_value(value):
 def row_problem(row: dict, fmt: str) -> str | None:
     """Why a row cannot be trained on (it is dropped and counted), or None when it can."""
     if fmt == "messages":
-        turns = conversation(row["messages"])
-        if not turns:
-            return "no messages"
-        if any(not isinstance(turn["content"], str) for turn in turns):
-            return "a turn without text"
-        others = sorted({str(turn["role"]) for turn in turns if turn["role"] not in ROLES + TOOL_ROLES})
-        if others:
-            return f"a role other than {'/'.join(ROLES + TOOL_ROLES)} ({', '.join(others)})"
-        if not any(is_reply(turns, i) and (turn["content"].strip() or turn.get("tool_calls"))
-                   for i, turn in enumerate(turns)):
-            return "no assistant reply"
-        return None
+        return conversation_problem(conversation(row["messages"]))
     prompt_column = {"instruction": "instruction", "prompt_completion": "prompt"}.get(fmt)
     if prompt_column and not isinstance(row.get(prompt_column), str):
         return f"no {prompt_column}"
     target = split_prompt(row, fmt)[1]
     if not isinstance(target, str) or not target.strip():
         return "empty target"
+    return None
+
+
+def conversation_problem(turns: list | None) -> str | None:
+    """Why a conversation (as `conversation` reads it) cannot be trained on, or None when it can."""
+    if not turns:
+        return "no messages"
+    if any(not isinstance(turn["content"], str) for turn in turns):
+        return "a turn without text"
+    others = sorted({str(turn["role"]) for turn in turns if turn["role"] not in ROLES + TOOL_ROLES})
+    if others:
+        return f"a role other than {'/'.join(ROLES + TOOL_ROLES)} ({', '.join(others)})"
+    if not any(is_reply(turns, i) and (turn["content"].strip() or turn.get("tool_calls"))
+               for i, turn in enumerate(turns)):
+        return "no assistant reply"
     return None
 
 

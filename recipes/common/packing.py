@@ -67,11 +67,9 @@ def _packed_tables(tokenized, bins: list[np.ndarray]):
             rows += len(bins[start])
             start += 1
         gathered = tokenized.with_format("arrow", columns=["input_ids", "labels"])[np.concatenate(chunk).tolist()]
-        columns, row_offsets = {}, None
-        for name in ("input_ids", "labels"):
-            lists = gathered.column(name).combine_chunks()
-            row_offsets = lists.offsets.to_numpy() - lists.offsets[0].as_py()
-            columns[name] = lists.flatten().to_numpy(zero_copy_only=False).astype(np.int32)
+        lists = {name: gathered.column(name).combine_chunks() for name in ("input_ids", "labels")}
+        columns = {name: values.flatten().to_numpy(zero_copy_only=False).astype(np.int32) for name, values in lists.items()}
+        row_offsets = lists["input_ids"].offsets.to_numpy() - lists["input_ids"].offsets[0].as_py()  # labels: the same
         # a row's tokens are consecutive in the gathered rows, and so are a sequence's rows
         ends_of_sequences = np.cumsum([len(rows_of_sequence) for rows_of_sequence in chunk])
         sequence_offsets = np.concatenate([[0], row_offsets[ends_of_sequences]]).astype(np.int32)

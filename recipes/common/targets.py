@@ -21,8 +21,18 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .formats import (DEFAULT_CHAT_TEMPLATE, IGNORE, TURN_EXTRAS, RowProblem, conversation, is_reply, row_problem,
-                      split_prompt, tools_of)
+from .formats import (
+    DEFAULT_CHAT_TEMPLATE,
+    IGNORE,
+    TURN_EXTRAS,
+    RowProblem,
+    conversation,
+    conversation_problem,
+    is_reply,
+    row_problem,
+    split_prompt,
+    tools_of,
+)
 from .refusal import refuse
 
 # Private-use characters: no template writes them and no row is expected to hold them.
@@ -110,7 +120,7 @@ def _marked(turns: list[dict], replies: list[int], only: int | None = None) -> l
 
 
 def _regions_by_alignment(text: str, marked: str, count: int):
-    """Each reply's [start, end) in `text`, by matching the template's text between the markers of
+    """Each reply's (start, end) in `text`, by matching the template's text between the markers of
     `marked` (one rendering with every reply marked); None when the template's own text changed."""
     pieces = MARKER.split(marked)  # [between_0, "0", between_1, "1", ..., between_n]
     if len(pieces) != 2 * count + 1 or pieces[1::2] != [str(k) for k in range(count)]:
@@ -129,7 +139,7 @@ def _regions_by_alignment(text: str, marked: str, count: int):
             end = text.find(follows, position)
             if end < 0 or not follows:
                 return None
-        regions.append((position, end, follows))
+        regions.append((position, end))
         position = end + len(follows)
     return regions
 
@@ -156,7 +166,7 @@ def render_chat(turns: list[dict], chat: ChatTemplate, tools: list | None = None
     regions = _regions_by_alignment(text, render(_marked(messages, with_text)), len(with_text))
     if regions is not None:
         regions = [(start - len(chat.opening) if chat.opening and text[max(0, start - len(chat.opening)):start] == chat.opening
-                    else start, end) for start, end, _ in regions]
+                    else start, end) for start, end in regions]
     else:  # the template renders around a reply differently when its text changes: one reply at a time
         regions = []
         for k, i in enumerate(with_text):
@@ -212,12 +222,6 @@ def render_plain(row: dict, fmt: str) -> Rendering:
     return Rendering(prompt + target, [(len(prompt), len(prompt) + len(target))], plain=True)
 
 
-def render_row(row: dict, fmt: str, chat: ChatTemplate | None) -> Rendering:
-    if fmt == "messages":
-        return render_chat(conversation(row["messages"]), chat, tools_of(row))
-    return render_plain(row, fmt)
-
-
 def trained_mask(offsets, spans) -> np.ndarray:
     """Which tokens (character offsets [start, end)) overlap a trained span."""
     offsets = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
@@ -238,10 +242,11 @@ def tokenize_rows(rows: list[dict], tokenizer, fmt: str) -> list[dict]:
     chat = ChatTemplate(tokenizer) if fmt == "messages" else None
     renderings: list[Rendering | str] = []
     for row in rows:
-        problem = row_problem(row, fmt)
+        turns = conversation(row["messages"]) if chat else None  # the cell read once, for the check and the rendering
+        problem = conversation_problem(turns) if chat else row_problem(row, fmt)
         if problem is None:
             try:
-                renderings.append(render_row(row, fmt, chat))
+                renderings.append(render_chat(turns, chat, tools_of(row)) if chat else render_plain(row, fmt))
                 continue
             except RowProblem as error:
                 problem = str(error)
@@ -260,7 +265,7 @@ def tokenize_rows(rows: list[dict], tokenizer, fmt: str) -> list[dict]:
         if rendering.plain:
             if ids and ids[-1] == eos_id and tuple(offsets[-1]) == (0, 0):  # the tokenizer's own EOS: trained below
                 ids, offsets = ids[:-1], offsets[:-1]
-            (cut,) = [start for start, _ in rendering.spans]
+            cut = rendering.spans[0][0]  # a plain row's one span starts where its prompt ends
             rendering.boundary = cut > 0 and any(start < cut < end for start, end in offsets)
         mask = trained_mask(offsets, rendering.spans)
         labels = np.where(mask, np.asarray(ids, dtype=np.int64), IGNORE).tolist()
