@@ -15,7 +15,7 @@ from .data_files import filled_columns, load_splits, unread_columns
 from .formats import IGNORE, detect_format
 from .packing import pack
 from .refusal import refuse
-from .targets import tokenize_row, tokenize_rows  # noqa: F401 (tokenize_row: one row, for scripts and tests)
+from .targets import require_offsets, tokenize_row, tokenize_rows  # noqa: F401 (tokenize_row: one row, for scripts and tests)
 
 REPORT_COLUMNS = ["dropped", "needs", "cut", "eos_added", "stops", "boundary"]  # what the data line counts
 
@@ -29,6 +29,7 @@ def prepare(accelerator, tokenizer, args, launch):
     left the run stops with the limit or the fix to change.
     """
     train_rows, eval_rows = load_splits(args.dataset, args.seed, args.columns, getattr(args, "eval_dataset", None))
+    require_offsets(tokenizer)  # on every rank, before rank 0 tokenises (in worker processes for a large set)
     with accelerator.main_process_first():
         train_all, fmt = tokenize_counted(train_rows, tokenizer, args.max_length)
         eval_all, _ = tokenize_counted(eval_rows, tokenizer, args.max_length)

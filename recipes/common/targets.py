@@ -232,13 +232,18 @@ def trained_mask(offsets, spans) -> np.ndarray:
     return mask
 
 
+def require_offsets(tokenizer) -> None:
+    """Refuse a tokenizer that cannot give character offsets (not a fast, Rust one)."""
+    if not getattr(tokenizer, "is_fast", False):
+        refuse(f"the tokenizer ({type(tokenizer).__name__}) is not a fast (Rust) tokenizer, which the data path "
+               "needs for character offsets; give a model folder with a tokenizer.json")
+
+
 def tokenize_rows(rows: list[dict], tokenizer, fmt: str) -> list[dict]:
     """Each row as {input_ids, labels, problem ("" or why it cannot train), eos_added, stops (its replies'
     stop signals), boundary},
     all rows tokenised in one call."""
-    if not getattr(tokenizer, "is_fast", False):
-        refuse(f"the tokenizer ({type(tokenizer).__name__}) is not a fast (Rust) tokenizer, which the data path "
-               "needs for character offsets; give a model folder with a tokenizer.json")
+    require_offsets(tokenizer)
     chat = ChatTemplate(tokenizer) if fmt == "messages" else None
     renderings: list[Rendering | str] = []
     for row in rows:
