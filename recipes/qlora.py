@@ -31,7 +31,7 @@ from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 from transformers import get_cosine_schedule_with_warmup
 
 from common import args as cli
-from common import batch_size, checkpoint, data, modeling, preflight, report, runtime
+from common import batch_size, batches, checkpoint, data, modeling, preflight, report, runtime
 from common.evaluation import evaluate
 from common.runlog import RunLog
 
@@ -79,8 +79,8 @@ def main():
 
     # Batches: shuffled micro-batches, each padded to its longest row; a fixed one to check reloads against.
     # To batch differently, swap the collator: any function from a list of rows to a dict of tensors.
-    collate = data.PadToLongest(tokenizer.pad_token_id)
-    train_loader, eval_loader = data.make_loaders(train_set, eval_set, collate, args.batch_size,
+    collate = batches.PadToLongest(tokenizer.pad_token_id)
+    train_loader, eval_loader = batches.make_loaders(train_set, eval_set, collate, args.batch_size,
                                                   args.dataloader_workers)
     probe = next(iter(eval_loader))
 
@@ -89,7 +89,7 @@ def main():
     optimizer = torch.optim.AdamW(
         modeling.trained_parameter_groups(model), lr=args.lr, weight_decay=args.weight_decay, fused=True
     )
-    steps_per_epoch = data.steps_per_epoch(len(train_loader) // launch.data_parallel_size, args.grad_accum)
+    steps_per_epoch = batches.steps_per_epoch(len(train_loader) // launch.data_parallel_size, args.grad_accum)
     total_steps = args.max_steps or math.ceil(args.epochs * steps_per_epoch)
     scheduler = get_cosine_schedule_with_warmup(optimizer, int(args.warmup_ratio * total_steps), total_steps)
     model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
@@ -105,7 +105,7 @@ def main():
     model.train()
     sync = runtime.StepSync(accelerator)  # the loop's collectives; SIGTERM / Ctrl-C stop it at the end of a step
     log.start(start_step, total_steps)
-    steps = data.optimizer_steps(train_loader, args.grad_accum, start_step)
+    steps = batches.optimizer_steps(train_loader, args.grad_accum, start_step)
     epoch, micro_batches = next(steps)
     # A step's loss is the mean over every target token of the global batch (all micro-batches, all
     # ranks), so the count comes first.
@@ -121,13 +121,13 @@ def main():
                     targets = labels[:, 1:]  # position t predicts token t + 1
                     # The LM head runs only where some row has a target: prompt and padding positions need
                     # no logits (with a large vocabulary that saves much of the step's time and memory).
-                    positions = data.positions_with_targets(targets)
+                    positions = batches.positions_with_targets(targets)
                     logits = model(**batch, use_cache=False, logits_to_keep=positions).logits
                     # The loss: cross-entropy of each next token. Prompt and padding tokens are IGNORE and
                     # count 0; to weight tokens, multiply token_loss by weights laid out like
                     # targets[:, positions] (flattened) before the sum.
                     token_loss = torch.nn.functional.cross_entropy(
-                        logits.flatten(0, 1).float(), targets[:, positions].flatten(), ignore_index=data.IGNORE,
+                        logits.flatten(0, 1).float(), targets[:, positions].flatten(), ignore_index=batches.IGNORE,
                         reduction="none")
                     del logits  # the largest tensor of the step: the backward keeps only what it needs
                     loss_sum = token_loss.sum()

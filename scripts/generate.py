@@ -5,8 +5,9 @@
 
 Each prompt is wrapped the way the run's training rows were (run.json's data_format): an
 instruction in the "### Instruction: ... ### Response:" template, a chat message through the
-saved tokenizer's chat template, a prompt/completion or text prompt as it is (--raw: always as
-it is). Greedy decoding, on a GPU when there is one.
+saved tokenizer's chat template (so is a mixture of formats with chat in it: `instruction+messages`),
+a prompt/completion or text prompt as it is (--raw: always as it is). Greedy decoding, on a GPU when
+there is one.
 """
 
 from __future__ import annotations
@@ -60,11 +61,12 @@ def load(output_dir: Path, artifact: Path, device: str):
 def prompt_ids(prompt: str, tokenizer, data_format: str, raw: bool) -> list[int]:
     """The prompt's tokens as training tokenised such prompts: a chat rendering as the template writes it
     (its own BOS), plain text with the tokenizer's own special tokens."""
-    if data_format == "messages" and not raw:
+    formats = data_format.split("+")  # a mixture of sources of several formats: chat when one of them is
+    if "messages" in formats and not raw:
         text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
                                              add_generation_prompt=True)
         return tokenizer(text, add_special_tokens=False)["input_ids"]
-    text = PROMPT_TEMPLATE.format(instruction=prompt) if data_format == "instruction" and not raw else prompt
+    text = PROMPT_TEMPLATE.format(instruction=prompt) if formats == ["instruction"] and not raw else prompt
     return tokenizer(text)["input_ids"]
 
 

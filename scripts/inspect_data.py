@@ -6,7 +6,7 @@
     python scripts/inspect_data.py --dataset chats.jsonl --json > rows.jsonl
 
 The rows are read, checked, detected and tokenised by the same functions a recipe uses
-(data_files.read_splits, formats.detect_format, data.tokenize_counted with --max-length), so what
+(data_files.read_splits, formats.detect_format, tokens.tokenize_counted with --max-length), so what
 is shown is what a run trains on. Each row is printed as its tokens, each token's text with
 whitespace made visible (a space is "␣", a newline "↵"), tokens separated by "·"; the trained
 tokens (the targets) are coloured on a terminal and inside [[ ]] otherwise. Then each dropped row
@@ -34,7 +34,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT / "recipes"))
 
 import common.quiet  # noqa: E402,F401  (first: the recipes' filter of library notices)
-from common import data, data_files, formats, modeling, preflight  # noqa: E402
+from common import checked_rows, data_files, formats, modeling, preflight, tokens  # noqa: E402
 
 BUNDLED_TOKENIZER = REPO_ROOT / "data" / "tokenizer"  # what the bundled model is built with
 VISIBLE = {" ": "␣", "\n": "↵\n", "\t": "→", "\r": "␍"}
@@ -77,11 +77,11 @@ def tokenised_splits(args, tokenizer, log=sys.stdout):
     with contextlib.redirect_stdout(log):  # the `files:` line of a folder
         loaded, spec = data_files.read_splits(args.dataset, args.columns)
     first = next(iter(loaded.values()))
-    fmt = data_files.format_of(first, spec)
+    fmt = checked_rows.format_of(first, spec)
     order = sorted(loaded, key=lambda name: (name != "train", name))
-    splits = [(name, data.tokenize_counted(loaded[name], tokenizer, args.max_length)[0]) for name in order]
-    line = f"data ({fmt}): " + "; ".join(f"{name} {data.counted(rows)}" for name, rows in splits)
-    return splits, fmt, line + data_files.unread_columns(first.column_names, fmt)
+    splits = [(name, tokens.tokenize_counted(loaded[name], tokenizer, args.max_length)[0]) for name in order]
+    line = f"data ({fmt}): " + "; ".join(f"{name} {tokens.counted(rows)}" for name, rows in splits)
+    return splits, fmt, line + checked_rows.unread_columns(first.column_names, fmt)
 
 
 def token_texts(tokenizer, ids: list[int]) -> list[str]:

@@ -45,7 +45,7 @@ class MemorySampler:
 
 
 def main(argv=None) -> int:
-    from common import data, data_files, modeling, packing
+    from common import checked_rows, modeling, packing, tokens
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dataset", required=True)
@@ -54,9 +54,9 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     sampler = MemorySampler()
     tokenizer = modeling.load_tokenizer(args.model)
-    train, _ = data_files.load_splits(args.dataset, 42, None)
-    tokenized, _ = data.tokenize_counted(train, tokenizer, args.max_length)
-    kept = data.usable(tokenized, "training", args)
+    train, _ = checked_rows.load_splits(args.dataset, 42, None)
+    tokenized, _ = tokens.tokenize_counted(train, tokenizer, args.max_length)
+    kept = tokens.usable(tokenized, "training", args)
     packing.packed_path(kept, args.max_length).unlink(missing_ok=True)  # measure the packing, not a reuse
     before = sampler.take()
     started = time.perf_counter()

@@ -4,7 +4,7 @@ beside another revision, on the same generated chat file and tokenizers, run alt
     python scripts/prepare_speed.py --baseline 13b2f67 --rows 10000 --repeats 3 --out results/<dir>
 
 Each measurement is a fresh process (its peak resident memory is reported) that imports the revision's `recipes/common` and times
-`data.tokenize_counted` on the file (datasets' cache off, so every run tokenises). Tokenizers: the
+`tokenize_counted` (tokens.py; data.py before the stages were split) on the file (datasets' cache off, so every run tokenises). Tokenizers: the
 bundled character-level one with the recipes' default template, and the sentencepiece-style and
 byte-level BPE fixtures of tests/chat_fixtures.py with Llama-3.1's template (a template both data
 paths keep every row under). Rows: multi-turn chat, 1-3 turns, about half with a system prompt,
@@ -37,13 +37,16 @@ import json, sys, time
 sys.path.insert(0, sys.argv[1])
 import datasets
 from transformers import AutoTokenizer
-from common import data
+try:
+    from common import tokens as data_path  # since the data path was split into stages
+except ImportError:
+    from common import data as data_path
 datasets.disable_caching()
 datasets.disable_progress_bars()
 rows = datasets.load_dataset("json", data_files=sys.argv[2], split="train")
 tokenizer = AutoTokenizer.from_pretrained(sys.argv[3])
 started = time.perf_counter()
-tokenized, fmt = data.tokenize_counted(rows, tokenizer, 1 << 16)
+tokenized, fmt = data_path.tokenize_counted(rows, tokenizer, 1 << 16)
 seconds = time.perf_counter() - started
 kept = sum(1 for why in tokenized["dropped"] if not why)
 tokens = sum(len(ids) for ids in tokenized["input_ids"])

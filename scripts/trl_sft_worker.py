@@ -46,7 +46,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "recipes"))  # the recipe's own flags, data loading and rendering
 
 from common import args as cli  # noqa: E402
-from common import data, formats, modeling, runtime  # noqa: E402
+from common import batches, checked_rows, data, formats, modeling, runtime, tokens  # noqa: E402
 from common.preflight import refuse  # noqa: E402
 
 
@@ -59,14 +59,14 @@ def parse_args(argv=None):
 def recipe_rows(args, tokenizer):
     """(prompt/completion rows, the recipe's tokenised rows), index for index: the rows the recipe
     trains on (data.tokenize drops those whose targets --max-length cut off)."""
-    rows, _ = data.load_splits(args.dataset, args.seed, args.columns)
+    rows, _ = checked_rows.load_splits(args.dataset, args.seed, args.columns)
     fmt = formats.detect_format(rows.column_names)
     if fmt not in ("instruction", "prompt_completion"):
         refuse(f"the TRL comparison takes instruction or prompt/completion data; --dataset is `{fmt}`")
     expected, _ = data.tokenize(rows, tokenizer, args.max_length)
     prompt_completion = []
     for row in rows:
-        labels = data.tokenize_row(row, tokenizer, fmt, args.max_length)["labels"]
+        labels = tokens.tokenize_row(row, tokenizer, fmt, args.max_length)["labels"]
         if any(label != formats.IGNORE for label in labels[1:]):
             prompt, completion = formats.split_prompt(row, fmt)
             prompt_completion.append({"prompt": prompt, "completion": completion})
@@ -85,7 +85,7 @@ def training_order(rows: int, seed: int, steps: int, batch_size: int, grad_accum
     """
     from accelerate.data_loader import SeedableRandomSampler
 
-    steps_per_epoch = data.steps_per_epoch(rows // batch_size // processes, grad_accum)
+    steps_per_epoch = batches.steps_per_epoch(rows // batch_size // processes, grad_accum)
     rows_per_step = batch_size * grad_accum * processes
     sampler = SeedableRandomSampler(range(rows), data_seed=seed)
     order, epoch = [], 0
@@ -165,7 +165,7 @@ class CountingCollator:
 
     def __call__(self, examples):
         batch = self.collate(examples)
-        self.counts.append(int(data.target_tokens(batch)))
+        self.counts.append(int(batches.target_tokens(batch)))
         return batch
 
 

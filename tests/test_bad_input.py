@@ -17,7 +17,7 @@ import pytest
 from conftest import REPO, TINY_MODEL, assert_no_traceback_of_ours, launch, long_test
 
 sys.path.insert(0, str(REPO / "recipes"))
-from common import checkpoint, data, preflight  # noqa: E402
+from common import checked_rows, checkpoint, preflight, tokens  # noqa: E402
 from common.args import parse_args, recipe_flags  # noqa: E402
 from common.preflight import Refusal  # noqa: E402
 
@@ -59,13 +59,13 @@ GOOD = {"instruction": "Sort: 3 1 2", "response": "1 2 3"}
 def test_a_file_that_cannot_be_read_names_its_line(bad, message, tmp_path):
     path = write_lines(tmp_path / "rows.jsonl", [GOOD, GOOD, bad, GOOD])
     with pytest.raises(Refusal, match=f"^{path}{message}"):
-        data.load_splits(path, seed=0)
+        checked_rows.load_splits(path, seed=0)
 
 
 def test_columns_are_checked_under_their_mapped_names(tmp_path):
     path = write_lines(tmp_path / "rows.jsonl", [{"question": "q", "answer": "a"}, {"question": "q", "answer": 7}])
     with pytest.raises(Refusal, match=r":2: `answer` must be text"):
-        data.load_splits(path, seed=0, columns="instruction=question,response=answer")
+        checked_rows.load_splits(path, seed=0, columns="instruction=question,response=answer")
 
 
 # Rows that cannot train: dropped and counted; none left is one line with the fix
@@ -73,7 +73,7 @@ def test_columns_are_checked_under_their_mapped_names(tmp_path):
 def tokenized(tokenizer, rows, max_length=512):
     import datasets
 
-    return data.tokenize_counted(datasets.Dataset.from_list(rows), tokenizer, max_length)[0]
+    return tokens.tokenize_counted(datasets.Dataset.from_list(rows), tokenizer, max_length)[0]
 
 
 def test_rows_that_cannot_train_are_counted(tokenizer):
@@ -82,7 +82,7 @@ def test_rows_that_cannot_train_are_counted(tokenizer):
              {"messages": [{"role": "user", "content": "hi"}, {"role": "tool", "content": "{}"}]},
              {"messages": [{"role": "user", "content": "hi"}]},
              {"messages": [{"role": "user", "content": None}, {"role": "assistant", "content": "x"}]}]
-    assert data.counted(tokenized(tokenizer, chats)) == (
+    assert tokens.counted(tokenized(tokenizer, chats)) == (
         "5 rows: 1 used, 4 dropped (no assistant reply: 2, a role other than system/user/assistant/tool/function/ipython "
         "(narrator): 1, a turn without text: 1); replies end with </s>")
 
@@ -94,15 +94,15 @@ def test_no_usable_row_names_the_max_length_that_would_keep_one(tokenizer):
     assert needs > 8
     with pytest.raises(Refusal, match=rf"no training row can be used: 3 rows: 0 used, 3 dropped \(too long for "
                                       rf"--max-length 8: 3\); pass --max-length {needs} or more"):
-        data.usable(all_too_long, "training", args_of("--max-length", "8"))
-    assert len(data.usable(tokenized(tokenizer, rows, max_length=needs), "training", args_of())) == 3
+        tokens.usable(all_too_long, "training", args_of("--max-length", "8"))
+    assert len(tokens.usable(tokenized(tokenizer, rows, max_length=needs), "training", args_of())) == 3
 
 
 def test_a_template_that_leaves_the_replies_out_drops_its_rows(tokenizer):
     rows = [{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}]
     tokenizer.chat_template = "{% for m in messages %}{% if m['role'] == 'user' %}{{ m['content'] }}{% endif %}{% endfor %}"
     try:
-        assert "the chat template leaves the reply out of its rendering: 1" in data.counted(tokenized(tokenizer, rows))
+        assert "the chat template leaves the reply out of its rendering: 1" in tokens.counted(tokenized(tokenizer, rows))
     finally:
         tokenizer.chat_template = None
 

@@ -97,7 +97,7 @@ def test_training_order_is_the_recipes_loader_order():
     """Over an epoch boundary, each rank reads the micro-batches of recipes/lora.py's prepared loader."""
     from accelerate.data_loader import prepare_data_loader
     from accelerate.utils import set_seed
-    from common import data
+    from common import batches
     from torch.utils.data import DataLoader
 
     rows, batch_size, grad_accum, processes, seed = 203, 4, 3, 2, 42
@@ -109,7 +109,7 @@ def test_training_order_is_the_recipes_loader_order():
         prepared = prepare_data_loader(loader, num_processes=processes, process_index=process_index,
                                        put_on_device=False, use_seedable_sampler=True)
         if recipe:  # the recipe's own loop: whole optimizer steps, each epoch reshuffled
-            stream = data.optimizer_steps(prepared, grad_accum)
+            stream = batches.optimizer_steps(prepared, grad_accum)
             return [batch.tolist() for _ in range(steps) for batch in next(stream)[1]]
         return [batch.tolist() for batch in prepared][: steps * grad_accum]
 

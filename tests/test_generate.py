@@ -13,7 +13,7 @@ from conftest import REPO, TINY_MODEL
 sys.path.insert(0, str(REPO / "scripts"))
 sys.path.insert(0, str(REPO / "recipes"))
 import generate  # noqa: E402
-from common import data, formats, modeling  # noqa: E402
+from common import formats, modeling, tokens  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -28,9 +28,9 @@ def prompt_part(row: dict) -> list[int]:
 
 
 def test_prompts_are_wrapped_as_training_rows_were(tokenizer):
-    instruction = data.tokenize_row({"instruction": "Sort: 3 1 2", "response": "1 2 3"}, tokenizer, "instruction", 512)
+    instruction = tokens.tokenize_row({"instruction": "Sort: 3 1 2", "response": "1 2 3"}, tokenizer, "instruction", 512)
     assert generate.prompt_ids("Sort: 3 1 2", tokenizer, "instruction", raw=False) == prompt_part(instruction)
-    chat = data.tokenize_row({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]},
+    chat = tokens.tokenize_row({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]},
                                 tokenizer, "messages", 512)
     assert generate.prompt_ids("hi", tokenizer, "messages", raw=False) == prompt_part(chat)
     assert generate.prompt_ids("Sort: 3 1 2", tokenizer, "instruction", raw=True) == \

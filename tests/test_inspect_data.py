@@ -19,7 +19,7 @@ import chat_fixtures as fixtures
 from conftest import REPO
 
 sys.path.insert(0, str(REPO / "recipes"))
-from common import data, data_files, modeling  # noqa: E402
+from common import batches, data, data_files, modeling  # noqa: E402
 from common.preflight import Refusal  # noqa: E402
 
 SCRIPT = REPO / "scripts" / "inspect_data.py"
@@ -90,7 +90,7 @@ def test_json_rows_of_the_bundled_data_are_what_the_recipes_train_on(name, model
     assert rows == [{**row, "dropped": ""} for row in recipes_rows(None, model_folders[name], 64)]
     first = rows[0]
     tokenizer = modeling.load_tokenizer(str(model_folders[name]))
-    targets = [token for token, label in zip(first["input_ids"], first["labels"]) if label != data.IGNORE]
+    targets = [token for token, label in zip(first["input_ids"], first["labels"]) if label != batches.IGNORE]
     assert tokenizer.decode(targets).strip() == f"2 6 8 9{tokenizer.eos_token}"  # data/train.jsonl's first response
 
 
@@ -103,7 +103,7 @@ def test_json_rows_of_a_chat_file_are_what_the_recipes_train_on(name, model_fold
     assert rows[3] == {"input_ids": [], "labels": [], "dropped": "no assistant reply"}
     assert rows[9]["input_ids"] == [] and rows[9]["dropped"].startswith("a role other than")
     for row in kept:
-        assert len(row["input_ids"]) == len(row["labels"]) and any(label != data.IGNORE for label in row["labels"])
+        assert len(row["input_ids"]) == len(row["labels"]) and any(label != batches.IGNORE for label in row["labels"])
     if name == "byte_level":  # Qwen3's template, which re-renders earlier replies: no row lost to it
         assert not [row for row in rows if row["dropped"].startswith("the chat template")]
 
@@ -127,10 +127,10 @@ def test_printed_rows_bracket_the_trained_tokens_and_list_the_dropped(model_fold
     tokenizer = modeling.load_tokenizer(str(folder))
     for text, row in zip(shown, kept):
         runs = sum(1 for i, label in enumerate(row["labels"])
-                   if label != data.IGNORE and (i == 0 or row["labels"][i - 1] == data.IGNORE))
+                   if label != batches.IGNORE and (i == 0 or row["labels"][i - 1] == batches.IGNORE))
         assert text.count("[[") == text.count("]]") == runs
         trained = "".join(part.split("]]")[0] for part in text.split("[[")[1:])
-        targets = [token for token, label in zip(row["input_ids"], row["labels"]) if label != data.IGNORE]
+        targets = [token for token, label in zip(row["input_ids"], row["labels"]) if label != batches.IGNORE]
         visible = trained.replace("·", "").replace("↵\n", "\n").replace("␣", " ")
         assert visible == tokenizer.decode(targets)
         assert "\x1b[" not in text  # no colour when stdout is not a terminal

@@ -24,7 +24,7 @@ import check_config  # noqa: E402
 import planner  # noqa: E402
 from common import launch as launch_module  # noqa: E402
 from common.args import parse_args, recipe_flags  # noqa: E402
-from common.data import IGNORE  # noqa: E402
+from common.formats import IGNORE  # noqa: E402
 from common.launch_config import adapt_launch  # noqa: E402
 from common.runtime import StepSync  # noqa: E402
 

@@ -12,7 +12,7 @@ import pytest
 from conftest import REPO, TINY_MODEL
 
 sys.path.insert(0, str(REPO / "recipes"))
-from common import data, data_files, formats  # noqa: E402
+from common import batches, checked_rows, data, data_files, formats, tokens  # noqa: E402
 from common.preflight import Refusal  # noqa: E402
 
 ROWS = [{"instruction": f"Say {i}", "response": f"ok {i}"} for i in range(20)]
@@ -36,7 +36,7 @@ def folder(tmp_path, files: dict):
 
 
 def targets_of(row: dict, tokenizer) -> str:
-    return tokenizer.decode([t for t, label in zip(row["input_ids"], row["labels"]) if label != data.IGNORE])
+    return tokenizer.decode([t for t, label in zip(row["input_ids"], row["labels"]) if label != batches.IGNORE])
 
 
 @pytest.mark.parametrize("files, message", [
@@ -50,7 +50,7 @@ def targets_of(row: dict, tokenizer) -> str:
 ])
 def test_a_folder_that_cannot_mean_one_thing_is_refused(files, message, tmp_path):
     with pytest.raises(Refusal, match=message):
-        data.load_splits(folder(tmp_path, files), seed=0)
+        checked_rows.load_splits(folder(tmp_path, files), seed=0)
 
 
 @pytest.mark.parametrize("train_name, eval_name", [("train.jsonl", "dev.jsonl"), ("training.jsonl", "val.jsonl"),
@@ -58,7 +58,7 @@ def test_a_folder_that_cannot_mean_one_thing_is_refused(files, message, tmp_path
 def test_dev_and_val_files_are_the_evaluation_split(train_name, eval_name, tmp_path, capsys):
     held = [{"instruction": "held", "response": "out"}] * 3
     path = folder(tmp_path, {train_name: jsonl(ROWS), eval_name: jsonl(held), "notes.txt": "not data\n"})
-    train, evaluation = data.load_splits(path, seed=0)
+    train, evaluation = checked_rows.load_splits(path, seed=0)
     assert (len(train), len(evaluation)) == (20, 3)
     said = capsys.readouterr().out
     assert f"files: train: {train_name}; validation: {eval_name}; not read: notes.txt" in said
@@ -74,7 +74,7 @@ def test_names_that_only_start_like_a_split_are_not_splits(tmp_path):
 def test_numbers_in_a_csv_answer_column_are_text(tmp_path, tokenizer):
     path = tmp_path / "numeric.CSV"
     path.write_text("question,answer\n" + "".join(f"What is {i}+0?,{i}\n" for i in range(20)))
-    train, evaluation = data.load_splits(str(path), seed=0, columns="instruction=question,response=answer")
+    train, evaluation = checked_rows.load_splits(str(path), seed=0, columns="instruction=question,response=answer")
     tokenized, fmt = data.tokenize(train, tokenizer, 64)
     assert fmt == "instruction" and len(tokenized) == len(train) == 19  # nothing dropped as "empty target"
     row = next(row for row in train if row["instruction"] == "What is 7+0?")
@@ -84,7 +84,7 @@ def test_numbers_in_a_csv_answer_column_are_text(tmp_path, tokenizer):
 def test_tab_separated_files_load(tmp_path):
     path = tmp_path / "data.tsv"
     path.write_text("instruction\tresponse\n" + "".join(f"Say {i}, please\tok {i}\n" for i in range(20)))
-    train, _ = data.load_splits(str(path), seed=0)
+    train, _ = checked_rows.load_splits(str(path), seed=0)
     assert set(train.column_names) == {"instruction", "response"} and "," in train[0]["instruction"]
 
 
@@ -92,7 +92,7 @@ def test_a_byte_order_mark_and_line_separators_inside_strings_are_fine(tmp_path)
     rows = [{"instruction": f"Say {i}", "response": f"ok {i}\u2028done"} for i in range(20)]
     path = tmp_path / "data.jsonl"
     path.write_bytes("\ufeff".encode() + jsonl(rows).encode())
-    train, evaluation = data.load_splits(str(path), seed=0)
+    train, evaluation = checked_rows.load_splits(str(path), seed=0)
     assert len(train) + len(evaluation) == 20
     assert all(row["response"].endswith("\u2028done") for row in train)
 
@@ -105,7 +105,7 @@ def test_a_json_object_instead_of_rows_names_the_layout(document, message, tmp_p
     path = tmp_path / "data.json"
     path.write_text(json.dumps(document))
     with pytest.raises(Refusal, match=message):
-        data.load_splits(str(path), seed=0)
+        checked_rows.load_splits(str(path), seed=0)
 
 
 @pytest.mark.parametrize("columns, message", [
@@ -116,7 +116,7 @@ def test_columns_that_collide_are_refused(columns, message, tmp_path):
     path = tmp_path / "data.jsonl"
     path.write_text(jsonl({"text": f"Q {i}", "answer": f"A {i}", "question": f"q {i}"} for i in range(20)))
     with pytest.raises(Refusal, match=message):
-        data.load_splits(str(path), seed=0, columns=columns)
+        checked_rows.load_splits(str(path), seed=0, columns=columns)
 
 
 def test_sharegpt_conversations_train_on_the_replies(tmp_path, tokenizer):
@@ -124,7 +124,7 @@ def test_sharegpt_conversations_train_on_the_replies(tmp_path, tokenizer):
                                {"from": "gpt", "value": f"yo {i}"}]} for i in range(20)]
     path = tmp_path / "sharegpt.jsonl"
     path.write_text(jsonl(rows))
-    train, _ = data.load_splits(str(path), seed=0)
+    train, _ = checked_rows.load_splits(str(path), seed=0)
     tokenized, fmt = data.tokenize(train, tokenizer, 128)
     assert fmt == "messages" and len(tokenized) == len(train)
     reply = train[0]["messages"][-1]["value"]
@@ -136,21 +136,21 @@ def test_content_parts_capitalised_roles_and_an_opening_greeting(tokenizer):
              {"role": "User", "content": [{"type": "text", "text": "hi"}, {"type": "image_url", "image_url": "x"}]},
              {"role": "Assistant", "content": [{"type": "text", "text": "yo"}]}]
     assert formats.row_problem({"messages": turns}, "messages") is None
-    row = data.tokenize_row({"messages": json.dumps(turns)}, tokenizer, "messages", 128)  # a JSON string too
+    row = tokens.tokenize_row({"messages": json.dumps(turns)}, tokenizer, "messages", 128)  # a JSON string too
     assert targets_of(row, tokenizer).strip() == "yo" + tokenizer.eos_token  # the greeting is context, not a target
     assert formats.row_problem({"messages": turns[:2]}, "messages") == "no assistant reply"
 
 
 def test_too_few_rows_for_the_processes_names_every_fix():
     with pytest.raises(Refusal, match="or give more rows \\(or launch fewer processes\\)"):
-        data.steps_per_epoch(0, 1)
+        batches.steps_per_epoch(0, 1)
 
 
 def test_the_held_out_rows_are_rows_that_can_train(tmp_path):
     rows = [{"instruction": f"Say {i}", "response": "" if i % 3 else f"ok {i}"} for i in range(40)]
     path = tmp_path / "sparse.jsonl"
     path.write_text(jsonl(rows))
-    train, evaluation = data.load_splits(str(path), seed=0)
+    train, evaluation = checked_rows.load_splits(str(path), seed=0)
     assert len(train) + len(evaluation) == 40 and len(evaluation) == 2
     assert all(formats.row_problem(row, "instruction") is None for row in evaluation)
     assert sum(formats.row_problem(row, "instruction") is not None for row in train) == 26  # kept, to be counted
@@ -172,8 +172,8 @@ def test_a_row_the_chat_template_refuses_is_dropped_and_counted(tokenizer):
     strict.chat_template = RAISES_ON_SYSTEM
     chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
     rows = [{"messages": chat}] * 3 + [{"messages": [{"role": "system", "content": "Be brief."}, *chat]}]
-    tokenized, _ = data.tokenize_counted(datasets.Dataset.from_list(rows), strict, 64)
-    assert data.counted(tokenized) == ("4 rows: 3 used, 1 dropped (the chat template refuses it: System role "
+    tokenized, _ = tokens.tokenize_counted(datasets.Dataset.from_list(rows), strict, 64)
+    assert tokens.counted(tokenized) == ("4 rows: 3 used, 1 dropped (the chat template refuses it: System role "
                                        "not supported: 1); EOS added after 3 replies (the chat template ends them "
                                        "with no special token)")
 
@@ -183,7 +183,7 @@ def test_weight_zero_turns_are_context_and_developer_is_the_system_role(tokenize
              {"role": "assistant", "content": "BAD", "weight": 0}, {"role": "user", "content": "again"},
              {"role": "assistant", "content": "good", "weight": 1}]
     assert formats.row_problem({"messages": turns}, "messages") is None
-    row = data.tokenize_row({"messages": turns}, tokenizer, "messages", 256)
+    row = tokens.tokenize_row({"messages": turns}, tokenizer, "messages", 256)
     assert "BAD" not in targets_of(row, tokenizer) and targets_of(row, tokenizer).startswith("good")
     assert "<|system|>" in tokenizer.decode(row["input_ids"]) or "system" in tokenizer.decode(row["input_ids"])
     only_weightless = [turns[1], turns[2]]
@@ -194,8 +194,8 @@ def test_rows_cut_to_max_length_are_counted(tokenizer):
     import datasets
 
     rows = [{"instruction": "Count.", "response": " ".join(str(i) for i in range(200))}, ROWS[0]]
-    tokenized, _ = data.tokenize_counted(datasets.Dataset.from_list(rows), tokenizer, 64)
-    assert data.counted(tokenized) == "2 rows: 2 used (1 of them cut to --max-length)"
+    tokenized, _ = tokens.tokenize_counted(datasets.Dataset.from_list(rows), tokenizer, 64)
+    assert tokens.counted(tokenized) == "2 rows: 2 used (1 of them cut to --max-length)"
     assert len(tokenized[0]["input_ids"]) == 64 and tokenized["cut"] == [True, False]
 
 
@@ -205,7 +205,7 @@ def test_csv_cells_are_read_as_written(tmp_path):
     # 12,000 rows that look like numbers, then text: pandas guesses each 10,000-row chunk's types apart
     rows = [(f"q{i}", answers[i % 10]) for i in range(12_000)] + [(f"t{i}", f"answer {i}") for i in range(20)]
     path.write_text("instruction,output\n" + "".join(f"{q},{a}\n" for q, a in rows))
-    train, evaluation = data.load_splits(str(path), seed=0)
+    train, evaluation = checked_rows.load_splits(str(path), seed=0)
     written = {row["instruction"]: row["output"] for split in (train, evaluation) for row in split}
     assert [written[f"q{i}"] for i in range(10)] == answers and written["t3"] == "answer 3"
 
@@ -213,10 +213,10 @@ def test_csv_cells_are_read_as_written(tmp_path):
 def test_columns_the_format_does_not_read_are_named(tmp_path):
     rows = [{"instruction": "Summarise.", "context": f"Passage {i}", "response": f"r {i}", "category": "qa"}
             for i in range(20)]
-    train, _ = data.load_splits(folder(tmp_path, {"dolly.jsonl": jsonl(rows)}), seed=0)
-    assert data_files.unread_columns(train.column_names, "instruction") == (
+    train, _ = checked_rows.load_splits(folder(tmp_path, {"dolly.jsonl": jsonl(rows)}), seed=0)
+    assert checked_rows.unread_columns(train.column_names, "instruction") == (
         "; columns not read: category, context (--columns input=context reads `context` as the input)")
-    assert data_files.unread_columns(["text"], "text") == ""
+    assert checked_rows.unread_columns(["text"], "text") == ""
 
 
 def test_rows_of_two_formats_are_refused_naming_the_first_other_row(tmp_path):
@@ -225,16 +225,16 @@ def test_rows_of_two_formats_are_refused_naming_the_first_other_row(tmp_path):
     path.write_text(jsonl(rows + [{"text": "plain"}] * 5))
     with pytest.raises(Refusal, match=r"mixes formats: its rows are `messages` rows \(messages\), but row 6 "
                                       r"has `text` and no `messages`"):
-        data.load_splits(str(path), seed=0)
+        checked_rows.load_splits(str(path), seed=0)
     path.write_text(jsonl({"text": f"t {i}", "messages": None} for i in range(20)))  # an empty column is no format
-    train, _ = data.load_splits(str(path), seed=0)
-    assert data_files.filled_columns(train) == ["text"] and data_files.format_of(train, str(path)) == "text"
+    train, _ = checked_rows.load_splits(str(path), seed=0)
+    assert formats.filled_columns(train) == ["text"] and checked_rows.format_of(train, str(path)) == "text"
 
 
 def test_a_text_file_byte_order_mark_is_not_text(tmp_path, tokenizer):
     path = tmp_path / "notes.txt"
     path.write_bytes("\ufeff".encode() + b"".join(f"line {i}\n".encode() for i in range(20)))
-    train, evaluation = data.load_splits(str(path), seed=0)
+    train, evaluation = checked_rows.load_splits(str(path), seed=0)
     assert not any(row["text"].startswith("\ufeff") for split in (train, evaluation) for row in split)
 
 
@@ -242,7 +242,7 @@ def test_a_text_file_byte_order_mark_is_not_text(tmp_path, tokenizer):
 def test_a_json_array_named_jsonl_loads(text, tmp_path):
     path = tmp_path / "rows.jsonl"
     path.write_text(text)
-    train, evaluation = data.load_splits(str(path), seed=0)
+    train, evaluation = checked_rows.load_splits(str(path), seed=0)
     assert len(train) + len(evaluation) == 20
 
 
@@ -260,7 +260,7 @@ def test_a_file_that_cannot_be_read_names_the_line_or_the_layout(name, text, mes
     path = tmp_path / name
     path.write_text(text)
     with pytest.raises(Refusal, match=message):
-        data.load_splits(str(path), seed=0)
+        checked_rows.load_splits(str(path), seed=0)
 
 
 def test_gzip_files_get_the_same_line_checks(tmp_path):
@@ -269,11 +269,11 @@ def test_gzip_files_get_the_same_line_checks(tmp_path):
     path = tmp_path / "rows.jsonl.gz"
     path.write_bytes(gzip.compress((jsonl(ROWS) + "{not json}\n").encode()))
     with pytest.raises(Refusal, match=r"rows.jsonl.gz:21: not valid JSON"):
-        data.load_splits(str(path), seed=0)
+        checked_rows.load_splits(str(path), seed=0)
     path.write_bytes(gzip.compress(jsonl(ROWS).encode()))
     (tmp_path / "inner").mkdir()
     (tmp_path / "inner" / "train.jsonl.gz").write_bytes(path.read_bytes())
-    train, evaluation = data.load_splits(str(tmp_path / "inner"), seed=0)
+    train, evaluation = checked_rows.load_splits(str(tmp_path / "inner"), seed=0)
     assert len(train) + len(evaluation) == 20
 
 
@@ -283,7 +283,7 @@ def test_a_parquet_column_that_is_not_text_is_named(tmp_path):
     path = tmp_path / "rows.parquet"
     datasets.Dataset.from_list([{"instruction": r["instruction"], "output": [r["response"]]} for r in ROWS]).to_parquet(path)
     with pytest.raises(Refusal, match=r"column `output` holds list values, not text"):
-        data.load_splits(str(path), seed=0)
+        checked_rows.load_splits(str(path), seed=0)
 
 
 def test_save_to_disk_folders_load(tmp_path):
@@ -292,9 +292,9 @@ def test_save_to_disk_folders_load(tmp_path):
     datasets.Dataset.from_list(ROWS).save_to_disk(tmp_path / "one")
     datasets.DatasetDict({"train": datasets.Dataset.from_list(ROWS),
                           "test": datasets.Dataset.from_list(ROWS[:3])}).save_to_disk(tmp_path / "two")
-    train, evaluation = data.load_splits(str(tmp_path / "one"), seed=0)
+    train, evaluation = checked_rows.load_splits(str(tmp_path / "one"), seed=0)
     assert len(train) + len(evaluation) == 20
-    train, evaluation = data.load_splits(str(tmp_path / "two"), seed=0)
+    train, evaluation = checked_rows.load_splits(str(tmp_path / "two"), seed=0)
     assert (len(train), len(evaluation)) == (20, 3)
 
 
@@ -302,13 +302,13 @@ def test_a_folder_with_a_config_beside_the_rows_or_the_rows_one_level_down(tmp_p
     (tmp_path / "a").mkdir()
     folder(tmp_path / "a", {"train.jsonl": jsonl(ROWS), "train_config.json": json.dumps({"lr": 0.1})})
     with pytest.raises(Refusal, match=r"train.jsonl and train_config.json are both read as the train split"):
-        data.load_splits(str(tmp_path / "a"), seed=0)
+        checked_rows.load_splits(str(tmp_path / "a"), seed=0)
     (tmp_path / "b" / "data").mkdir(parents=True)
     folder(tmp_path / "b" / "data", {"train.jsonl": jsonl(ROWS)})
     (tmp_path / "b" / "other").mkdir()
     folder(tmp_path / "b" / "other", {"train.jsonl": jsonl(ROWS)})
     with pytest.raises(Refusal, match=r"its folders data/, other/ do: point --dataset at the one to train on, e.g. .*b/data"):
-        data.load_splits(str(tmp_path / "b"), seed=0)
+        checked_rows.load_splits(str(tmp_path / "b"), seed=0)
 
 
 def test_a_hub_dataset_as_downloaded_is_read_from_its_data_folder(tmp_path, capsys):
@@ -323,7 +323,7 @@ def test_a_hub_dataset_as_downloaded_is_read_from_its_data_folder(tmp_path, caps
     for name, rows in (("train-00000-of-00002", ROWS[:12]), ("train-00001-of-00002", ROWS[12:]),
                        ("test-00000-of-00001", ROWS[:4])):
         pq.write_table(pa.Table.from_pylist(rows), tmp_path / "data" / f"{name}.parquet")
-    train, evaluation = data.load_splits(str(tmp_path), seed=0)
+    train, evaluation = checked_rows.load_splits(str(tmp_path), seed=0)
     assert (len(train), len(evaluation)) == (len(ROWS), 4)
     assert "files: train: data/train-00000-of-00002.parquet, data/train-00001-of-00002.parquet; test: " \
            "data/test-00000-of-00001.parquet" in capsys.readouterr().out
@@ -332,7 +332,7 @@ def test_a_hub_dataset_as_downloaded_is_read_from_its_data_folder(tmp_path, caps
 def test_a_home_folder_path_is_expanded(tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path))
     (tmp_path / "rows.jsonl").write_text(jsonl(ROWS))
-    train, evaluation = data.load_splits("~/rows.jsonl", seed=0)
+    train, evaluation = checked_rows.load_splits("~/rows.jsonl", seed=0)
     assert len(train) + len(evaluation) == 20
 
 
@@ -340,12 +340,12 @@ def test_an_eval_dataset_is_the_evaluation_and_every_training_row_trains(tmp_pat
     train_file, eval_file = tmp_path / "train.jsonl", tmp_path / "held.csv"
     train_file.write_text("".join(f'{{"prompt": "p{i}", "completion": "c{i}"}}\n' for i in range(40)))
     eval_file.write_text("prompt,completion\n" + "".join(f"q{i},d{i}\n" for i in range(7)))
-    train, evaluation = data_files.load_splits(str(train_file), 0, None, str(eval_file))
+    train, evaluation = checked_rows.load_splits(str(train_file), 0, None, str(eval_file))
     assert len(train) == 40 and evaluation["prompt"] == [f"q{i}" for i in range(7)]
     other = tmp_path / "other.jsonl"
     other.write_text('{"text": "plain"}\n')
     with pytest.raises(Refusal, match=r"^--eval-dataset .*other.jsonl holds text rows, --dataset .* prompt_completion rows"):
-        data_files.load_splits(str(train_file), 0, None, str(other))
+        checked_rows.load_splits(str(train_file), 0, None, str(other))
 
 
 def test_trl_conversational_prompt_completion_rows_train_on_the_completion(tmp_path, tokenizer):
@@ -354,9 +354,9 @@ def test_trl_conversational_prompt_completion_rows_train_on_the_completion(tmp_p
              "completion": [{"role": "assistant", "content": f"1 {i}"}]} for i in range(2, 30)]
     file = tmp_path / "pc.jsonl"
     file.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    train, evaluation = data_files.load_splits(str(file), 0)
-    assert data.detect_format(train.column_names) == "messages" and len(train) + len(evaluation) == len(rows)
-    tokenized, _ = data.tokenize_counted(train, tokenizer, 512)
+    train, evaluation = checked_rows.load_splits(str(file), 0)
+    assert formats.detect_format(train.column_names) == "messages" and len(train) + len(evaluation) == len(rows)
+    tokenized, _ = tokens.tokenize_counted(train, tokenizer, 512)
     for row in tokenized:
-        trained = tokenizer.decode([t for t, label in zip(row["input_ids"], row["labels"]) if label != data.IGNORE])
+        trained = tokenizer.decode([t for t, label in zip(row["input_ids"], row["labels"]) if label != batches.IGNORE])
         assert trained.startswith("1 ") and "Earlier answer." not in trained and "Sort" not in trained

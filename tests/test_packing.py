@@ -11,7 +11,7 @@ import pytest
 from conftest import REPO
 
 sys.path.insert(0, str(REPO / "recipes"))
-from common import data, packing  # noqa: E402
+from common import batches, packing  # noqa: E402
 
 
 def in_file_order(lengths, capacity: int) -> int:
@@ -71,7 +71,7 @@ def test_the_packed_batches_mask_padding_as_rows_of_their_own():
 
     rows = [{"input_ids": [5, 6, 7], "labels": [-100, 6, 7]}, {"input_ids": [8, 9], "labels": [-100, 9]}]
     packed, _ = packing.pack(datasets.Dataset.from_list(rows * 3), 5)
-    batch = data.PadToLongest(0)([packed[i] for i in range(len(packed))])
+    batch = batches.PadToLongest(0)([packed[i] for i in range(len(packed))])
     assert batch["input_ids"].shape[1] == 5 and "attention_mask" not in batch
     assert int((batch["labels"] != -100).sum()) == 3 * 3
 

@@ -15,7 +15,7 @@ from conftest import CONFIGS, REPO, assert_no_traceback_of_ours, launch
 sys.path.insert(0, str(REPO / "recipes"))
 from common import preflight  # noqa: E402
 from common.args import parse_args, recipe_flags  # noqa: E402
-from common.data import load_splits  # noqa: E402
+from common.checked_rows import load_splits  # noqa: E402
 from common.preflight import Refusal  # noqa: E402
 
 

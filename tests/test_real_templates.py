@@ -3,7 +3,7 @@
 Every fixture template (tests/fixtures/chat_templates/) x every fixture tokenizer (bundled
 character-level, sentencepiece-style, byte-level BPE; tests/chat_fixtures.py), over generated
 multi-turn rows (1-3 turns, about half with a system prompt), through the recipes' own
-`data.tokenize_counted`. The properties:
+`tokens.tokenize_counted`. The properties:
 
   inference_ids    a kept row's input_ids are `apply_chat_template(messages, tokenize=True)`, the
                    ids the model sees at inference (under a template that ends no reply, with the EOS
@@ -29,7 +29,7 @@ import chat_fixtures as fixtures
 from conftest import REPO
 
 sys.path.insert(0, str(REPO / "recipes"))
-from common import data, formats  # noqa: E402
+from common import batches, formats, tokens  # noqa: E402
 
 ROWS = 24  # per case; seeded, so every run checks the same rows
 PROPERTIES = ("inference_ids", "replies_trained", "prompts_masked", "stop_signal", "rows_kept")
@@ -53,7 +53,7 @@ def prepared(family: str, tokenizer_name: str):
     datasets.disable_progress_bars()
     tok = fixtures.with_template(tokenizer_name, family)
     rows = fixtures.chat_rows(ROWS, seed=7)
-    tokenized, fmt = data.tokenize_counted(datasets.Dataset.from_list(rows), tok, 1 << 16)
+    tokenized, fmt = tokens.tokenize_counted(datasets.Dataset.from_list(rows), tok, 1 << 16)
     assert fmt == "messages"
     return tok, rows, list(tokenized)
 
@@ -70,7 +70,7 @@ def target_runs(row: dict) -> list[list[int]]:
     """The maximal runs of consecutive trained tokens, in order."""
     runs, current = [], []
     for token, label in zip(row["input_ids"], row["labels"]):
-        if label != data.IGNORE:
+        if label != batches.IGNORE:
             current.append(token)
         elif current:
             runs.append(current)

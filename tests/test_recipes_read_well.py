@@ -112,11 +112,11 @@ def test_a_copied_recipe_edited_in_its_collator_trains_on_the_edit(trained, tmp_
     """A collator that also trains on the prompt, in the copy alone: step 1 scores more target
     tokens than the untouched recipe on the same rows, and its loss differs."""
     run = launch_edited_copy([(
-        "    collate = data.PadToLongest(tokenizer.pad_token_id)\n",
-        "    pad = data.PadToLongest(tokenizer.pad_token_id)\n\n"
+        "    collate = batches.PadToLongest(tokenizer.pad_token_id)\n",
+        "    pad = batches.PadToLongest(tokenizer.pad_token_id)\n\n"
         "    def collate(rows):  # train on the prompt too: every real token is a target\n"
         "        batch = pad(rows)\n"
-        "        batch[\"labels\"] = batch[\"input_ids\"].masked_fill(batch[\"attention_mask\"] == 0, data.IGNORE)\n"
+        "        batch[\"labels\"] = batch[\"input_ids\"].masked_fill(batch[\"attention_mask\"] == 0, batches.IGNORE)\n"
         "        return batch\n",
     )], tmp_path / "out", steps=1)
     reference = trained("lora", "model_parallel").metrics()[0]

@@ -13,7 +13,7 @@ import chat_fixtures as fixtures
 from conftest import REPO, assert_no_traceback_of_ours, launch
 
 sys.path.insert(0, str(REPO / "recipes"))
-from common import data, formats, modeling  # noqa: E402
+from common import batches, formats, modeling, tokens  # noqa: E402
 from common.refusal import Refusal  # noqa: E402
 
 
@@ -21,11 +21,11 @@ def tokenised(rows: list[dict], tok, max_length: int = 1 << 16):
     import datasets
 
     datasets.disable_progress_bars()
-    return data.tokenize_counted(datasets.Dataset.from_list(rows), tok, max_length)[0]
+    return tokens.tokenize_counted(datasets.Dataset.from_list(rows), tok, max_length)[0]
 
 
 def trained_text(tok, row: dict) -> str:
-    return tok.decode([t for t, label in zip(row["input_ids"], row["labels"]) if label != data.IGNORE])
+    return tok.decode([t for t, label in zip(row["input_ids"], row["labels"]) if label != batches.IGNORE])
 
 
 def with_reasoning(rows: list[dict]) -> list[dict]:
@@ -68,7 +68,7 @@ def test_plain_rows_are_the_whole_text_as_the_tokenizer_writes_it(tokenizer_name
     row = PLAIN_ROWS[index]
     fmt = formats.detect_format(row)
     prompt, target = formats.split_prompt(row, fmt)
-    got = data.tokenize_row(row, tok, fmt)
+    got = tokens.tokenize_row(row, tok, fmt)
     assert got["input_ids"] == tok(prompt + target)["input_ids"] + [tok.eos_token_id]
     trained = trained_text(tok, got)
     assert trained.endswith(tok.eos_token) and got["labels"][-1] == tok.eos_token_id
@@ -76,7 +76,7 @@ def test_plain_rows_are_the_whole_text_as_the_tokenizer_writes_it(tokenizer_name
     if prompt.strip():
         assert prompt.strip() not in trained
         # the tokens before the first target are the prompt's, as inference tokenises the whole text
-        first = next(i for i, label in enumerate(got["labels"]) if label != data.IGNORE)
+        first = next(i for i, label in enumerate(got["labels"]) if label != batches.IGNORE)
         assert tok.decode(got["input_ids"][:first], skip_special_tokens=True).strip() in prompt
 
 
@@ -84,7 +84,7 @@ def test_a_token_across_the_prompt_and_target_is_said_once_and_trained():
     tok = fixtures.tokenizer("byte_level")
     rows = [{"prompt": "Answer: ", "completion": "the answer"}] * 3 + [{"prompt": "Answer:", "completion": " the answer"}]
     out = tokenised(rows, tok)
-    assert "in 3 rows one token holds the prompt's end and the target's start" in data.counted(out)
+    assert "in 3 rows one token holds the prompt's end and the target's start" in tokens.counted(out)
     for row in out:  # "Ġthe" holds the prompt's space: the whole text's tokens, the shared one trained
         assert row["input_ids"] == tok("Answer: the answer")["input_ids"] + [tok.eos_token_id]
         assert trained_text(tok, row) == f" the answer{tok.eos_token}"
@@ -95,7 +95,7 @@ def test_a_token_across_the_prompt_and_target_is_said_once_and_trained():
 def test_the_data_line_says_which_stop_signal_replies_get(family, said):
     tok = fixtures.with_template("sentencepiece", family)
     rows = [row for row in fixtures.chat_rows(12, seed=5) if len(row["messages"]) > 3]
-    line = data.counted(tokenised(rows, tok))
+    line = tokens.counted(tokenised(rows, tok))
     assert said in line, line
 
 
@@ -111,7 +111,7 @@ class Args:
 def test_no_row_left_names_the_change_for_its_cause(rows, family, fix):
     tok = fixtures.with_template("byte_level", family)
     with pytest.raises(Refusal) as refused:
-        data.usable(tokenised(rows, tok), "training", Args())
+        tokens.usable(tokenised(rows, tok), "training", Args())
     message = str(refused.value)
     assert fix in message and "\n" not in message
     assert ("fix the rows" in message) == (fix != "pass --chat-template FILE")
@@ -123,7 +123,7 @@ def test_no_row_left_for_length_names_the_length():
     tokenized = tokenised(rows, tok, max_length=8)
     needs = min(tokenized["needs"])
     with pytest.raises(Refusal, match=f"pass --max-length {needs} or more"):
-        data.usable(tokenized, "training", Args())
+        tokens.usable(tokenized, "training", Args())
 
 
 def test_chat_template_flag_replaces_the_models_own(tmp_path):
@@ -189,8 +189,8 @@ def test_tool_calls_are_trained_and_tool_results_stay_context(family, tokenizer_
         result = row["messages"][2]["content"]
         assert "largest_of" in trained and row["messages"][3]["content"] in trained
         assert result not in trained and row["messages"][0]["content"] not in trained
-        ends = [i for i, (label, following) in enumerate(zip(got["labels"], got["labels"][1:] + [data.IGNORE]))
-                if label != data.IGNORE and following == data.IGNORE]
+        ends = [i for i, (label, following) in enumerate(zip(got["labels"], got["labels"][1:] + [batches.IGNORE]))
+                if label != batches.IGNORE and following == batches.IGNORE]
         assert len(ends) == 2 and all(got["input_ids"][i] in stops for i in ends)
 
 
@@ -221,7 +221,7 @@ def test_the_next_role_token_ends_a_reply_and_eos_ends_the_last(tokenizer_name):
     for row, got in zip(rows, out):
         replies = [m["content"] for m in row["messages"] if m["role"] == "assistant"]
         ends = [got["input_ids"][i] for i, (label, following) in
-                enumerate(zip(got["labels"], got["labels"][1:] + [data.IGNORE])) if label != data.IGNORE and following == data.IGNORE]
+                enumerate(zip(got["labels"], got["labels"][1:] + [batches.IGNORE])) if label != batches.IGNORE and following == batches.IGNORE]
         assert tok.convert_ids_to_tokens(ends) == ["<|user|>"] * (len(replies) - 1) + [tok.eos_token]
         assert got["eos_added"] == 1
 

@@ -39,8 +39,10 @@ def recipe_parser(doc: str) -> argparse.ArgumentParser:
     add = parser.add_argument
     add("--model", default=str(DEFAULT_MODEL),
         help="hub id or local folder (default: the bundled tiny Llama, built on first use)")
-    add("--dataset", default=None,
-        help="hub id, local folder, or .jsonl/.json/.parquet/.txt/.csv/.tsv file (default: the bundled data/)")
+    add("--dataset", action="append", default=None, metavar="DATASET[:WEIGHT]",
+        help="hub id, local folder, or .jsonl/.json/.parquet/.txt/.csv/.tsv file (also gzipped); give it several "
+             "times to train on a mixture, each with an optional weight: the share of its rows used (0.3: a random "
+             "30%%, 2: each row twice) (default: the bundled data/)")
     add("--eval-dataset", default=None,
         help="the evaluation rows, from a file, folder or hub id as --dataset takes them; all of --dataset's "
              "training rows then train (default: --dataset's eval/validation/test split, else 5%% of it held out)")
@@ -133,10 +135,12 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None = None) -
     but never override a given one."""
     argv = sys.argv[1:] if argv is None else argv
     from_file = flags_from_config_file(parser, argv)
-    parser.set_defaults(**from_file)  # defaults, so that a typed flag still wins
-    args = parser.parse_args(argv)
     typed = {action.dest for action in parser._actions for option in action.option_strings
              if any(arg == option or arg.startswith(option + "=") for arg in argv)}
+    appended = {action.dest for action in parser._actions if isinstance(action, argparse._AppendAction)}
+    # defaults, so that a typed flag still wins; a typed --dataset replaces the file's list, not adds to it
+    parser.set_defaults(**{dest: value for dest, value in from_file.items() if not (dest in appended and dest in typed)})
+    args = parser.parse_args(argv)
     args.given_flags = sorted(typed | set(from_file))
     return args
 
@@ -182,7 +186,10 @@ def flags_from_config_file(parser: argparse.ArgumentParser, argv: list[str]) -> 
             refuse(f"--config {path}: `{key}` has no value; give one, or delete the line to keep the default")
         if isinstance(value, bool) and action.nargs == "?":  # a flag that can be given bare: true is bare
             value = action.const if value else action.default
-        if value is not None and not isinstance(action, argparse._StoreTrueAction):
+        if isinstance(action, argparse._AppendAction) and value is not None:  # `dataset: a.jsonl`, or a list
+            value = [typed_value(action, item, f"--config {path}: `{key}: {item}`")
+                     for item in (value if isinstance(value, list) else [value])]
+        elif value is not None and not isinstance(action, argparse._StoreTrueAction):
             value = typed_value(action, value, f"--config {path}: `{key}: {value}`")
         if action.choices is not None and value not in action.choices:
             refuse(f"--config {path}: `{key}: {value}` is not one of {', '.join(map(str, action.choices))}")

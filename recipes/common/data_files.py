@@ -1,10 +1,10 @@
-"""Users' data as they have it -> checked train and evaluation `datasets.Dataset`s.
+"""Users' data as they have it -> its splits as `datasets.Dataset`s, each file checked as it is read.
 
 A hub id, a folder (split by file names, or written by save_to_disk) or one file (.jsonl, .json,
 .parquet, .txt, .csv, .tsv, also gzipped). Every rank reads and checks the files itself: a file that
 cannot be read is one line on every rank naming file:line or the layout and the fix, never a
-traceback from deep inside pyarrow. The rows' format is detected here (formats.py says how each
-format becomes tokens).
+traceback from deep inside pyarrow. checked_rows.py finds the rows' format and sets the evaluation
+rows apart.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import json
 import os
 from pathlib import Path
 
-from .formats import FORMAT_KEYS, READ_COLUMNS, TEXT_COLUMNS, detect_format, row_problem
+from .formats import TEXT_COLUMNS
 from .refusal import refuse
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -185,46 +185,6 @@ def check_row(row, where: str, fix: str, renames: dict) -> None:
             refuse(f"{where}: `{column}` must be text (or null), got {json.dumps(value)[:40]}; {fix}")
 
 
-def load_splits(spec: str | None, seed: int, columns: str | None = None, eval_spec: str | None = None):
-    """(train, eval) `datasets.Dataset`s from a hub id, a folder, or a single file.
-
-    `columns` renames the dataset's columns to the ones a format expects, e.g.
-    "instruction=question,response=answer". `eval_spec` (--eval-dataset) gives the evaluation rows:
-    its evaluation split, else all of its rows; the dataset's training rows then all train.
-    """
-    loaded, spec = read_splits(spec, columns)
-    train = loaded["train"] if "train" in loaded else next(iter(loaded.values()))
-    fmt = format_of(train, spec)  # no known columns, or rows of two formats: refused here, on every rank
-    if eval_spec:
-        held, eval_spec = read_splits(eval_spec, columns)
-        name = next((name for name in EVAL_SPLIT_NAMES if name in held), "train" if "train" in held else next(iter(held)))
-        evaluation = held[name]
-        eval_fmt = format_of(evaluation, eval_spec)
-        if eval_fmt != fmt:
-            refuse(f"--eval-dataset {eval_spec} holds {eval_fmt} rows, --dataset {spec} {fmt} rows; give both in "
-                   "one format (map columns with --columns)")
-        return train, evaluation
-    eval_name = next((name for name in EVAL_SPLIT_NAMES if name in loaded), None)
-    if eval_name is not None:
-        return train, loaded[eval_name]
-    if len(train) < 2:
-        refuse(f"--dataset {spec} has {len(train)} rows; it needs at least 2 (some are held out for evaluation)")
-    held_out = max(1, min(256, len(train) // 20))
-    split = train.train_test_split(test_size=held_out, seed=seed)
-    if all(row_problem(row, fmt) is None for row in split["test"]):
-        return split["train"], split["test"]
-    # Hold out rows that can train instead: an unusable row there could leave evaluation empty while
-    # training has rows (it stays in training, where it is dropped and counted).
-    good = [i for i, row in enumerate(train) if row_problem(row, fmt) is None]
-    if len(good) <= held_out:
-        return split["train"], split["test"]  # too few good rows: the tokenised counts name the problem
-    import datasets
-
-    split = train.select(good).train_test_split(test_size=held_out, seed=seed)
-    bad = train.select(sorted(set(range(len(train))) - set(good)))
-    return datasets.concatenate_datasets([split["train"], bad]), split["test"]
-
-
 def read_splits(spec: str | None, columns: str | None = None):
     """(the dataset's splits as read and checked, rows in file order and none held out yet; `spec` as
     read, the bundled data/ when None): what load_splits splits, and what scripts/inspect_data.py shows."""
@@ -296,70 +256,6 @@ def saved_by_datasets(path: Path) -> bool:
     """A folder written by datasets' save_to_disk (a Dataset or a DatasetDict)."""
     return path.is_dir() and ((path / "dataset_dict.json").is_file() or
                               ((path / "state.json").is_file() and (path / "dataset_info.json").is_file()))
-
-
-def format_of(train, spec: str) -> str:
-    """The rows' format, from the columns that hold something (a row of JSON Lines that lacks a column
-    gets null there). Rows of a second format are refused, naming the first one: dropping them would
-    quietly lose part of the data. A column the format reads must hold text."""
-    from datasets import Value
-
-    filled = filled_columns(train)
-    if train._indices is not None:  # a selection of a table's rows (rare here: files load whole)
-        train = train.flatten_indices()
-    table = train.data
-    fmt = detect_format(filled)
-    key = FORMAT_KEYS[fmt]
-    others = [other for other in FORMAT_KEYS.values() if other != key and other in filled]
-    if others and table.column(key).null_count:
-        import pyarrow.compute as pc
-
-        keys = table.column(key)
-        for other in others:
-            mixed = pc.and_(pc.is_null(keys), pc.is_valid(table.column(other)))
-            row = pc.index(mixed, True).as_py()
-            if row >= 0:
-                refuse(f"--dataset {spec} mixes formats: its rows are `{key}` rows ({fmt}), but row {row + 1} has "
-                       f"`{other}` and no `{key}`; keep one format per dataset (convert or remove those rows)")
-    for name in READ_COLUMNS[fmt]:
-        feature = train.features.get(name)
-        if name in TEXT_COLUMNS and feature is not None and not (
-                isinstance(feature, Value) and feature.dtype in ("string", "large_string", "null")):
-            refuse(f"--dataset {spec}: column `{name}` holds {feature_name(feature)}, not text; store it as text "
-                   "(or map another column onto it with --columns)")
-    return fmt
-
-
-def filled_columns(dataset) -> list[str]:
-    """The columns that hold something in some row (all of them when none does). Counted on the
-    table beneath; only a column with some nulls in a selection of rows (a split) is looked at row
-    by row."""
-    table, rows = dataset.data, dataset._indices
-
-    def filled(name: str) -> bool:
-        column = table.column(name)
-        if column.null_count in (0, len(table)) or rows is None:
-            return column.null_count < len(table)
-        return column.take(rows.column(0)).null_count < len(dataset)
-
-    return [name for name in dataset.column_names if filled(name)] or dataset.column_names
-
-
-def feature_name(feature) -> str:
-    from datasets import Value
-
-    return f"{feature.dtype} values" if isinstance(feature, Value) else f"{type(feature).__name__.lower()} values"
-
-
-def unread_columns(columns, fmt: str) -> str:
-    """`; not read: category, context (...)` for the data line: columns the format leaves out, so that a
-    column that matters (Dolly's `context`) does not vanish without a word."""
-    unread = sorted(set(columns) - set(READ_COLUMNS[fmt]))
-    if not unread:
-        return ""
-    hint = " (--columns input=context reads `context` as the input)" if (
-        fmt == "instruction" and "context" in unread and "input" not in columns) else ""
-    return f"; columns not read: {', '.join(unread)}{hint}"
 
 
 def with_text_columns(loaded):

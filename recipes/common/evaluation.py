@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .data import IGNORE, positions_with_targets
+from .batches import positions_with_targets
+from .formats import IGNORE
 
 
 @torch.no_grad()

@@ -167,3 +167,18 @@ def split_prompt(row: dict, fmt: str) -> tuple[str, str]:
     if fmt == "prompt_completion":
         return row["prompt"], row["completion"]
     return "", row["text"]
+
+
+def filled_columns(dataset) -> list[str]:
+    """The columns that hold something in some row (all of them when none does). Counted on the
+    table beneath; only a column with some nulls in a selection of rows (a split) is looked at row
+    by row."""
+    table, rows = dataset.data, dataset._indices
+
+    def filled(name: str) -> bool:
+        column = table.column(name)
+        if column.null_count in (0, len(table)) or rows is None:
+            return column.null_count < len(table)
+        return column.take(rows.column(0)).null_count < len(dataset)
+
+    return [name for name in dataset.column_names if filled(name)] or dataset.column_names

@@ -76,13 +76,17 @@ def check_launch(args, recipe: str):
     check_strategy(args, recipe, launch)
 
     for flag in ("model", "dataset", "output_dir", "resume", "columns"):
-        if getattr(args, flag) is not None and not str(getattr(args, flag)).strip():
+        values = getattr(args, flag)
+        if any(value is not None and not str(value).strip() for value in (values if isinstance(values, list) else [values])):
             refuse(f"--{flag.replace('_', '-')} is empty (an unset shell variable?); give a value or leave the flag out")
     args.output_dir = os.path.expanduser(args.output_dir)  # `~/runs/x` from a run file: no shell expanded it
     if looks_local(args.model) and not Path(args.model).expanduser().exists() and not is_default_model(args.model):
         refuse(f"--model {args.model} does not exist; give a local folder or a hub id such as "
                "TinyLlama/TinyLlama-1.1B-Chat-v1.0")
-    for flag, spec in (("--dataset", args.dataset), ("--eval-dataset", getattr(args, "eval_dataset", None))):
+    from .mixture import sources_of
+
+    given = [("--dataset", source.spec) for source in sources_of(args.dataset)]  # a weight that is no weight: refused
+    for flag, spec in given + [("--eval-dataset", getattr(args, "eval_dataset", None))]:
         if spec and looks_local(spec) and not Path(spec).expanduser().exists():
             refuse(f"{flag} {spec} does not exist; give a .jsonl/.json/.parquet/.txt/.csv/.tsv file, "
                    "a folder of them, or a hub id")

@@ -67,7 +67,8 @@ def write_model_card(accelerator, args, recipe: str, artifact: str, samples: lis
         f"# {Path(args.model).name} fine-tuned with {recipe}.py",
         "",
         f"- base model: `{args.model}`",
-        f"- data: `{args.dataset or 'bundled data/'}` ({run['data_format']} format{', packed' if args.packing else ''})",
+        f"- data: {', '.join(f'`{spec}`' for spec in args.dataset or ['bundled data/'])} "
+        f"({run['data_format']} format{', packed' if args.packing else ''})",
         f"- strategy: {run['distributed_type']} x {run['num_processes']} process(es) ({run['launch']['name']}), "
         f"{'fp32' if run['mixed_precision'] == 'no' else run['mixed_precision']} precision",
         f"- steps: {len(train)}, micro-batch {args.batch_size} x accumulation {args.grad_accum}, lr {args.lr}, "

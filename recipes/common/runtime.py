@@ -23,7 +23,7 @@ from accelerate.utils import (DistributedDataParallelKwargs, DistributedType, Gr
 
 from . import deepspeed_config
 from .launch import DEEPSPEED, FSDP, TENSOR_PARALLEL, Launch
-from .data import target_tokens
+from .batches import target_tokens
 
 # A rank that dies must not leave the others waiting forever in a collective.
 COLLECTIVE_TIMEOUT = timedelta(minutes=int(os.environ.get("RECIPES_COLLECTIVE_TIMEOUT_MIN", "30")))

@@ -1,0 +1,107 @@
+"""Tokenised (or packed) rows -> micro-batches, and the stream of optimizer steps the training loop takes."""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.data import DataLoader
+
+from .formats import IGNORE
+from .refusal import refuse
+
+
+class PadToLongest:
+    """Pads a micro-batch to its longest row; padding is masked out of attention and loss.
+
+    Packed rows have no attention mask: their padding gets positions of its own (a separate
+    "row"), so nothing real attends to it, and its labels are ignored.
+    """
+
+    def __init__(self, pad_token_id: int):
+        self.pad_token_id = pad_token_id
+
+    def __call__(self, rows: list[dict]) -> dict:
+        longest = max(len(row["input_ids"]) for row in rows)
+        packed = "position_ids" in rows[0]
+        batch = {"input_ids": [], "labels": [], ("position_ids" if packed else "attention_mask"): []}
+        for row in rows:
+            length = len(row["input_ids"])
+            pad = longest - length
+            batch["input_ids"].append(row["input_ids"] + [self.pad_token_id] * pad)
+            batch["labels"].append(row["labels"] + [IGNORE] * pad)
+            if packed:
+                batch["position_ids"].append(row["position_ids"] + list(range(pad)))
+            else:
+                batch["attention_mask"].append([1] * length + [0] * pad)
+        return {key: torch.tensor(value) for key, value in batch.items()}
+
+
+def make_loaders(train, evaluation, collate, batch_size: int, workers: int | None = None):
+    """Shuffled training batches (the ragged last batch dropped) and ordered evaluation batches,
+    each micro-batch made by `collate` (a list of rows -> a dict of tensors).
+
+    On a GPU, `workers` processes (default 2) collate the next batches while the GPU computes and
+    pinned memory lets the copy to the GPU overlap too; on CPU the workers would only take cores
+    from the ranks, so the default there is 0.
+    """
+    on_gpu = torch.cuda.is_available()
+    workers = (2 if on_gpu else 0) if workers is None else workers
+    common = dict(batch_size=batch_size, collate_fn=collate, num_workers=workers,
+                  pin_memory=on_gpu, persistent_workers=workers > 0)
+    train_loader = DataLoader(train, shuffle=True, drop_last=True, **common)
+    eval_loader = DataLoader(evaluation, shuffle=False, **common)
+    return train_loader, eval_loader
+
+
+def target_tokens(batch: dict) -> torch.Tensor:
+    """How many tokens of the batch are predicted and scored (labels are shifted by one)."""
+    return (batch["labels"][:, 1:] != IGNORE).sum()
+
+
+def positions_with_targets(targets: torch.Tensor) -> torch.Tensor:
+    """The sequence positions where some row of `targets` (labels shifted by one) has a target: the
+    only positions the loss needs logits for. On the CPU, so that they index the hidden states on
+    whichever device holds them (model parallel's last GPU too)."""
+    return (targets != IGNORE).any(0).nonzero().squeeze(1).cpu()
+
+
+def optimizer_steps(train_loader, grad_accum: int, start_step: int = 0):
+    """Endless stream of (epoch, [grad_accum micro-batches]) from `start_step` on.
+
+    An epoch's ragged tail is dropped, and a resumed run sees exactly the batches that the
+    uninterrupted run would have seen.
+    """
+    from accelerate import skip_first_batches
+
+    epoch, done = divmod(start_step, steps_per_epoch(len(train_loader), grad_accum))
+    while True:
+        loader = skip_first_batches(train_loader, done * grad_accum) if done else train_loader
+        loader.set_epoch(epoch)  # the shuffle order depends on the seed and the epoch only
+        group = []
+        for batch in without_touching_the_global_rng(loader):
+            group.append(batch)
+            if len(group) == grad_accum:
+                yield epoch, group
+                group = []
+        epoch, done = epoch + 1, 0
+
+
+def without_touching_the_global_rng(loader):
+    """Iterate `loader`; starting an iterator draws from torch's global RNG (the workers' base
+    seed), which would shift every dropout mask after a resume. The draw is undone here, so a
+    resumed run and an uninterrupted one see the same random numbers."""
+    iterator = iter(loader)
+    with torch.random.fork_rng(devices=[]):
+        first = next(iterator, None)
+    if first is None:
+        return
+    yield first
+    yield from iterator
+
+
+def steps_per_epoch(batches_per_process: int, grad_accum: int) -> int:
+    steps = batches_per_process // grad_accum
+    if steps == 0:
+        refuse(f"one optimizer step needs --grad-accum {grad_accum} micro-batches per process, but the "
+               f"training data gives only {batches_per_process} per process; lower --batch-size or --grad-accum, "
+               "or give more rows (or launch fewer processes)")
+    return steps

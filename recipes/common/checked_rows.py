@@ -1,0 +1,140 @@
+"""Files -> checked rows: each --dataset source's rows as read (data_files.py), their format found (rows
+of a second format, or a column the format reads that holds no text, refused on every rank), and the
+evaluation rows set apart."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .data_files import EVAL_SPLIT_NAMES, read_splits
+from .formats import FORMAT_KEYS, READ_COLUMNS, TEXT_COLUMNS, detect_format, filled_columns, row_problem
+from .mixture import Source, sources_of
+from .refusal import refuse
+
+
+@dataclass
+class SourceRows:
+    """One source's rows of one split, with its format."""
+
+    name: str  # the dataset as read (the bundled data/ as a path)
+    fmt: str
+    rows: "datasets.Dataset"  # noqa: F821 (datasets is imported where it is used)
+    source: Source
+
+
+def load_sources(given, seed: int, columns: str | None = None, eval_spec: str | None = None):
+    """(training rows, evaluation rows), each a list of SourceRows: one per --dataset source, read
+    and checked on every rank. A source's evaluation rows are its eval / validation / test split, else
+    a share of its rows held out (before its weight draws from the rest, so a changed weight never
+    moves a row between training and evaluation); `eval_spec` (--eval-dataset) replaces them all, and
+    every source's rows then train.
+
+    `columns` renames every source's columns to the ones a format expects, e.g.
+    "instruction=question,response=answer".
+    """
+    train, evaluation = [], []
+    for source in sources_of(given):
+        loaded, name = read_splits(source.spec, columns)
+        rows = loaded["train"] if "train" in loaded else next(iter(loaded.values()))
+        fmt = format_of(rows, name)  # no known columns, or rows of two formats: refused here, on every rank
+        eval_name = next((split for split in EVAL_SPLIT_NAMES if split in loaded), None)
+        if eval_spec:
+            held = None
+        elif eval_name is not None:
+            held = loaded[eval_name]
+        else:
+            rows, held = held_out(rows, fmt, name, seed)
+        train.append(SourceRows(name, fmt, rows, source))
+        if held is not None:
+            evaluation.append(SourceRows(name, fmt, held, source))
+    if eval_spec:
+        loaded, name = read_splits(eval_spec, columns)
+        split = next((split for split in EVAL_SPLIT_NAMES if split in loaded),
+                     "train" if "train" in loaded else next(iter(loaded)))
+        fmt = format_of(loaded[split], name)
+        trained = sorted({part.fmt for part in train})
+        if fmt not in trained:
+            trains = f"--dataset {train[0].name}" if len(train) == 1 else "the --dataset sources"
+            refuse(f"--eval-dataset {name} holds {fmt} rows, {trains} {' and '.join(trained)} rows; give both in one "
+                   "format (map columns with --columns)")
+        evaluation.append(SourceRows(name, fmt, loaded[split], Source(eval_spec)))
+    return train, evaluation
+
+
+def load_splits(spec: str | None, seed: int, columns: str | None = None, eval_spec: str | None = None):
+    """(train, eval) `datasets.Dataset`s of one dataset (a hub id, a folder, or a file): load_sources
+    for a single source."""
+    train, evaluation = load_sources(spec, seed, columns, eval_spec)
+    if len(train) > 1:
+        refuse("this tool reads one --dataset; give one (a mixture of several trains in the recipes)")
+    return train[0].rows, evaluation[0].rows
+
+
+def held_out(train, fmt: str, name: str, seed: int):
+    """(training rows, evaluation rows): 5% of the rows (1 to 256) held out, chosen by the seed among
+    the rows that can train."""
+    if len(train) < 2:
+        refuse(f"--dataset {name} has {len(train)} rows; it needs at least 2 (some are held out for evaluation)")
+    held = max(1, min(256, len(train) // 20))
+    split = train.train_test_split(test_size=held, seed=seed)
+    if all(row_problem(row, fmt) is None for row in split["test"]):
+        return split["train"], split["test"]
+    # Hold out rows that can train instead: an unusable row there could leave evaluation empty while
+    # training has rows (it stays in training, where it is dropped and counted).
+    good = [i for i, row in enumerate(train) if row_problem(row, fmt) is None]
+    if len(good) <= held:
+        return split["train"], split["test"]  # too few good rows: the tokenised counts name the problem
+    import datasets
+
+    split = train.select(good).train_test_split(test_size=held, seed=seed)
+    bad = train.select(sorted(set(range(len(train))) - set(good)))
+    return datasets.concatenate_datasets([split["train"], bad]), split["test"]
+
+
+def format_of(train, spec: str) -> str:
+    """The rows' format, from the columns that hold something (a row of JSON Lines that lacks a column
+    gets null there). Rows of a second format are refused, naming the first one: dropping them would
+    quietly lose part of the data. A column the format reads must hold text."""
+    from datasets import Value
+
+    filled = filled_columns(train)
+    if train._indices is not None:  # a selection of a table's rows (rare here: files load whole)
+        train = train.flatten_indices()
+    table = train.data
+    fmt = detect_format(filled)
+    key = FORMAT_KEYS[fmt]
+    others = [other for other in FORMAT_KEYS.values() if other != key and other in filled]
+    if others and table.column(key).null_count:
+        import pyarrow.compute as pc
+
+        keys = table.column(key)
+        for other in others:
+            mixed = pc.and_(pc.is_null(keys), pc.is_valid(table.column(other)))
+            row = pc.index(mixed, True).as_py()
+            if row >= 0:
+                refuse(f"--dataset {spec} mixes formats: its rows are `{key}` rows ({fmt}), but row {row + 1} has "
+                       f"`{other}` and no `{key}`; keep one format per dataset (convert or remove those rows)")
+    for name in READ_COLUMNS[fmt]:
+        feature = train.features.get(name)
+        if name in TEXT_COLUMNS and feature is not None and not (
+                isinstance(feature, Value) and feature.dtype in ("string", "large_string", "null")):
+            refuse(f"--dataset {spec}: column `{name}` holds {feature_name(feature)}, not text; store it as text "
+                   "(or map another column onto it with --columns)")
+    return fmt
+
+
+def feature_name(feature) -> str:
+    from datasets import Value
+
+    return f"{feature.dtype} values" if isinstance(feature, Value) else f"{type(feature).__name__.lower()} values"
+
+
+def unread_columns(columns, fmt: str) -> str:
+    """`; not read: category, context (...)` for the data line: columns the format leaves out, so that a
+    column that matters (Dolly's `context`) does not vanish without a word."""
+    unread = sorted(set(columns) - set(READ_COLUMNS[fmt]))
+    if not unread:
+        return ""
+    hint = " (--columns input=context reads `context` as the input)" if (
+        fmt == "instruction" and "context" in unread and "input" not in columns) else ""
+    return f"; columns not read: {', '.join(unread)}{hint}"
