@@ -360,3 +360,21 @@ def test_trl_conversational_prompt_completion_rows_train_on_the_completion(tmp_p
     for row in tokenized:
         trained = tokenizer.decode([t for t, label in zip(row["input_ids"], row["labels"]) if label != batches.IGNORE])
         assert trained.startswith("1 ") and "Earlier answer." not in trained and "Sort" not in trained
+
+
+def test_a_file_checked_before_is_not_read_again_until_it_changes(tmp_path, monkeypatch):
+    """A rerun of a large dataset skips the line-by-line check of files it checked unchanged; a file
+    edited since (even to the same size, at once) is checked again."""
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr("datasets.config.HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "rows.jsonl"
+    path.write_text('{"text": "ab"}\n')
+    assert data_files.check_files([path], None) == {path: ["text"]}
+    read = []
+    monkeypatch.setattr(data_files, "check_file", lambda *given: read.append(given) or ["text"])
+    assert data_files.check_files([path], None) == {path: ["text"]} and not read
+    monkeypatch.undo()
+    monkeypatch.setattr("datasets.config.HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    path.write_text('{"text": 12}\n')  # the same size, within the same clock tick
+    with pytest.raises(Refusal, match=r"rows.jsonl:1: `text` must be text \(or null\), got 12"):
+        data_files.check_files([path], None)

@@ -91,53 +91,103 @@ def column_renames(columns: str | None) -> dict:
 def check_files(files: list[Path], columns: str | None) -> dict:
     """JSON and text files, read line by line: the first line that is not UTF-8, not JSON, or holds
     something other than text where text belongs is named as file:line (datasets would raise a long
-    traceback from deep inside pyarrow). Returns each JSON file's columns (those of its first row)."""
+    traceback from deep inside pyarrow). Returns each JSON file's columns (those of its first row).
+
+    A file checked before, unchanged since (its size, modification time and ends), is not read again:
+    a rerun or a resume of a large dataset starts at once."""
     renames = column_renames(columns)
     columns_of = {}
     for path in files:
         if suffix(path) not in (".jsonl", ".json", ".txt", ".csv", ".tsv"):
             continue
-        raw = file_bytes(path)
-        try:
-            text = raw.decode("utf-8-sig")  # a byte-order mark at the start is fine (datasets skips it too)
-        except UnicodeDecodeError as error:
-            line = raw.count(b"\n", 0, error.start) + 1
-            refuse(f"{path}:{line}: not UTF-8 (byte 0x{raw[error.start]:02x}); save the file as UTF-8")
-        if not text.strip():
-            refuse(f"{path} is empty; put rows in it or delete it")
-        if suffix(path) in DELIMITERS:
-            check_header(path, text)
-        if suffix(path) not in (".jsonl", ".json"):
-            continue
-        # One JSON document (a list of rows, whatever the file's name), or JSON Lines.
-        try:
-            document = json.loads(text)
-        except json.JSONDecodeError as error:
-            if suffix(path) == ".json" and text.lstrip().startswith("["):
-                refuse(f"{path}:{error.lineno}: not valid JSON ({error.msg}, column {error.colno}); fix the file")
+        mark = check_mark(path, renames)
+        if mark is not None and mark.exists():
+            found = json.loads(mark.read_text())
         else:
-            if isinstance(document, dict) and any(isinstance(value, list) for value in document.values()):
-                refuse(f"{path} is one JSON object of lists, not rows; save the rows as a JSON array "
-                       "([{\"column\": value, ...}, ...]) or as JSON Lines (one object per line)")
-            if isinstance(document, list):
-                for number, row in enumerate(document, 1):
-                    check_row(row, f"{path}: row {number}", "fix that row", renames)
-                columns_of[path] = sorted(document[0]) if document else []
-                continue
-        # Rows end at "\n" only: str.splitlines() would also cut a row at U+2028 inside a string.
-        for number, line in enumerate(text.split("\n"), 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as error:
-                if number == 1 and line.strip() in ("{", "["):
-                    refuse(f"{path} is pretty-printed JSON (one row over several lines); write one row per "
-                           "line (JSON Lines), or save a JSON array of rows as a .json file")
-                refuse(f"{path}:{number}: not valid JSON ({error.msg}, column {error.colno}); fix or delete that line")
-            check_row(row, f"{path}:{number}", "fix or delete that line", renames)
-            columns_of.setdefault(path, sorted(row))
+            found = check_file(path, renames)
+            if mark is not None:
+                write_atomically(mark, json.dumps(found))
+        if found is not None:
+            columns_of[path] = found
     return columns_of
+
+
+def check_mark(path: Path, renames: dict) -> Path | None:
+    """Where the check of this file, as it is now and with these renames, is remembered (beside datasets'
+    cache); None where that cache cannot be written."""
+    import hashlib
+
+    try:
+        from datasets import config
+
+        stat = path.stat()
+        with path.open("rb") as handle:  # its ends too: a file rewritten within the clock's tick keeps its time
+            head = handle.read(1 << 16)
+            handle.seek(max(0, stat.st_size - (1 << 16)))
+            ends = head + handle.read()
+        key = json.dumps([str(path.resolve()), stat.st_size, stat.st_mtime_ns, hashlib.sha256(ends).hexdigest(),
+                          renames, hashlib.sha256(Path(__file__).read_bytes()).hexdigest()])
+        folder = Path(config.HF_DATASETS_CACHE) / "recipes-checked-files"
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return None
+    return folder / hashlib.sha256(key.encode()).hexdigest()[:32]
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """Whole or absent, whichever rank writes it first."""
+    partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
+    try:
+        partial.write_text(text)
+        os.replace(partial, path)
+    except OSError:
+        partial.unlink(missing_ok=True)
+
+
+def check_file(path: Path, renames: dict) -> list | None:
+    """One file's check (see check_files): its columns for a JSON file, else None."""
+    raw = file_bytes(path)
+    try:
+        text = raw.decode("utf-8-sig")  # a byte-order mark at the start is fine (datasets skips it too)
+    except UnicodeDecodeError as error:
+        line = raw.count(b"\n", 0, error.start) + 1
+        refuse(f"{path}:{line}: not UTF-8 (byte 0x{raw[error.start]:02x}); save the file as UTF-8")
+    if not text.strip():
+        refuse(f"{path} is empty; put rows in it or delete it")
+    if suffix(path) in DELIMITERS:
+        check_header(path, text)
+    if suffix(path) not in (".jsonl", ".json"):
+        return None
+    # One JSON document (a list of rows, whatever the file's name), or JSON Lines.
+    try:
+        document = json.loads(text)
+    except json.JSONDecodeError as error:
+        if suffix(path) == ".json" and text.lstrip().startswith("["):
+            refuse(f"{path}:{error.lineno}: not valid JSON ({error.msg}, column {error.colno}); fix the file")
+    else:
+        if isinstance(document, dict) and any(isinstance(value, list) for value in document.values()):
+            refuse(f"{path} is one JSON object of lists, not rows; save the rows as a JSON array "
+                   "([{\"column\": value, ...}, ...]) or as JSON Lines (one object per line)")
+        if isinstance(document, list):
+            for number, row in enumerate(document, 1):
+                check_row(row, f"{path}: row {number}", "fix that row", renames)
+            return sorted(document[0]) if document else []
+    first = None
+    # Rows end at "\n" only: str.splitlines() would also cut a row at U+2028 inside a string.
+    for number, line in enumerate(text.split("\n"), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as error:
+            if number == 1 and line.strip() in ("{", "["):
+                refuse(f"{path} is pretty-printed JSON (one row over several lines); write one row per "
+                       "line (JSON Lines), or save a JSON array of rows as a .json file")
+            refuse(f"{path}:{number}: not valid JSON ({error.msg}, column {error.colno}); fix or delete that line")
+        check_row(row, f"{path}:{number}", "fix or delete that line", renames)
+        if first is None:
+            first = sorted(row)
+    return first
 
 
 def check_header(path: Path, text: str) -> None:

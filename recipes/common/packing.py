@@ -110,14 +110,14 @@ def pack(tokenized, max_length: int):
     import pyarrow as pa
 
     lengths = row_lengths(tokenized)
-    bins = best_fit(lengths, max_length)
-    fill = float(lengths.sum()) / (len(bins) * max_length) if bins else 0.0
     path = packed_path(tokenized, max_length)
     if not path.exists():
+        bins = best_fit(lengths, max_length)
         schema = pa.schema({name: pa.list_(pa.int32()) for name in ("input_ids", "labels", "position_ids")})
         partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
         with pa.OSFile(str(partial), "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
             for table in _packed_tables(tokenized, bins):
                 writer.write_table(table)
         os.replace(partial, path)  # whole or absent: a crash leaves no half-written set to reuse
-    return datasets.Dataset.from_file(str(path)), fill
+    packed = datasets.Dataset.from_file(str(path))
+    return packed, float(lengths.sum()) / (len(packed) * max_length) if len(packed) else 0.0
