@@ -142,5 +142,15 @@ def tokenize_counted(dataset, tokenizer, max_length: int):
     if processes:  # the work is split over processes: the tokenizer's own threads would only compete (and warn)
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
     tokenized = dataset.map(batch_of_rows, batched=True, batch_size=512, remove_columns=dataset.column_names,
-                            fn_kwargs={"code": data_path_code()}, num_proc=processes, desc="tokenising")
+                            fn_kwargs={"code": data_path_code()}, num_proc=processes, desc="tokenising",
+                            features=tokenised_features())
     return tokenized, fmt
+
+
+def tokenised_features():
+    """Token ids and labels as int32: half the cache (and the pages every rank maps) of datasets' int64."""
+    from datasets import Features, List, Value
+
+    return Features({"input_ids": List(Value("int32")), "labels": List(Value("int32")), "dropped": Value("string"),
+                     "needs": Value("int64"), "cut": Value("bool"), "eos_added": Value("int64"),
+                     "stops": List(Value("string")), "boundary": Value("bool")})
