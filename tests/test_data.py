@@ -187,6 +187,9 @@ def test_several_processes_tokenise_what_one_does(tokenizer, monkeypatch):
     alone, _ = tokens.tokenize_counted(rows, tokenizer, 64)
     monkeypatch.setattr(tokens, "ROWS_PER_PROCESS", 20)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2}, raising=False)
-    assert tokens.preparing_processes(len(rows)) == 3
+    assert tokens.preparing_processes(len(rows)) == 3 and tokens.preparing_processes(29) is None  # 29 rows: one process
+    assert tokens.preparing_processes(31) == 2  # about ROWS_PER_PROCESS a process
+    monkeypatch.delenv("TOKENIZERS_PARALLELISM", raising=False)
     together, _ = tokens.tokenize_counted(rows, tokenizer, 64)
     assert together.to_list() == alone.to_list()
+    assert "TOKENIZERS_PARALLELISM" not in os.environ  # the next, smaller set has the tokenizer's threads

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
+
 from .formats import IGNORE, detect_format, filled_columns
 from .refusal import refuse
-from .targets import tokenize_row, tokenize_rows  # noqa: F401 (tokenize_row: one row, for scripts and tests)
+from .targets import NO_TOKENS, tokenize_row, tokenize_rows  # noqa: F401 (tokenize_row: one row, for scripts and tests)
 
 REPORT_COLUMNS = ["dropped", "needs", "cut", "eos_added", "stops", "boundary"]  # what the data line counts
 
@@ -88,14 +90,14 @@ def report_columns(tokenized) -> dict:
     return tokenized.select_columns(REPORT_COLUMNS)[:]
 
 
-ROWS_PER_PROCESS = 10_000  # below this a process of its own costs more than it saves
+ROWS_PER_PROCESS = 10_000  # about this many rows a process: below, a process of its own costs more than it saves
 
 
 def preparing_processes(rows: int) -> int | None:
     """Processes that tokenise a large set together (every core of the machine: the other ranks only
     wait meanwhile); None, the calling process alone, for a small one."""
     processes = min(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1,
-                    rows // ROWS_PER_PROCESS)
+                    round(rows / ROWS_PER_PROCESS))
     return processes if processes > 1 else None
 
 
@@ -122,12 +124,13 @@ def tokenize_counted(dataset, tokenizer, max_length: int):
         for row in tokenize_rows(rows, tokenizer, fmt):
             labels = row["labels"]
             # The label of token i is predicted from token i - 1: the first target at i needs i + 1 tokens.
-            needs = next((i + 1 for i, label in enumerate(labels) if i and label != IGNORE), 0)
+            targets = np.flatnonzero(labels[1:] != IGNORE)
+            needs = int(targets[0]) + 2 if len(targets) else 0
             # A row whose targets were all cut off by --max-length teaches nothing.
             dropped = row["problem"] or (f"too long for --max-length {max_length}" if needs > max_length else "")
             keep = not dropped
-            out["input_ids"].append(row["input_ids"][:max_length] if keep else [])
-            out["labels"].append(labels[:max_length] if keep else [])
+            out["input_ids"].append(row["input_ids"][:max_length] if keep else NO_TOKENS)
+            out["labels"].append(labels[:max_length] if keep else NO_TOKENS)
             out["dropped"].append(dropped)
             out["needs"].append(needs)
             out["cut"].append(keep and len(row["input_ids"]) > max_length)
@@ -139,11 +142,18 @@ def tokenize_counted(dataset, tokenizer, max_length: int):
     # included), but not by the code this function calls: the hash of that code is an argument too, so a
     # changed data path never reuses rows tokenised by an older one
     processes = preparing_processes(len(dataset))
+    threads = os.environ.get("TOKENIZERS_PARALLELISM")
     if processes:  # the work is split over processes: the tokenizer's own threads would only compete (and warn)
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    tokenized = dataset.map(batch_of_rows, batched=True, batch_size=512, remove_columns=dataset.column_names,
-                            fn_kwargs={"code": data_path_code()}, num_proc=processes, desc="tokenising",
-                            features=tokenised_features())
+    try:
+        tokenized = dataset.map(batch_of_rows, batched=True, batch_size=512, remove_columns=dataset.column_names,
+                                fn_kwargs={"code": data_path_code()}, num_proc=processes, desc="tokenising",
+                                features=tokenised_features())
+    finally:  # a smaller set tokenised next (the evaluation rows) has the tokenizer's threads again
+        if threads is None:
+            os.environ.pop("TOKENIZERS_PARALLELISM", None)
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = threads
     return tokenized, fmt
 
 
