@@ -123,13 +123,22 @@ def test_a_run_file_gives_a_list_and_a_typed_flag_replaces_it(tmp_path):
         parse_args(recipe_flags("lora"), ["--config", str(run_file)])
 
 
-def test_a_launch_trains_on_a_mixture_of_formats_on_every_rank(tmp_path):
-    """An instruction file at half its rows and a chat file twice over, given in the run file, under DDP:
-    the data lines count each source, and the run records both formats."""
+def test_a_launch_trains_on_a_mixture_of_formats_and_layouts(tmp_path):
+    """Under DDP, from the run file: an instruction file at half its rows, a chat dataset as the hub's
+    download leaves it (README.md beside data/*.parquet) twice over, and TRL's conversational
+    prompt-completion rows once. The data lines count each source; the run records both formats."""
+    import datasets
+
     answers = jsonl(tmp_path / "qa.jsonl", instruction_rows(80))  # 4 held out, 76 train, 38 drawn
-    chats = jsonl(tmp_path / "chats.jsonl", fixtures.chat_rows(40, seed=5))  # 2 held out, 38 train, 76 drawn
+    hub = tmp_path / "org--chats"  # 2 held out, 38 train, 76 drawn
+    (hub / "data").mkdir(parents=True)
+    (hub / "README.md").write_text("---\nlicense: mit\n---\n")
+    datasets.Dataset.from_list(fixtures.chat_rows(40, seed=5)).to_parquet(hub / "data" / "train-00000-of-00001.parquet")
+    turns = [row["messages"] for row in fixtures.chat_rows(20, seed=6)]  # 1 held out, 19 train
+    completions = jsonl(tmp_path / "prompt_completion.jsonl",
+                        [{"prompt": messages[:-1], "completion": messages[-1:]} for messages in turns])
     run_file = tmp_path / "run.yaml"
-    run_file.write_text(f"dataset:\n  - {answers}:0.5\n  - {chats}:2\n")
+    run_file.write_text(f"dataset:\n  - {answers}:0.5\n  - {hub}:2\n  - {completions}\n")
     run = launch("lora", tmp_path / "out", "--config", str(run_file), "--max-steps", "2", "--batch-size", "2",
                  config="ddp")
     assert run.returncode == 0, run.output[-3000:]
@@ -137,10 +146,13 @@ def test_a_launch_trains_on_a_mixture_of_formats_on_every_rank(tmp_path):
     lines = [line for line in run.output.splitlines() if line.startswith("data: ")]
     assert lines[0].startswith(f"data: {answers} (instruction): training 76 rows: 76 used; "
                                "drawn: 38 rows (weight 0.5); evaluation 4 rows: 4 used"), lines
-    assert lines[1].startswith(f"data: {chats} (messages): training 38 rows: 38 used; "), lines
+    assert lines[1].startswith(f"data: {hub} (messages): training 38 rows: 38 used; "), lines
     assert "drawn: 76 rows (weight 2); evaluation 2 rows: 2 used" in lines[1], lines
-    assert lines[2] == f"data: 2 sources: 114 training rows ({answers} 33%, {chats} 67%), 6 evaluation rows"
-    assert len(lines) == 3  # rank 0 only
+    assert lines[2].startswith(f"data: {completions} (messages): training 19 rows: 19 used; "), lines
+    assert "drawn: 19 rows (weight 1); evaluation 1 rows: 1 used" in lines[2], lines
+    assert lines[3] == (f"data: 3 sources: 133 training rows ({answers} 29%, {hub} 57%, {completions} 14%), "
+                        "7 evaluation rows")
+    assert len(lines) == 4  # rank 0 only
     assert run.run_json()["data_format"] == "instruction+messages"
 
 
