@@ -108,6 +108,16 @@ def test_a_json_object_instead_of_rows_names_the_layout(document, message, tmp_p
         checked_rows.load_splits(str(path), seed=0)
 
 
+def test_a_json_lines_file_of_one_chat_row_is_a_row(tmp_path):
+    """One line of JSON Lines is a row, lists in it or not (it is no object of columns)."""
+    turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    path = tmp_path / "one.jsonl"
+    path.write_text(json.dumps({"messages": turns}) + "\n")
+    assert data_files.check_files([path], None) == {path: ["messages"]}
+    loaded, _ = data_files.read_splits(str(path))
+    assert len(loaded["train"]) == 1
+
+
 @pytest.mark.parametrize("columns, message", [
     ("text=answer", "which --dataset already has"),
     ("instruction=question,instruction=answer", "more than one column onto instruction"),

@@ -165,7 +165,8 @@ def check_file(path: Path, renames: dict) -> list | None:
         if suffix(path) == ".json" and text.lstrip().startswith("["):
             refuse(f"{path}:{error.lineno}: not valid JSON ({error.msg}, column {error.colno}); fix the file")
     else:
-        if isinstance(document, dict) and any(isinstance(value, list) for value in document.values()):
+        one_row = suffix(path) == ".jsonl" and "\n" not in text.strip()  # JSON Lines of one row: a row
+        if isinstance(document, dict) and not one_row and any(isinstance(value, list) for value in document.values()):
             refuse(f"{path} is one JSON object of lists, not rows; save the rows as a JSON array "
                    "([{\"column\": value, ...}, ...]) or as JSON Lines (one object per line)")
         if isinstance(document, list):
