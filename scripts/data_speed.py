@@ -348,8 +348,8 @@ class Bench:
         return side_run(run(command, environment(parallel_tokenizer=True)))
 
     def recipes(self, file: Path, tokenizer: Path, processes: int, cache: Path, packing: bool = False) -> dict:
-        if packing:  # a packed file left by an earlier run would be reused, not packed
-            for packed in cache.rglob("packed-*.arrow"):
+        if packing:  # a packing plan left by an earlier run would be reused, not packed
+            for packed in cache.rglob("packed-*"):
                 packed.unlink()
         command = [*launcher(processes), str(SIDES_PROGRAM)] if processes > 1 else [sys.executable, str(SIDES_PROGRAM)]
         command += ["recipes", "--tokenizer", str(tokenizer), "--", "--dataset", str(file), "--max-length",

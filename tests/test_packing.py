@@ -55,7 +55,7 @@ def test_packed_sequences_are_the_rows_whole_with_positions_restarting():
             pieces.append((tuple(sequence["input_ids"][a:b]), tuple(sequence["labels"][a:b])))
     assert sorted(pieces) == sorted((tuple(row["input_ids"]), tuple(row["labels"])) for row in rows)
     assert fill == pytest.approx(sum(len(row["input_ids"]) for row in rows) / (len(packed) * 128))
-    assert packed.features["input_ids"].feature.dtype == "int32"
+    assert packed.tokens.features["input_ids"].feature.dtype == "int32"  # read from the tokenised set as it is
 
 
 def test_an_empty_training_set_packs_to_nothing():
@@ -76,9 +76,9 @@ def test_the_packed_batches_mask_padding_as_rows_of_their_own():
     assert int((batch["labels"] != -100).sum()) == 3 * 3
 
 
-def test_a_packed_set_is_written_once_and_mapped_again(tmp_path):
-    """The packed set is a file named by the tokenised set, --max-length and the packing code: the same
-    inputs map the same file (a rerun, the other ranks), other inputs get their own."""
+def test_a_packing_plan_is_saved_once_and_read_again(tmp_path):
+    """The packing plan is a file named by the tokenised set, --max-length and the packing code: the same
+    inputs read the same file (a rerun, the other ranks), other inputs get their own."""
     import datasets
 
     source = tmp_path / "rows.jsonl"
@@ -92,4 +92,23 @@ def test_a_packed_set_is_written_once_and_mapped_again(tmp_path):
     again, _ = packing.pack(rows, 64)
     assert path.stat().st_mtime_ns == written and again["input_ids"] == first["input_ids"]
     assert packing.packed_path(rows, 32) != path
+    with np.load(path) as plan:  # which rows go where, no token: packing holds the row count, not the tokens
+        assert sorted(plan.files) == ["rows", "starts"] and len(plan["rows"]) == len(rows)
     assert not list(path.parent.glob("*.partial"))
+
+
+def test_the_packed_set_feeds_the_loader_worker_processes_a_gpu_run_uses():
+    """On a GPU the DataLoader's worker processes read the packed set (it travels to them pickled):
+    every target of every row arrives, in micro-batches within --max-length."""
+    import datasets
+
+    rng = np.random.default_rng(2)
+    rows = [{"input_ids": rng.integers(4, 300, size=n).tolist(), "labels": [-100] + rng.integers(4, 300, size=n - 1).tolist()}
+            for n in rng.integers(2, 40, size=300)]
+    packed, _ = packing.pack(datasets.Dataset.from_list(rows), 96)
+    train_loader, _ = batches.make_loaders(packed, [], batches.PadToLongest(0), batch_size=4, workers=2)
+    seen = list(train_loader)
+    assert max(batch["input_ids"].shape[1] for batch in seen) <= 96
+    assert sum(len(batch["input_ids"]) for batch in seen) == len(packed) // 4 * 4  # the ragged last batch dropped
+    everything = batches.PadToLongest(0)(packed.__getitems__(range(len(packed))))
+    assert int((everything["labels"] != -100).sum()) == sum(len(row["labels"]) - 1 for row in rows)

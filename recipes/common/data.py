@@ -44,7 +44,7 @@ def prepare(accelerator, tokenizer, args, launch):
         if folders:
             print(f"data cache: {', '.join(folders)}", flush=True)
     if args.packing:
-        with accelerator.main_process_first():  # rank 0 writes the packed set, the others map its file
+        with accelerator.main_process_first():  # rank 0 saves the packing plan, the others read it
             rows = len(train_set)
             train_set, fill = pack(train_set, args.max_length)
         if accelerator.is_main_process:

@@ -1,9 +1,9 @@
 """Packing: tokenised rows -> sequences of up to --max-length tokens, each row whole.
 
 Best-fit decreasing: the longest rows first, each into the fullest sequence it still fits, so
-sequences come out fuller than packing rows in file order. Everything is computed on arrays (the
-rows' lengths, then each sequence a slice of the gathered token arrays) and written chunk by chunk
-into an Arrow file that every rank memory-maps, so memory stays bounded whatever the row count.
+sequences come out fuller than packing rows in file order. The plan is computed on the rows' lengths
+alone and saved as two integer arrays; a sequence's tokens are read from the tokenised set when a
+batch needs them (`PackedSequences`), so packing costs memory for the row count, not the tokens.
 """
 
 from __future__ import annotations
@@ -11,8 +11,6 @@ from __future__ import annotations
 import bisect
 
 import numpy as np
-
-CHUNK_ROWS = 8_000  # rows gathered at a time while writing the packed sequences
 
 
 def best_fit(lengths: np.ndarray, capacity: int) -> list[np.ndarray]:
@@ -54,33 +52,51 @@ def row_lengths(tokenized) -> np.ndarray:
     return lengths.to_numpy(zero_copy_only=False).astype(np.int64)
 
 
-def _packed_tables(tokenized, bins: list[np.ndarray]):
-    """The packed sequences as Arrow tables of a few thousand sequences each: input_ids, labels and
-    position_ids (restarting at every row), int32."""
-    import pyarrow as pa
+class PackedSequences:
+    """The packed training set: sequence i is rows `rows[starts[i]:starts[i + 1]]` of the tokenised set,
+    end to end, with position_ids restarting at 0 for every row.
 
-    start = 0
-    while start < len(bins):
-        chunk, rows = [], 0
-        while start < len(bins) and (not chunk or rows + len(bins[start]) <= CHUNK_ROWS):
-            chunk.append(bins[start])
-            rows += len(bins[start])
-            start += 1
-        gathered = tokenized.with_format("arrow", columns=["input_ids", "labels"])[np.concatenate(chunk).tolist()]
+    Only the plan (which rows go where: two integer arrays) is held; a sequence's tokens are read from
+    the tokenised set's memory-mapped files when a batch asks for it. So packing touches no token, writes
+    nothing but the plan, and memory stays bounded by the rows' count whatever their length.
+    """
+
+    def __init__(self, tokenized, starts: np.ndarray, rows: np.ndarray):
+        self.tokens = tokenized.with_format("arrow", columns=["input_ids", "labels"])
+        self.starts, self.rows = starts, rows
+
+    def __len__(self) -> int:
+        return len(self.starts) - 1
+
+    def __getitem__(self, index):
+        if isinstance(index, str):  # a column, as a dataset gives it
+            return [sequence[index] for sequence in self]
+        if not 0 <= index < len(self):
+            raise IndexError(index)
+        return self.__getitems__([index])[0]
+
+    def __iter__(self):
+        for first in range(0, len(self), 256):
+            yield from self.__getitems__(range(first, min(first + 256, len(self))))
+
+    def __getitems__(self, indices) -> list[dict]:
+        """The sequences at `indices`, their rows read in one gather (the DataLoader asks per micro-batch)."""
+        parts = [self.rows[self.starts[index]:self.starts[index + 1]] for index in indices]
+        if not parts:
+            return []
+        gathered = self.tokens[np.concatenate(parts).tolist()]
         lists = {name: gathered.column(name).combine_chunks() for name in ("input_ids", "labels")}
-        columns = {name: values.flatten().to_numpy(zero_copy_only=False).astype(np.int32) for name, values in lists.items()}
+        flat = {name: values.flatten().to_numpy(zero_copy_only=False) for name, values in lists.items()}
         row_offsets = lists["input_ids"].offsets.to_numpy() - lists["input_ids"].offsets[0].as_py()  # labels: the same
-        # a row's tokens are consecutive in the gathered rows, and so are a sequence's rows
-        ends_of_sequences = np.cumsum([len(rows_of_sequence) for rows_of_sequence in chunk])
-        sequence_offsets = np.concatenate([[0], row_offsets[ends_of_sequences]]).astype(np.int32)
-        row_lengths_here = np.diff(row_offsets)
-        columns["position_ids"] = (np.arange(row_offsets[-1]) - np.repeat(row_offsets[:-1], row_lengths_here)).astype(np.int32)
-        yield pa.table({name: pa.ListArray.from_arrays(pa.array(sequence_offsets), pa.array(values))
-                        for name, values in columns.items()})
+        flat["position_ids"] = np.arange(row_offsets[-1]) - np.repeat(row_offsets[:-1], np.diff(row_offsets))
+        # a sequence's rows are consecutive in the gathered rows
+        bounds = row_offsets[np.cumsum([0] + [len(part) for part in parts])]
+        return [{name: values[start:end].tolist() for name, values in flat.items()}
+                for start, end in zip(bounds[:-1], bounds[1:])]
 
 
 def packed_path(tokenized, max_length: int):
-    """Where the packed set of `tokenized` is written: beside its cache files (in the system's temporary
+    """Where the packing plan of `tokenized` is saved: beside its cache files (in the system's temporary
     folder for a set held in memory), named by its fingerprint, `max_length` and this module's code."""
     import hashlib
     import tempfile
@@ -89,35 +105,32 @@ def packed_path(tokenized, max_length: int):
     cached = tokenized.cache_files
     folder = Path(cached[0]["filename"]).parent if cached else Path(tempfile.gettempdir()) / "recipes-packed"
     folder.mkdir(parents=True, exist_ok=True)
-    layout = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:8]  # a changed packing never reuses a file
-    return folder / f"packed-{tokenized._fingerprint}-{max_length}-{layout}.arrow"
+    layout = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:8]  # a changed packing never reuses a plan
+    return folder / f"packed-{tokenized._fingerprint}-{max_length}-{layout}.npz"
 
 
 def pack(tokenized, max_length: int):
-    """(packed dataset, fill ratio): the rows of `tokenized` packed into sequences of up to `max_length`
+    """(packed set, fill ratio): the rows of `tokenized` packed into sequences of up to `max_length`
     tokens, whose `position_ids` restart at 0 for every row.
 
     transformers reads such position_ids as packed sequences and keeps attention inside each row
     (sdpa / eager build a block-diagonal causal mask, flash-attention uses the varlen kernel). A row's
     first label is its masked BOS or prompt, so no target crosses a boundary.
 
-    The packed set is an Arrow file (`packed_path`): a rerun, and the other ranks, map the file that is
-    there.
+    The plan is saved (`packed_path`): a rerun, and the other ranks, read the one that is there.
     """
     import os
-
-    import datasets
-    import pyarrow as pa
 
     lengths = row_lengths(tokenized)
     path = packed_path(tokenized, max_length)
     if not path.exists():
         bins = best_fit(lengths, max_length)
-        schema = pa.schema({name: pa.list_(pa.int32()) for name in ("input_ids", "labels", "position_ids")})
+        starts = np.cumsum([0] + [len(rows) for rows in bins], dtype=np.int64)
+        rows = np.concatenate(bins) if bins else np.zeros(0, dtype=np.int64)
         partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
-        with pa.OSFile(str(partial), "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
-            for table in _packed_tables(tokenized, bins):
-                writer.write_table(table)
-        os.replace(partial, path)  # whole or absent: a crash leaves no half-written set to reuse
-    packed = datasets.Dataset.from_file(str(path))
+        with open(partial, "wb") as sink:
+            np.savez(sink, starts=starts, rows=rows)
+        os.replace(partial, path)  # whole or absent: a crash leaves no half-written plan to reuse
+    with np.load(path) as plan:
+        packed = PackedSequences(tokenized, plan["starts"], plan["rows"])
     return packed, float(lengths.sum()) / (len(packed) * max_length) if len(packed) else 0.0
