@@ -29,7 +29,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import get_cosine_schedule_with_warmup
 
 from common import args as cli
-from common import batch_size, batches, checkpoint, data, modeling, preflight, report, runtime
+from common import batch_size, batches, checkpoint, data, deepspeed_config, modeling, preflight, report, runtime
 from common.evaluation import evaluate
 from common.runlog import RunLog
 
@@ -83,7 +83,12 @@ def main():
     )
     steps_per_epoch = batches.steps_per_epoch(len(train_loader) // launch.data_parallel_size, args.grad_accum)
     total_steps = args.max_steps or math.ceil(args.epochs * steps_per_epoch)
-    scheduler = get_cosine_schedule_with_warmup(optimizer, int(args.warmup_ratio * total_steps), total_steps)
+    # The learning rate: linear warm-up over --warmup-ratio of the steps, then cosine decay to 0; a DeepSpeed
+    # config's own `scheduler` section replaces it, run as its file asks (docs/config-files.md).
+    if args.deepspeed_scheduler:
+        scheduler = deepspeed_config.deepspeed_schedule(optimizer, args.deepspeed_scheduler, args, total_steps)
+    else:
+        scheduler = get_cosine_schedule_with_warmup(optimizer, int(args.warmup_ratio * total_steps), total_steps)
     model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
         model, optimizer, train_loader, eval_loader, scheduler
     )

@@ -203,8 +203,82 @@ def test_an_adamw_section_becomes_the_recipes_adamw_and_others_are_refused(tmp_p
                              ({"type": "AdamW", "params": {"betas": [0.9, 0.95]}}, "AdamW with betas optimizer")]:
         with pytest.raises(Refusal, match=message):
             adapt(deepspeed_env(tmp_path, {"optimizer": section}))
-    with pytest.raises(Refusal, match="asks for a DeepSpeed WarmupLR scheduler, .* delete the `scheduler` section"):
-        adapt(deepspeed_env(tmp_path, {"scheduler": {"type": "WarmupLR"}}))
+
+
+# DeepSpeed scheduler sections: run as the file asks, "auto" from the recipe's flags
+
+AUTO_WARMUP = {"warmup_min_lr": "auto", "warmup_max_lr": "auto", "warmup_num_steps": "auto"}
+
+
+def test_a_scheduler_section_runs_as_written_with_auto_from_the_recipe(tmp_path):
+    notes, args = adapt(deepspeed_env(tmp_path, {"scheduler": {"type": "WarmupLR", "params": AUTO_WARMUP}}), "--lr", "2e-4")
+    assert args.deepspeed_scheduler == {"type": "WarmupLR", "params": AUTO_WARMUP} and args.lr == 2e-4
+    assert ("scheduler WarmupLR runs as the file asks (from the recipe: warmup_min_lr 0, warmup_max_lr --lr, "
+            "warmup_num_steps --warmup-ratio x the run's steps)") in notes
+    fixed = {"type": "WarmupDecayLR", "params": {"warmup_max_lr": 3e-5, "warmup_num_steps": 10, "warmup_type": "linear"}}
+    notes, args = adapt(deepspeed_env(tmp_path, {"scheduler": fixed}))
+    assert args.lr == 3e-5 and "lr" in args.given_flags  # the file's peak rate is the run's --lr
+    assert any(note.startswith("scheduler WarmupDecayLR runs as the file asks (warmup_max_lr 3e-05, warmup_num_steps 10, "
+                               "warmup_type linear; from the recipe: warmup_min_lr 0, total_num_steps") for note in notes)
+
+
+@pytest.mark.parametrize("section, argv, message", [
+    ({"type": "OneCycle"}, (), "asks for a DeepSpeed OneCycle scheduler; the recipes run WarmupLR, WarmupDecayLR, WarmupCosineLR"),
+    ({"type": "WarmupLR", "params": {"warmup_max_lr": 1e-3}}, ("--lr", "2e-4"),
+     r"sets warmup_max_lr = 0.001 but --lr is 0.0002; pass the same value"),
+    ({"type": "WarmupLR", "params": {"warmup_num_steps": 100}}, ("--warmup-ratio", "0.1"),
+     "sets warmup_num_steps = 100 and --warmup-ratio is given too"),
+    ({"type": "WarmupLR", "params": {"warmup_num_step": 100}}, (), "did you mean `warmup_num_steps`"),
+    ({"type": "WarmupCosineLR", "params": {"warmup_max_lr": "auto"}}, (), "`warmup_max_lr` in the WarmupCosineLR scheduler"),
+    ({"type": "WarmupCosineLR", "params": {"cos_min_ratio": "auto"}}, (), "the recipe has no setting for it"),
+    ({"type": "WarmupLR", "params": {"warmup_type": "cubic"}}, (), "give \"log\" or \"linear\""),
+    ({"type": "WarmupDecayLR", "params": {"total_num_steps": 0}}, (), "give a whole number >= 1"),
+])
+def test_a_scheduler_section_the_recipe_cannot_run_is_refused_in_one_line(tmp_path, section, argv, message):
+    with pytest.raises(Refusal, match=message):
+        adapt(deepspeed_env(tmp_path, {"scheduler": section}), *argv)
+
+
+def learning_rates(section: dict, lr: float, warmup_ratio: float, total_steps: int) -> list[float]:
+    """The rate each optimizer step of the recipe runs at, under `deepspeed_schedule`."""
+    import torch
+
+    args = parse_args(recipe_flags("lora"), ["--lr", str(lr), "--warmup-ratio", str(warmup_ratio)])
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=lr)
+    scheduler = deepspeed_config.deepspeed_schedule(optimizer, section, args, total_steps)
+    rates = []
+    for _ in range(total_steps):
+        rates.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    return rates
+
+
+def test_each_schedule_is_deepspeeds_arithmetic_step_by_step():
+    """DeepSpeed's formulas, written out: its first step runs at its warm-up's start (iteration 0)."""
+    import math
+
+    lr, steps = 1e-3, 40  # warm-up: 0.25 x 40 = 10 steps when "auto"
+    iteration = [max(0, step - 1) for step in range(steps)]
+    log_warmup = [min(1.0, math.log(i + 1) / math.log(10)) if i < 10 else 1.0 for i in iteration]
+    assert learning_rates({"type": "WarmupLR", "params": dict(AUTO_WARMUP)}, lr, 0.25, steps) == pytest.approx(
+        [lr * gamma for gamma in log_warmup])
+    decay = {"type": "WarmupDecayLR", "params": {**AUTO_WARMUP, "warmup_min_lr": 1e-5, "warmup_type": "linear",
+                                                 "total_num_steps": "auto"}}
+    linear = [i / 10 if i < 10 else max(0.0, (steps - i) / (steps - 10)) for i in iteration]
+    assert learning_rates(decay, lr, 0.25, steps) == pytest.approx([1e-5 + (lr - 1e-5) * gamma for gamma in linear])
+    cosine = {"type": "WarmupCosineLR", "params": {"warmup_num_steps": 5, "warmup_type": "linear", "cos_min_ratio": 0.1,
+                                                   "warmup_min_ratio": 0.2}}
+    ratios = [0.2 + 0.8 * i / 5 if i < 5 else 0.1 + 0.9 * (1 + math.cos(math.pi * min(1, (i - 4) / (steps - 5)))) / 2
+              for i in iteration]
+    ratios[0] = 0.0  # before its first iteration DeepSpeed's cosine schedule runs at 0
+    assert learning_rates(cosine, lr, 0.25, steps) == pytest.approx([lr * ratio for ratio in ratios], rel=1e-6)
+
+
+def test_deepspeed_autotp_is_refused_naming_the_tensor_parallel_config(tmp_path):
+    with pytest.raises(Refusal, match="asks for DeepSpeed AutoTP .* launch with accelerate_configs/tp.yaml"):
+        adapt(deepspeed_env(tmp_path, {"tensor_parallel": {"autotp_size": 2}}))
+    assert adapt(deepspeed_env(tmp_path, {"tensor_parallel": {"autotp_size": 1}}))[0] == []
 
 
 def test_the_files_precision_is_what_runs(tmp_path):

@@ -10,6 +10,7 @@ launched for real, across the three recipes.
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import subprocess
 import sys
@@ -25,7 +26,7 @@ import check_config  # noqa: E402
 from common.preflight import Refusal  # noqa: E402
 
 FIXTURES = REPO / "tests" / "fixtures" / "user_configs"
-SCHEDULER = "asks for a DeepSpeed WarmupDecayLR scheduler"
+FP16_ON_CPU = "trains in fp16, which DeepSpeed cannot do on CPU"
 # file -> what the recipe does with it on this CPU machine, and on a GPU machine: the planner's name of
 # the strategy that runs, or the start of the one-line refusal.
 EXPECTED = {
@@ -57,9 +58,14 @@ EXPECTED = {
     # 2 replicas x 2 shards x 2-way TP: hybrid sharding needs GPUs; on GPUs, replicas x TP are refused
     "accelerate__tp_hsdp.yaml": ("error: hybrid sharding needs GPUs",
                                  "error: parallelism_config_dp_replicate_size 2 with tensor parallel is not supported"),
-    "accelerate__deepspeed.yaml": (f"error: ../deepspeed_config_templates/zero_stage1_config.json {SCHEDULER}",) * 2,
-    "accelerate__zero_stage1_config.json": (f"error: {{path}} {SCHEDULER}",) * 2,
-    "accelerate__zero_stage3_offload_config.json": (f"error: {{path}} {SCHEDULER}",) * 2,
+    # WarmupDecayLR schedulers (run as written); fp16, which DeepSpeed runs on GPUs only
+    "accelerate__deepspeed.yaml": (f"error: ../deepspeed_config_templates/zero_stage1_config.json {FP16_ON_CPU}", "zero1"),
+    "accelerate__zero_stage1_config.json": (f"error: {{path}} {FP16_ON_CPU}", "zero1"),
+    "accelerate__zero_stage3_offload_config.json": (f"error: {{path}} {FP16_ON_CPU}", "zero3_offload"),
+    # WarmupLR schedulers with "auto" values (transformers' DeepSpeed docs and tests, LLaVA)
+    "transformers__ds_config_zero2.json": ("zero2", "zero2"),
+    "llava__zero3_offload.json": ("zero3_offload", "zero3_offload"),
+    "llama-factory__ds_z2_autotp_config.json": ("error: {path} asks for DeepSpeed AutoTP",) * 2,
     "accelerate__sp-alst.accelerate-config.yml": ("zero3", "zero3"),
     "accelerate__sp-alst.ds-config.json": ("zero3", "zero3"),
 }
@@ -203,6 +209,22 @@ def test_every_fixture_trains_or_is_refused(name, user_folder, tmp_path, monkeyp
     ran = json.loads((tmp_path / "out" / "run.json").read_text())
     kinds = {"ddp": "MULTI_CPU" if processes > 1 else "NO", "zero": "DEEPSPEED", "fsdp": "FSDP"}
     assert (ran["distributed_type"], ran["num_processes"]) == (kinds[expected[:4].rstrip("_123")], processes)
+
+
+def test_a_deepspeed_scheduler_section_trains_as_written(tmp_path):
+    """transformers' ZeRO-2 JSON (WarmupLR, every value "auto"): DeepSpeed's log warm-up over
+    --warmup-ratio of the steps up to --lr, then constant, said in the config line and in run.json."""
+    run = launch("lora", tmp_path / "out", "--max-steps", "6", "--batch-size", "2", "--warmup-ratio", "0.5",
+                 "--lr", "1e-3", config=str(FIXTURES / "transformers__ds_config_zero2.json"), mixed_precision=None)
+    assert run.returncode == 0, run.output[-3000:]
+    [note] = [line for line in run.output.splitlines() if line.startswith("config: ")]
+    assert "scheduler WarmupLR runs as the file asks (from the recipe: warmup_min_lr 0, warmup_max_lr --lr" in note
+    ran = run.run_json()
+    assert ran["arguments"]["deepspeed_scheduler"]["ran"] == {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-3,
+                                                              "warmup_num_steps": 3}
+    # the rate after step k (logged) is the one step k + 1 runs at: DeepSpeed's iteration k - 1
+    expected = [1e-3 * (math.log(k) / math.log(3) if k - 1 < 3 else 1.0) for k in range(1, 7)]
+    assert [record["lr"] for record in run.metrics()] == pytest.approx(expected)
 
 
 def with_typo(tmp_path) -> str:

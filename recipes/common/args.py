@@ -142,6 +142,7 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None = None) -
     parser.set_defaults(**{dest: value for dest, value in from_file.items() if not (dest in appended and dest in typed)})
     args = parser.parse_args(argv)
     args.given_flags = sorted(typed | set(from_file))
+    args.deepspeed_scheduler = None  # a DeepSpeed config's `scheduler` section, once settled (deepspeed_config.py)
     return args
 
 

@@ -141,10 +141,7 @@ def settle_deepspeed(config: dict, source: str, args, env, on_gpu: bool) -> list
                    "and eps) on every strategy: delete the `optimizer` section, or edit the recipe's optimizer")
         notes.append(f"optimizer {optimizer.get('type')} -> the recipe's AdamW")
     if config.get("scheduler") is not None:
-        kind = config["scheduler"].get("type", "") if isinstance(config["scheduler"], dict) else ""
-        refuse(f"{source} asks for a DeepSpeed {kind + ' ' if kind else ''}scheduler, but the recipe "
-               "builds its own warm-up + cosine schedule from --lr and --warmup-ratio; delete the `scheduler` "
-               "section (or edit the recipe's schedule)")
+        notes.append(settle_scheduler(config["scheduler"], source, args))
 
     compile_asked = torch_compile_section(config)
     if compile_asked:
@@ -192,6 +189,104 @@ def settle_deepspeed(config: dict, source: str, args, env, on_gpu: bool) -> list
     return notes
 
 
+# DeepSpeed's schedules the recipes run -> their parameters. The ones the recipe has a setting for are
+# "auto" when absent: the recipe's own value fills them, as HF Trainer fills "auto".
+DEEPSPEED_SCHEDULES = {
+    "WarmupLR": ("warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type"),
+    "WarmupDecayLR": ("warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type", "total_num_steps"),
+    "WarmupCosineLR": ("warmup_min_ratio", "warmup_num_steps", "cos_min_ratio", "warmup_type", "total_num_steps"),
+}
+FILLED_BY_RECIPE = {"warmup_min_lr": "0", "warmup_max_lr": "--lr",
+                    "warmup_num_steps": "--warmup-ratio x the run's steps", "total_num_steps": "the run's steps"}
+
+
+def settle_scheduler(section, source: str, args) -> str:
+    """A DeepSpeed `scheduler` section the recipe runs as the file asks (`deepspeed_schedule`), or a refusal
+    in one line. Kept in `args.deepspeed_scheduler`; returns the note for the config line."""
+    kind = section.get("type") if isinstance(section, dict) else None
+    if kind not in DEEPSPEED_SCHEDULES:
+        refuse(f"{source} asks for a DeepSpeed {str(kind) + ' ' if kind else ''}scheduler; the recipes run "
+               f"{', '.join(DEEPSPEED_SCHEDULES)} sections (and their own warm-up + cosine schedule without one): "
+               "use one of those types, or delete the `scheduler` section")
+    params = section.get("params") or {}
+    accepted = DEEPSPEED_SCHEDULES[kind]
+    for key, value in params.items():
+        if key not in accepted:
+            close = difflib.get_close_matches(key, accepted, n=1, cutoff=0.6)
+            refuse(f"`{key}` in the {kind} scheduler of {source} is not a {kind} setting "
+                   f"({'did you mean `' + close[0] + '`? ' if close else ''}it takes {', '.join(accepted)}); fix or delete it")
+        if value == "auto":
+            if key not in FILLED_BY_RECIPE:
+                refuse(f"{key} in the {kind} scheduler of {source} is \"auto\", but the recipe has no setting for it; "
+                       "give a value, or delete it for DeepSpeed's default")
+        elif key == "warmup_type":
+            if value not in ("log", "linear"):
+                refuse(f"warmup_type in the {kind} scheduler of {source} is {value!r}; give \"log\" or \"linear\"")
+        elif key in ("warmup_num_steps", "total_num_steps") and not is_count(value):
+            refuse(f"{key} in the {kind} scheduler of {source} is {value!r}; give a whole number >= 1 (or \"auto\")")
+        elif key not in ("warmup_num_steps", "total_num_steps") and not is_number(value):
+            refuse(f"{key} in the {kind} scheduler of {source} is {value!r}; give a number (or \"auto\")")
+    given = set(getattr(args, "given_flags", ()))
+    if params.get("warmup_max_lr", "auto") != "auto" and differs(params["warmup_max_lr"], args.lr):
+        if "lr" in given:
+            refuse(f"{source} sets warmup_max_lr = {params['warmup_max_lr']} but --lr is {args.lr}; pass the same "
+                   "value, or set \"warmup_max_lr\": \"auto\" there (or delete it) so that --lr applies")
+        args.lr = float(params["warmup_max_lr"])
+        args.given_flags = sorted(given | {"lr"})
+        args.settled_from = {**getattr(args, "settled_from", {}), "lr": f"warmup_max_lr in {source}"}
+    if params.get("warmup_num_steps", "auto") != "auto" and "warmup_ratio" in given:
+        refuse(f"{source} sets warmup_num_steps = {params['warmup_num_steps']} and --warmup-ratio is given too; "
+               "drop --warmup-ratio, or set \"warmup_num_steps\": \"auto\" there so that --warmup-ratio applies")
+    args.deepspeed_scheduler = {"type": kind, "params": dict(params)}
+    filled = [f"{key} {FILLED_BY_RECIPE[key]}" for key in accepted
+              if key in FILLED_BY_RECIPE and params.get(key, "auto") == "auto"]
+    fixed = [f"{key} {value}" for key, value in params.items() if value != "auto"]
+    said = [", ".join(fixed), f"from the recipe: {', '.join(filled)}" if filled else ""]
+    return f"scheduler {kind} runs as the file asks ({'; '.join(part for part in said if part)})"
+
+
+def deepspeed_schedule(optimizer, section: dict, args, total_steps: int):
+    """The learning-rate schedule of a DeepSpeed `scheduler` section, "auto" filled from the recipe.
+
+    DeepSpeed's own class computes each step's rate (on a stand-in optimizer); the recipe's optimizer
+    follows it through a LambdaLR. Handed a DeepSpeed scheduler object, accelerate would give it to the
+    engine, which (with the optimizer offloaded on a GPU) steps another optimizer than the one it holds.
+    """
+    import torch
+    from deepspeed.runtime import lr_schedules
+
+    params = {key: value for key, value in section["params"].items() if value != "auto"}
+    recipe_values = {"warmup_min_lr": 0.0, "warmup_max_lr": args.lr, "total_num_steps": total_steps,
+                     "warmup_num_steps": max(1, int(args.warmup_ratio * total_steps))}
+    for key in DEEPSPEED_SCHEDULES[section["type"]]:
+        if key in recipe_values and key not in params:
+            params[key] = recipe_values[key]
+    for key in ("warmup_num_steps", "total_num_steps"):
+        if key in params:
+            params[key] = int(float(params[key]))
+    stand_in = torch.optim.SGD([torch.zeros(1)], lr=args.lr)
+    # from iteration 0: started at -1, DeepSpeed warns on every rank that no step was taken yet
+    deepspeed_own = getattr(lr_schedules, section["type"])(stand_in, **params, last_batch_iteration=0)
+    section["ran"] = params  # what run.json records
+
+    def factor(step: int) -> float:
+        # DeepSpeed's first optimizer step runs before its first iteration (the warm-up's lowest rate; 0 for
+        # the cosine schedule), the next ones at its iterations 0, 1, 2, ...
+        if step == 0:
+            return getattr(deepspeed_own, "min_lrs", [0.0])[0] / args.lr
+        deepspeed_own.step(step - 1)
+        return deepspeed_own.get_last_lr()[0] / args.lr
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def is_number(value) -> bool:
+    try:
+        return not isinstance(value, bool) and float(value) == float(value)
+    except (TypeError, ValueError):
+        return False
+
+
 def check_deepspeed_sections(config: dict, source: str, on_gpu: bool) -> None:
     """What DeepSpeed itself would only reject after the model loaded, or fail on deep inside."""
     zero = config["zero_optimization"]
@@ -200,6 +295,13 @@ def check_deepspeed_sections(config: dict, source: str, on_gpu: bool) -> None:
         refuse(f"zero_optimization.stage in {source} is {zero.get('stage')!r}; give the ZeRO stage as 0, 1, 2 or 3 "
                "(\"auto\" is not a stage)")
     misplaced_or_misspelt_key(config, source)
+    autotp = lookup(config, "tensor_parallel.autotp_size") or lookup(config, "tensor_parallel.tensor_parallel.tp_size")
+    if autotp not in (None, "auto") and is_number(autotp) and float(autotp) > 1:
+        # DeepSpeed's AutoTP training splits the layers at deepspeed.initialize, which accelerate's prepare does
+        # not arrange: ZeRO then fails on every rank with a KeyError after the model loaded
+        refuse(f"{source} asks for DeepSpeed AutoTP (tensor_parallel.autotp_size {autotp}), which the recipes do not "
+               "run; for tensor parallel launch with accelerate_configs/tp.yaml (or fsdp_tp.yaml to shard as well), "
+               "or delete the tensor_parallel section")
     for name in ("fp16", "bf16", "bfloat16"):
         if name in config and config[name] is not None and not isinstance(config[name], dict):
             refuse(f"\"{name}\" in {source} is {json.dumps(config[name])}; DeepSpeed reads a block: write "
@@ -292,6 +394,7 @@ def edit_deepspeed(config: dict, args) -> None:
     # DeepSpeed clips inside its own step; the value must be the recipe's, as on DDP and FSDP.
     config["gradient_clipping"] = args.max_grad_norm
     config.pop("optimizer", None)  # an AdamW section: the recipe's own AdamW is the same
+    config.pop("scheduler", None)  # the recipe builds it (deepspeed_schedule) and steps it in its loop
     # DeepSpeed needs a batch size; a file without one takes the recipe's, as with "auto".
     config.setdefault("train_micro_batch_size_per_gpu", args.batch_size)
     if "bfloat16" in config:  # the old name of the bf16 block (settle_deepspeed took its precision)
