@@ -114,6 +114,13 @@ def assert_no_traceback_of_ours(output: str) -> None:
     assert "recipes/" not in "\n".join(line for line in output.splitlines() if line.strip().startswith("File ")), output[-3000:]
 
 
+def assert_the_refusal_ends_the_output(output: str, refusal: str) -> None:
+    """The launcher's own report of the failed ranks (~35 lines) comes last: its final words must be
+    the refusal's line, so that it is still on screen when the run has stopped."""
+    last = [line for line in output.strip().splitlines() if line.strip("=- ")][-1]
+    assert last.strip() == f"traceback : {refusal}", output[-3000:]
+
+
 @pytest.fixture(scope="session")
 def trained(tmp_path_factory):
     """`trained(recipe, config)`: the matrix launch of strategies.py, run once per session."""

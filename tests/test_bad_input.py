@@ -14,7 +14,7 @@ from unittest import mock
 
 import pytest
 
-from conftest import REPO, TINY_MODEL, assert_no_traceback_of_ours, launch, long_test
+from conftest import REPO, TINY_MODEL, assert_no_traceback_of_ours, assert_the_refusal_ends_the_output, launch, long_test
 
 sys.path.insert(0, str(REPO / "recipes"))
 from common import checked_rows, checkpoint, preflight, tokens  # noqa: E402
@@ -275,6 +275,7 @@ def test_random_launches_train_or_stop_with_one_line_before_the_model_loads(tmp_
         assert "Loading weights" not in run.output.split(errors[0])[0], (shape, flags)  # before the model loads
         assert not (tmp_path / f"out-{attempt}" / "run.json").exists()
         assert_no_traceback_of_ours(run.output)
+        assert_the_refusal_ends_the_output(run.output, errors[0])
     assert trained and refused  # the seed picks both outcomes
 
 
@@ -317,6 +318,7 @@ def test_every_case_through_the_launcher(flags, shape, refusal, tmp_path):
     assert run.returncode != 0 and len(errors) == 1 and refusal in errors[0], run.output[-3000:]
     assert "Loading weights" not in run.output and not (output_dir / "run.json").exists()
     assert_no_traceback_of_ours(run.output)
+    assert_the_refusal_ends_the_output(run.output, errors[0])
 
 
 def test_a_resume_that_would_change_the_run_is_refused(tmp_path):

@@ -18,7 +18,8 @@ import sys
 import pytest
 import yaml
 
-from conftest import REPO, assert_no_traceback_of_ours, launch, launch_command, launch_env, long_test
+from conftest import (REPO, assert_no_traceback_of_ours, assert_the_refusal_ends_the_output, launch, launch_command,
+                      launch_env, long_test)
 
 sys.path.insert(0, str(REPO / "scripts"))
 sys.path.insert(0, str(REPO / "recipes"))
@@ -204,6 +205,8 @@ def test_every_fixture_trains_or_is_refused(name, user_folder, tmp_path, monkeyp
     if expected.startswith("error: "):
         lines = [line for line in output.splitlines() if line.startswith("error: ")]
         assert done.returncode != 0 and len(lines) == 1 and expected.split(" ")[-1] in lines[0], output[-3000:]
+        if processes > 1:  # through torch's launcher, whose report comes last (FSDP, DeepSpeed, TP files alike)
+            assert_the_refusal_ends_the_output(output, lines[0])
         return
     assert done.returncode == 0, output[-3000:]
     ran = json.loads((tmp_path / "out" / "run.json").read_text())

@@ -41,4 +41,21 @@ def refuse(message: str) -> None:
         from tqdm import tqdm
 
         tqdm.write(f"error: {message}", file=sys.stderr)  # on a line of its own, even under a progress bar
+    record_for_the_launcher(f"error: {message}")
     raise Refusal(message)
+
+
+def record_for_the_launcher(line: str) -> None:
+    """torch's launcher ends a failed run with its own report (a traceback and a summary of the failed
+    ranks, ~35 lines) below everything the ranks printed. A rank's error file is where that summary
+    takes its message from: written there, the refusal is also the summary's last words."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    import json
+
+    try:
+        with open(path, "w") as file:
+            json.dump({"message": line, "timestamp": int(time.time())}, file)
+    except OSError:  # the line was printed above; the summary only repeats it
+        pass
