@@ -15,13 +15,20 @@ sys.path.insert(0, str(REPO / "recipes"))
 
 
 def build(kind: str, folder) -> None:
-    from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (AutoTokenizer, FalconConfig, FalconForCausalLM, GPT2Config, GPT2LMHeadModel, MixtralConfig,
+                              MixtralForCausalLM, Qwen2Config, Qwen2ForCausalLM)
 
     tokenizer = AutoTokenizer.from_pretrained(TINY_MODEL)
     torch.manual_seed(0)
     special = dict(vocab_size=len(tokenizer), bos_token_id=1, eos_token_id=2, pad_token_id=3)
     if kind == "gpt2":
         model = GPT2LMHeadModel(GPT2Config(n_positions=512, n_embd=64, n_layer=2, n_head=4, **special))
+    elif kind == "falcon":  # its projections are FalconLinear, a subclass of nn.Linear
+        model = FalconForCausalLM(FalconConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, **special))
+    elif kind == "mixtral":  # a mixture of experts: the experts' weights are fused 3-D tensors
+        model = MixtralForCausalLM(MixtralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                                 num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                                 num_experts_per_tok=2, max_position_embeddings=512, **special))
     else:
         model = Qwen2ForCausalLM(Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                              num_attention_heads=4, num_key_value_heads=2,
@@ -85,3 +92,29 @@ def test_a_model_without_logits_to_keep_gets_the_logits_asked_for():
         last = model(input_ids=input_ids, logits_to_keep=1).logits
     assert torch.allclose(kept, everything[:, positions], atol=1e-6)
     assert torch.allclose(last, everything[:, -1:], atol=1e-6)
+
+
+def test_qlora_of_a_model_bitsandbytes_would_not_quantize_is_refused_before_it_loads(tmp_path):
+    """Falcon's FalconLinear is not torch's nn.Linear, so transformers' 4-bit loading quantizes nothing:
+    the run would be plain LoRA on a full-precision base under QLoRA's name."""
+    build("falcon", tmp_path / "falcon")
+    run = launch("qlora", tmp_path / "out", "--model", str(tmp_path / "falcon"), "--max-steps", "2", config="ddp")
+    errors = [line for line in run.output.splitlines() if line.startswith("error: ")]
+    assert run.returncode != 0 and len(errors) == 1, run.output[-3000:]
+    assert "bitsandbytes would quantize none of" in errors[0] and "(FalconLinear:" in errors[0]
+    assert "use recipes/lora.py" in errors[0] and "Loading weights" not in run.output
+
+
+def test_qlora_says_which_layers_stay_unquantized_and_records_the_quantized_weights(tmp_path):
+    """Mixtral: attention is quantized, the experts' fused weights are not (bitsandbytes replaces nn.Linear
+    only); the start-up line gives the share, run.json the counts."""
+    build("mixtral", tmp_path / "mixtral")
+    run = launch("qlora", tmp_path / "out", "--model", str(tmp_path / "mixtral"), "--max-steps", "2",
+                 "--batch-size", "2", "--lora-dropout", "0", config="ddp")
+    assert run.returncode == 0, run.output[-3000:]
+    [line] = [line for line in run.output.splitlines() if line.startswith("quantization: ")]
+    assert line.startswith("quantization: 4-bit on ") and "MixtralExperts" in line, line
+    ran = run.run_json()
+    plan = ran["arguments"]["quantization_plan"]
+    assert plan["quantized"] > 0 and plan["left"] > plan["quantized"] and "MixtralExperts" in plan["left_kinds"]
+    assert ran["parameters"]["quantized"] == plan["quantized"]  # what loaded is what preflight read from the config

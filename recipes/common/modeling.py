@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from .launch import MODEL_PARALLEL, TENSOR_PARALLEL
+from .refusal import refuse
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_MODEL = REPO_ROOT / "models" / "tiny-llama"
@@ -42,7 +43,6 @@ def load_tokenizer(name: str, trust_remote_code: bool = False, chat_template: st
     from transformers import AutoTokenizer
 
     from .formats import DEFAULT_CHAT_TEMPLATE
-    from .refusal import refuse
 
     template = None
     if chat_template:
@@ -97,6 +97,9 @@ def load_model(name: str, accelerator, launch, *, frozen: bool, quantization=Non
         if not launch.shards_parameters and launch.kind != MODEL_PARALLEL:
             kwargs["device_map"] = {"": accelerator.device}
     model = AutoModelForCausalLM.from_pretrained(name, **kwargs)
+    if quantization is not None and not quantized_weights(model):  # preflight's check, confirmed on what loaded
+        refuse(f"bitsandbytes quantized none of {name}'s layers while it loaded, so qlora.py would train plain "
+               "LoRA on a full-precision base; use recipes/lora.py")
     if quantization is not None and not launch.on_gpu:
         keep_4bit_weights_unpacked_on_cpu(model)
     if liger:
@@ -170,15 +173,13 @@ LINEAR_KINDS = (torch.nn.Linear,)
 ADAPTABLE_KINDS = (torch.nn.Linear, torch.nn.Embedding, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)
 
 
-def module_kinds(name: str, trust_remote_code: bool = False) -> dict[str, str] | None:
-    """{module name: "linear" / "adaptable" (LoRA can adapt it) / "other"} of model `name`, built once
-    from its config on the meta device (no weights, no memory); None when its config cannot be read
-    here (a hub id that is not in the cache)."""
+def meta_model(name: str, trust_remote_code: bool = False):
+    """Model `name` built from its config on the meta device (no weights, no memory); None when its
+    config cannot be read here (a hub id that is not in the cache)."""
     import json
 
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.pytorch_utils import Conv1D
 
     try:
         if Path(name).resolve() == DEFAULT_MODEL.resolve() and not (DEFAULT_MODEL / "config.json").exists():
@@ -187,12 +188,48 @@ def module_kinds(name: str, trust_remote_code: bool = False) -> dict[str, str] |
         else:
             config = AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code)
         with init_empty_weights():
-            model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+            return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
     except (OSError, ValueError):
+        return None
+
+
+def module_kinds(name: str, trust_remote_code: bool = False) -> dict[str, str] | None:
+    """{module name: "linear" / "adaptable" (LoRA can adapt it) / "other"} of model `name` (from its
+    config, `meta_model`); None when its config cannot be read here."""
+    from transformers.pytorch_utils import Conv1D
+
+    model = meta_model(name, trust_remote_code)
+    if model is None:
         return None
     return {module_name: "linear" if isinstance(module, (*LINEAR_KINDS, Conv1D)) else
             "adaptable" if isinstance(module, ADAPTABLE_KINDS) else "other"
             for module_name, module in model.named_modules() if module_name}
+
+
+def quantizable_weights(name: str, trust_remote_code: bool = False) -> dict | None:
+    """How much of model `name`'s layer weights bitsandbytes quantizes as transformers loads it (from its
+    config, `meta_model`): {"quantized": weights, "left": weights, "left_kinds": [module classes]}.
+
+    transformers' bitsandbytes integration replaces modules whose type is exactly torch's nn.Linear (or
+    GPT-2's Conv1D); a subclass (Falcon's FalconLinear) or the fused 3-D weights of a mixture of experts
+    (MixtralExperts) stay in the float dtype. The output layer is kept in it on purpose, and not counted."""
+    from transformers.pytorch_utils import Conv1D
+
+    model = meta_model(name, trust_remote_code)
+    if model is None:
+        return None
+    output = model.get_output_embeddings()
+    quantized, left, left_kinds = 0, 0, set()
+    for module in model.modules():
+        if module is output or isinstance(module, torch.nn.Embedding):
+            continue
+        weights = sum(p.numel() for p in module.parameters(recurse=False) if p.dim() >= 2)
+        if type(module) is torch.nn.Linear or isinstance(module, Conv1D):
+            quantized += weights
+        elif weights:
+            left += weights
+            left_kinds.add(type(module).__name__)
+    return {"quantized": quantized, "left": left, "left_kinds": sorted(left_kinds)}
 
 
 def seed_adapter(model, seed: int) -> None:
@@ -244,7 +281,13 @@ def parameter_counts(model) -> dict:
         total += full
         held += local
         trainable += full if param.requires_grad else 0
-    return {"total": total, "trainable": trainable, "held_by_this_rank": held}
+    return {"total": total, "trainable": trainable, "held_by_this_rank": held, "quantized": quantized_weights(model)}
+
+
+def quantized_weights(model) -> int:
+    """Weights (elements, before packing) that bitsandbytes layers of `model` hold quantized."""
+    return sum(module.in_features * module.out_features for module in model.modules()
+               if type(module).__module__.startswith("bitsandbytes") and type(module).__name__ in ("Linear4bit", "Linear8bitLt"))
 
 
 def quantization_config(launch, bits: int):

@@ -100,6 +100,8 @@ def check_launch(args, recipe: str):
                f"pass --max-length {context} or less")
     if recipe != "full":
         check_lora_targets(args)
+    if recipe == "qlora":
+        check_quantization(args)
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
     check_output_dir(args.output_dir, resuming=bool(args.resume) or restarted)
     refuse_if_disk_too_small(args, recipe)
@@ -284,6 +286,27 @@ def check_lora_targets(args) -> None:
     if other:
         refuse(f"--lora-targets {', '.join(other)} names modules LoRA cannot adapt (peft adapts linear, embedding "
                f"and convolution layers); the model's linear layers are {leaves} (or use all-linear)")
+
+
+def check_quantization(args) -> None:
+    """QLoRA quantizes the base, or is refused: a model none of whose layers bitsandbytes replaces would
+    train as plain LoRA on a full-precision base under QLoRA's name. Layers it leaves in the float dtype
+    beside quantized ones (a mixture of experts' fused weights) are said, with their share."""
+    from .modeling import quantizable_weights
+
+    share = quantizable_weights(args.model, args.trust_remote_code)
+    if share is None:  # a hub model not in the cache: load_model checks what loaded
+        return
+    kinds = ", ".join(share["left_kinds"])
+    if not share["quantized"]:
+        refuse(f"bitsandbytes would quantize none of {args.model}'s layers ({kinds}: transformers' {args.bits}-bit "
+               "loading replaces only torch's nn.Linear), so qlora.py would train plain LoRA on a full-precision "
+               "base; use recipes/lora.py")
+    args.quantization_plan = share  # recorded in run.json
+    if share["left"] and int(os.environ.get("RANK", "0")) == 0:
+        quantized = share["quantized"] / (share["quantized"] + share["left"])
+        print(f"quantization: {args.bits}-bit on {quantized:.0%} of the base's layer weights; left in the float dtype: "
+              f"{kinds} (bitsandbytes replaces only torch's nn.Linear)", flush=True)
 
 
 def check_speed_options(args, on_gpu: bool) -> None:

@@ -161,7 +161,8 @@ class RunLog:
             "batch": {"batch_size": self.args.batch_size, "grad_accum": self.args.grad_accum,
                       "global_batch_size": self.args.batch_size * self.args.grad_accum * self.launch.data_parallel_size,
                       **getattr(self.args, "batch_plan", {})},
-            "parameters": {"total": counts["total"], "trainable": counts["trainable"], "held_by_rank": None},
+            "parameters": {"total": counts["total"], "trainable": counts["trainable"], "held_by_rank": None,
+                           "quantized": counts["quantized"]},  # weights in bitsandbytes layers (qlora.py)
             "strategy": ran,
             "versions": library_versions(),
         }
