@@ -51,6 +51,9 @@ def main():
     # Model: every weight is trained, so it stays in fp32 (mixed precision runs the maths in 16 bits).
     model = modeling.load_model(args.model, accelerator, launch, frozen=False, attention=args.attention,
                                 liger=args.liger, trust_remote_code=args.trust_remote_code)
+    # A mixture of experts whose config asks for it (output_router_logits) also trains its router to spread
+    # the tokens over the experts: transformers' load-balancing loss with this weight (0 for other models).
+    router_weight = modeling.router_loss_weight(model)
     if args.gradient_checkpointing:  # recompute every Nth layer's activations in the backward instead of keeping them
         modeling.checkpoint_activations(model, every_n_layers=args.gradient_checkpointing)
     batch_size.confirm_on_gpu(accelerator, launch, model, args)  # --batch-size auto: does a real step fit?
@@ -96,18 +99,21 @@ def main():
     # ranks), so the count comes first.
     step_tokens = sync.count_tokens(micro_batches)
     for step in range(start_step + 1, total_steps + 1):
-        step_loss = 0.0
+        step_loss = step_router_loss = 0.0
         for batch in micro_batches:
             with accelerator.accumulate(model):
                 labels = batch.pop("labels")
                 if args.liger:  # Liger's fused linear + cross-entropy sums inside the model, never building logits
                     loss_sum = model(**batch, labels=labels, use_cache=False, num_items_in_batch=1).loss
+                    router_loss = None  # --liger with the router's loss is refused before loading
                 else:  # no KV cache in training (it would also hide packing)
                     targets = labels[:, 1:]  # position t predicts token t + 1
                     # The LM head runs only where some row has a target: prompt and padding positions need
                     # no logits (with a large vocabulary that saves much of the step's time and memory).
                     positions = batches.positions_with_targets(targets)
-                    logits = model(**batch, use_cache=False, logits_to_keep=positions).logits
+                    outputs = model(**batch, use_cache=False, logits_to_keep=positions)
+                    logits, router_loss = outputs.logits, outputs.get("aux_loss")  # aux_loss: a mixture of experts'
+                    del outputs
                     # The loss: cross-entropy of each next token. Prompt and padding tokens are IGNORE and
                     # count 0; to weight tokens, multiply token_loss by weights laid out like
                     # targets[:, positions] (flattened) before the sum.
@@ -120,7 +126,11 @@ def main():
                 # The gradient of the global token mean: / step_tokens (every rank's micro-batches), and
                 # undo accelerate's division by grad_accum and the gradient all-reduce's mean over ranks
                 # (tensor parallel: each rank of a group counts the group's tokens; the same factor cancels it).
-                accelerator.backward(loss_sum / step_tokens * args.grad_accum * accelerator.num_processes)
+                objective = loss_sum / step_tokens * args.grad_accum * accelerator.num_processes
+                if router_weight:  # the router's loss: its mean over micro-batches and ranks, as the backward scales it
+                    objective = objective + router_weight * router_loss
+                    step_router_loss += router_loss.detach()
+                accelerator.backward(objective)
         grad_norm = accelerator.clip_grad_norm_(parameters, args.max_grad_norm)
         optimizer.step()
         scheduler.step()
@@ -129,11 +139,12 @@ def main():
         # The step's one collective (every rank takes part): the loss summed over all ranks, the stop
         # flag, and the next step's target tokens: its micro-batches are fetched now to travel along.
         next_epoch, next_batches = next(steps) if step < total_steps else (epoch, [])
-        summed_loss, next_tokens, stopping = sync.end_of_step(step_loss, next_batches)
+        summed_loss, next_tokens, stopping, router_sum = sync.end_of_step(step_loss, next_batches, step_router_loss)
         loss = summed_loss / int(step_tokens)  # the mean over the global batch's target tokens
         if step == start_step + 1:  # a gather (every rank takes part): what each rank holds, into run.json
             log.record_ranks()
-        log.log_step(step, epoch, loss, scheduler.get_last_lr()[0], grad_norm, int(step_tokens))
+        router_mean = router_sum / (args.grad_accum * accelerator.num_processes) if router_weight else None
+        log.log_step(step, epoch, loss, scheduler.get_last_lr()[0], grad_norm, int(step_tokens), router_mean)
         if not math.isfinite(loss):  # stop before saving anything from a diverged model
             preflight.refuse(f"the loss became {loss} at step {step}; lower --lr or check the data, and start "
                              "in a new --output-dir (a checkpoint here may already hold the update that diverged)")

@@ -99,12 +99,12 @@ def handlers_restored():
 
 
 def test_a_step_ends_with_one_all_reduce_of_loss_next_tokens_and_stop(handlers_restored):
-    accelerator = TwoRanks([2.5, 5, 0, 0])  # the other rank: loss sum 2.5, 5 next tokens, no signal
+    accelerator = TwoRanks([2.5, 5, 0.25, 0, 0])  # the other rank: loss sum 2.5, 5 next tokens, router loss, no signal
     sync = StepSync(accelerator)
-    summed_loss, next_tokens, stopping = sync.end_of_step(torch.tensor(1.5), [batch_with_targets(3),
-                                                                              batch_with_targets(4)])
+    summed_loss, next_tokens, stopping, router = sync.end_of_step(torch.tensor(1.5), [batch_with_targets(3),
+                                                                                      batch_with_targets(4)], 0.5)
     assert accelerator.reduces == 1
-    assert (summed_loss, int(next_tokens), stopping) == (4.0, 12, False)
+    assert (summed_loss, int(next_tokens), stopping, router) == (4.0, 12, False, 0.75)
     assert next_tokens.dtype == torch.int64  # it divides the next step's loss
 
 
@@ -112,7 +112,7 @@ def test_a_step_ends_with_one_all_reduce_of_loss_next_tokens_and_stop(handlers_r
                                                   ("here", signal.SIGINT, "Ctrl-C"),
                                                   ("other rank", signal.SIGTERM, "SIGTERM")])
 def test_a_signal_on_any_rank_stops_every_rank_at_the_same_step(handlers_restored, where, signum, name):
-    other = [0, 0, float(signum == signal.SIGTERM), float(signum == signal.SIGINT)] if where != "here" else [0] * 4
+    other = [0, 0, 0, float(signum == signal.SIGTERM), float(signum == signal.SIGINT)] if where != "here" else [0] * 5
     sync = StepSync(TwoRanks(other))
     if where == "here":
         signal.raise_signal(signum)  # the handler StepSync installed takes it

@@ -100,8 +100,10 @@ def test_logits_at_target_positions_only_give_the_textbook_loss(trained, tmp_pat
     """The recipe's LM head runs only where some row has a target; a copy that computes every
     position's logits and the textbook shifted cross-entropy follows the same loss curve."""
     run = launch_edited_copy([
-        ("logits = model(**batch, use_cache=False, logits_to_keep=positions).logits",
-         "logits = model(**batch, use_cache=False).logits[:, :-1]"),
+        ("outputs = model(**batch, use_cache=False, logits_to_keep=positions)",
+         "outputs = model(**batch, use_cache=False)"),
+        ("logits, router_loss = outputs.logits, outputs.get(\"aux_loss\")",
+         "logits, router_loss = outputs.logits[:, :-1], outputs.get(\"aux_loss\")"),
         ("logits.flatten(0, 1).float(), targets[:, positions].flatten(),",
          "logits.flatten(0, 1).float(), labels[:, 1:].flatten(),"),
     ], tmp_path / "out", steps=STEPS)

@@ -110,6 +110,15 @@ def load_model(name: str, accelerator, launch, *, frozen: bool, quantization=Non
     return model
 
 
+def router_loss_weight(model) -> float:
+    """The weight of a mixture of experts' load-balancing loss (`router_aux_loss_coef`) when its config asks
+    for it (`output_router_logits`, on which transformers adds it to the loss it computes), else 0."""
+    config = model.config
+    if not getattr(config, "output_router_logits", False):
+        return 0.0
+    return float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0)
+
+
 def accept_logits_to_keep(model) -> None:
     """Give `logits_to_keep` to a model whose forward lacks it (remote code, a few transformers
     classes), so the recipes' loss runs on any model: it computes every position's logits and keeps

@@ -100,6 +100,7 @@ def check_launch(args, recipe: str):
                f"pass --max-length {context} or less")
     if recipe != "full":
         check_lora_targets(args)
+        check_adapter(args)
     if recipe == "qlora":
         check_quantization(args)
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
@@ -288,6 +289,46 @@ def check_lora_targets(args) -> None:
                f"and convolution layers); the model's linear layers are {leaves} (or use all-linear)")
 
 
+def check_adapter(args) -> None:
+    """peft builds the adapter once on the model made from its config (meta device: no weights), so what
+    peft would refuse is refused here, before loading, in one line. peft adapts a mixture of experts'
+    fused expert weights (MixtralExperts) through its ParamWrapper, which takes no dropout: a default
+    --lora-dropout becomes 0 there (said at start-up), a typed one is refused naming the fix."""
+    import warnings
+
+    from accelerate import init_empty_weights
+    from peft import LoraConfig, get_peft_model
+
+    from .args import lora_targets
+    from .modeling import meta_model
+
+    def build() -> None:
+        model = meta_model(args.model, args.trust_remote_code)
+        if model is None:  # a hub model not in the cache: peft checks when it loads
+            return
+        config = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
+                            target_modules=lora_targets(args.lora_targets), task_type="CAUSAL_LM")
+        with init_empty_weights(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # peft's notes on this throw-away build; the real one prints its own
+            get_peft_model(model, config)
+
+    try:
+        build()
+    except ValueError as error:
+        if "lora_dropout" not in str(error):
+            refuse(f"peft cannot put LoRA on {args.model} with --lora-targets {args.lora_targets}: "
+                   f"{' '.join(str(error).split())}; change --lora-targets")
+        if "lora_dropout" in getattr(args, "given_flags", ()):
+            refuse(f"--lora-dropout {args.lora_dropout}: peft's LoRA on {args.model}'s fused expert weights takes no "
+                   "dropout; pass --lora-dropout 0, or --lora-targets naming attention layers only (e.g. "
+                   "q_proj,k_proj,v_proj,o_proj)")
+        args.lora_dropout = 0.0
+        if int(os.environ.get("RANK", "0")) == 0:
+            print("lora: --lora-dropout 0 (peft's LoRA on the fused expert weights of this mixture of experts "
+                  "takes no dropout)", flush=True)
+        build()
+
+
 def check_quantization(args) -> None:
     """QLoRA quantizes the base, or is refused: a model none of whose layers bitsandbytes replaces would
     train as plain LoRA on a full-precision base under QLoRA's name. Layers it leaves in the float dtype
@@ -317,6 +358,9 @@ def check_speed_options(args, on_gpu: bool) -> None:
         refuse("--liger needs Liger's kernels: `pip install liger-kernel`, or drop --liger")
     if args.liger and not on_gpu:
         refuse("--liger runs Triton kernels, which need a CUDA GPU; drop --liger on this machine")
+    if args.liger and (model_config(args.model) or {}).get("output_router_logits"):
+        refuse("--liger with a mixture of experts whose config asks for the router's load-balancing loss "
+               "(output_router_logits) is not supported: the recipe adds that loss beside its own; drop --liger")
     if args.attention == "flash_attention_2" and find_spec("flash_attn") is None:
         refuse("--attention flash_attention_2 needs `pip install flash-attn`; or use --attention sdpa "
                "(the default, which picks a flash kernel itself where it can)")

@@ -229,7 +229,8 @@ class RunLog:
         if self.log_every is None:
             self.log_every = 0 if not self.bar.disable else 1
 
-    def log_step(self, step: int, epoch: int, loss: float, lr: float, grad_norm, tokens: int) -> None:
+    def log_step(self, step: int, epoch: int, loss: float, lr: float, grad_norm, tokens: int,
+                 router_loss: float | None = None) -> None:
         self.tokens_seen += tokens
         elapsed = time.perf_counter() - self.started
         record = {
@@ -238,6 +239,8 @@ class RunLog:
             "tokens": tokens, "tokens_seen": self.tokens_seen, "elapsed_s": round(elapsed, 3),
             "tokens_per_s": round(self.tokens_seen / max(elapsed, 1e-9), 1),
         }
+        if router_loss is not None:  # a mixture of experts' load-balancing loss (mean over micro-batches)
+            record["router_loss"] = router_loss
         if torch.cuda.is_available():  # this rank's peak since the start, for benchmarks and the planner
             record["peak_allocated_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 3)
             record["peak_reserved_gib"] = round(torch.cuda.max_memory_reserved() / 2**30, 3)
@@ -249,7 +252,8 @@ class RunLog:
             self.bar.update(1)
             self.bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{record['tokens_per_s']:.0f}", refresh=False)
             if self.log_every and step % self.log_every == 0:
-                self.bar.write(f"step {step}: loss {loss:.4f}  lr {lr:.2e}  grad_norm {record['grad_norm'] or 0:.3f}")
+                router = f"  router_loss {router_loss:.4f}" if router_loss is not None else ""
+                self.bar.write(f"step {step}: loss {loss:.4f}  lr {lr:.2e}  grad_norm {record['grad_norm'] or 0:.3f}{router}")
 
     def track(self, record: dict, step: int) -> None:
         """Send the numbers of a metrics.jsonl line to the accelerate trackers (main process only)."""

@@ -57,7 +57,7 @@ def layer_activation_bytes_per_token(shape: ModelShape, method: str, strategy: s
     mask being a float tensor (4 B) where CUDA's is a bool (1 B, used here).
     """
     _check(method, strategy, precision, attention)
-    h, f, a, d = shape.hidden, shape.ffn, shape.heads, shape.head_dim
+    h, f, a, d = shape.hidden, shape.active_ffn, shape.heads, shape.head_dim  # f: the experts a token passes
     q, kv = a * d, shape.kv_heads * d
     dt = compute_dtypes(method, strategy, precision)
     c, r, m = dt["compute"], dt["residual"], dt["linear_out"]

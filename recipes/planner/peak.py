@@ -90,7 +90,7 @@ def quantization_constant_bytes(shape: ModelShape, method: str, stage: Stage | N
     if method != "qlora":
         return 0
     stage = stage or Stage(shape.layers)
-    quantized = sum(shape.linear_parameters_per_layer().values()) * stage.layers
+    quantized = (sum(shape.linear_parameters_per_layer().values()) - shape.fused_expert_parameters_per_layer()) * stage.layers
     return int(quantized * (quantized_bytes_per_weight() - 0.5))
 
 

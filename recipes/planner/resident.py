@@ -56,7 +56,8 @@ def _counts(shape: ModelShape, method: str, lora_rank: int, lora_targets) -> dic
     lora_head = lora_parameters(shape, lora_rank, lora_targets) - lora_layer * shape.layers if method != "full" else 0
     return {
         "layer_linear": sum(counts["linear_per_layer"].values()),
-        "layer_norm": 2 * shape.hidden,
+        "layer_fused_experts": shape.fused_expert_parameters_per_layer(),  # part of layer_linear
+        "layer_norm": 2 * shape.hidden + shape.hidden * shape.experts,  # + a mixture of experts' router
         "layer_lora": lora_layer,
         "embedding": counts["embedding"],
         "head": counts["lm_head"] + shape.hidden,  # lm_head + final norm
@@ -75,7 +76,8 @@ def _stage_parameters(shape: ModelShape, method: str, stage: Stage, lora_rank: i
         return {"trained": linear + floats, "frozen": 0, "quantized": 0}
     if method == "lora":
         return {"trained": lora, "frozen": linear + floats, "quantized": 0}
-    return {"trained": lora, "frozen": floats, "quantized": linear}
+    experts = n["layer_fused_experts"] * stage.layers  # bitsandbytes leaves them in the float dtype
+    return {"trained": lora, "frozen": floats + experts, "quantized": linear - experts}
 
 
 WHERE = ("gpu", "anywhere")

@@ -15,6 +15,8 @@ ALIASES = {
     "tinyllama-1.1b": REPO_ROOT / "data" / "model_configs" / "tinyllama-1.1b.json",
     "codellama-34b": REPO_ROOT / "data" / "model_configs" / "codellama-34b.json",
     "tiny-llama": REPO_ROOT / "data" / "tiny-llama-config.json",
+    "mixtral-8x7b": REPO_ROOT / "data" / "model_configs" / "mixtral-8x7b.json",
+    "qwen3-30b-a3b": REPO_ROOT / "data" / "model_configs" / "qwen3-30b-a3b.json",
 }
 
 # The seven linears of a Llama block, as transformers names them (peft's LoRA targets).
@@ -24,7 +26,11 @@ LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 @dataclass
 class ModelShape:
     """A Llama-style decoder (Llama, Mistral, Qwen2, CodeLlama, ...): embedding, `layers` blocks of
-    (RMSNorm, attention with q/k/v/o, RMSNorm, SwiGLU gate/up/down), a final norm and an lm_head."""
+    (RMSNorm, attention with q/k/v/o, RMSNorm, SwiGLU gate/up/down), a final norm and an lm_head.
+
+    A mixture of experts (Mixtral, Qwen2/3-MoE, OLMoE) has `experts` SwiGLU blocks of width `ffn` per
+    layer (and a shared one of width `shared_ffn`), a router, and sends each token through
+    `experts_per_token` of them: every expert's weights are held, the active ones compute."""
 
     hidden: int
     layers: int
@@ -37,6 +43,9 @@ class ModelShape:
     attention_bias: bool = False
     mlp_bias: bool = False
     name: str = ""
+    experts: int = 0  # 0: a dense model
+    experts_per_token: int = 0
+    shared_ffn: int = 0
 
     def __post_init__(self):
         if self.head_dim is None:
@@ -51,12 +60,21 @@ class ModelShape:
             config = config["text_config"]
         try:
             heads = int(config["num_attention_heads"])
+            experts = int(config.get("num_local_experts") or config.get("num_experts") or config.get("n_routed_experts") or 0)
+            experts = experts if experts > 1 else 0
+            ffn = int(config.get("moe_intermediate_size") or config["intermediate_size"]) if experts else int(
+                config["intermediate_size"])
+            shared = int(config.get("shared_expert_intermediate_size") or 0) or (
+                int(config.get("n_shared_experts") or 0) * ffn)
             return cls(
                 hidden=int(config["hidden_size"]),
                 layers=int(config["num_hidden_layers"]),
                 heads=heads,
                 kv_heads=int(config.get("num_key_value_heads") or heads),
-                ffn=int(config["intermediate_size"]),
+                ffn=ffn,
+                experts=experts,
+                experts_per_token=int(config.get("num_experts_per_tok") or 0) if experts else 0,
+                shared_ffn=shared if experts else 0,
                 vocab=int(config["vocab_size"]),
                 tied_embeddings=bool(config.get("tie_word_embeddings", False)),
                 head_dim=config.get("head_dim") or None,
@@ -73,12 +91,39 @@ class ModelShape:
         return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
                 "gate_proj": (h, f), "up_proj": (h, f), "down_proj": (f, h)}
 
+    def copies(self) -> dict[str, int]:
+        """How many of each linear a block holds: one, or one per expert for gate/up/down."""
+        experts = max(1, self.experts)
+        return {name: experts if name in ("gate_proj", "up_proj", "down_proj") else 1 for name in LINEAR_NAMES}
+
+    def shared_shapes(self) -> dict[str, tuple[int, int]]:
+        """(in_features, out_features) of the shared expert's gate/up/down (none without one)."""
+        h, s = self.hidden, self.shared_ffn
+        return {"gate_proj": (h, s), "up_proj": (h, s), "down_proj": (s, h)} if s else {}
+
+    @property
+    def active_ffn(self) -> int:
+        """The SwiGLU width a token passes through: its experts' (and the shared one's), or the dense one."""
+        return self.ffn * self.experts_per_token + self.shared_ffn if self.experts else self.ffn
+
+    def fused_expert_parameters_per_layer(self) -> int:
+        """The experts' gate/up/down weights of one block (0 for a dense model). transformers holds them as
+        fused 3-D tensors, which bitsandbytes does not quantize: QLoRA keeps them in the float dtype."""
+        if not self.experts:
+            return 0
+        return sum(i * o * self.experts for name, (i, o) in self.linear_shapes().items()
+                   if name in ("gate_proj", "up_proj", "down_proj"))
+
     def linear_parameters_per_layer(self) -> dict[str, int]:
-        """in * out (+ out for a bias) for each linear of one block."""
+        """in * out (+ out for a bias) for each linear of one block, times its copies (experts), with
+        the shared expert's."""
         biased = {"q_proj": self.attention_bias, "k_proj": self.attention_bias, "v_proj": self.attention_bias,
                   "o_proj": self.attention_bias, "gate_proj": self.mlp_bias, "up_proj": self.mlp_bias,
                   "down_proj": self.mlp_bias}
-        return {name: i * o + (o if biased[name] else 0) for name, (i, o) in self.linear_shapes().items()}
+        copies, shared = self.copies(), self.shared_shapes()
+        return {name: (i * o + (o if biased[name] else 0)) * copies[name] + (
+                    shared[name][0] * shared[name][1] if name in shared else 0)
+                for name, (i, o) in self.linear_shapes().items()}
 
     def parameter_counts(self) -> dict:
         """The parameters split by kind:
@@ -95,8 +140,10 @@ class ModelShape:
             "linear_per_layer": per_layer,
             "linear": sum(per_layer.values()) * self.layers,
             "norms": (2 * self.layers + 1) * self.hidden,
+            "router": self.layers * self.hidden * self.experts,  # the experts' router (0 for a dense model)
         }
-        counts["total"] = counts["embedding"] + counts["lm_head"] + counts["linear"] + counts["norms"]
+        counts["total"] = (counts["embedding"] + counts["lm_head"] + counts["linear"] + counts["norms"]
+                           + counts["router"])
         return counts
 
     @property
@@ -155,7 +202,22 @@ def lora_parameters_per_layer(shape: ModelShape, rank: int, targets="all-linear"
     """LoRA parameters of one block: rank * (in + out) for each adapted linear (A is rank x in,
     B is out x rank)."""
     wanted = lora_target_names(targets)
-    return sum(rank * (i + o) for name, (i, o) in shape.linear_shapes().items() if name in wanted)
+    shared = shape.shared_shapes()
+    adapted = {name: rank * (i + o) + (rank * sum(shared[name]) if name in shared else 0)
+               for name, (i, o) in shape.linear_shapes().items() if name in wanted}
+    if shape.experts:
+        # peft adapts each expert of transformers' fused weights: gate and up are one (hidden -> 2 x ffn)
+        # weight whose adapter gets twice the rank, and all-linear adapts the router too
+        h, f, e = shape.hidden, shape.ffn, shape.experts
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            adapted[name] = adapted.get(name, 0) - (rank * (h + f) if name in wanted else 0)
+        if "gate_proj" in wanted and "up_proj" in wanted:
+            adapted["gate_proj"] += 2 * rank * (h + 2 * f) * e
+        if "down_proj" in wanted:
+            adapted["down_proj"] += rank * (f + h) * e
+        if targets is None or targets == "all-linear":
+            adapted["router"] = rank * (h + e)
+    return sum(adapted.values())
 
 
 def lora_parameters(shape: ModelShape, rank: int, targets="all-linear") -> int:
