@@ -6,8 +6,8 @@
 Each prompt is wrapped the way the run's training rows were (run.json's data_format): an
 instruction in the "### Instruction: ... ### Response:" template, a chat message through the
 saved tokenizer's chat template (so is a mixture of formats with chat in it: `instruction+messages`),
-a prompt/completion or text prompt as it is (--raw: always as it is). Greedy decoding, on a GPU when
-there is one.
+a prompt/completion or text prompt as it is (--raw: always as it is). Greedy decoding by default;
+--temperature T > 0 samples (with --top-p, and --seed for answers that repeat). On a GPU when there is one.
 """
 
 from __future__ import annotations
@@ -71,10 +71,13 @@ def prompt_ids(prompt: str, tokenizer, data_format: str, raw: bool) -> list[int]
 
 
 @torch.no_grad()
-def answer(model, tokenizer, ids: list[int], max_new_tokens: int, device: str) -> str:
+def answer(model, tokenizer, ids: list[int], max_new_tokens: int, device: str, temperature: float = 0.0,
+           top_p: float = 1.0) -> str:
+    """The model's continuation of `ids`: greedy at temperature 0, else sampled (nucleus `top_p`)."""
     prompt = torch.tensor([ids], device=device)
-    output = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
-                            max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id)
+    sampling = dict(do_sample=True, temperature=temperature, top_p=top_p) if temperature > 0 else dict(do_sample=False)
+    output = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=max_new_tokens,
+                            pad_token_id=tokenizer.pad_token_id, **sampling)
     return tokenizer.decode(output[0, len(ids):], skip_special_tokens=True)
 
 
@@ -88,9 +91,19 @@ def main(argv=None) -> int:
                         help="what to load (default: auto, the first of model/, merged/, adapter/ the run wrote)")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="(default: 64)")
     parser.add_argument("--raw", action="store_true", help="give the prompts to the model exactly as typed")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="0: greedy (default); above 0: sample at this temperature")
+    parser.add_argument("--top-p", type=float, default=1.0, help="sampling: keep the smallest set of tokens whose "
+                        "probabilities add up to P (default: 1.0, all)")
+    parser.add_argument("--seed", type=int, default=None, help="sampling: the same seed gives the same answers")
     args = parser.parse_args(argv)
-    if args.max_new_tokens < 1:
-        print(f"error: --max-new-tokens must be >= 1, got {args.max_new_tokens}", file=sys.stderr)
+    problem = ("--max-new-tokens must be >= 1" if args.max_new_tokens < 1 else
+               "--temperature must be >= 0 (0: greedy)" if args.temperature < 0 else
+               "--top-p must be in (0, 1]" if not 0 < args.top_p <= 1 else
+               "--top-p and --seed apply to sampling: add --temperature T > 0" if args.temperature == 0 and (
+                   args.top_p != 1.0 or args.seed is not None) else None)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
         return 2
     if not (args.output_dir / "run.json").is_file():
         print(f"error: {args.output_dir} holds no run.json; pass the --output-dir of a finished run", file=sys.stderr)
@@ -107,9 +120,12 @@ def main(argv=None) -> int:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model, tokenizer, run = load(args.output_dir, artifact, device)
     model.eval()
+    if args.seed is not None:
+        torch.manual_seed(args.seed)  # and CUDA's generators: the sampled answers repeat
     for prompt in prompts:
         ids = prompt_ids(prompt, tokenizer, run.get("data_format", "text"), args.raw)
-        print(f"{prompt!r} -> {answer(model, tokenizer, ids, args.max_new_tokens, device)!r}", flush=True)
+        reply = answer(model, tokenizer, ids, args.max_new_tokens, device, args.temperature, args.top_p)
+        print(f"{prompt!r} -> {reply!r}", flush=True)
     return 0
 
 

@@ -59,3 +59,27 @@ def test_a_folder_without_a_run_is_one_line(tmp_path):
         f"error: {tmp_path} holds no run.json; pass the --output-dir of a finished run"
     (tmp_path / "run.json").write_text("{}")
     assert generate.main([str(tmp_path), "--artifact", "merged", "--prompt", "x"]) == 2
+
+
+def test_sampling_repeats_with_its_seed_and_differs_from_greedy(trained, capsys):
+    """--temperature samples (the same --seed, the same answers); without it the answers are greedy."""
+    run = trained("lora", "ddp")
+    assert run.returncode == 0, run.output[-3000:]
+    base = [str(run.output_dir), "--artifact", "adapter", "--max-new-tokens", "24", "--prompt", "Sort: 3 1 2",
+            "--prompt", "Reverse: 1 2 3 4"]
+
+    def answers(*extra) -> list[str]:
+        assert generate.main(base + list(extra)) == 0
+        return [line for line in capsys.readouterr().out.splitlines() if " -> " in line]
+
+    sampled = answers("--temperature", "5", "--seed", "1")
+    assert answers("--temperature", "5", "--seed", "1") == sampled
+    assert answers() != sampled  # greedy: at temperature 5 the tiny model's draws wander
+
+
+@pytest.mark.parametrize("flags, problem", [(["--temperature", "-1"], "--temperature must be >= 0"),
+                                            (["--temperature", "1", "--top-p", "0"], "--top-p must be in (0, 1]"),
+                                            (["--seed", "3"], "--top-p and --seed apply to sampling")])
+def test_a_sampling_flag_out_of_range_is_one_line(flags, problem, tmp_path, capsys):
+    assert generate.main([str(tmp_path), "--prompt", "x", *flags]) == 2
+    assert capsys.readouterr().err.strip().startswith(f"error: {problem}")
