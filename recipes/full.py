@@ -13,7 +13,8 @@ evaluation), checkpoints/step-N/ (resumable) and model/ (AutoModelForCausalLM.fr
 
 Flags: --model --dataset --eval-dataset --columns --chat-template --packing --output-dir --epochs --max-steps --batch-size --global-batch-size
        --grad-accum --lr --warmup-ratio --weight-decay --max-grad-norm --max-length --seed --eval-every
-       --save-every --save-total-limit --resume --gradient-checkpointing --log-every --report-to --trust-remote-code
+       --save-every --save-total-limit --resume --gradient-checkpointing --log-every --report-to --save-dtype
+       --trust-remote-code
        --config (a YAML file of any of these flags)
 Speed: --compile --liger --attention --dataloader-workers
 """
@@ -161,7 +162,7 @@ def main():
     checkpoint.save_probe(accelerator, model, probe, args.output_dir)
     samples = report.sample_generations(accelerator, launch, model, tokenizer, eval_set, args.output_dir)
     model_dir = f"{args.output_dir}/model"
-    checkpoint.save_full_model(accelerator, model, tokenizer, model_dir)
+    checkpoint.save_full_model(accelerator, model, tokenizer, model_dir, args.save_dtype)
     report.write_model_card(accelerator, args, "full", "model", samples)
     log.close(f"done: {total_steps} steps; model saved to {model_dir}")
     accelerator.end_training()

@@ -14,7 +14,8 @@ evaluation), checkpoints/step-N/ (resumable), adapter/ (PeftModel.from_pretraine
 
 Flags: --model --dataset --eval-dataset --columns --chat-template --packing --output-dir --epochs --max-steps --batch-size --global-batch-size
        --grad-accum --lr --warmup-ratio --weight-decay --max-grad-norm --max-length --seed --eval-every
-       --save-every --save-total-limit --resume --gradient-checkpointing --log-every --report-to --trust-remote-code
+       --save-every --save-total-limit --resume --gradient-checkpointing --log-every --report-to --save-dtype
+       --trust-remote-code
        --config (a YAML file of any of these flags)
 Speed: --compile --liger --attention --dataloader-workers
 LoRA:  --lora-r --lora-alpha --lora-dropout --lora-targets --merge
@@ -175,7 +176,7 @@ def main():
     adapter_dir = f"{args.output_dir}/adapter"
     checkpoint.save_adapter(accelerator, model, tokenizer, adapter_dir)
     if args.merge:
-        checkpoint.merge_adapter(accelerator, args.model, adapter_dir, f"{args.output_dir}/merged")
+        checkpoint.merge_adapter(accelerator, args.model, adapter_dir, f"{args.output_dir}/merged", dtype=args.save_dtype)
     report.write_model_card(accelerator, args, "lora", "adapter", samples)
     log.close(f"done: {total_steps} steps; adapter saved to {adapter_dir}")
     accelerator.end_training()

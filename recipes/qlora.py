@@ -15,7 +15,8 @@ dequantized 4-bit base, i.e. onto the weights it was trained against.
 
 Flags: --model --dataset --eval-dataset --columns --chat-template --packing --output-dir --epochs --max-steps --batch-size --global-batch-size
        --grad-accum --lr --warmup-ratio --weight-decay --max-grad-norm --max-length --seed --eval-every
-       --save-every --save-total-limit --resume --gradient-checkpointing --log-every --report-to --trust-remote-code
+       --save-every --save-total-limit --resume --gradient-checkpointing --log-every --report-to --save-dtype
+       --trust-remote-code
        --config (a YAML file of any of these flags)
 Speed: --compile --liger --attention --dataloader-workers
 LoRA:  --lora-r --lora-alpha --lora-dropout --lora-targets --merge
@@ -184,7 +185,7 @@ def main():
     checkpoint.save_adapter(accelerator, model, tokenizer, adapter_dir)
     if args.merge:
         checkpoint.merge_adapter(accelerator, args.model, adapter_dir, f"{args.output_dir}/merged",
-                                 base_4bit=args.bits == 4)
+                                 base_4bit=args.bits == 4, dtype=args.save_dtype)
     report.write_model_card(accelerator, args, "qlora", "adapter", samples)
     log.close(f"done: {total_steps} steps; adapter saved to {adapter_dir}")
     accelerator.end_training()

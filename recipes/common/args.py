@@ -92,6 +92,9 @@ def recipe_parser(doc: str) -> argparse.ArgumentParser:
         help="print a line every N steps (default: every step when no progress bar is shown, else none)")
     add("--report-to", default="auto", choices=("auto", "none", "tensorboard", "wandb", "trackio"),
         help="accelerate tracker that receives the metrics too (auto: TensorBoard when installed)")
+    add("--save-dtype", default="auto", choices=("auto", "bf16", "fp16", "fp32"),
+        help="dtype of the exported model/ (full.py) and merged/ (--merge) (auto: full.py keeps the trained "
+             "weights' dtype, merged/ the base's)")
     add("--trust-remote-code", action="store_true",
         help="run the model repository's own Python code (off: only transformers' built-in models)")
     add("--config", default=None, metavar="RUN_YAML",
@@ -219,3 +222,6 @@ def typed_value(action, value, where: str):
 
 def lora_targets(value: str):
     return value if value == "all-linear" else [name.strip() for name in value.split(",") if name.strip()]
+
+
+SAVE_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}  # --save-dtype -> torch's name

@@ -229,8 +229,9 @@ def resume_from(accelerator, path: Path | None) -> int:
     return step
 
 
-def save_full_model(accelerator, model, tokenizer, path: Path) -> None:
-    """`model/`: loadable by `AutoModelForCausalLM.from_pretrained`, whatever the strategy.
+def save_full_model(accelerator, model, tokenizer, path: Path, dtype: str = "auto") -> None:
+    """`model/`: loadable by `AutoModelForCausalLM.from_pretrained`, whatever the strategy; its floating
+    weights in `dtype` (a --save-dtype name; auto: as trained).
 
     `get_state_dict` gathers FSDP shards and ZeRO-3 partitions on every rank (a collective),
     then only the main process writes. Tensor parallel's split weights are left to transformers by
@@ -244,9 +245,19 @@ def save_full_model(accelerator, model, tokenizer, path: Path) -> None:
     if split:  # the same keys in the same order on every rank: each full_tensor() is a collective
         state_dict = {key: tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
                       for key, tensor in state_dict.items()}
+    unwrapped = accelerator.unwrap_model(model)
+    saved_dtype = unwrapped.config.dtype
+    if dtype != "auto" and state_dict is not None:
+        from .args import SAVE_DTYPES
+
+        wanted = getattr(torch, SAVE_DTYPES[dtype])
+        state_dict = {key: tensor.to(wanted) if tensor.is_floating_point() else tensor
+                      for key, tensor in state_dict.items()}
+        unwrapped.config.dtype = wanted  # config.json says what the files hold (from_pretrained's dtype="auto")
     if accelerator.is_main_process or split:
-        accelerator.unwrap_model(model).save_pretrained(path, state_dict=state_dict, safe_serialization=True,
-                                                        is_main_process=accelerator.is_main_process)
+        unwrapped.save_pretrained(path, state_dict=state_dict, safe_serialization=True,
+                                  is_main_process=accelerator.is_main_process)
+    unwrapped.config.dtype = saved_dtype
     if accelerator.is_main_process:
         tokenizer.save_pretrained(path)
     accelerator.wait_for_everyone()
@@ -277,8 +288,9 @@ def check_adapter(path: Path) -> None:
         raise RuntimeError(f"{path}: every lora_B is zero; the adapter was never trained or was saved empty")
 
 
-def merge_adapter(accelerator, base_model: str, adapter, merged, base_4bit: bool = False) -> None:
-    """`merged/`: the adapter merged into the base weights, as a plain transformers model.
+def merge_adapter(accelerator, base_model: str, adapter, merged, base_4bit: bool = False, dtype: str = "auto") -> None:
+    """`merged/`: the adapter merged into the base weights, as a plain transformers model, in `dtype` (a
+    --save-dtype name; auto: the base's).
 
     Done by the main process in a fresh Python (merge.py): a process outside the training's
     process group loads the base without any FSDP or ZeRO-3 collective, so nothing can hang.
@@ -287,7 +299,7 @@ def merge_adapter(accelerator, base_model: str, adapter, merged, base_4bit: bool
         command = [sys.executable, str(Path(__file__).with_name("merge.py")),
                    "--base", str(base_model), "--adapter", str(adapter), "--output", str(merged)]
         clean_env = {k: v for k, v in os.environ.items() if not k.startswith(LAUNCH_ENV_PREFIXES)}
-        subprocess.run(command + (["--base-4bit"] if base_4bit else []), check=True, env=clean_env)
+        subprocess.run(command + (["--base-4bit"] if base_4bit else []) + ["--dtype", dtype], check=True, env=clean_env)
     accelerator.wait_for_everyone()
 
 

@@ -1,6 +1,6 @@
 """Merge a LoRA adapter into its base model and save a plain transformers model.
 
-    python recipes/common/merge.py --base BASE --adapter OUT/adapter --output OUT/merged [--base-4bit]
+    python recipes/common/merge.py --base BASE --adapter OUT/adapter --output OUT/merged [--base-4bit] [--dtype bf16]
 
 The recipes run this in a fresh process after training (a clean process needs no FSDP or
 ZeRO-3 collectives to load a model); it also works on its own, any time after a run. With
@@ -19,7 +19,7 @@ if __name__ == "__main__":  # run as a script: the recipes' notice filter first,
 import torch
 
 
-def merge(base: str, adapter: str, output: str, base_4bit: bool = False) -> None:
+def merge(base: str, adapter: str, output: str, base_4bit: bool = False, dtype: str = "auto") -> None:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -35,6 +35,10 @@ def merge(base: str, adapter: str, output: str, base_4bit: bool = False) -> None
     else:
         model = AutoModelForCausalLM.from_pretrained(base, dtype="auto")
     merged = PeftModel.from_pretrained(model, adapter).merge_and_unload()
+    if dtype != "auto":  # after the merge, which adds the adapter's update in the base's precision
+        from common.args import SAVE_DTYPES
+
+        merged = merged.to(getattr(torch, SAVE_DTYPES[dtype]))
     merged.save_pretrained(output, safe_serialization=True)
     AutoTokenizer.from_pretrained(adapter).save_pretrained(output)
 
@@ -45,8 +49,10 @@ def main() -> None:
     parser.add_argument("--adapter", required=True, help="folder written as adapter/ by a recipe")
     parser.add_argument("--output", required=True, help="where to write the merged model")
     parser.add_argument("--base-4bit", action="store_true", help="the adapter was trained on an NF4 base (QLoRA)")
+    parser.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp16", "fp32"),
+                        help="dtype of the merged weights (auto: the base's)")
     args = parser.parse_args()
-    merge(args.base, args.adapter, args.output, args.base_4bit)
+    merge(args.base, args.adapter, args.output, args.base_4bit, args.dtype)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 import subprocess
 import sys
@@ -183,21 +184,34 @@ ADAPTABLE_KINDS = (torch.nn.Linear, torch.nn.Embedding, torch.nn.Conv1d, torch.n
 
 
 def meta_model(name: str, trust_remote_code: bool = False):
-    """Model `name` built from its config on the meta device (no weights, no memory); None when its
-    config cannot be read here (a hub id that is not in the cache)."""
+    """Model `name` built from its config on the meta device (no weights, no memory), a new one each call
+    (the checks may change it); None when its config cannot be read here (a hub id not in the cache)."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    config = model_config_object(name, trust_remote_code)
+    if config is None:
+        return None
+    try:
+        with init_empty_weights():
+            return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError):
+        return None
+
+
+@functools.lru_cache(maxsize=4)
+def model_config_object(name: str, trust_remote_code: bool = False):
+    """transformers' config of model `name`, read once per process (for a hub id, reading it may ask the
+    hub); None when it cannot be read here."""
     import json
 
-    from accelerate import init_empty_weights
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     try:
         if Path(name).resolve() == DEFAULT_MODEL.resolve() and not (DEFAULT_MODEL / "config.json").exists():
             config = json.loads((REPO_ROOT / "data" / "tiny-llama-config.json").read_text())
-            config = AutoConfig.for_model(**config)  # the bundled model before its first build
-        else:
-            config = AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code)
-        with init_empty_weights():
-            return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+            return AutoConfig.for_model(**config)  # the bundled model before its first build
+        return AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code)
     except (OSError, ValueError):
         return None
 

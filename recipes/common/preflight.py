@@ -66,6 +66,9 @@ def check_launch(args, recipe: str):
     if args.max_steps == 0 and args.epochs == 0:
         refuse("nothing to train: give --max-steps N or --epochs N (> 0)")
     check_columns(args.columns)
+    if recipe != "full" and args.save_dtype != "auto" and not args.merge:
+        refuse(f"--save-dtype {args.save_dtype} sets the dtype of merged/ (and full.py's model/), which this run does "
+               "not write: add --merge, or drop --save-dtype (adapter/ keeps the adapter as trained)")
     check_speed_options(args, launch.on_gpu)
     if launch.kind == TENSOR_PARALLEL:
         check_tensor_parallel(args, recipe, launch)
