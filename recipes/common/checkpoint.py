@@ -245,19 +245,20 @@ def save_full_model(accelerator, model, tokenizer, path: Path, dtype: str = "aut
     if split:  # the same keys in the same order on every rank: each full_tensor() is a collective
         state_dict = {key: tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
                       for key, tensor in state_dict.items()}
-    unwrapped = accelerator.unwrap_model(model)
-    saved_dtype = unwrapped.config.dtype
-    if dtype != "auto" and state_dict is not None:
-        from .args import SAVE_DTYPES
+    from .args import SAVE_DTYPES
 
+    if dtype != "auto" and state_dict is not None:
         wanted = getattr(torch, SAVE_DTYPES[dtype])
         state_dict = {key: tensor.to(wanted) if tensor.is_floating_point() else tensor
                       for key, tensor in state_dict.items()}
-        unwrapped.config.dtype = wanted  # config.json says what the files hold (from_pretrained's dtype="auto")
     if accelerator.is_main_process or split:
-        unwrapped.save_pretrained(path, state_dict=state_dict, safe_serialization=True,
-                                  is_main_process=accelerator.is_main_process)
-    unwrapped.config.dtype = saved_dtype
+        accelerator.unwrap_model(model).save_pretrained(path, state_dict=state_dict, safe_serialization=True,
+                                                        is_main_process=accelerator.is_main_process)
+    if accelerator.is_main_process and dtype != "auto":
+        # config.json says what the files hold (from_pretrained's dtype="auto"); transformers wrote the
+        # dtype of the model in memory there
+        config_file = Path(path) / "config.json"
+        config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "dtype": SAVE_DTYPES[dtype]}, indent=2))
     if accelerator.is_main_process:
         tokenizer.save_pretrained(path)
     accelerator.wait_for_everyone()
