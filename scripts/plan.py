@@ -12,7 +12,7 @@ Examples:
         --batch-size 4 --seq-len 1024 --gradient-checkpointing
     python scripts/plan.py --model path/to/model_folder --method full --json
 
---model takes an offline alias (tinyllama-1.1b, codellama-34b, mixtral-8x7b, qwen3-30b-a3b, tiny-llama), a config .json, a
+--model takes an offline alias (a config shipped in data/model_configs/: llama-3.1-8b, qwen2.5-72b, mixtral-8x7b, ...), a config .json, a
 local model folder, or a hub id (read with transformers.AutoConfig: needs the network or the cache).
 """
 

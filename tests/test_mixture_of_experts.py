@@ -5,6 +5,7 @@ loss and logged, the same on one process and every strategy (tiny Mixtral- and Q
 
 from __future__ import annotations
 
+import os
 import sys
 
 import pytest
@@ -57,7 +58,7 @@ def test_peft_refusing_the_targets_is_one_line_before_loading(tmp_path):
         preflight.check_adapter(args)
 
 
-STRATEGIES = [("model_parallel", 1), ("ddp", 2), ("fsdp", 2), ("zero3", 2)]
+STRATEGIES = [("model_parallel", 1), ("ddp", 2), ("fsdp", 2)] + ([("zero3", 2)] if os.environ.get("RECIPES_LONG_TESTS") else [])
 
 
 @pytest.mark.parametrize("kind", ["mixtral", pytest.param("qwen3_moe", marks=long_test)])

@@ -81,10 +81,34 @@ def test_shape_from_a_config_object_and_a_model_folder(tmp_path):
 
 
 def test_an_unreadable_model_names_the_offline_aliases():
-    with pytest.raises(ValueError, match="tinyllama-1.1b, codellama-34b"):
+    with pytest.raises(ValueError, match="codellama-34b, .*tinyllama-1.1b"):
         planner.load_shape("no/such/model")  # not a valid hub id: transformers refuses it without the network
-    with pytest.raises(ValueError, match="tinyllama-1.1b, codellama-34b"):
+    with pytest.raises(ValueError, match="codellama-34b, .*tinyllama-1.1b"):
         planner.load_shape("./missing/config.json")
+
+
+# Published sizes, from each model's card (billions of parameters).
+PUBLISHED = {"tinyllama-1.1b": 1.1, "codellama-34b": 34.0, "llama-3.1-8b": 8.03, "llama-3.1-70b": 70.6,
+             "mistral-7b": 7.25, "qwen2.5-7b": 7.61, "qwen2.5-32b": 32.5, "qwen2.5-72b": 72.7, "gemma-2-9b": 9.24,
+             "gemma-2-27b": 27.2, "phi-3-mini": 3.82, "mixtral-8x7b": 46.7, "qwen3-30b-a3b": 30.5}
+
+
+@pytest.mark.parametrize("alias", sorted(PUBLISHED))
+def test_every_offline_alias_has_its_published_size(alias):
+    assert set(PUBLISHED) <= set(planner.shapes.ALIASES)
+    assert planner.load_shape(alias).parameters == pytest.approx(PUBLISHED[alias] * 1e9, rel=0.01)
+
+
+def test_a_hub_id_that_is_not_cached_and_cannot_be_reached_answers_at_once(monkeypatch, tmp_path):
+    import time
+
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # nothing listens there: the hub is unreachable
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))  # an empty cache
+    started = time.perf_counter()
+    with pytest.raises(ValueError, match="not an offline alias, a local path or in the hub cache, and the hub cannot be "
+                                         "reached from here; use an offline alias"):
+        planner.load_shape("some-org/some-model")
+    assert time.perf_counter() - started < 10  # no download retries
 
 
 @pytest.mark.parametrize("rank, targets", [(8, "all-linear"), (4, ["q_proj", "v_proj"]), (2, "down_proj,lm_head")])

@@ -315,12 +315,19 @@ def check_adapter(args) -> None:
             warnings.simplefilter("ignore")  # peft's notes on this throw-away build; the real one prints its own
             get_peft_model(model, config)
 
-    try:
-        build()
-    except ValueError as error:
-        if "lora_dropout" not in str(error):
-            refuse(f"peft cannot put LoRA on {args.model} with --lora-targets {args.lora_targets}: "
-                   f"{' '.join(str(error).split())}; change --lora-targets")
+    def peft_refusal() -> str | None:
+        """peft's own message when it refuses these flags on this model; None when it builds (or when it
+        cannot build on the meta device at all: the real build, after loading, decides then)."""
+        try:
+            build()
+        except ValueError as error:
+            return " ".join(str(error).split())
+        except Exception:  # noqa: BLE001  (not a verdict on the flags: e.g. remote code that needs real weights)
+            return None
+        return None
+
+    problem = peft_refusal()
+    if problem and "lora_dropout" in problem and args.lora_dropout:
         if "lora_dropout" in getattr(args, "given_flags", ()):
             refuse(f"--lora-dropout {args.lora_dropout}: peft's LoRA on {args.model}'s fused expert weights takes no "
                    "dropout; pass --lora-dropout 0, or --lora-targets naming attention layers only (e.g. "
@@ -329,7 +336,10 @@ def check_adapter(args) -> None:
         if int(os.environ.get("RANK", "0")) == 0:
             print("lora: --lora-dropout 0 (peft's LoRA on the fused expert weights of this mixture of experts "
                   "takes no dropout)", flush=True)
-        build()
+        problem = peft_refusal()
+    if problem:
+        refuse(f"peft cannot put LoRA on {args.model} with --lora-targets {args.lora_targets}: {problem}; "
+               "change --lora-targets")
 
 
 def check_quantization(args) -> None:

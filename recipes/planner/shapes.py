@@ -10,14 +10,9 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
-# Offline aliases: the shipped configs, so the planner works without the hub.
-ALIASES = {
-    "tinyllama-1.1b": REPO_ROOT / "data" / "model_configs" / "tinyllama-1.1b.json",
-    "codellama-34b": REPO_ROOT / "data" / "model_configs" / "codellama-34b.json",
-    "tiny-llama": REPO_ROOT / "data" / "tiny-llama-config.json",
-    "mixtral-8x7b": REPO_ROOT / "data" / "model_configs" / "mixtral-8x7b.json",
-    "qwen3-30b-a3b": REPO_ROOT / "data" / "model_configs" / "qwen3-30b-a3b.json",
-}
+# Offline aliases: the shipped configs (data/model_configs/<alias>.json), so the planner works without the hub.
+ALIASES = {path.stem: path for path in sorted((REPO_ROOT / "data" / "model_configs").glob("*.json"))}
+ALIASES["tiny-llama"] = REPO_ROOT / "data" / "tiny-llama-config.json"
 
 # The seven linears of a Llama block, as transformers names them (peft's LoRA targets).
 LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -153,9 +148,9 @@ class ModelShape:
 
 
 def load_shape(model: str) -> ModelShape:
-    """The shape of `model`: an offline alias (`tinyllama-1.1b`, `codellama-34b`, `tiny-llama`), a
-    config .json, a local model folder (its config.json), or a hub id (needs the network or the
-    hub cache: `transformers.AutoConfig.from_pretrained`)."""
+    """The shape of `model`: an offline alias (`ALIASES`: `llama-3.1-8b`, `mixtral-8x7b`, ...), a config
+    .json, a local model folder (its config.json), or a hub id (from the hub cache, else from the hub when
+    it can be reached: `transformers.AutoConfig.from_pretrained`)."""
     key = model.strip()
     path = ALIASES.get(key.lower(), Path(key).expanduser())
     if path.is_dir():
@@ -165,17 +160,45 @@ def load_shape(model: str) -> ModelShape:
     if key.endswith(".json") or key.startswith(("/", "./", "../", "~")):
         raise ValueError(f"no config at {key!r}; use an offline alias ({', '.join(ALIASES)}), a config .json, "
                          "a local model folder or a hub id")
-    try:
-        from transformers import AutoConfig
+    from transformers import AutoConfig
 
+    try:
+        cached = AutoConfig.from_pretrained(key, local_files_only=True)
+    except Exception:  # noqa: BLE001  (not in the hub cache: ask the hub, if it can be reached)
+        cached = None
+    if cached is not None:
+        return ModelShape.from_config(cached, name=key)
+    if not hub_reachable():
+        raise ValueError(f"{key!r} is not an offline alias, a local path or in the hub cache, and the hub cannot be "
+                         f"reached from here; use an offline alias ({', '.join(ALIASES)}), a config .json or a "
+                         "local model folder")
+    try:
         config = AutoConfig.from_pretrained(key)
-    except Exception as error:  # offline, unknown id, gated repo, ...
+    except Exception as error:  # unknown id, gated repo, ...
         raise ValueError(
             f"cannot read the config of {key!r} ({type(error).__name__}: {_first_line(error)}); without the "
             f"network use an "
             f"offline alias ({', '.join(ALIASES)}), a config .json or a local model folder"
         ) from None
     return ModelShape.from_config(config, name=key)
+
+
+def hub_reachable(timeout_s: float = 3.0) -> bool:
+    """Whether the hub (HF_ENDPOINT) answers a connection within `timeout_s`; False under HF_HUB_OFFLINE. Asked
+    before a config download, whose retries take ~30 s to give up where there is no network."""
+    import os
+    import socket
+    from urllib.parse import urlparse
+
+    if os.environ.get("HF_HUB_OFFLINE", "0").strip().lower() in ("1", "true", "yes", "on"):
+        return False
+    endpoint = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    try:
+        with socket.create_connection((endpoint.hostname, endpoint.port or (443 if endpoint.scheme == "https" else 80)),
+                                      timeout=timeout_s):
+            return True
+    except OSError:
+        return False
 
 
 def _first_line(error: Exception) -> str:
