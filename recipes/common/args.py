@@ -30,6 +30,9 @@ class OneLineErrors(argparse.ArgumentParser):
         refuse(f"{message}; see --help")
 
 
+SAVE_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}  # --save-dtype -> torch's name
+
+
 def recipe_parser(doc: str) -> argparse.ArgumentParser:
     summary, _, details = doc.partition("\n")
     parser = OneLineErrors(
@@ -92,7 +95,7 @@ def recipe_parser(doc: str) -> argparse.ArgumentParser:
         help="print a line every N steps (default: every step when no progress bar is shown, else none)")
     add("--report-to", default="auto", choices=("auto", "none", "tensorboard", "wandb", "trackio"),
         help="accelerate tracker that receives the metrics too (auto: TensorBoard when installed)")
-    add("--save-dtype", default="auto", choices=("auto", "bf16", "fp16", "fp32"),
+    add("--save-dtype", default="auto", choices=("auto", *SAVE_DTYPES),
         help="dtype of the exported model/ (full.py) and merged/ (--merge) (auto: full.py keeps the trained "
              "weights' dtype, merged/ the base's)")
     add("--trust-remote-code", action="store_true",
@@ -222,6 +225,3 @@ def typed_value(action, value, where: str):
 
 def lora_targets(value: str):
     return value if value == "all-linear" else [name.strip() for name in value.split(",") if name.strip()]
-
-
-SAVE_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}  # --save-dtype -> torch's name

@@ -44,12 +44,14 @@ def merge(base: str, adapter: str, output: str, base_4bit: bool = False, dtype: 
 
 
 def main() -> None:
+    from common.args import SAVE_DTYPES
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--base", required=True, help="the base model the adapter was trained on")
     parser.add_argument("--adapter", required=True, help="folder written as adapter/ by a recipe")
     parser.add_argument("--output", required=True, help="where to write the merged model")
     parser.add_argument("--base-4bit", action="store_true", help="the adapter was trained on an NF4 base (QLoRA)")
-    parser.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp16", "fp32"),
+    parser.add_argument("--dtype", default="auto", choices=("auto", *SAVE_DTYPES),
                         help="dtype of the merged weights (auto: the base's)")
     args = parser.parse_args()
     merge(args.base, args.adapter, args.output, args.base_4bit, args.dtype)

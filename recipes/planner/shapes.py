@@ -16,6 +16,8 @@ ALIASES["tiny-llama"] = REPO_ROOT / "data" / "tiny-llama-config.json"
 
 # The seven linears of a Llama block, as transformers names them (peft's LoRA targets).
 LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# A mixture of experts' SwiGLU linears: one per expert (and one more per shared expert).
+EXPERT_LINEARS = ("gate_proj", "up_proj", "down_proj")
 
 
 @dataclass
@@ -86,11 +88,6 @@ class ModelShape:
         return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
                 "gate_proj": (h, f), "up_proj": (h, f), "down_proj": (f, h)}
 
-    def copies(self) -> dict[str, int]:
-        """How many of each linear a block holds: one, or one per expert for gate/up/down."""
-        experts = max(1, self.experts)
-        return {name: experts if name in ("gate_proj", "up_proj", "down_proj") else 1 for name in LINEAR_NAMES}
-
     def shared_shapes(self) -> dict[str, tuple[int, int]]:
         """(in_features, out_features) of the shared expert's gate/up/down (none without one)."""
         h, s = self.hidden, self.shared_ffn
@@ -106,8 +103,7 @@ class ModelShape:
         fused 3-D tensors, which bitsandbytes does not quantize: QLoRA keeps them in the float dtype."""
         if not self.experts:
             return 0
-        return sum(i * o * self.experts for name, (i, o) in self.linear_shapes().items()
-                   if name in ("gate_proj", "up_proj", "down_proj"))
+        return sum(i * o * self.experts for name, (i, o) in self.linear_shapes().items() if name in EXPERT_LINEARS)
 
     def linear_parameters_per_layer(self) -> dict[str, int]:
         """in * out (+ out for a bias) for each linear of one block, times its copies (experts), with
@@ -115,7 +111,8 @@ class ModelShape:
         biased = {"q_proj": self.attention_bias, "k_proj": self.attention_bias, "v_proj": self.attention_bias,
                   "o_proj": self.attention_bias, "gate_proj": self.mlp_bias, "up_proj": self.mlp_bias,
                   "down_proj": self.mlp_bias}
-        copies, shared = self.copies(), self.shared_shapes()
+        shared = self.shared_shapes()
+        copies = {name: self.experts if self.experts and name in EXPERT_LINEARS else 1 for name in LINEAR_NAMES}
         return {name: (i * o + (o if biased[name] else 0)) * copies[name] + (
                     shared[name][0] * shared[name][1] if name in shared else 0)
                 for name, (i, o) in self.linear_shapes().items()}
@@ -223,24 +220,20 @@ def lora_target_names(targets) -> list[str]:
 
 def lora_parameters_per_layer(shape: ModelShape, rank: int, targets="all-linear") -> int:
     """LoRA parameters of one block: rank * (in + out) for each adapted linear (A is rank x in,
-    B is out x rank)."""
+    B is out x rank), a shared expert's included.
+
+    A mixture of experts: peft adapts each expert of transformers' fused weights, gate and up being one
+    (hidden -> 2 x ffn) weight whose adapter gets twice the rank; all-linear adapts the router too."""
     wanted = lora_target_names(targets)
-    shared = shape.shared_shapes()
-    adapted = {name: rank * (i + o) + (rank * sum(shared[name]) if name in shared else 0)
-               for name, (i, o) in shape.linear_shapes().items() if name in wanted}
-    if shape.experts:
-        # peft adapts each expert of transformers' fused weights: gate and up are one (hidden -> 2 x ffn)
-        # weight whose adapter gets twice the rank, and all-linear adapts the router too
-        h, f, e = shape.hidden, shape.ffn, shape.experts
-        for name in ("gate_proj", "up_proj", "down_proj"):
-            adapted[name] = adapted.get(name, 0) - (rank * (h + f) if name in wanted else 0)
-        if "gate_proj" in wanted and "up_proj" in wanted:
-            adapted["gate_proj"] += 2 * rank * (h + 2 * f) * e
-        if "down_proj" in wanted:
-            adapted["down_proj"] += rank * (f + h) * e
-        if targets is None or targets == "all-linear":
-            adapted["router"] = rank * (h + e)
-    return sum(adapted.values())
+    h, f, e = shape.hidden, shape.ffn, shape.experts
+    total = sum(rank * (i + o) for name, (i, o) in shape.linear_shapes().items()
+                if name in wanted and not (e and name in EXPERT_LINEARS))
+    total += sum(rank * (i + o) for name, (i, o) in shape.shared_shapes().items() if name in wanted)
+    if e:
+        total += 2 * rank * (h + 2 * f) * e if "gate_proj" in wanted and "up_proj" in wanted else 0
+        total += rank * (f + h) * e if "down_proj" in wanted else 0
+        total += rank * (h + e) if targets is None or targets == "all-linear" else 0
+    return total
 
 
 def lora_parameters(shape: ModelShape, rank: int, targets="all-linear") -> int:
