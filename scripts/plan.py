@@ -2,12 +2,15 @@
 """Will it fit, and which config? GPU memory per strategy for a model, a method and a workload.
 
 Prints one row per config in accelerate_configs/ (weights, gradients, optimizer state and
-activations on the busiest GPU, in GiB), then the config that needs the fewest GPUs and the
-fastest config that fits. Nothing is downloaded and no GPU is needed: the arithmetic
-(recipes/planner/) works from the model's config.json.
+activations on the busiest GPU, in GiB), then each config's estimated time per step and per epoch
+(FLOPs at an assumed share of the GPU's peak plus the bytes the strategy moves over the link),
+then the launch command of the fastest config that fits and the config that needs the fewest
+GPUs. Nothing is downloaded and no GPU is needed: the arithmetic (recipes/planner/) works from
+the model's config.json.
 
 Examples:
-    python scripts/plan.py --model tinyllama-1.1b --method lora --gpus 4 --gpu-memory 48 --batch-size 16
+    python scripts/plan.py --model tinyllama-1.1b --method lora --gpus 4 --gpu rtx6000-ada \\
+        --batch-size 16 --grad-accum 2 --seq-len 1024
     python scripts/plan.py --model codellama-34b --method qlora --gpus 1 --gpu-memory 48 \\
         --batch-size 4 --seq-len 1024 --gradient-checkpointing
     python scripts/plan.py --model path/to/model_folder --method full --json
@@ -38,8 +41,20 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="alias, config .json, model folder or hub id (default: tinyllama-1.1b)")
     add("--method", choices=planner.METHODS, default="lora", help="the recipe: full, lora or qlora (default: lora)")
     add("--gpus", type=int, default=4, help="GPUs available (default: 4, as the configs are set)")
-    add("--gpu-memory", type=float, default=80.0, help="memory of one GPU in GB, as sold (default: 80)")
+    add("--gpu", default=planner.DEFAULT_GPU, metavar="NAME",
+        help=f"the GPU model: {', '.join(planner.GPUS)} (default: {planner.DEFAULT_GPU}); sets the memory, "
+             "the peak and the usual link")
+    add("--gpu-memory", type=float, default=None, help="memory of one GPU in GB, as sold (default: the --gpu's)")
+    add("--interconnect", choices=planner.INTERCONNECTS, default=None,
+        help="the link between the GPUs (default: the --gpu's usual one; network: between machines)")
+    add("--bandwidth", type=float, default=None, metavar="GB_S",
+        help="collectives' bus bandwidth in GB/s, as nccl-tests prints busbw (default: assumed from the link)")
+    add("--mfu", type=float, default=planner.DEFAULT_MFU,
+        help=f"share of the GPU's dense peak the matmuls sustain (default: {planner.DEFAULT_MFU})")
     add("--batch-size", type=int, default=8, help="micro-batch per GPU, the recipes' --batch-size (default: 8)")
+    add("--grad-accum", type=int, default=1, help="micro-batches per optimizer step, the recipes' --grad-accum "
+                                                  "(default: 1)")
+    add("--rows", type=int, default=1024, help="sequences in an epoch, for the time per epoch (default: 1024)")
     add("--seq-len", type=int, default=512, help="tokens per sequence, the recipes' --max-length (default: 512)")
     add("--gradient-checkpointing", nargs="?", type=int, const=1, default=0, metavar="EVERY_N",
         help="the recipes' --gradient-checkpointing (bare: every layer, N: every Nth layer)")
@@ -51,17 +66,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     add("--attention", choices=planner.ATTENTIONS, default="sdpa", help="attention implementation (default: sdpa)")
     add("--json", action="store_true", help="print the plan as JSON instead of the table")
     args = parser.parse_args(argv)
-    for name in ("gpus", "batch_size", "seq_len", "lora_r"):
+    for name in ("gpus", "batch_size", "seq_len", "lora_r", "grad_accum", "rows"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
-    if args.gpu_memory <= 0:
-        parser.error("--gpu-memory must be > 0")
-    if args.gpu_memory.is_integer():
-        args.gpu_memory = int(args.gpu_memory)
     try:
         planner.lora_target_names(args.lora_targets)
+        args.machine = planner.Machine.of(args.gpu, args.interconnect, args.bandwidth, args.mfu)
     except ValueError as error:
         parser.error(str(error))
+    if args.gpu_memory is None:
+        args.gpu_memory = args.machine.gpu.memory_gb
+    if args.gpu_memory <= 0:
+        parser.error("--gpu-memory must be > 0")
+    if float(args.gpu_memory).is_integer():
+        args.gpu_memory = int(args.gpu_memory)
     return args
 
 
@@ -81,13 +99,25 @@ def describe(shape, args) -> list[str]:
     every = args.gradient_checkpointing
     checkpointing = ("no gradient checkpointing" if not every else "gradient checkpointing"
                      + (f" of one layer in {every}" if every > 1 else ""))
+    accum = f", {args.grad_accum} micro-batches per step" if args.grad_accum > 1 else ""
     return [
         f"model: {shape.name} ({count(shape.parameters)} parameters); method: {method}",
-        f"workload: micro-batch {args.batch_size} x {args.seq_len} tokens per GPU, {args.precision}, "
+        f"workload: micro-batch {args.batch_size} x {args.seq_len} tokens per GPU{accum}, {args.precision}, "
         f"{args.attention} attention, {checkpointing}",
-        f"GPUs: {args.gpus} x {args.gpu_memory:g} GiB; a plan may use {gib(planner.usable_bytes(args.gpu_memory))} GiB "
-        f"of each (10% stays free for the CUDA context and fragmentation)",
+        f"GPUs: {args.gpus} x {args.machine.gpu.name} with {args.gpu_memory:g} GiB; a plan may use "
+        f"{gib(planner.usable_bytes(args.gpu_memory))} GiB of each (10% stays free for the CUDA context and "
+        "fragmentation)",
     ]
+
+
+def aligned(header: list[str], rows: list[list[str]], left: set[int]) -> list[str]:
+    widths = [max(len(row[i]) for row in [header] + rows) for i in range(len(header))]
+
+    def line(cells):
+        padded = (cell.ljust(w) if i in left else cell.rjust(w) for i, (cell, w) in enumerate(zip(cells, widths)))
+        return "  ".join(padded).rstrip()
+
+    return [line(header)] + [line(row) for row in rows]
 
 
 def table(plan: dict, batches: dict) -> list[str]:
@@ -98,68 +128,105 @@ def table(plan: dict, batches: dict) -> list[str]:
         rows.append([entry["strategy"], entry["config"], gib(usage["weights"]), gib(usage["gradients"]),
                      gib(usage["optimizer"]), gib(usage["activations"]), gib(usage["total"]),
                      "yes" if entry["fits"] else "no", str(batches[entry["strategy"]] or "-")])
-    widths = [max(len(row[i]) for row in [header] + rows) for i in range(len(header))]
-    left = {0, 1, 7}
-
-    def line(cells):
-        padded = (cell.ljust(w) if i in left else cell.rjust(w) for i, (cell, w) in enumerate(zip(cells, widths)))
-        return "  ".join(padded).rstrip()
-
-    return ["GiB per GPU (the busiest one):", line(header)] + [line(row) for row in rows]
+    return ["GiB per GPU (the busiest one):"] + aligned(header, rows, {0, 1, 7})
 
 
-def launch_command(config: str, strategy: str, args, batch_size: int, grad_accum: int = 1) -> str:
-    processes = "" if strategy == "model_parallel" else f" --num_processes {args.gpus}"
+def seconds(value: float) -> str:
+    if value >= 3600:
+        return f"{value / 3600:.1f} h"
+    if value >= 120:
+        return f"{value / 60:.1f} min"
+    return f"{value:.2f} s" if value < 10 else f"{value:.1f} s"
+
+
+def runs_as(run: dict) -> str:
+    text = f"{run['micro_batch']} x {run['grad_accum']}"
+    if run["gradient_checkpointing"]:
+        every = run["gradient_checkpointing"]
+        text += ", checkpointing" + (f" 1 in {every}" if every > 1 else "")
+    return text
+
+
+def time_table(plan: dict, args) -> list[str]:
+    machine = plan["machine"]
+    header = ["strategy", "micro-batch x accum", "global batch", "compute", "communication", "other", "per step",
+              "per epoch", "note"]
+    running = sorted((e for e in plan["strategies"] if e["run"]), key=lambda e: planner.rank_key(e["run"]))
+    rows = []
+    for entry in running:
+        run, time = entry["run"], entry["run"]["time"]
+        note = []
+        if time["idle_share"]:
+            note.append(f"{1 - time['idle_share']:.0%} of GPU time busy")
+        if run["tight"]:
+            note.append(f"tight: {run['total_bytes'] / planner.usable_bytes(args.gpu_memory):.0%} of usable memory")
+        rows.append([entry["strategy"], runs_as(run), str(run["global_batch"]), seconds(time["compute"]),
+                     seconds(time["communication"]), seconds(time["other"]), seconds(time["step"]),
+                     seconds(run["seconds_per_epoch"]), "; ".join(note)])
+    rows += [[e["strategy"], "does not fit", "", "", "", "", "", "", ""] for e in plan["strategies"] if not e["run"]]
+    intro = (f"Time per optimizer step and per epoch of {machine['rows']:,} rows, fastest first (an estimate: "
+             f"{machine['mfu']:.0%} of {machine['gpu']}'s {machine['peak_tflops']:g} TFLOP/s {args.precision} peak; "
+             f"collectives at {machine['bandwidth_gb_s']:g} GB/s over {machine['link']}; "
+             "docs/choosing.md says how it is made):")
+    return [intro] + aligned(header, rows, {0, 1, 8})
+
+
+def launch_command(config: str, strategy: str, args, batch_size: int, grad_accum: int = 1,
+                   gradient_checkpointing: int = 0, gpus: int | None = None) -> str:
+    gpus = gpus or args.gpus
+    processes = "" if strategy == "model_parallel" else f" --num_processes {gpus}"
     if strategy in planner.TENSOR_PARALLEL:  # the mesh for this many GPUs (the files are written for 4)
-        tp = planner.tensor_parallel_size(strategy, args.gpus)
+        tp = planner.tensor_parallel_size(strategy, gpus)
         processes += f" --parallelism_config_tp_size {tp}"
-        processes += f" --parallelism_config_dp_shard_size {args.gpus // tp}" if strategy == "fsdp_tp" else ""
+        processes += f" --parallelism_config_dp_shard_size {gpus // tp}" if strategy == "fsdp_tp" else ""
     command = (f"accelerate launch --config_file {config}{processes} recipes/{args.method}.py "
                f"--batch-size {batch_size} --max-length {args.seq_len}")
     if grad_accum > 1:
         command += f" --grad-accum {grad_accum}"
-    if args.gradient_checkpointing:
-        every = args.gradient_checkpointing
-        command += " --gradient-checkpointing" + (f" {every}" if every > 1 else "")
+    if gradient_checkpointing:
+        command += " --gradient-checkpointing" + (f" {gradient_checkpointing}" if gradient_checkpointing > 1 else "")
     return command
 
 
-def sentences(shape, plan: dict, batches: dict, args) -> list[str]:
+def recommended_launch(rec: dict, args) -> str:
+    return launch_command(rec["config"], rec["strategy"], args, rec["micro_batch"], rec["grad_accum"],
+                          rec["gradient_checkpointing"], rec["gpus"])
+
+
+def what_changed(rec: dict, args) -> str:
+    """The flags the recommendation changes, said once."""
+    changes = []
+    if rec["micro_batch"] != args.batch_size:
+        changes.append(f"micro-batch {rec['micro_batch']} x {rec['grad_accum']} accumulation keeps the asked "
+                       f"{args.batch_size} x {args.grad_accum} per GPU")
+    if rec["gradient_checkpointing"] and not args.gradient_checkpointing:
+        changes.append("gradient checkpointing makes it fit (it recomputes the forward)")
+    if rec["tight"]:
+        changes.append("tight: above 90% of the usable memory, and nothing fits with more margin")
+    return "; ".join(changes)
+
+
+def sentences(shape, plan: dict, args) -> list[str]:
     rec = plan["recommendation"]
     fastest, fewest = rec["fastest"], rec["fewest_gpus"]
-    lines = []
     if fastest is None:
-        lines.append(rec["reason"][:1].upper() + rec["reason"][1:] + ".")
-    else:
-        lines.append(f"Fastest that fits on {args.gpus} GPUs: {fastest['strategy']} ({fastest['config']}), "
-                     f"micro-batch up to {fastest['max_micro_batch']}.")
+        return [rec["reason"][:1].upper() + rec["reason"][1:] + "."]
+    lines = [f"Launch: {recommended_launch(fastest, args)}"]
+    changed = what_changed(fastest, args)
+    lines.append(f"Fastest that fits on {args.gpus} GPUs: {fastest['strategy']} ({fastest['config']}), "
+                 f"an estimated {seconds(fastest['seconds_per_step'])} per step, "
+                 f"{seconds(fastest['seconds_per_epoch'])} per epoch" + (f"; {changed}" if changed else "") + ".")
     if fewest is not None:
         gpus = "1 GPU" if fewest["gpus"] == 1 else f"{fewest['gpus']} GPUs"
         lines.append(f"Fewest GPUs: {gpus} with {fewest['strategy']} ({fewest['config']}), "
-                     f"micro-batch up to {fewest['max_micro_batch']}.")
-    # A faster strategy that fits a smaller micro-batch beats a slower one at the asked size:
-    # gradient accumulation keeps the global batch.
-    faster = None
-    best = planner.SPEED_ORDER.index(fastest["strategy"]) if fastest else len(planner.SPEED_ORDER)
-    for strategy in planner.SPEED_ORDER[:best]:
-        if batches.get(strategy):  # (absent: a strategy the recipes do not run for this method)
-            micro = max(b for b in range(1, batches[strategy] + 1) if args.batch_size % b == 0)
-            faster = (strategy, micro, args.batch_size // micro)
-            lines.append(f"Faster with gradient accumulation: {strategy} ({planner.STRATEGIES[strategy]}) fits a "
-                         f"micro-batch up to {batches[strategy]}; --batch-size {micro} --grad-accum "
-                         f"{args.batch_size // micro} keeps the global batch.")
-            break
-    used = {r["strategy"] for r in (fastest, fewest) if r} | ({faster[0]} if faster else set())
-    for strategy in sorted(used & {"fsdp_offload", "zero3_offload"}):
+                     f"micro-batch up to {fewest['max_micro_batch']}, an estimated "
+                     f"{seconds(fewest['seconds_per_epoch'])} per epoch.")
+        if fewest["gpus"] < fastest["gpus"]:
+            lines.append(f"    or: {recommended_launch(fewest, args)}")
+    for strategy in sorted({fastest["strategy"], fewest["strategy"] if fewest else ""} & set(planner.OFFLOADED)):
         ram = planner.cpu_offload_bytes(shape, args.method, strategy, args.gpus, args.lora_r, args.lora_targets,
                                         args.precision)
         lines.append(f"{strategy} keeps about {gib(ram)} GiB of training state in CPU RAM.")
-    if fastest is not None:
-        batch = min(args.batch_size, fastest["max_micro_batch"])
-        lines.append(f"Launch: {launch_command(fastest['config'], fastest['strategy'], args, batch)}")
-    if faster is not None:
-        strategy, micro, accum = faster
-        lines.append(f"    or: {launch_command(planner.STRATEGIES[strategy], strategy, args, micro, accum)}")
     return lines
 
 
@@ -173,13 +240,15 @@ def main(argv=None) -> int:
     settings = dict(seq_len=args.seq_len, gradient_checkpointing=args.gradient_checkpointing, lora_rank=args.lora_r,
                     lora_targets=args.lora_targets, precision=args.precision, attention=args.attention,
                     lora_dropout=args.lora_dropout)
-    plan = planner.plan(shape, args.method, args.gpus, args.gpu_memory, batch_size=args.batch_size, **settings)
+    plan = planner.plan(shape, args.method, args.gpus, args.gpu_memory, batch_size=args.batch_size,
+                        grad_accum=args.grad_accum, machine=args.machine, rows=args.rows, **settings)
     if args.json:
         print(json.dumps(plan, indent=2))
         return 0
     batches = {s: planner.max_micro_batch(shape, args.method, s, args.gpus, args.gpu_memory, **settings)
                for s in planner.possible_strategies(args.method, args.gpus, shape, args.lora_targets)}
-    print("\n".join(describe(shape, args) + [""] + table(plan, batches) + [""] + sentences(shape, plan, batches, args)))
+    print("\n".join(describe(shape, args) + [""] + table(plan, batches) + [""] + time_table(plan, args) + [""]
+                    + sentences(shape, plan, args)))
     return 0
 
 

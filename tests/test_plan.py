@@ -367,8 +367,10 @@ def test_tinyllama_lora_recommends_ddp_on_one_gpu(tinyllama):
     plan = planner.plan(tinyllama, "lora", 4, 48, 16, 1024, gradient_checkpointing=True)
     rec = plan["recommendation"]
     assert rec["fastest"]["strategy"] == "ddp" and rec["fastest"]["config"] == "accelerate_configs/ddp.yaml"
-    assert rec["fewest_gpus"] == {"strategy": "ddp", "config": "accelerate_configs/ddp.yaml", "gpus": 1,
-                                  "max_micro_batch": rec["fastest"]["max_micro_batch"]}
+    fewest = rec["fewest_gpus"]
+    assert (fewest["strategy"], fewest["config"], fewest["gpus"]) == ("ddp", "accelerate_configs/ddp.yaml", 1)
+    assert fewest["max_micro_batch"] == rec["fastest"]["max_micro_batch"]
+    assert (fewest["micro_batch"], fewest["grad_accum"], fewest["gradient_checkpointing"]) == (16, 1, 1)
     assert rec["fastest"]["max_micro_batch"] >= 64
     # Without checkpointing the activations, not the weights, cap the micro-batch (16 x 1024 does
     # not fit 48 GB on any strategy that runs the whole model on each GPU; 8 does, on DDP).
@@ -396,8 +398,9 @@ def test_codellama_qlora_fits_one_48_gb_gpu_with_ddp(codellama):
 
 
 def test_nothing_fits_gives_a_reason(codellama):
-    rec = planner.plan(codellama, "full", 2, 24, 8, 4096)["recommendation"]
-    assert rec["fastest"] is None and rec["fewest_gpus"] is None and "--gradient-checkpointing" in rec["reason"]
+    rec = planner.plan(codellama, "full", 2, 24, 1, 32768)["recommendation"]
+    assert rec["fastest"] is None and rec["fewest_gpus"] is None
+    assert "no smaller micro-batch or gradient checkpointing fits" in rec["reason"] and "qlora" in rec["reason"]
 
 
 def test_every_strategy_names_an_existing_config():
@@ -465,18 +468,25 @@ def test_cli_json_has_the_documented_shape(tmp_path):
                     "--batch-size", "2", "--seq-len", "1024", "--gradient-checkpointing", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     plan = json.loads(done.stdout)
-    assert set(plan) == {"model", "method", "gpus", "gpu_memory_gb", "strategies", "recommendation"}
+    assert set(plan) == {"model", "method", "gpus", "gpu_memory_gb", "machine", "strategies", "recommendation"}
+    assert plan["machine"] == {"gpu": "H100 SXM", "link": "NVLink", "bandwidth_gb_s": 360, "peak_tflops": 989,
+                               "mfu": 0.4, "rows": 1024}
     assert (plan["model"], plan["method"], plan["gpus"], plan["gpu_memory_gb"]) == ("codellama-34b", "qlora", 2, 48)
     # every strategy the recipes run for QLoRA: not the tensor parallel ones, which cannot split 4-bit weights
     assert [e["strategy"] for e in plan["strategies"]] == [s for s in planner.SPEED_ORDER if "tp" not in s]
     for entry in plan["strategies"]:
-        assert set(entry) == {"strategy", "config", "per_gpu_bytes", "fits"}
+        assert set(entry) == {"strategy", "config", "per_gpu_bytes", "fits", "run"}
+        run = entry["run"]
+        assert run["micro_batch"] * run["grad_accum"] == 2 and run["gradient_checkpointing"] == 1
+        assert set(run["time"]) == {"compute", "communication", "other", "step", "idle_share", "global_batch",
+                                    "tokens_per_s"}
         assert set(entry["per_gpu_bytes"]) == {"weights", "gradients", "optimizer", "activations", "total"}
         usage = entry["per_gpu_bytes"]
         assert usage["total"] == usage["weights"] + usage["gradients"] + usage["optimizer"] + usage["activations"]
     rec = plan["recommendation"]
-    assert set(rec["fewest_gpus"]) == {"strategy", "config", "gpus", "max_micro_batch"}
-    assert set(rec["fastest"]) == {"strategy", "config", "max_micro_batch"}
+    keys = {"strategy", "config", "gpus", "max_micro_batch", "micro_batch", "grad_accum", "gradient_checkpointing",
+            "global_batch", "tight", "seconds_per_step", "seconds_per_epoch"}
+    assert set(rec["fewest_gpus"]) == keys and set(rec["fastest"]) == keys
     assert rec["fastest"]["config"].startswith("accelerate_configs/")
 
 

@@ -17,8 +17,8 @@ numbers add what is only transient: gathered layers in flight, DDP's bucket copy
 reduce bucket, ZeRO-1's unpartitioned gradients of the backward, and the NF4 constants (which
 are not parameters).
 
-`plan()` evaluates every strategy of `accelerate_configs/` and recommends two of them:
-the one that needs the fewest GPUs and the fastest one that fits on all of them.
+`plan()` evaluates every strategy of `accelerate_configs/`, estimates its time, and recommends two
+of them: the fastest one that fits on all the GPUs and the one that needs the fewest GPUs.
 
 One module per job (every public name of each is importable from `planner` itself):
 
@@ -31,15 +31,35 @@ One module per job (every public name of each is importable from `planner` itsel
   the sharding divisors, and the CPU RAM of the offload configs;
 - `peak`: weights, gradients and optimizer state on the busiest GPU: resident + transient;
 - `activations`: the activation bytes per token of a block and per micro-batch;
-- `choose`: the busiest GPU's total, what fits, the largest micro-batch, and `plan()`.
+- `hardware`: the GPUs by name (`GPUS`: memory, peak, memory bandwidth, usual link) and the bus
+  bandwidth a collective reaches over each link;
+- `timing`: the estimated seconds of a step per strategy (`step_time`) on a `Machine`: the step's
+  FLOPs at an assumed share of the peak, the bytes each strategy moves, what it overlaps, and model
+  parallel's idle GPUs;
+- `choose`: the busiest GPU's total, what fits, the largest micro-batch, each strategy's fastest run
+  of the asked global batch (`best_run`), and `plan()`.
 
 Sizes are bytes; the tables print GiB (2**30), and `gpu_memory_gb` is the size a GPU is sold
 as ("a 48 GB L40S", "an 80 GB H100"), which is GiB in practice.
 """
 
 from .activations import activation_bytes, layer_activation_bytes_per_token
-from .choose import HEADROOM, MAX_MICRO_BATCH, GiB, fits, max_micro_batch, per_gpu_bytes, plan, usable_bytes
+from .choose import (
+    HEADROOM,
+    MARGIN,
+    MAX_MICRO_BATCH,
+    GiB,
+    best_run,
+    fastest_of,
+    fits,
+    max_micro_batch,
+    per_gpu_bytes,
+    plan,
+    rank_key,
+    usable_bytes,
+)
 from .dtypes import NF4_BITS_PER_WEIGHT, compute_dtypes, quantized_bytes_per_weight, state_bytes_per_parameter
+from .hardware import DEFAULT_GPU, DEFAULT_MFU, GPUS, INTERCONNECTS, Gpu, collective_bandwidth
 from .peak import (
     DEEPSPEED_REDUCE_BUCKET,
     LAYERS_IN_FLIGHT,
@@ -82,8 +102,11 @@ from .strategies import (
     possible_strategies,
     tensor_parallel_size,
 )
+from .timing import Machine, data_parallel_size, epoch_time, flops_per_token, step_time
 
 __all__ = [
+    "DEFAULT_GPU", "DEFAULT_MFU", "GPUS", "INTERCONNECTS", "MARGIN", "Gpu", "Machine", "best_run", "fastest_of",
+    "collective_bandwidth", "data_parallel_size", "epoch_time", "flops_per_token", "rank_key", "step_time",
     "ALIASES", "ATTENTIONS", "DEEPSPEED", "DEEPSPEED_REDUCE_BUCKET", "FSDP", "HEADROOM", "LAYERS_IN_FLIGHT",
     "LINEAR_NAMES", "MAX_MICRO_BATCH", "METHODS", "NF4_BITS_PER_WEIGHT", "OFFLOADED", "REPO_ROOT", "SPEED_ORDER",
     "STRATEGIES", "TENSOR_PARALLEL", "WHERE", "GiB", "ModelShape", "Stage", "activation_bytes", "compute_dtypes",

@@ -12,13 +12,19 @@ from .activations import activation_bytes
 from .peak import gradient_bytes, optimizer_bytes, weight_bytes
 from .resident import Stage, model_parallel_stages
 from .shapes import ModelShape
-from .strategies import STRATEGIES, _check, impossible, possible_strategies
+from .strategies import SPEED_ORDER, STRATEGIES, _check, impossible, possible_strategies
+from .timing import Machine, epoch_time, step_time
 
 # Keep 10% of every GPU free: the CUDA context (~0.5-1 GiB), NCCL buffers, the caching
 # allocator's fragmentation and the short-lived temporaries this model does not itemise.
 HEADROOM = 0.9
 GiB = 2**30
 MAX_MICRO_BATCH = 256
+# A run above 90% of the usable memory is tight (a longer row, a fragmented cache): not recommended
+# while another fits with margin.
+MARGIN = 0.9
+# Estimates closer than 3% are a tie: an estimate does not split such hairs.
+TIE = 0.03
 
 
 def per_gpu_bytes(shape: ModelShape, method: str, strategy: str, gpus: int, batch_size: int = 8,
@@ -83,48 +89,100 @@ def max_micro_batch(shape: ModelShape, method: str, strategy: str, gpus: int, gp
     return low
 
 
+def _divisors_descending(n: int) -> list[int]:
+    return [d for d in range(n, 0, -1) if n % d == 0]
+
+
+def best_run(shape: ModelShape, method: str, strategy: str, gpus: int, gpu_memory_gb: float, machine: Machine,
+             batch_size: int = 8, grad_accum: int = 1, seq_len: int = 512, gradient_checkpointing: int = 0,
+             **settings) -> dict | None:
+    """The fastest way `strategy` runs the asked step on `gpus` GPUs, or None when nothing fits.
+
+    The global batch stays as asked (batch_size x grad_accum per process): a micro-batch that does not fit
+    becomes a smaller divisor of it with more accumulation, and when the launch asks for no gradient
+    checkpointing, checkpointing every layer is tried as well (it costs a forward, and can buy a
+    micro-batch large enough to hide a sharded strategy's gathers). A run above `MARGIN` of the usable
+    memory is `tight`: any run with margin ranks before it (`rank_key`)."""
+    runs = []
+    gradient_checkpointing = int(gradient_checkpointing)
+    for every in ([gradient_checkpointing] if gradient_checkpointing else [0, 1]):
+        for micro in _divisors_descending(batch_size):
+            total = per_gpu_bytes(shape, method, strategy, gpus, micro, seq_len, every, **settings)["total"]
+            if not fits(total, gpu_memory_gb):
+                continue
+            accum = grad_accum * batch_size // micro
+            time = step_time(shape, method, strategy, gpus, machine, micro, accum, seq_len, every,
+                             settings.get("lora_rank", 16), settings.get("lora_targets", "all-linear"),
+                             settings.get("precision", "bf16"))
+            runs.append({"micro_batch": micro, "grad_accum": accum, "gradient_checkpointing": every,
+                         "global_batch": time["global_batch"], "total_bytes": total,
+                         "tight": total > MARGIN * usable_bytes(gpu_memory_gb), "time": time})
+    return min(runs, key=rank_key) if runs else None
+
+
+def rank_key(run: dict) -> tuple:
+    """Runs with memory margin first, then the most tokens per second."""
+    return run["tight"], -run["time"]["tokens_per_s"]
+
+
+def fastest_of(runs: list[tuple[str, dict]]) -> tuple[str, dict]:
+    """The (strategy, run) to recommend: the first by `rank_key`, except that estimates within `TIE` of
+    it are a tie, which goes to the simpler config (the earlier in `SPEED_ORDER`)."""
+    best = min(runs, key=lambda pair: rank_key(pair[1]))[1]
+    close = [(strategy, run) for strategy, run in runs if run["tight"] == best["tight"]
+             and run["time"]["tokens_per_s"] >= (1 - TIE) * best["time"]["tokens_per_s"]]
+    return min(close, key=lambda pair: SPEED_ORDER.index(pair[0]))
+
+
 def plan(shape: ModelShape, method: str, gpus: int, gpu_memory_gb: float, batch_size: int = 8,
          seq_len: int = 512, gradient_checkpointing: int = 0, lora_rank: int = 16,
          lora_targets="all-linear", precision: str = "bf16", attention: str = "sdpa",
-         lora_dropout: float = 0.05) -> dict:
-    """Every strategy on `gpus` GPUs of `gpu_memory_gb`, and the two recommendations.
+         lora_dropout: float = 0.05, grad_accum: int = 1, machine: Machine | None = None, rows: int = 1024) -> dict:
+    """Every strategy on `gpus` GPUs of `gpu_memory_gb`, its time on `machine` (default: H100s over
+    NVLink), and the two recommendations.
 
-    - fewest_gpus: the smallest n in 1..gpus on which some strategy fits at this micro-batch;
-      among those that fit on n, the fastest (`SPEED_ORDER`: DDP first, then sharding); only the
-      strategies the recipes run for this method (`possible_strategies`: no QLoRA under tensor parallel).
-    - fastest: the first strategy in `SPEED_ORDER` that fits on all `gpus` GPUs.
-    Each names its config file and the largest micro-batch that fits. When nothing fits, both are
-    None and `recommendation["reason"]` says what came closest and what to change.
+    Each strategy's entry has its memory at the asked micro-batch (`per_gpu_bytes`, `fits`) and `run`:
+    the fastest way it runs the asked global batch (`best_run`), with its estimated seconds per step and
+    per epoch of `rows` sequences (None when nothing fits).
+    - fastest: the run with the most tokens per second on all `gpus` GPUs, one with memory margin
+      before any tight one;
+    - fewest_gpus: the smallest n in 1..gpus on which some strategy runs, and its fastest run there.
+    Only the strategies the recipes run for this method (`possible_strategies`). When nothing fits,
+    both are None and `recommendation["reason"]` says what came closest and what to change.
     """
-    settings = dict(batch_size=batch_size, seq_len=seq_len, gradient_checkpointing=gradient_checkpointing,
-                    lora_rank=lora_rank, lora_targets=lora_targets, precision=precision, attention=attention,
-                    lora_dropout=lora_dropout)
-    batch_free = {k: v for k, v in settings.items() if k != "batch_size"}
+    machine = machine or Machine.of()
+    gradient_checkpointing = int(gradient_checkpointing)
+    memory = dict(lora_rank=lora_rank, lora_targets=lora_targets, precision=precision, attention=attention,
+                  lora_dropout=lora_dropout)
+    settings = dict(batch_size=batch_size, seq_len=seq_len, gradient_checkpointing=gradient_checkpointing, **memory)
+    asked = dict(settings, grad_accum=grad_accum)
 
-    def evaluate(strategy: str, n: int) -> dict:
-        return per_gpu_bytes(shape, method, strategy, n, **settings)
+    def recommend(strategy: str, run: dict, n: int) -> dict:
+        batch = max_micro_batch(shape, method, strategy, n, gpu_memory_gb, seq_len, run["gradient_checkpointing"],
+                                **memory)
+        return {"strategy": strategy, "config": STRATEGIES[strategy], "gpus": n, "max_micro_batch": batch,
+                **{k: run[k] for k in ("micro_batch", "grad_accum", "gradient_checkpointing", "global_batch", "tight")},
+                "seconds_per_step": run["time"]["step"], "seconds_per_epoch": epoch_time(run["time"], rows)}
 
     strategies = []
     for strategy in possible_strategies(method, gpus, shape, lora_targets):
-        usage = evaluate(strategy, gpus)
+        usage = per_gpu_bytes(shape, method, strategy, gpus, **settings)
+        run = best_run(shape, method, strategy, gpus, gpu_memory_gb, machine, **asked)
+        if run:
+            run = dict(run, seconds_per_epoch=epoch_time(run["time"], rows))
         strategies.append({"strategy": strategy, "config": STRATEGIES[strategy], "per_gpu_bytes": usage,
-                           "fits": fits(usage["total"], gpu_memory_gb)})
+                           "fits": fits(usage["total"], gpu_memory_gb), "run": run})
 
-    fastest = None
-    for entry in strategies:
-        if entry["fits"]:
-            batch = max_micro_batch(shape, method, entry["strategy"], gpus, gpu_memory_gb, **batch_free)
-            fastest = {"strategy": entry["strategy"], "config": entry["config"], "max_micro_batch": batch}
-            break
+    running = [(entry["strategy"], entry["run"]) for entry in strategies if entry["run"]]
+    fastest = recommend(*fastest_of(running), gpus) if running else None
 
     fewest = None
     for n in range(1, gpus + 1):
-        for strategy in possible_strategies(method, n, shape, lora_targets):
-            if fits(evaluate(strategy, n)["total"], gpu_memory_gb):
-                batch = max_micro_batch(shape, method, strategy, n, gpu_memory_gb, **batch_free)
-                fewest = {"strategy": strategy, "config": STRATEGIES[strategy], "gpus": n, "max_micro_batch": batch}
-                break
-        if fewest:
+        runs = [(s, best_run(shape, method, s, n, gpu_memory_gb, machine, **asked))
+                for s in possible_strategies(method, n, shape, lora_targets)]
+        runs = [(s, run) for s, run in runs if run]
+        if runs:
+            fewest = recommend(*fastest_of(runs), n)
             break
 
     recommendation = {"fewest_gpus": fewest, "fastest": fastest}
@@ -133,11 +191,13 @@ def plan(shape: ModelShape, method: str, gpus: int, gpu_memory_gb: float, batch_
         recommendation["reason"] = (
             f"nothing fits {gpus} x {gpu_memory_gb:g} GiB at micro-batch {batch_size} x {seq_len} tokens: the "
             f"smallest need is {smallest['per_gpu_bytes']['total'] / GiB:.1f} GiB per GPU ({smallest['strategy']}) "
-            f"for {usable_bytes(gpu_memory_gb) / GiB:.1f} GiB usable; try "
-            + ("" if gradient_checkpointing else "--gradient-checkpointing, ")
-            + "a smaller micro-batch or sequence length, "
+            f"for {usable_bytes(gpu_memory_gb) / GiB:.1f} GiB usable, and no smaller micro-batch"
+            + ("" if gradient_checkpointing else " or gradient checkpointing") + " fits either; try "
+            + "a shorter sequence length, "
             + ("qlora, " if method != "qlora" else "")
             + "or more GPUs"
         )
     return {"model": shape.name, "method": method, "gpus": gpus, "gpu_memory_gb": gpu_memory_gb,
+            "machine": {"gpu": machine.gpu.name, "link": machine.link, "bandwidth_gb_s": machine.bandwidth_gb_s,
+                        "peak_tflops": machine.peak_flops(precision) / 1e12, "mfu": machine.mfu, "rows": rows},
             "strategies": strategies, "recommendation": recommendation}

@@ -1,0 +1,87 @@
+"""The GPUs and links the time estimate knows: each GPU's memory, dense matmul peak, memory bandwidth
+and usual interconnect (`GPUS`), and the bandwidth a collective reaches over each kind of link
+(`collective_bandwidth`).
+
+Every figure is a datasheet value or an assumption said as such; `scripts/plan.py` prints the ones a
+plan used, and `--bandwidth` / `--mfu` replace the assumptions with what you measured (nccl-tests'
+`busbw`, your own tokens per second).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+INTERCONNECTS = ("nvlink", "pcie", "network")
+
+
+@dataclass(frozen=True)
+class Gpu:
+    """One GPU model. Peaks are dense (no sparsity) tensor-core figures with fp32 accumulation, which
+    is what PyTorch's bf16 matmuls use; `fp32_tflops` without TF32 (PyTorch's default for matmuls)."""
+
+    name: str
+    memory_gb: float
+    bf16_tflops: float
+    fp32_tflops: float
+    memory_gb_s: float  # HBM / GDDR bandwidth: the optimizer step and QLoRA's dequantisation are bound by it
+    interconnect: str  # how several of them usually talk within a machine
+    nvlink_gb_s: float = 0.0  # NCCL bus bandwidth over NVLink (~80% of the link's rate per direction)
+    peer_to_peer: bool = True  # PCIe peer-to-peer; without it NCCL stages every transfer in host memory
+    pcie_gen: int = 4
+
+
+GPUS = {
+    "h100": Gpu("H100 SXM", 80, 989, 67, 3350, "nvlink", nvlink_gb_s=360, pcie_gen=5),
+    "h200": Gpu("H200 SXM", 141, 989, 67, 4800, "nvlink", nvlink_gb_s=360, pcie_gen=5),
+    "a100": Gpu("A100 SXM 80GB", 80, 312, 19.5, 2039, "nvlink", nvlink_gb_s=240),
+    "a6000": Gpu("RTX A6000", 48, 154.8, 38.7, 768, "pcie"),
+    # The Ada workstation and GeForce cards run NCCL without PCIe peer-to-peer (through host memory).
+    "rtx6000-ada": Gpu("RTX 6000 Ada", 48, 364.2, 91.1, 960, "pcie", peer_to_peer=False),
+    "l40s": Gpu("L40S", 48, 362, 91.6, 864, "pcie"),
+    "4090": Gpu("RTX 4090", 24, 165.2, 82.6, 1008, "pcie", peer_to_peer=False),
+}
+DEFAULT_GPU = "h100"
+
+# Assumed bus bandwidths (GB/s) of NCCL's collectives, the figure nccl-tests prints as busbw.
+PCIE_PEER_TO_PEER = {4: 20.0, 5: 40.0}  # ~80% of a x16 link's rate per direction
+PCIE_THROUGH_HOST = 8.0  # staged in host memory: each transfer crosses PCIe twice and is copied by the CPU
+NETWORK = 10.0  # between machines: 100 Gb/s Ethernet or InfiniBand at ~80%
+HOST_LINK = {4: 20.0, 5: 40.0}  # one GPU's own copies to and from CPU RAM (the offload configs)
+# The CPU's AdamW step of the offload configs: parameters per second on one rank's cores.
+CPU_OPTIMIZER_PARAMS_PER_S = 0.5e9
+# Share of the dense peak a training step's matmuls sustain, by default: tuned runs reach 40-58%
+# (torchtitan, FSDP2 on A100/H100); the reference runs of docs/choosing.md ran at 6-14%.
+DEFAULT_MFU = 0.4
+
+
+def gpu(name: str) -> Gpu:
+    """A GPU of `GPUS` by its key (case and separators ignored: `RTX6000_Ada` is `rtx6000-ada`)."""
+    key = name.lower().replace("_", "-").replace(" ", "-")
+    if key not in GPUS:
+        raise ValueError(f"unknown GPU {name!r}: one of {', '.join(GPUS)} (or give --gpu-memory, --tflops and "
+                         "--bandwidth)")
+    return GPUS[key]
+
+
+def collective_bandwidth(card: Gpu, interconnect: str | None = None) -> float:
+    """Bus bandwidth in GB/s a collective reaches between these GPUs over `interconnect` (None: the
+    card's usual one): the card's NVLink figure, PCIe peer-to-peer by generation or through host
+    memory where the card has no peer-to-peer, or the network between machines."""
+    interconnect = interconnect or card.interconnect
+    if interconnect not in INTERCONNECTS:
+        raise ValueError(f"interconnect must be one of {INTERCONNECTS}, not {interconnect!r}")
+    if interconnect == "nvlink":
+        if not card.nvlink_gb_s:
+            raise ValueError(f"{card.name} has no NVLink between all its GPUs: use --interconnect pcie")
+        return card.nvlink_gb_s
+    if interconnect == "network":
+        return NETWORK
+    return PCIE_PEER_TO_PEER.get(card.pcie_gen, 20.0) if card.peer_to_peer else PCIE_THROUGH_HOST
+
+
+def describe_link(card: Gpu, interconnect: str | None = None) -> str:
+    """The link in words, as the plan prints it."""
+    interconnect = interconnect or card.interconnect
+    if interconnect == "pcie":
+        return f"PCIe {card.pcie_gen}" + ("" if card.peer_to_peer else " through host memory (no peer-to-peer)")
+    return {"nvlink": "NVLink", "network": "a network between machines"}[interconnect]

@@ -1,0 +1,256 @@
+"""How long a step takes: an estimate per strategy from the step's FLOPs and the bytes each strategy
+moves (`step_time`), for a `Machine` (the GPU, its link and the two assumptions: the share of the
+peak the matmuls sustain and the collectives' bandwidth).
+
+The model, per micro-batch on each GPU:
+
+- compute = FLOPs / (peak x mfu). FLOPs per token (`flops_per_token`): forward 2 per active matmul
+  weight (the block linears a token passes through, the lm_head) + attention 4 x layers x seq x heads
+  x head_dim; backward twice the forward for full fine-tuning, once the matmuls (input gradients
+  only: a frozen weight gets none) and twice the attention for LoRA / QLoRA, + 6 per adapter
+  parameter; gradient checkpointing adds the forward of the recomputed blocks. Tensor parallel
+  divides it by its size T.
+- communication: the bytes a ring collective moves per GPU (all-reduce 2(n-1)/n x size, all-gather
+  and reduce-scatter (n-1)/n) over the link's bus bandwidth. Where the strategy overlaps it with
+  compute (FSDP's and ZeRO-3's prefetched gathers, DDP's and ZeRO's gradient reduction during the
+  backward) only what exceeds the compute it hides behind counts; tensor parallel's activation
+  all-reduces, model parallel's copies between GPUs, ZeRO's gather of the updated weights and the
+  offload copies are on the critical path.
+- other: the optimizer step (bound by memory bandwidth; on the CPU for offload) and QLoRA's
+  dequantisation of each 4-bit weight per forward, backward and recomputation.
+- idle: model parallel runs the whole micro-batch through one GPU after the other, so its step is
+  the whole model's compute on one GPU while the other n-1 wait.
+
+Per step: grad_accum micro-batches + the per-step collectives + the optimizer step; per epoch:
+ceil(rows / global batch) steps.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .dtypes import state_bytes_per_parameter
+from .hardware import (
+    CPU_OPTIMIZER_PARAMS_PER_S,
+    DEFAULT_GPU,
+    DEFAULT_MFU,
+    HOST_LINK,
+    Gpu,
+    collective_bandwidth,
+    describe_link,
+    gpu,
+)
+from .peak import _unsharded_bytes
+from .resident import OFFLOADED, Stage, _stage_parameters, hybrid_shard_size, resident_bytes
+from .shapes import EXPERT_LINEARS, ModelShape, lora_parameters, lora_parameters_per_layer
+from .strategies import DEEPSPEED, _check, tensor_parallel_size
+
+# Bytes AdamW reads and writes per trained parameter in a step: fp32 weight and m, v read and
+# written (2 x 12), the fp32 gradient read (4).
+OPTIMIZER_BYTES_TOUCHED = 28
+# QLoRA dequantises each 4-bit weight before its matmul: reads the packed 0.5 B, writes 2 B of bf16.
+DEQUANTISE_BYTES = 2.5
+
+
+@dataclass(frozen=True)
+class Machine:
+    """The GPUs a plan is timed on: the card, the collectives' bus bandwidth (GB/s) and the share of
+    the dense peak the matmuls sustain (`mfu`). `fast_bandwidth_gb_s` is the link within a machine
+    (what fsdp_hybrid's shard groups use when `bandwidth_gb_s` is a network's)."""
+
+    gpu: Gpu
+    bandwidth_gb_s: float
+    mfu: float = DEFAULT_MFU
+    link: str = ""
+    fast_bandwidth_gb_s: float | None = None
+
+    @classmethod
+    def of(cls, name: str = DEFAULT_GPU, interconnect: str | None = None, bandwidth_gb_s: float | None = None,
+           mfu: float = DEFAULT_MFU) -> "Machine":
+        """The machine of GPU `name` (a key of `GPUS`) over `interconnect` (None: the card's usual link);
+        `bandwidth_gb_s` replaces the assumed bus bandwidth (a measured nccl-tests busbw)."""
+        card = gpu(name)
+        if not 0 < mfu <= 1:
+            raise ValueError(f"mfu must be in (0, 1], not {mfu}")
+        bandwidth = collective_bandwidth(card, interconnect) if bandwidth_gb_s is None else bandwidth_gb_s
+        if bandwidth <= 0:
+            raise ValueError(f"bandwidth must be > 0 GB/s, not {bandwidth}")
+        return cls(card, bandwidth, mfu, describe_link(card, interconnect),
+                   collective_bandwidth(card) if interconnect == "network" else None)
+
+    def peak_flops(self, precision: str) -> float:
+        return (self.gpu.bf16_tflops if precision == "bf16" else self.gpu.fp32_tflops) * 1e12
+
+    def seconds(self, byte_count: float, bandwidth_gb_s: float | None = None) -> float:
+        return byte_count / ((bandwidth_gb_s or self.bandwidth_gb_s) * 1e9)
+
+
+def active_matmul_parameters(shape: ModelShape) -> tuple[int, int]:
+    """(block weights a token multiplies by, over all layers; lm_head's vocab x hidden). A mixture of
+    experts counts the experts a token is routed to (`experts_per_token`), the shared one and the router."""
+    shapes = shape.linear_shapes()
+    attention = sum(i * o for name, (i, o) in shapes.items() if name not in EXPERT_LINEARS)
+    mlp = sum(i * o for name, (i, o) in shapes.items() if name in EXPERT_LINEARS)
+    routed = shape.experts_per_token if shape.experts else 1
+    shared = sum(i * o for i, o in shape.shared_shapes().values())
+    per_layer = attention + mlp * routed + shared + shape.hidden * shape.experts
+    return per_layer * shape.layers, shape.vocab * shape.hidden
+
+
+def recomputed_share(shape: ModelShape, gradient_checkpointing: int) -> float:
+    """The share of blocks whose forward runs again in the backward (every Nth: ceil(layers / N))."""
+    if not gradient_checkpointing:
+        return 0.0
+    return math.ceil(shape.layers / int(gradient_checkpointing)) / shape.layers
+
+
+def flops_per_token(shape: ModelShape, method: str, seq_len: int, gradient_checkpointing: int = 0,
+                    lora_rank: int = 16, lora_targets="all-linear") -> dict:
+    """{"forward", "backward", "recompute", "total"} FLOPs for one token of a training step."""
+    blocks, head = active_matmul_parameters(shape)
+    attention = 4 * shape.layers * seq_len * shape.heads * shape.head_dim
+    forward = 2 * (blocks + head) + attention
+    if method == "full":
+        backward = 2 * forward
+        adapter_forward = 0
+    else:
+        adapters = lora_parameters(shape, lora_rank, lora_targets)
+        adapter_forward = 2 * lora_parameters_per_layer(shape, lora_rank, lora_targets) * shape.layers
+        forward += 2 * adapters
+        backward = 2 * (blocks + head) + 2 * attention + 4 * adapters
+    # torch's checkpoint stops recomputing once the tensors the backward needs are back: in full
+    # fine-tuning a block's last linear (down_proj) is not run again; under LoRA its adapter, which
+    # runs after it, still needs recomputing.
+    routed = shape.experts_per_token if shape.experts else 1
+    down = 0 if method != "full" else shape.layers * (math.prod(shape.linear_shapes()["down_proj"]) * routed
+                                                      + math.prod(shape.shared_shapes().get("down_proj", (0, 0))))
+    recompute = recomputed_share(shape, gradient_checkpointing) * (2 * (blocks - down) + attention + adapter_forward)
+    return {"forward": forward, "backward": backward, "recompute": recompute,
+            "total": forward + backward + recompute}
+
+
+def all_reduce(size: float, ranks: int) -> float:
+    """Bytes each rank sends in a ring all-reduce of `size` bytes."""
+    return 2 * (ranks - 1) / ranks * size if ranks > 1 else 0.0
+
+
+def gather(size: float, ranks: int) -> float:
+    """Bytes each rank receives in a ring all-gather (or sends in a reduce-scatter) of `size` bytes in all."""
+    return (ranks - 1) / ranks * size if ranks > 1 else 0.0
+
+
+def data_parallel_size(strategy: str, gpus: int) -> int:
+    """Processes that each run their own micro-batch: all of them, except tensor parallel's groups
+    (tp: 1, fsdp_tp: gpus / T) and model parallel (one process)."""
+    if strategy == "model_parallel":
+        return 1
+    return gpus // tensor_parallel_size(strategy, gpus)
+
+
+def _gradient_bytes_reduced(method, strategy, precision, trained: int) -> float:
+    """Bytes of the gradients a strategy reduces: DDP's fp32 `param.grad`; FSDP reduces in the compute
+    dtype; DeepSpeed in the dtype of its gradient (`state_bytes_per_parameter`)."""
+    if strategy in DEEPSPEED:
+        return trained * state_bytes_per_parameter(method, strategy, precision)["trained_grad"]
+    if strategy in ("ddp", "model_parallel"):
+        return trained * 4
+    return trained * (2 if precision == "bf16" else 4)
+
+
+def step_time(shape: ModelShape, method: str, strategy: str, gpus: int, machine: Machine, batch_size: int = 8,
+              grad_accum: int = 1, seq_len: int = 512, gradient_checkpointing: int = 0, lora_rank: int = 16,
+              lora_targets="all-linear", precision: str = "bf16") -> dict:
+    """Seconds of one optimizer step, estimated (see the module's docstring), split into
+    {"compute", "communication", "other", "step"} plus "idle_share" (the share of GPU time no GPU
+    computes: model parallel's (n-1)/n), "global_batch" (sequences per step) and "tokens_per_s"."""
+    _check(method, strategy, precision)
+    tokens = batch_size * seq_len
+    flops = flops_per_token(shape, method, seq_len, gradient_checkpointing, lora_rank, lora_targets)
+    tp = tensor_parallel_size(strategy, gpus)
+    compute = tokens * flops["total"] / tp / machine.peak_flops(precision) / machine.mfu
+    backward = compute * (flops["backward"] + flops["recompute"]) / flops["total"]
+
+    params = _stage_parameters(shape, method, Stage(shape.layers), lora_rank, lora_targets)
+    gradients = _gradient_bytes_reduced(method, strategy, precision, params["trained"])
+    gathered = _unsharded_bytes(shape, method, precision, shape.layers, True, True, lora_rank, lora_targets)
+    # The first unit of the forward (the embedding) and of the backward (the final norm and lm_head) is
+    # gathered with nothing to compute behind it.
+    first_units = sum(_unsharded_bytes(shape, method, precision, 0, embedding, not embedding, lora_rank, lora_targets)
+                      for embedding in (True, False))
+    c = 2 if precision == "bf16" else 4
+    activation = tokens * shape.hidden * c  # one hidden state of the micro-batch
+
+    hidden_per_micro = 0.0  # collectives that run beside the micro-batch's compute
+    exposed_per_micro = 0.0  # on the critical path of every micro-batch
+    hidden_per_step = 0.0  # overlapped with the backward of the step's last micro-batch
+    exposed_per_step = 0.0
+    seconds = machine.seconds
+    base = OFFLOADED.get(strategy, strategy)
+    if strategy == "ddp":
+        hidden_per_step = seconds(all_reduce(gradients, gpus))
+    elif strategy in ("zero1", "zero2"):
+        weights = params["trained"] * state_bytes_per_parameter(method, strategy, precision)["trained_weight"]
+        reduce = seconds(gather(gradients, gpus))
+        hidden_per_micro, hidden_per_step = (reduce, 0.0) if strategy == "zero2" else (0.0, reduce)
+        exposed_per_step = seconds(gather(weights, gpus))
+    elif base in ("fsdp_full_shard", "zero3"):
+        hidden_per_micro = seconds(gather(2 * gathered + gradients, gpus))
+        exposed_per_micro = seconds(gather(first_units, gpus))
+    elif strategy == "fsdp_grad_op":
+        hidden_per_micro = seconds(gather(gathered + gradients, gpus))
+        exposed_per_micro = seconds(gather(first_units, gpus) / 2)  # the backward's units are still gathered
+    elif strategy == "fsdp_hybrid":
+        group = hybrid_shard_size(gpus)
+        hidden_per_micro = seconds(gather(2 * gathered + gradients, group), machine.fast_bandwidth_gb_s)
+        exposed_per_micro = seconds(gather(first_units, group), machine.fast_bandwidth_gb_s)
+        hidden_per_step = seconds(all_reduce(gradients / group, gpus // group))
+    elif strategy in ("tp", "fsdp_tp"):
+        # two all-reduces of the hidden state per block in the forward, two in the backward, two more per
+        # recomputed block; lm_head's split logits gathered whole
+        reductions = shape.layers * (4 + 2 * recomputed_share(shape, gradient_checkpointing))
+        logits = tokens * shape.vocab * c
+        exposed_per_micro = seconds(reductions * all_reduce(activation, tp) + gather(logits, tp))
+        groups = gpus // tp
+        if strategy == "fsdp_tp":
+            hidden_per_micro = seconds(gather((2 * gathered + gradients) / tp, groups))
+            exposed_per_micro += seconds(gather(first_units / tp, groups))
+    elif strategy == "model_parallel":
+        # the hidden state to the next GPU in the forward, its gradient back in the backward
+        exposed_per_micro = seconds(2 * (gpus - 1) * activation)
+
+    other_per_micro = 0.0
+    if method == "qlora":
+        passes = 2 + recomputed_share(shape, gradient_checkpointing)
+        other_per_micro += params["quantized"] * DEQUANTISE_BYTES * passes / (machine.gpu.memory_gb_s * 1e9)
+    at_rest = resident_bytes(shape, method, strategy, gpus, lora_rank, lora_targets, precision, where="anywhere")
+    per = state_bytes_per_parameter(method, strategy, precision)
+    local_trained = at_rest["optimizer"] / per["trained_optimizer"]
+    if strategy in OFFLOADED:  # shards copied in for the forward and the backward, gradients out
+        host = HOST_LINK.get(machine.gpu.pcie_gen, 20.0)
+        other_per_micro += seconds(2 * at_rest["weights"] + at_rest["gradients"], host)
+        optimizer = local_trained / CPU_OPTIMIZER_PARAMS_PER_S
+    else:
+        optimizer = local_trained * OPTIMIZER_BYTES_TOUCHED / (machine.gpu.memory_gb_s * 1e9)
+
+    micro = max(compute, hidden_per_micro) + exposed_per_micro + other_per_micro
+    last_backward_slack = max(0.0, hidden_per_step - backward)
+    step = grad_accum * micro + last_backward_slack + exposed_per_step + optimizer
+    communication = grad_accum * (max(0.0, hidden_per_micro - compute) + exposed_per_micro) \
+        + last_backward_slack + exposed_per_step
+    global_batch = batch_size * grad_accum * data_parallel_size(strategy, gpus)
+    return {
+        "compute": grad_accum * compute,
+        "communication": communication,
+        "other": grad_accum * other_per_micro + optimizer,
+        "step": step,
+        "idle_share": (gpus - 1) / gpus if strategy == "model_parallel" else 0.0,
+        "global_batch": global_batch,
+        "tokens_per_s": global_batch * seq_len / step,
+    }
+
+
+def epoch_time(step: dict, rows: int) -> float:
+    """Seconds for `rows` sequences: ceil(rows / global batch) steps."""
+    return math.ceil(rows / step["global_batch"]) * step["step"]
+
