@@ -263,3 +263,18 @@ def test_cli_time_flags_change_the_estimate_and_bad_ones_are_one_line():
     bad = run_plan("--gpu", "v100")
     assert bad.returncode == 2 and "unknown GPU 'v100'" in bad.stderr.strip().splitlines()[-1]
     assert run_plan("--mfu", "1.5").returncode == 2
+
+
+@pytest.mark.parametrize("name, extra", [
+    ("tinyllama-1.1b-lora", ["--model", "tinyllama-1.1b", "--batch-size", "16", "--grad-accum", "2"]),
+    ("codellama-34b-lora-checkpointing", ["--model", "codellama-34b", "--batch-size", "4", "--grad-accum", "4",
+                                          "--gradient-checkpointing"]),
+    ("codellama-34b-lora", ["--model", "codellama-34b", "--batch-size", "4", "--grad-accum", "4"]),
+])
+def test_the_committed_reference_plans_are_what_the_planner_prints(name, extra):
+    """README's time table quotes these files: they stay what plan.py prints (rewrite them with the
+    commands in their README when the planner changes)."""
+    done = run_plan("--method", "lora", "--gpus", "4", "--gpu", "rtx6000-ada", "--seq-len", "1024", *extra)
+    assert done.returncode == 0, done.stderr
+    committed = REPO / "results" / "2026-11-26_cpu_plan-time-reference" / f"{name}.txt"
+    assert done.stdout == committed.read_text()
