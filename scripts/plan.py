@@ -49,6 +49,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="the link between the GPUs (default: the --gpu's usual one; network: between machines)")
     add("--bandwidth", type=float, default=None, metavar="GB_S",
         help="collectives' bus bandwidth in GB/s, as nccl-tests prints busbw (default: assumed from the link)")
+    add("--gpus-per-machine", type=int, default=planner.GPUS_PER_MACHINE,
+        help=f"GPUs in one machine: collectives over more cross the network (default: {planner.GPUS_PER_MACHINE})")
+    add("--network-bandwidth", type=float, default=planner.NETWORK, metavar="GB_S",
+        help=f"bus bandwidth between machines in GB/s (default: {planner.NETWORK:g}, 100 Gb/s at ~80%%)")
     add("--mfu", type=float, default=planner.DEFAULT_MFU,
         help=f"share of the GPU's dense peak the matmuls sustain (default: {planner.DEFAULT_MFU})")
     add("--batch-size", type=int, default=8, help="micro-batch per GPU, the recipes' --batch-size (default: 8)")
@@ -71,7 +75,8 @@ def parse_args(argv=None) -> argparse.Namespace:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     try:
         planner.lora_target_names(args.lora_targets)
-        args.machine = planner.Machine.of(args.gpu, args.interconnect, args.bandwidth, args.mfu)
+        args.machine = planner.Machine.of(args.gpu, args.interconnect, args.bandwidth, args.mfu,
+                                          args.gpus_per_machine, args.network_bandwidth)
     except ValueError as error:
         parser.error(str(error))
     if args.gpu_memory is None:
@@ -131,11 +136,19 @@ def table(plan: dict, batches: dict) -> list[str]:
     return ["GiB per GPU (the busiest one):"] + aligned(header, rows, {0, 1, 7})
 
 
+def plural(gpus: int) -> str:
+    return "1 GPU" if gpus == 1 else f"{gpus} GPUs"
+
+
 def seconds(value: float) -> str:
     if value >= 3600:
         return f"{value / 3600:.1f} h"
     if value >= 120:
         return f"{value / 60:.1f} min"
+    if value == 0:
+        return "0"
+    if value < 0.1:
+        return f"{value * 1e3:.1f} ms"
     return f"{value:.2f} s" if value < 10 else f"{value:.1f} s"
 
 
@@ -166,7 +179,9 @@ def time_table(plan: dict, args) -> list[str]:
     rows += [[e["strategy"], "does not fit", "", "", "", "", "", "", ""] for e in plan["strategies"] if not e["run"]]
     intro = (f"Time per optimizer step and per epoch of {machine['rows']:,} rows, fastest first (an estimate: "
              f"{machine['mfu']:.0%} of {machine['gpu']}'s {machine['peak_tflops']:g} TFLOP/s {args.precision} peak; "
-             f"collectives at {machine['bandwidth_gb_s']:g} GB/s over {machine['link']}; "
+             f"collectives at {machine['bandwidth_gb_s']:g} GB/s over {machine['link']}"
+             + (f", at {machine['network_gb_s']:g} GB/s over the network beyond {machine['gpus_per_machine']} GPUs"
+                if args.gpus > machine["gpus_per_machine"] else "") + "; "
              "docs/choosing.md says how it is made):")
     return [intro] + aligned(header, rows, {0, 1, 8})
 
@@ -213,20 +228,25 @@ def sentences(shape, plan: dict, args) -> list[str]:
         return [rec["reason"][:1].upper() + rec["reason"][1:] + "."]
     lines = [f"Launch: {recommended_launch(fastest, args)}"]
     changed = what_changed(fastest, args)
-    lines.append(f"Fastest that fits on {args.gpus} GPUs: {fastest['strategy']} ({fastest['config']}), "
+    lines.append(f"Fastest that fits on {plural(args.gpus)}: {fastest['strategy']} ({fastest['config']}), "
                  f"an estimated {seconds(fastest['seconds_per_step'])} per step, "
                  f"{seconds(fastest['seconds_per_epoch'])} per epoch" + (f"; {changed}" if changed else "") + ".")
     if fewest is not None:
-        gpus = "1 GPU" if fewest["gpus"] == 1 else f"{fewest['gpus']} GPUs"
-        lines.append(f"Fewest GPUs: {gpus} with {fewest['strategy']} ({fewest['config']}), "
+        lines.append(f"Fewest GPUs: {plural(fewest['gpus'])} with {fewest['strategy']} ({fewest['config']}), "
                      f"micro-batch up to {fewest['max_micro_batch']}, an estimated "
                      f"{seconds(fewest['seconds_per_epoch'])} per epoch.")
         if fewest["gpus"] < fastest["gpus"]:
             lines.append(f"    or: {recommended_launch(fewest, args)}")
-    for strategy in sorted({fastest["strategy"], fewest["strategy"] if fewest else ""} & set(planner.OFFLOADED)):
-        ram = planner.cpu_offload_bytes(shape, args.method, strategy, args.gpus, args.lora_r, args.lora_targets,
-                                        args.precision)
-        lines.append(f"{strategy} keeps about {gib(ram)} GiB of training state in CPU RAM.")
+    said = set()
+    for rec in (fastest, fewest):
+        if rec and rec["strategy"] in planner.OFFLOADED and (rec["strategy"], rec["gpus"]) not in said:
+            said.add((rec["strategy"], rec["gpus"]))
+            ram = planner.cpu_offload_bytes(shape, args.method, rec["strategy"], rec["gpus"], args.lora_r,
+                                            args.lora_targets, args.precision)
+            machines = -(-rec["gpus"] // args.machine.gpus_per_machine)
+            where = "CPU RAM" if machines == 1 else f"the CPU RAM of each of its {machines} machines"
+            lines.append(f"{rec['strategy']} on {plural(rec['gpus'])} keeps about {gib(ram / machines)} GiB of "
+                         f"training state in {where}.")
     return lines
 
 

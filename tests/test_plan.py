@@ -470,7 +470,7 @@ def test_cli_json_has_the_documented_shape(tmp_path):
     plan = json.loads(done.stdout)
     assert set(plan) == {"model", "method", "gpus", "gpu_memory_gb", "machine", "strategies", "recommendation"}
     assert plan["machine"] == {"gpu": "H100 SXM", "link": "NVLink", "bandwidth_gb_s": 360, "peak_tflops": 989,
-                               "mfu": 0.4, "rows": 1024}
+                               "mfu": 0.4, "rows": 1024, "gpus_per_machine": 8, "network_gb_s": 10}
     assert (plan["model"], plan["method"], plan["gpus"], plan["gpu_memory_gb"]) == ("codellama-34b", "qlora", 2, 48)
     # every strategy the recipes run for QLoRA: not the tensor parallel ones, which cannot split 4-bit weights
     assert [e["strategy"] for e in plan["strategies"]] == [s for s in planner.SPEED_ORDER if "tp" not in s]

@@ -207,6 +207,23 @@ def test_close_estimates_go_to_the_simpler_config(tinyllama):
     assert runs["zero1"]["time"]["tokens_per_s"] >= 0.97 * runs["ddp"]["time"]["tokens_per_s"]
 
 
+def test_collectives_beyond_one_machine_cross_the_network(codellama):
+    """16 H100s are two machines of 8: full shard's gathers span both and run at the network's 10 GB/s;
+    hybrid's shard groups stay within a machine; model parallel, one process, is not offered."""
+    h100 = planner.Machine.of("h100")
+    assert h100.bandwidth_for(8) == 360 and h100.bandwidth_for(16) == 10
+    per_token = {n: planner.step_time(codellama, "full", "fsdp_full_shard", n, h100, 4, 1, 2048, 1)["tokens_per_s"] / n
+                 for n in (8, 16)}
+    assert per_token[16] < per_token[8] / 3
+    hybrid = planner.step_time(codellama, "full", "fsdp_hybrid", 16, h100, 4, 1, 2048, 1)
+    assert hybrid["tokens_per_s"] > 1.5 * per_token[16] * 16
+    plan = planner.plan(codellama, "lora", 16, 80, 4, 2048, machine=h100)
+    assert "model_parallel" not in [e["strategy"] for e in plan["strategies"]]
+    one_machine = planner.Machine.of("h100", gpus_per_machine=16)
+    assert planner.step_time(codellama, "full", "fsdp_full_shard", 16, one_machine, 4, 1, 2048, 1)["tokens_per_s"] \
+        > 3 * per_token[16] * 16
+
+
 def test_machines_by_name_and_their_links():
     assert planner.Machine.of("h100").bandwidth_gb_s > planner.Machine.of("a100").bandwidth_gb_s > \
         planner.Machine.of("a6000").bandwidth_gb_s > REFERENCE.bandwidth_gb_s
@@ -278,3 +295,16 @@ def test_the_committed_reference_plans_are_what_the_planner_prints(name, extra):
     assert done.returncode == 0, done.stderr
     committed = REPO / "results" / "2026-11-26_cpu_plan-time-reference" / f"{name}.txt"
     assert done.stdout == committed.read_text()
+
+
+def test_the_plans_quoted_in_the_docs_are_what_the_planner_prints():
+    import re
+    import shlex
+
+    page = (REPO / "docs" / "choosing.md").read_text()
+    blocks = re.findall(r"```\n\$ python scripts/plan\.py ([^\n]*)\n(.*?)```", page, re.S)
+    assert len(blocks) >= 2
+    for arguments, quoted in blocks:
+        done = run_plan(*shlex.split(arguments))
+        assert done.returncode == 0, done.stderr
+        assert done.stdout == quoted, arguments

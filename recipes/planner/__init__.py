@@ -59,7 +59,16 @@ from .choose import (
     usable_bytes,
 )
 from .dtypes import NF4_BITS_PER_WEIGHT, compute_dtypes, quantized_bytes_per_weight, state_bytes_per_parameter
-from .hardware import DEFAULT_GPU, DEFAULT_MFU, GPUS, INTERCONNECTS, Gpu, collective_bandwidth
+from .hardware import (
+    DEFAULT_GPU,
+    DEFAULT_MFU,
+    GPUS,
+    GPUS_PER_MACHINE,
+    INTERCONNECTS,
+    NETWORK,
+    Gpu,
+    collective_bandwidth,
+)
 from .peak import (
     DEEPSPEED_REDUCE_BUCKET,
     LAYERS_IN_FLIGHT,
@@ -105,7 +114,7 @@ from .strategies import (
 from .timing import Machine, data_parallel_size, epoch_time, flops_per_token, step_time
 
 __all__ = [
-    "DEFAULT_GPU", "DEFAULT_MFU", "GPUS", "INTERCONNECTS", "MARGIN", "Gpu", "Machine", "best_run", "fastest_of",
+    "DEFAULT_GPU", "DEFAULT_MFU", "GPUS", "GPUS_PER_MACHINE", "INTERCONNECTS", "NETWORK", "MARGIN", "Gpu", "Machine", "best_run", "fastest_of",
     "collective_bandwidth", "data_parallel_size", "epoch_time", "flops_per_token", "rank_key", "step_time",
     "ALIASES", "ATTENTIONS", "DEEPSPEED", "DEEPSPEED_REDUCE_BUCKET", "FSDP", "HEADROOM", "LAYERS_IN_FLIGHT",
     "LINEAR_NAMES", "MAX_MICRO_BATCH", "METHODS", "NF4_BITS_PER_WEIGHT", "OFFLOADED", "REPO_ROOT", "SPEED_ORDER",

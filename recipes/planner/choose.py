@@ -164,8 +164,12 @@ def plan(shape: ModelShape, method: str, gpus: int, gpu_memory_gb: float, batch_
                 **{k: run[k] for k in ("micro_batch", "grad_accum", "gradient_checkpointing", "global_batch", "tight")},
                 "seconds_per_step": run["time"]["step"], "seconds_per_epoch": epoch_time(run["time"], rows)}
 
+    def runnable(n: int) -> tuple[str, ...]:  # model parallel is one process: its GPUs are one machine's
+        return tuple(s for s in possible_strategies(method, n, shape, lora_targets)
+                     if s != "model_parallel" or n <= machine.gpus_per_machine)
+
     strategies = []
-    for strategy in possible_strategies(method, gpus, shape, lora_targets):
+    for strategy in runnable(gpus):
         usage = per_gpu_bytes(shape, method, strategy, gpus, **settings)
         run = best_run(shape, method, strategy, gpus, gpu_memory_gb, machine, **asked)
         if run:
@@ -179,7 +183,7 @@ def plan(shape: ModelShape, method: str, gpus: int, gpu_memory_gb: float, batch_
     fewest = None
     for n in range(1, gpus + 1):
         runs = [(s, best_run(shape, method, s, n, gpu_memory_gb, machine, **asked))
-                for s in possible_strategies(method, n, shape, lora_targets)]
+                for s in runnable(n)]
         runs = [(s, run) for s, run in runs if run]
         if runs:
             fewest = recommend(*fastest_of(runs), n)
@@ -199,5 +203,6 @@ def plan(shape: ModelShape, method: str, gpus: int, gpu_memory_gb: float, batch_
         )
     return {"model": shape.name, "method": method, "gpus": gpus, "gpu_memory_gb": gpu_memory_gb,
             "machine": {"gpu": machine.gpu.name, "link": machine.link, "bandwidth_gb_s": machine.bandwidth_gb_s,
-                        "peak_tflops": machine.peak_flops(precision) / 1e12, "mfu": machine.mfu, "rows": rows},
+                        "peak_tflops": machine.peak_flops(precision) / 1e12, "mfu": machine.mfu, "rows": rows,
+                        "gpus_per_machine": machine.gpus_per_machine, "network_gb_s": machine.network_gb_s},
             "strategies": strategies, "recommendation": recommendation}

@@ -46,6 +46,7 @@ DEFAULT_GPU = "h100"
 PCIE_PEER_TO_PEER = {4: 20.0, 5: 40.0}  # ~80% of a x16 link's rate per direction
 PCIE_THROUGH_HOST = 8.0  # staged in host memory: each transfer crosses PCIe twice and is copied by the CPU
 NETWORK = 10.0  # between machines: 100 Gb/s Ethernet or InfiniBand at ~80%
+GPUS_PER_MACHINE = 8  # a collective over more GPUs than a machine holds crosses the network
 HOST_LINK = {4: 20.0, 5: 40.0}  # one GPU's own copies to and from CPU RAM (the offload configs)
 # The CPU's AdamW step of the offload configs: parameters per second on one rank's cores.
 CPU_OPTIMIZER_PARAMS_PER_S = 0.5e9

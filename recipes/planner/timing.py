@@ -35,7 +35,9 @@ from .hardware import (
     CPU_OPTIMIZER_PARAMS_PER_S,
     DEFAULT_GPU,
     DEFAULT_MFU,
+    GPUS_PER_MACHINE,
     HOST_LINK,
+    NETWORK,
     Gpu,
     collective_bandwidth,
     describe_link,
@@ -55,35 +57,46 @@ DEQUANTISE_BYTES = 2.5
 
 @dataclass(frozen=True)
 class Machine:
-    """The GPUs a plan is timed on: the card, the collectives' bus bandwidth (GB/s) and the share of
-    the dense peak the matmuls sustain (`mfu`). `fast_bandwidth_gb_s` is the link within a machine
-    (what fsdp_hybrid's shard groups use when `bandwidth_gb_s` is a network's)."""
+    """The GPUs a plan is timed on: the card, the bus bandwidth (GB/s) of collectives within a machine,
+    the share of the dense peak the matmuls sustain (`mfu`), and how many GPUs a machine holds: a
+    collective over more ranks than that crosses the network between machines (`network_gb_s`)."""
 
     gpu: Gpu
     bandwidth_gb_s: float
     mfu: float = DEFAULT_MFU
     link: str = ""
-    fast_bandwidth_gb_s: float | None = None
+    gpus_per_machine: int = GPUS_PER_MACHINE
+    network_gb_s: float = NETWORK
 
     @classmethod
     def of(cls, name: str = DEFAULT_GPU, interconnect: str | None = None, bandwidth_gb_s: float | None = None,
-           mfu: float = DEFAULT_MFU) -> "Machine":
-        """The machine of GPU `name` (a key of `GPUS`) over `interconnect` (None: the card's usual link);
-        `bandwidth_gb_s` replaces the assumed bus bandwidth (a measured nccl-tests busbw)."""
+           mfu: float = DEFAULT_MFU, gpus_per_machine: int = GPUS_PER_MACHINE,
+           network_gb_s: float = NETWORK) -> "Machine":
+        """The machine of GPU `name` (a key of `GPUS`) over `interconnect` (None: the card's usual link;
+        network: one GPU per machine); `bandwidth_gb_s` replaces the link's assumed bus bandwidth and
+        `network_gb_s` the network's (measured nccl-tests busbw)."""
         card = gpu(name)
         if not 0 < mfu <= 1:
             raise ValueError(f"mfu must be in (0, 1], not {mfu}")
         bandwidth = collective_bandwidth(card, interconnect) if bandwidth_gb_s is None else bandwidth_gb_s
-        if bandwidth <= 0:
-            raise ValueError(f"bandwidth must be > 0 GB/s, not {bandwidth}")
-        return cls(card, bandwidth, mfu, describe_link(card, interconnect),
-                   collective_bandwidth(card) if interconnect == "network" else None)
+        if bandwidth <= 0 or network_gb_s <= 0:
+            raise ValueError(f"bandwidths must be > 0 GB/s, not {min(bandwidth, network_gb_s)}")
+        if gpus_per_machine < 1:
+            raise ValueError(f"GPUs per machine must be >= 1, not {gpus_per_machine}")
+        if interconnect == "network":
+            gpus_per_machine, network_gb_s = 1, bandwidth
+        return cls(card, bandwidth, mfu, describe_link(card, interconnect), gpus_per_machine, network_gb_s)
 
     def peak_flops(self, precision: str) -> float:
         return (self.gpu.bf16_tflops if precision == "bf16" else self.gpu.fp32_tflops) * 1e12
 
-    def seconds(self, byte_count: float, bandwidth_gb_s: float | None = None) -> float:
-        return byte_count / ((bandwidth_gb_s or self.bandwidth_gb_s) * 1e9)
+    def bandwidth_for(self, ranks: int) -> float:
+        """GB/s of a collective over `ranks` GPUs: within one machine, or across the network."""
+        return self.bandwidth_gb_s if ranks <= self.gpus_per_machine else min(self.bandwidth_gb_s, self.network_gb_s)
+
+    def seconds(self, byte_count: float, ranks: int) -> float:
+        """Seconds to move `byte_count` bytes per GPU in a collective over `ranks` GPUs."""
+        return byte_count / (self.bandwidth_for(ranks) * 1e9)
 
 
 def active_matmul_parameters(shape: ModelShape) -> tuple[int, int]:
@@ -188,36 +201,36 @@ def step_time(shape: ModelShape, method: str, strategy: str, gpus: int, machine:
     seconds = machine.seconds
     base = OFFLOADED.get(strategy, strategy)
     if strategy == "ddp":
-        hidden_per_step = seconds(all_reduce(gradients, gpus))
+        hidden_per_step = seconds(all_reduce(gradients, gpus), gpus)
     elif strategy in ("zero1", "zero2"):
         weights = params["trained"] * state_bytes_per_parameter(method, strategy, precision)["trained_weight"]
-        reduce = seconds(gather(gradients, gpus))
+        reduce = seconds(gather(gradients, gpus), gpus)
         hidden_per_micro, hidden_per_step = (reduce, 0.0) if strategy == "zero2" else (0.0, reduce)
-        exposed_per_step = seconds(gather(weights, gpus))
+        exposed_per_step = seconds(gather(weights, gpus), gpus)
     elif base in ("fsdp_full_shard", "zero3"):
-        hidden_per_micro = seconds(gather(2 * gathered + gradients, gpus))
-        exposed_per_micro = seconds(gather(first_units, gpus))
+        hidden_per_micro = seconds(gather(2 * gathered + gradients, gpus), gpus)
+        exposed_per_micro = seconds(gather(first_units, gpus), gpus)
     elif strategy == "fsdp_grad_op":
-        hidden_per_micro = seconds(gather(gathered + gradients, gpus))
-        exposed_per_micro = seconds(gather(first_units, gpus) / 2)  # the backward's units are still gathered
+        hidden_per_micro = seconds(gather(gathered + gradients, gpus), gpus)
+        exposed_per_micro = seconds(gather(first_units, gpus) / 2, gpus)  # the backward's units are still gathered
     elif strategy == "fsdp_hybrid":
         group = hybrid_shard_size(gpus)
-        hidden_per_micro = seconds(gather(2 * gathered + gradients, group), machine.fast_bandwidth_gb_s)
-        exposed_per_micro = seconds(gather(first_units, group), machine.fast_bandwidth_gb_s)
-        hidden_per_step = seconds(all_reduce(gradients / group, gpus // group))
+        hidden_per_micro = seconds(gather(2 * gathered + gradients, group), group)
+        exposed_per_micro = seconds(gather(first_units, group), group)
+        hidden_per_step = seconds(all_reduce(gradients / group, gpus // group), gpus)  # across the groups
     elif strategy in ("tp", "fsdp_tp"):
         # two all-reduces of the hidden state per block in the forward, two in the backward, two more per
         # recomputed block; lm_head's split logits gathered whole
         reductions = shape.layers * (4 + 2 * recomputed_share(shape, gradient_checkpointing))
         logits = tokens * shape.vocab * c
-        exposed_per_micro = seconds(reductions * all_reduce(activation, tp) + gather(logits, tp))
+        exposed_per_micro = seconds(reductions * all_reduce(activation, tp) + gather(logits, tp), tp)
         groups = gpus // tp
         if strategy == "fsdp_tp":
-            hidden_per_micro = seconds(gather((2 * gathered + gradients) / tp, groups))
-            exposed_per_micro += seconds(gather(first_units / tp, groups))
+            hidden_per_micro = seconds(gather((2 * gathered + gradients) / tp, groups), gpus)
+            exposed_per_micro += seconds(gather(first_units / tp, groups), gpus)
     elif strategy == "model_parallel":
         # the hidden state to the next GPU in the forward, its gradient back in the backward
-        exposed_per_micro = seconds(2 * (gpus - 1) * activation)
+        exposed_per_micro = seconds(2 * (gpus - 1) * activation, gpus)
 
     other_per_micro = 0.0
     if method == "qlora":
@@ -228,7 +241,7 @@ def step_time(shape: ModelShape, method: str, strategy: str, gpus: int, machine:
     local_trained = at_rest["optimizer"] / per["trained_optimizer"]
     if strategy in OFFLOADED:  # shards copied in for the forward and the backward, gradients out
         host = HOST_LINK.get(machine.gpu.pcie_gen, 20.0)
-        other_per_micro += seconds(2 * at_rest["weights"] + at_rest["gradients"], host)
+        other_per_micro += (2 * at_rest["weights"] + at_rest["gradients"]) / (host * 1e9)
         optimizer = local_trained / CPU_OPTIMIZER_PARAMS_PER_S
     else:
         optimizer = local_trained * OPTIMIZER_BYTES_TOUCHED / (machine.gpu.memory_gb_s * 1e9)
