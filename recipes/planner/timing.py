@@ -8,8 +8,9 @@ The model, per micro-batch on each GPU:
   weight (the block linears a token passes through, the lm_head) + attention 4 x layers x seq x heads
   x head_dim; backward twice the forward for full fine-tuning, once the matmuls (input gradients
   only: a frozen weight gets none) and twice the attention for LoRA / QLoRA, + 6 per adapter
-  parameter; gradient checkpointing adds the forward of the recomputed blocks. Tensor parallel
-  divides it by its size T.
+  parameter; gradient checkpointing adds the forward of the recomputed blocks (in full fine-tuning
+  without their last linear, which torch's checkpoint need not redo). Tensor parallel divides it by
+  its size T.
 - communication: the bytes a ring collective moves per GPU (all-reduce 2(n-1)/n x size, all-gather
   and reduce-scatter (n-1)/n) over the link's bus bandwidth. Where the strategy overlaps it with
   compute (FSDP's and ZeRO-3's prefetched gathers, DDP's and ZeRO's gradient reduction during the
@@ -171,19 +172,21 @@ def _gradient_bytes_reduced(method, strategy, precision, trained: int) -> float:
     return trained * (2 if precision == "bf16" else 4)
 
 
-def step_time(shape: ModelShape, method: str, strategy: str, gpus: int, machine: Machine, batch_size: int = 8,
-              grad_accum: int = 1, seq_len: int = 512, gradient_checkpointing: int = 0, lora_rank: int = 16,
-              lora_targets="all-linear", precision: str = "bf16") -> dict:
-    """Seconds of one optimizer step, estimated (see the module's docstring), split into
-    {"compute", "communication", "other", "step"} plus "idle_share" (the share of GPU time no GPU
-    computes: model parallel's (n-1)/n), "global_batch" (sequences per step) and "tokens_per_s"."""
-    _check(method, strategy, precision)
-    tokens = batch_size * seq_len
-    flops = flops_per_token(shape, method, seq_len, gradient_checkpointing, lora_rank, lora_targets)
-    tp = tensor_parallel_size(strategy, gpus)
-    compute = tokens * flops["total"] / tp / machine.peak_flops(precision) / machine.mfu
-    backward = compute * (flops["backward"] + flops["recompute"]) / flops["total"]
+@dataclass
+class Traffic:
+    """Seconds of a step's collectives, by how the strategy schedules them."""
 
+    hidden_per_micro: float = 0.0  # beside each micro-batch's compute (prefetched gathers, bucketed reductions)
+    exposed_per_micro: float = 0.0  # on the critical path of each micro-batch
+    hidden_per_step: float = 0.0  # behind the backward of the step's last micro-batch
+    exposed_per_step: float = 0.0  # after it (ZeRO's gather of the updated weights)
+
+
+def traffic(shape: ModelShape, method: str, strategy: str, gpus: int, machine: Machine, tokens: int,
+            gradient_checkpointing: int = 0, lora_rank: int = 16, lora_targets="all-linear",
+            precision: str = "bf16") -> Traffic:
+    """What `strategy` moves between the GPUs in a step whose micro-batches hold `tokens` tokens each
+    (the module's docstring lists it per strategy)."""
     params = _stage_parameters(shape, method, Stage(shape.layers), lora_rank, lora_targets)
     gradients = _gradient_bytes_reduced(method, strategy, precision, params["trained"])
     gathered = _unsharded_bytes(shape, method, precision, shape.layers, True, True, lora_rank, lora_targets)
@@ -193,52 +196,66 @@ def step_time(shape: ModelShape, method: str, strategy: str, gpus: int, machine:
                       for embedding in (True, False))
     c = 2 if precision == "bf16" else 4
     activation = tokens * shape.hidden * c  # one hidden state of the micro-batch
-
-    hidden_per_micro = 0.0  # collectives that run beside the micro-batch's compute
-    exposed_per_micro = 0.0  # on the critical path of every micro-batch
-    hidden_per_step = 0.0  # overlapped with the backward of the step's last micro-batch
-    exposed_per_step = 0.0
     seconds = machine.seconds
-    base = OFFLOADED.get(strategy, strategy)
     if strategy == "ddp":
-        hidden_per_step = seconds(all_reduce(gradients, gpus), gpus)
-    elif strategy in ("zero1", "zero2"):
+        return Traffic(hidden_per_step=seconds(all_reduce(gradients, gpus), gpus))
+    if strategy in ("zero1", "zero2"):
         weights = params["trained"] * state_bytes_per_parameter(method, strategy, precision)["trained_weight"]
         reduce = seconds(gather(gradients, gpus), gpus)
-        hidden_per_micro, hidden_per_step = (reduce, 0.0) if strategy == "zero2" else (0.0, reduce)
-        exposed_per_step = seconds(gather(weights, gpus), gpus)
-    elif base in ("fsdp_full_shard", "zero3"):
-        hidden_per_micro = seconds(gather(2 * gathered + gradients, gpus), gpus)
-        exposed_per_micro = seconds(gather(first_units, gpus), gpus)
-    elif strategy == "fsdp_grad_op":
-        hidden_per_micro = seconds(gather(gathered + gradients, gpus), gpus)
-        exposed_per_micro = seconds(gather(first_units, gpus) / 2, gpus)  # the backward's units are still gathered
-    elif strategy == "fsdp_hybrid":
+        gather_weights = seconds(gather(weights, gpus), gpus)
+        if strategy == "zero2":  # reduced bucket by bucket in every backward
+            return Traffic(hidden_per_micro=reduce, exposed_per_step=gather_weights)
+        return Traffic(hidden_per_step=reduce, exposed_per_step=gather_weights)
+    if OFFLOADED.get(strategy, strategy) in ("fsdp_full_shard", "zero3"):
+        return Traffic(hidden_per_micro=seconds(gather(2 * gathered + gradients, gpus), gpus),
+                       exposed_per_micro=seconds(gather(first_units, gpus), gpus))
+    if strategy == "fsdp_grad_op":  # one gather per micro-batch: the backward's units are still gathered
+        return Traffic(hidden_per_micro=seconds(gather(gathered + gradients, gpus), gpus),
+                       exposed_per_micro=seconds(gather(first_units, gpus) / 2, gpus))
+    if strategy == "fsdp_hybrid":
         group = hybrid_shard_size(gpus)
-        hidden_per_micro = seconds(gather(2 * gathered + gradients, group), group)
-        exposed_per_micro = seconds(gather(first_units, group), group)
-        hidden_per_step = seconds(all_reduce(gradients / group, gpus // group), gpus)  # across the groups
-    elif strategy in ("tp", "fsdp_tp"):
+        return Traffic(hidden_per_micro=seconds(gather(2 * gathered + gradients, group), group),
+                       exposed_per_micro=seconds(gather(first_units, group), group),
+                       hidden_per_step=seconds(all_reduce(gradients / group, gpus // group), gpus))
+    if strategy in ("tp", "fsdp_tp"):
         # two all-reduces of the hidden state per block in the forward, two in the backward, two more per
         # recomputed block; lm_head's split logits gathered whole
+        tp = tensor_parallel_size(strategy, gpus)
         reductions = shape.layers * (4 + 2 * recomputed_share(shape, gradient_checkpointing))
         logits = tokens * shape.vocab * c
-        exposed_per_micro = seconds(reductions * all_reduce(activation, tp) + gather(logits, tp), tp)
-        groups = gpus // tp
-        if strategy == "fsdp_tp":
-            hidden_per_micro = seconds(gather((2 * gathered + gradients) / tp, groups), gpus)
-            exposed_per_micro += seconds(gather(first_units / tp, groups), gpus)
-    elif strategy == "model_parallel":
-        # the hidden state to the next GPU in the forward, its gradient back in the backward
-        exposed_per_micro = seconds(2 * (gpus - 1) * activation, gpus)
+        moved = Traffic(exposed_per_micro=seconds(reductions * all_reduce(activation, tp) + gather(logits, tp), tp))
+        if strategy == "fsdp_tp":  # full shard's gathers of each rank's tensor parallel part, across the groups
+            groups = gpus // tp
+            moved.hidden_per_micro = seconds(gather((2 * gathered + gradients) / tp, groups), gpus)
+            moved.exposed_per_micro += seconds(gather(first_units / tp, groups), gpus)
+        return moved
+    if strategy == "model_parallel":  # the hidden state to the next GPU, its gradient back
+        return Traffic(exposed_per_micro=seconds(2 * (gpus - 1) * activation, gpus))
+    raise ValueError(f"no traffic model for {strategy!r}")
+
+
+def step_time(shape: ModelShape, method: str, strategy: str, gpus: int, machine: Machine, batch_size: int = 8,
+              grad_accum: int = 1, seq_len: int = 512, gradient_checkpointing: int = 0, lora_rank: int = 16,
+              lora_targets="all-linear", precision: str = "bf16") -> dict:
+    """Seconds of one optimizer step, estimated (see the module's docstring), split into
+    {"compute", "communication", "other", "step"} plus "idle_share" (the share of GPU time no GPU
+    computes: model parallel's (n-1)/n), "global_batch" (sequences per step) and "tokens_per_s"."""
+    _check(method, strategy, precision)
+    tokens = batch_size * seq_len
+    flops = flops_per_token(shape, method, seq_len, gradient_checkpointing, lora_rank, lora_targets)
+    flops_per_gpu = tokens * flops["total"] / tensor_parallel_size(strategy, gpus)
+    compute = flops_per_gpu / (machine.peak_flops(precision) * machine.mfu)
+    backward = compute * (flops["backward"] + flops["recompute"]) / flops["total"]
+    moved = traffic(shape, method, strategy, gpus, machine, tokens, gradient_checkpointing, lora_rank, lora_targets,
+                    precision)
 
     other_per_micro = 0.0
     if method == "qlora":
+        quantized = _stage_parameters(shape, method, Stage(shape.layers), lora_rank, lora_targets)["quantized"]
         passes = 2 + recomputed_share(shape, gradient_checkpointing)
-        other_per_micro += params["quantized"] * DEQUANTISE_BYTES * passes / (machine.gpu.memory_gb_s * 1e9)
+        other_per_micro += quantized * DEQUANTISE_BYTES * passes / (machine.gpu.memory_gb_s * 1e9)
     at_rest = resident_bytes(shape, method, strategy, gpus, lora_rank, lora_targets, precision, where="anywhere")
-    per = state_bytes_per_parameter(method, strategy, precision)
-    local_trained = at_rest["optimizer"] / per["trained_optimizer"]
+    local_trained = at_rest["optimizer"] / state_bytes_per_parameter(method, strategy, precision)["trained_optimizer"]
     if strategy in OFFLOADED:  # shards copied in for the forward and the backward, gradients out
         host = HOST_LINK.get(machine.gpu.pcie_gen, 20.0)
         other_per_micro += (2 * at_rest["weights"] + at_rest["gradients"]) / (host * 1e9)
@@ -246,11 +263,11 @@ def step_time(shape: ModelShape, method: str, strategy: str, gpus: int, machine:
     else:
         optimizer = local_trained * OPTIMIZER_BYTES_TOUCHED / (machine.gpu.memory_gb_s * 1e9)
 
-    micro = max(compute, hidden_per_micro) + exposed_per_micro + other_per_micro
-    last_backward_slack = max(0.0, hidden_per_step - backward)
-    step = grad_accum * micro + last_backward_slack + exposed_per_step + optimizer
-    communication = grad_accum * (max(0.0, hidden_per_micro - compute) + exposed_per_micro) \
-        + last_backward_slack + exposed_per_step
+    micro = max(compute, moved.hidden_per_micro) + moved.exposed_per_micro + other_per_micro
+    last_backward_slack = max(0.0, moved.hidden_per_step - backward)
+    step = grad_accum * micro + last_backward_slack + moved.exposed_per_step + optimizer
+    communication = (grad_accum * (max(0.0, moved.hidden_per_micro - compute) + moved.exposed_per_micro)
+                     + last_backward_slack + moved.exposed_per_step)
     global_batch = batch_size * grad_accum * data_parallel_size(strategy, gpus)
     return {
         "compute": grad_accum * compute,
