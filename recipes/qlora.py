@@ -18,6 +18,7 @@ Flags: --model --dataset --eval-dataset --columns --chat-template --packing --ou
        --save-every --save-total-limit --resume --gradient-checkpointing --log-every --report-to --save-dtype
        --trust-remote-code
        --config (a YAML file of any of these flags)
+Pipeline parallel: --pipeline-stages --pipeline-schedule
 Speed: --compile --liger --attention --dataloader-workers
 LoRA:  --lora-r --lora-alpha --lora-dropout --lora-targets --merge
 QLoRA: --bits
@@ -32,7 +33,8 @@ from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 from transformers import get_cosine_schedule_with_warmup
 
 from common import args as cli
-from common import batch_size, batches, checkpoint, data, deepspeed_config, modeling, preflight, report, runtime
+from common import batch_size, batches, checkpoint, data, deepspeed_config, modeling, pipeline, preflight
+from common import report, runtime
 from common.evaluation import evaluate
 from common.runlog import RunLog
 
@@ -78,6 +80,9 @@ def main():
     model = get_peft_model(model, lora_config)
     modeling.seed_adapter(model, args.seed)  # the same first adapter whatever the strategy split
     batch_size.confirm_on_gpu(accelerator, launch, model, args)  # --batch-size auto: does a real step fit?
+    # Pipeline parallel (--pipeline-stages N): this process keeps its stage of the layers, and a schedule runs
+    # the step's micro-batches through the stages (None for every other launch).
+    stages = pipeline.split(accelerator, launch, args, model, tokenizer.pad_token_id)
     if args.compile:
         modeling.compile_layers(model)  # the first steps are slower while each shape compiles
 
@@ -101,9 +106,14 @@ def main():
         scheduler = deepspeed_config.deepspeed_schedule(optimizer, args.deepspeed_scheduler, args, total_steps)
     else:
         scheduler = get_cosine_schedule_with_warmup(optimizer, int(args.warmup_ratio * total_steps), total_steps)
-    model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
-        model, optimizer, train_loader, eval_loader, scheduler
-    )
+    if stages:  # no DDP around a stage: the stages pass activations, and each pipeline reads its own batches
+        optimizer, scheduler = accelerator.prepare(optimizer, scheduler)
+        train_loader = stages.shard(accelerator, train_loader)
+        eval_loader = stages.shard(accelerator, eval_loader, every_pipeline=True)
+    else:
+        model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
+            model, optimizer, train_loader, eval_loader, scheduler
+        )
     parameters = list(model.parameters())  # after prepare (FSDP's shards); listed once, not walked each step
 
     log = RunLog(accelerator, args, recipe="qlora", launch=launch)
@@ -112,7 +122,8 @@ def main():
 
     # The loop: one iteration = one optimizer step over grad_accum micro-batches on every rank.
     model.train()
-    sync = runtime.StepSync(accelerator)  # the loop's collectives; SIGTERM / Ctrl-C stop it at the end of a step
+    # The loop's collectives; SIGTERM / Ctrl-C stop it at the end of a step (a pipeline's last stage counts its tokens).
+    sync = runtime.StepSync(accelerator, counts_tokens=stages.counts_tokens() if stages else True)
     log.start(start_step, total_steps)
     steps = batches.optimizer_steps(train_loader, args.grad_accum, start_step)
     epoch, micro_batches = next(steps)
@@ -121,38 +132,45 @@ def main():
     step_tokens = sync.count_tokens(micro_batches)
     for step in range(start_step + 1, total_steps + 1):
         step_loss = step_router_loss = 0.0
-        for batch in micro_batches:
-            with accelerator.accumulate(model):
-                labels = batch.pop("labels")
-                if args.liger:  # Liger's fused linear + cross-entropy sums inside the model, never building logits
-                    loss_sum = model(**batch, labels=labels, use_cache=False, num_items_in_batch=1).loss
-                    router_loss = None  # --liger with the router's loss is refused before loading
-                else:  # no KV cache in training (it would also hide packing)
-                    targets = labels[:, 1:]  # position t predicts token t + 1
-                    # The LM head runs only where some row has a target: prompt and padding positions need
-                    # no logits (with a large vocabulary that saves much of the step's time and memory).
-                    positions = batches.positions_with_targets(targets)
-                    outputs = model(**batch, use_cache=False, logits_to_keep=positions)
-                    logits, router_loss = outputs.logits, outputs.get("aux_loss")  # aux_loss: a mixture of experts'
-                    del outputs
-                    # The loss: cross-entropy of each next token. Prompt and padding tokens are IGNORE and
-                    # count 0; to weight tokens, multiply token_loss by weights laid out like
-                    # targets[:, positions] (flattened) before the sum.
-                    token_loss = torch.nn.functional.cross_entropy(
-                        logits.flatten(0, 1).float(), targets[:, positions].flatten(), ignore_index=batches.IGNORE,
-                        reduction="none")
-                    del logits  # the largest tensor of the step: the backward keeps only what it needs
-                    loss_sum = token_loss.sum()
-                step_loss += loss_sum.detach()
-                # The gradient of the global token mean: / step_tokens (every rank's micro-batches), and
-                # undo accelerate's division by grad_accum and the gradient all-reduce's mean over ranks
-                # (tensor parallel: each rank of a group counts the group's tokens; the same factor cancels it).
-                objective = loss_sum / step_tokens * args.grad_accum * accelerator.num_processes
-                if router_weight:  # the router's loss: its mean over micro-batches and ranks, as the backward scales it
-                    objective = objective + router_weight * router_loss
-                    step_router_loss += router_loss.detach()
-                accelerator.backward(objective)
-        grad_norm = accelerator.clip_grad_norm_(parameters, args.max_grad_norm)
+        if stages:  # pipeline parallel: the schedule runs each micro-batch's forward and backward, stage by stage
+            with accelerator.autocast():
+                step_loss = stages.train_step(micro_batches, int(step_tokens))
+        else:
+            for batch in micro_batches:
+                with accelerator.accumulate(model):
+                    labels = batch.pop("labels")
+                    if args.liger:  # Liger's fused linear + cross-entropy sums inside the model, never building logits
+                        loss_sum = model(**batch, labels=labels, use_cache=False, num_items_in_batch=1).loss
+                        router_loss = None  # --liger with the router's loss is refused before loading
+                    else:  # no KV cache in training (it would also hide packing)
+                        targets = labels[:, 1:]  # position t predicts token t + 1
+                        # The LM head runs only where some row has a target: prompt and padding positions need
+                        # no logits (with a large vocabulary that saves much of the step's time and memory).
+                        positions = batches.positions_with_targets(targets)
+                        outputs = model(**batch, use_cache=False, logits_to_keep=positions)
+                        logits, router_loss = outputs.logits, outputs.get("aux_loss")  # aux_loss: a mixture of experts'
+                        del outputs
+                        # The loss: cross-entropy of each next token. Prompt and padding tokens are IGNORE and
+                        # count 0; to weight tokens, multiply token_loss by weights laid out like
+                        # targets[:, positions] (flattened) before the sum.
+                        token_loss = torch.nn.functional.cross_entropy(
+                            logits.flatten(0, 1).float(), targets[:, positions].flatten(), ignore_index=batches.IGNORE,
+                            reduction="none")
+                        del logits  # the largest tensor of the step: the backward keeps only what it needs
+                        loss_sum = token_loss.sum()
+                    step_loss += loss_sum.detach()
+                    # The gradient of the global token mean: / step_tokens (every rank's micro-batches), and
+                    # undo accelerate's division by grad_accum and the gradient all-reduce's mean over ranks
+                    # (tensor parallel: each rank of a group counts the group's tokens; the same factor cancels it).
+                    objective = loss_sum / step_tokens * args.grad_accum * accelerator.num_processes
+                    if router_weight:  # the router's loss: its mean over micro-batches and ranks, as the backward scales it
+                        objective = objective + router_weight * router_loss
+                        step_router_loss += router_loss.detach()
+                    accelerator.backward(objective)
+        if stages:  # a pipeline: the norm of the whole model's gradient, every stage's part
+            grad_norm = stages.clip_grad_norm(parameters, args.max_grad_norm)
+        else:
+            grad_norm = accelerator.clip_grad_norm_(parameters, args.max_grad_norm)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad()

@@ -407,7 +407,8 @@ def test_every_strategy_names_an_existing_config():
     assert set(planner.STRATEGIES) == set(planner.SPEED_ORDER) and len(planner.STRATEGIES) == 12
     for config in planner.STRATEGIES.values():
         assert (REPO / config).is_file(), config
-    assert {p.stem for p in CONFIGS.glob("*.yaml")} - {"multi_node"} == {
+    # (pipeline.yaml is planned as a launch with --pipeline-stages, not yet by the planner)
+    assert {p.stem for p in CONFIGS.glob("*.yaml")} - {"multi_node", "pipeline"} == {
         (REPO / c).stem for c in planner.STRATEGIES.values()}
 
 

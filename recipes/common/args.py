@@ -83,6 +83,12 @@ def recipe_parser(doc: str) -> argparse.ArgumentParser:
     add("--gradient-checkpointing", nargs="?", type=int, const=1, default=0, metavar="EVERY_N",
         help="recompute activations in the backward to save memory; bare: every layer, N: every Nth layer "
              "only (selective: less recompute, more memory)")
+    # Pipeline parallel is a flag: accelerate's config files have no pipeline size (accelerate_configs/pipeline.yaml).
+    add("--pipeline-stages", type=int, default=1,
+        help="split the decoder layers into N stages, one per process, and replicate the pipeline over the "
+             "other processes (1: no pipeline)")
+    add("--pipeline-schedule", default="1f1b", choices=("1f1b", "gpipe"),
+        help="how the step's micro-batches (--grad-accum) flow through the stages (default: 1f1b)")
     # Speed: the defaults are the measured winners (docs/speed-options.md); these switch extras on.
     add("--compile", action="store_true", help="torch.compile each decoder layer (regional compilation)")
     add("--liger", action="store_true", help="Liger's Triton kernels (fused cross-entropy, RMSNorm, ...); "

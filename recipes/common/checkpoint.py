@@ -51,7 +51,11 @@ def file_digests(folder: Path) -> dict:
     return digests
 
 
-def save_checkpoint(accelerator, args, step: int) -> Path:
+def save_checkpoint(accelerator, args, step: int) -> Path | None:
+    if getattr(args, "pipeline_stages", 1) > 1:  # refused before loading when asked; here a stop signal
+        if accelerator.is_main_process:
+            print(f"checkpoint: not written at step {step}: pipeline parallel has no checkpoints yet", flush=True)
+        return None
     final = checkpoints_dir(args.output_dir) / f"step-{step}"
     partial = final.with_name(f".step-{step}.partial")
     if accelerator.is_main_process:
@@ -240,7 +244,13 @@ def save_full_model(accelerator, model, tokenizer, path: Path, dtype: str = "aut
     """
     from torch.distributed.tensor import DTensor
 
-    state_dict = accelerator.get_state_dict(model)  # ZeRO-3: None on all but the main process
+    from .evaluation import pipeline_of
+
+    pipe = pipeline_of(model)
+    if pipe:  # each stage holds its layers: rank 0 gathers them
+        state_dict = pipe.gathered_state_dict(model)
+    else:
+        state_dict = accelerator.get_state_dict(model)  # ZeRO-3: None on all but the main process
     split = state_dict is not None and any(isinstance(tensor, DTensor) for tensor in state_dict.values())
     if split:  # the same keys in the same order on every rank: each full_tensor() is a collective
         state_dict = {key: tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
@@ -251,9 +261,15 @@ def save_full_model(accelerator, model, tokenizer, path: Path, dtype: str = "aut
         wanted = getattr(torch, SAVE_DTYPES[dtype])
         state_dict = {key: tensor.to(wanted) if tensor.is_floating_point() else tensor
                       for key, tensor in state_dict.items()}
+    adapter_of_stages = pipe is not None and hasattr(model, "peft_config")
     if accelerator.is_main_process or split:
-        accelerator.unwrap_model(model).save_pretrained(path, state_dict=state_dict, safe_serialization=True,
-                                                        is_main_process=accelerator.is_main_process)
+        accelerator.unwrap_model(model).save_pretrained(
+            path, state_dict=None if adapter_of_stages else state_dict, safe_serialization=True,
+            is_main_process=accelerator.is_main_process)
+    if adapter_of_stages and accelerator.is_main_process:  # rank 0 wrote its stage's adapter: now every stage's
+        from safetensors.torch import save_file
+
+        save_file(state_dict, str(Path(path) / "adapter_model.safetensors"), metadata={"format": "pt"})
     if accelerator.is_main_process and dtype != "auto":
         # config.json says what the files hold (from_pretrained's dtype="auto"); transformers wrote the
         # dtype of the model in memory there
@@ -308,11 +324,17 @@ def save_probe(accelerator, model, batch: dict, output_dir) -> None:
     """Logits of the trained model on a fixed batch, so a reload can be compared with it."""
     from safetensors.torch import save_file
 
-    from .evaluation import probe_logits
+    from .evaluation import pipeline_of, probe_logits
 
     batch = {key: value.to(accelerator.device) for key, value in batch.items()}
-    logits = probe_logits(model, batch)
-    if accelerator.is_main_process:
+    pipe = pipeline_of(model)
+    if pipe:  # the last stage of the first pipeline has the logits: it writes them
+        logits = pipe.forward_only(batch)
+        writer = logits is not None and pipe.layout.replica == 0
+        logits = logits.float().cpu() if writer else None
+    else:
+        logits, writer = probe_logits(model, batch), accelerator.is_main_process
+    if writer:
         save_file({"input_ids": batch["input_ids"].cpu(), "attention_mask": batch["attention_mask"].cpu(),
                    "logits": logits}, str(Path(output_dir) / "probe_logits.safetensors"))
     accelerator.wait_for_everyone()

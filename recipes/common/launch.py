@@ -40,6 +40,7 @@ class Launch:
     offload_parameters: bool = False  # FSDP CPU offload, ZeRO-3 offload_param
     offload_optimizer: bool = False  # ZeRO offload_optimizer
     tensor_parallel: int = 1  # ranks that split each layer's weights (and see the same batches)
+    pipeline_stages: int = 1  # --pipeline-stages: ranks that each run a part of the layers on the same batches
 
     @property
     def shards_parameters(self) -> bool:
@@ -49,8 +50,8 @@ class Launch:
     @property
     def data_parallel_size(self) -> int:
         """Ranks that each train on their own micro-batches: all of them, except that the ranks of a
-        tensor parallel group share theirs."""
-        return self.processes // self.tensor_parallel
+        tensor parallel group, or of a pipeline, share theirs."""
+        return self.processes // self.tensor_parallel // self.pipeline_stages
 
     @property
     def gpus(self) -> int:
@@ -86,6 +87,8 @@ class Launch:
         if self.kind == TENSOR_PARALLEL:
             groups = f"FSDP over {self.data_parallel_size} groups x " if self.data_parallel_size > 1 else ""
             return f"{groups}{self.tensor_parallel}-way tensor parallel"
+        if self.pipeline_stages > 1:
+            return f"{self.pipeline_stages}-stage pipeline x {self.data_parallel_size} replica(s)"
         return self.planner_strategy
 
     def as_record(self) -> dict:

@@ -70,6 +70,7 @@ def check_launch(args, recipe: str):
         refuse(f"--save-dtype {args.save_dtype} sets the dtype of merged/ (and full.py's model/), which this run does "
                "not write: add --merge, or drop --save-dtype (adapter/ keeps the adapter as trained)")
     check_speed_options(args, launch.on_gpu)
+    launch = check_pipeline(args, recipe, launch)
     if launch.kind == TENSOR_PARALLEL:
         check_tensor_parallel(args, recipe, launch)
     batch_line = settle_batch(args, recipe, launch)  # --batch-size auto, --global-batch-size
@@ -111,6 +112,40 @@ def check_launch(args, recipe: str):
     refuse_if_disk_too_small(args, recipe)
     announce_plan(args, recipe, launch)
     return launch
+
+
+def check_pipeline(args, recipe: str, launch):
+    """--pipeline-stages N: what a pipeline cannot run yet, refused before loading; the launch with its stages."""
+    stages = args.pipeline_stages
+    if stages == 1:
+        return launch
+    from dataclasses import replace
+
+    from .launch import DDP
+    from .pipeline import check_layout
+
+    config = "accelerate_configs/pipeline.yaml"
+    if launch.kind != DDP:
+        refuse(f"--pipeline-stages runs on a plain multi-process launch ({config}), not on "
+               f"{launch.name}; FSDP, DeepSpeed or tensor parallel within a stage are not built")
+    config_dict = model_config(args.model) or {}
+    layers = config_dict.get("num_hidden_layers") or (config_dict.get("text_config") or {}).get("num_hidden_layers")
+    check_layout(stages, launch.processes, layers)
+    for flag, value in (("--resume", args.resume), ("--save-every", args.save_every)):
+        if value:
+            refuse(f"{flag}: pipeline parallel writes no checkpoints yet; drop {flag}, or train with "
+                   "accelerate_configs/model_parallel.yaml or fsdp.yaml")
+    if args.batch_size == "auto":
+        refuse("--batch-size auto does not plan pipeline stages yet; give --batch-size N")
+    if args.liger:
+        refuse("--liger's fused loss runs inside the whole model's forward; drop --liger with --pipeline-stages")
+    if recipe == "full" and config_dict.get("tie_word_embeddings"):
+        refuse(f"{args.model} ties its LM head to its embedding, which pipeline stages would hold apart on the "
+               "first and last stage; train it with recipes/lora.py, or with fsdp.yaml")
+    if config_dict.get("output_router_logits"):
+        refuse("a mixture of experts' router loss is not carried through pipeline stages; set "
+               "output_router_logits false in the model's config, or use fsdp.yaml")
+    return replace(launch, pipeline_stages=stages)
 
 
 def check_strategy(args, recipe: str, launch) -> None:
@@ -512,6 +547,9 @@ def announce_plan(args, recipe: str, launch) -> None:
         print(f"plan: skipped ({reason})", flush=True)
         return
     strategy, gpus = launch.planner_strategy, launch.gpus
+    if launch.pipeline_stages > 1:
+        print("plan: skipped (scripts/plan.py does not plan pipeline stages yet)", flush=True)
+        return
     try:
         need = planner.per_gpu_bytes(shape, recipe, strategy, gpus, batch_size=args.batch_size, **inputs)
     except ValueError as error:  # e.g. LoRA targets the planner does not know

@@ -15,6 +15,12 @@ def sample_generations(accelerator, launch, model, tokenizer, eval_set, output_d
                        max_new_tokens: int = 32) -> list[dict]:
     """Greedy answers of the trained model to the first evaluation prompts; printed and saved
     to samples.jsonl. Every rank generates (sharded weights need every rank's forward)."""
+    from .evaluation import pipeline_of
+
+    if pipeline_of(model):  # generating token by token through the stages is not built
+        if accelerator.is_main_process:
+            print("samples: skipped under pipeline parallel (the evaluation and the saved model are complete)")
+        return []
     generator = accelerator.unwrap_model(model)
     generator.eval()
     # Eager even under --compile: each new KV-cache length and layer index would be another graph,

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from .evaluation import pipeline_of
 from .modeling import parameter_counts
 
 LIBRARIES = ("torch", "transformers", "accelerate", "peft", "datasets", "bitsandbytes", "deepspeed")
@@ -166,6 +167,9 @@ class RunLog:
             "strategy": ran,
             "versions": library_versions(),
         }
+        pipe = pipeline_of(model)
+        if pipe:  # the counts above are this rank's stage; the layout says which layers each rank holds
+            self.record["pipeline"] = pipe.record()
         if self.accelerator.log_with:
             # Trackers get the same numbers as metrics.jsonl; their config only takes plain values.
             config = {key: value for key, value in vars(self.args).items()
@@ -177,7 +181,8 @@ class RunLog:
             share = self.held_parameters / max(counts["total"], 1)
             self.say(
                 f"{self.recipe}: {self.accelerator.distributed_type.value} x {self.accelerator.num_processes} "
-                f"process(es){f' ({self.launch.name})' if self.launch.kind == 'tensor_parallel' else ''}, {ran['precision']} precision, {counts['total']:,} parameters "
+                f"process(es){f' ({self.launch.name})' if self.launch.name != self.launch.planner_strategy else ''}, "
+                f"{ran['precision']} precision, {counts['total']:,} parameters "
                 f"({counts['trainable']:,} trainable, rank 0 holds {share:.0%}), data format: {data_format}"
             )
 

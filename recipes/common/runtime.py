@@ -201,8 +201,9 @@ class StepSync:
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
-    def __init__(self, accelerator):
+    def __init__(self, accelerator, counts_tokens: bool = True):
         self.accelerator = accelerator
+        self.counts_tokens = counts_tokens  # False: a rank whose batches another rank counts (pipeline stages)
         self.received = None
         self.signal_name = None
         for signum in self.SIGNALS:
@@ -213,7 +214,7 @@ class StepSync:
 
     def local_tokens(self, micro_batches) -> torch.Tensor:
         zero = torch.zeros((), dtype=torch.int64, device=self.accelerator.device)
-        return sum((target_tokens(b).to(zero.device) for b in micro_batches), zero)
+        return sum((target_tokens(b).to(zero.device) for b in micro_batches if self.counts_tokens), zero)
 
     def count_tokens(self, micro_batches) -> torch.Tensor:
         """The target tokens of these micro-batches on all ranks (an all-reduce: every rank calls it)."""

@@ -1,0 +1,390 @@
+"""Pipeline parallel: the decoder's layers in contiguous stages, one per process, the step's
+micro-batches flowing through them under `torch.distributed.pipelining`'s schedules (1F1B by
+default, GPipe), and pipelines replicated over the remaining processes (pipeline x data parallel).
+
+The model is split by module, not traced (tracing fails on models with rotary embeddings): every
+process keeps the Hugging Face model whole in structure, with the layers it does not run replaced
+by a pass-through, the embedding only on the first stage and the final norm and LM head only on
+the last. Each stage then calls the model's own forward, so its causal and padding masks, packed
+rows' `position_ids` and rotary embeddings are computed exactly as in one process, and the layers
+it holds keep their names (`model.layers.12...`): saving needs no renaming.
+
+The ranks of one pipeline read the same micro-batches; only the hidden states travel between
+stages. The loss is computed on the last stage, summed over target tokens and divided by the
+target tokens of the whole global batch, as in every other strategy, and the replicas' gradients
+are summed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .batches import IGNORE
+from .evaluation import PIPELINE, batch_figures
+from .refusal import refuse
+
+SCHEDULES = ("1f1b", "gpipe")
+
+
+@dataclass(frozen=True)
+class PipelineLayout:
+    """Where this process sits: `stages` stages x `replicas` pipelines; rank = replica * stages + stage."""
+
+    stages: int
+    replicas: int
+    rank: int
+    layers: int  # decoder layers of the model
+
+    @property
+    def stage(self) -> int:
+        return self.rank % self.stages
+
+    @property
+    def replica(self) -> int:
+        return self.rank // self.stages
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.stages - 1
+
+    def layer_range(self, stage: int | None = None) -> range:
+        """The contiguous layers of `stage` (default: this one): the first `layers % stages` stages get
+        one more, as `device_map="auto"` balances model parallel."""
+        stage = self.stage if stage is None else stage
+        base, extra = divmod(self.layers, self.stages)
+        start = stage * base + min(stage, extra)
+        return range(start, start + base + (1 if stage < extra else 0))
+
+    def as_record(self) -> dict:
+        return {"stages": self.stages, "replicas": self.replicas, "stage": self.stage, "replica": self.replica,
+                "layers": [self.layer_range(s)[0] if self.layer_range(s) else None for s in range(self.stages)],
+                "layers_of_this_rank": [self.layer_range().start, self.layer_range().stop - 1]}
+
+
+def check_layout(stages: int, processes: int, layers: int | None = None) -> None:
+    """One line before the model loads when the sizes cannot work."""
+    if stages < 1:
+        refuse(f"--pipeline-stages must be >= 1, not {stages}")
+    if processes % stages:
+        refuse(f"--pipeline-stages {stages} does not divide the {processes} processes: launch a multiple of "
+               f"{stages} (each pipeline of {stages} stages is replicated over the rest)")
+    if layers is not None and stages > layers:
+        refuse(f"--pipeline-stages {stages} is more than the model's {layers} decoder layers: use at most {layers}")
+
+
+class PassThrough(torch.nn.Module):
+    """A decoder layer this stage does not run: its input is its output."""
+
+    def forward(self, hidden_states, *args, **kwargs):
+        return hidden_states
+
+
+def decoder_of(model):
+    """The decoder (embedding, layers, norm) of a causal LM, inside peft's wrapper too."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return base, base.get_decoder()
+
+
+class StageModule(torch.nn.Module):
+    """One stage of a Hugging Face causal LM. The batch keys other than the input (the padding mask,
+    packed rows' position ids) are not sent between stages: every rank of a pipeline holds the step's
+    micro-batches (`begin_step`) and takes them in order, as the schedules run forwards in order."""
+
+    def __init__(self, model, layout: PipelineLayout):
+        super().__init__()
+        self.model = model
+        self.layout = layout
+        self.micro_batches: list[dict] = []
+        self.index = 0  # the micro-batch being computed, set by `Stage.forward_one_chunk`
+        base, decoder = decoder_of(model)
+        kept = layout.layer_range()
+        for index in range(len(decoder.layers)):
+            if index not in kept:
+                decoder.layers[index] = PassThrough()
+        if not layout.is_first:
+            decoder.embed_tokens = None  # the hidden states arrive from the previous stage
+        if not layout.is_last:
+            decoder.norm = torch.nn.Identity()
+            base.set_output_embeddings(None) if hasattr(base, "set_output_embeddings") else None
+        self.base, self.decoder = base, decoder
+
+    def begin_step(self, micro_batches: list[dict]) -> None:
+        self.micro_batches, self.index = micro_batches, 0
+
+    def forward(self, inputs):
+        batch = self.micro_batches[self.index]  # (the stage's first, shape-finding forward: micro-batch 0)
+        extra = {key: batch[key].to(inputs.device) for key in ("attention_mask", "position_ids") if key in batch}
+        given = {"input_ids": inputs} if self.layout.is_first else {"inputs_embeds": inputs}
+        hidden = self.decoder(**given, **extra, use_cache=False).last_hidden_state
+        return self.base.lm_head(hidden) if self.layout.is_last else hidden
+
+
+def process_groups(layout: PipelineLayout):
+    """(this pipeline's group, this stage's group across the replicas). Every rank creates every group,
+    in the same order, as torch.distributed requires."""
+    pipeline_group = stage_group = None
+    for replica in range(layout.replicas):
+        ranks = [replica * layout.stages + s for s in range(layout.stages)]
+        group = dist.new_group(ranks)
+        if layout.replica == replica:
+            pipeline_group = group
+    for stage in range(layout.stages):
+        ranks = [r * layout.stages + stage for r in range(layout.replicas)]
+        group = dist.new_group(ranks)
+        if layout.stage == stage:
+            stage_group = group
+    return pipeline_group, stage_group
+
+
+def _stage_class():
+    from torch.distributed.pipelining import PipelineStage
+
+    class Stage(PipelineStage):
+        """Tells the stage's module which micro-batch the schedule computes next."""
+
+        def forward_one_chunk(self, fwd_chunk_id, *args, **kwargs):
+            self.submod.index = fwd_chunk_id
+            return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+
+    return Stage
+
+
+def pad_micro_batch(batch: dict, length: int, pad_token_id: int) -> dict:
+    """`batch` padded on the right to `length` tokens, as `batches.PadToLongest` pads (the schedules
+    split one tensor into equal micro-batches, and a stage's buffers have one shape)."""
+    pad = length - batch["input_ids"].shape[1]
+    if pad == 0:
+        return batch
+    rows = batch["input_ids"].shape[0]
+    padded = {"input_ids": torch.cat([batch["input_ids"], batch["input_ids"].new_full((rows, pad), pad_token_id)], 1),
+              "labels": torch.cat([batch["labels"], batch["labels"].new_full((rows, pad), IGNORE)], 1)}
+    if "attention_mask" in batch:
+        padded["attention_mask"] = torch.cat([batch["attention_mask"], batch["attention_mask"].new_zeros((rows, pad))], 1)
+    if "position_ids" in batch:  # packed rows: the padding is a row of its own
+        tail = torch.arange(pad, dtype=batch["position_ids"].dtype).expand(rows, pad)
+        padded["position_ids"] = torch.cat([batch["position_ids"], tail], 1)
+    return padded
+
+
+# A step's micro-batches are padded to a multiple of this many tokens, so that few shapes (each with its
+# own stage buffers) occur.
+LENGTH_MULTIPLE = 64
+
+
+class Pipeline:
+    """Runs one optimizer step's micro-batches through the stages (`train_step`), averages nothing
+    itself: the loss of each micro-batch is its summed token loss / the global batch's target tokens."""
+
+    def __init__(self, model, layout: PipelineLayout, device, schedule: str, micro_batches: int, pad_token_id: int):
+        self.layout = layout
+        self.device = torch.device(device)
+        self.module = StageModule(model, layout).to(self.device)
+        self.pipeline_group, self.stage_group = process_groups(layout)
+        self.schedule_name, self.micro_batches, self.pad_token_id = schedule, micro_batches, pad_token_id
+        self.schedules: dict[tuple[int, int], object] = {}  # (rows, tokens) of a micro-batch -> its schedule
+        self.step_tokens = 1
+        self.loss_sums: dict[int, torch.Tensor] = {}
+
+    @property
+    def bubble(self) -> float:
+        """The share of a step each stage waits (1F1B and GPipe): (p - 1) / (m + p - 1)."""
+        p, m = self.layout.stages, self.micro_batches
+        return (p - 1) / (m + p - 1)
+
+    def describe(self) -> str:
+        layers = ", ".join(f"{r.start}-{r.stop - 1}" for r in map(self.layout.layer_range, range(self.layout.stages)))
+        line = (f"{self.layout.stages} stages x {self.layout.replicas} replica(s), {self.schedule_name}, "
+                f"{self.micro_batches} micro-batches per step; layers by stage: {layers}; each stage idles "
+                f"{self.bubble:.0%} of a step")
+        if self.micro_batches < self.layout.stages:
+            line += f" (fewer micro-batches than stages: --grad-accum {2 * self.layout.stages} would idle " \
+                    f"{(self.layout.stages - 1) / (3 * self.layout.stages - 1):.0%})"
+        return line
+
+    def record(self) -> dict:
+        """run.json's `pipeline`: the layout, the schedule, which layers each stage holds."""
+        return {"stages": self.layout.stages, "replicas": self.layout.replicas, "schedule": self.schedule_name,
+                "micro_batches": self.micro_batches, "bubble": round(self.bubble, 4),
+                "layers_by_stage": [[r.start, r.stop - 1] for r in map(self.layout.layer_range, range(self.layout.stages))],
+                "rank_layout": "rank = replica * stages + stage"}
+
+    def shard(self, accelerator, loader, every_pipeline: bool = False):
+        """`loader`'s batches for this pipeline: split over the replicas (the ranks of a pipeline read the
+        same ones), or all of them for every pipeline (`every_pipeline`: evaluation)."""
+        from accelerate.data_loader import prepare_data_loader
+
+        replicas, replica = (1, 0) if every_pipeline else (self.layout.replicas, self.layout.replica)
+        return prepare_data_loader(loader, device=accelerator.device, num_processes=replicas, process_index=replica,
+                                   put_on_device=True, use_seedable_sampler=True,
+                                   non_blocking=accelerator.device.type == "cuda")
+
+    def counts_tokens(self) -> bool:
+        """Only the last stages count target tokens (every stage of a pipeline holds the same batches)."""
+        return self.layout.is_last
+
+    def schedule_for(self, shape: tuple[int, int]):
+        """The stage and schedule for micro-batches of this shape (built once per shape)."""
+        if shape not in self.schedules:
+            from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+
+            stage = _stage_class()(self.module, self.layout.stage, self.layout.stages, self.device,
+                                   group=self.pipeline_group)
+            kind = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[self.schedule_name]
+            self.schedules[shape] = kind(stage, n_microbatches=self.micro_batches, loss_fn=self.loss,
+                                         scale_grads=False)
+        return self.schedules[shape]
+
+    def loss(self, logits, labels):
+        """The micro-batch's summed next-token loss over the global batch's target tokens."""
+        token_loss = torch.nn.functional.cross_entropy(
+            logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=IGNORE, reduction="sum")
+        # by micro-batch: the stage's first, shape-finding forward (micro-batch 0 again) is overwritten
+        self.loss_sums[self.module.index] = token_loss.detach()
+        return token_loss / self.step_tokens
+
+    def train_step(self, micro_batches: list[dict], step_tokens: int) -> torch.Tensor:
+        """Forward and backward of the step's micro-batches; the summed token loss (0 but on the last stage)."""
+        longest = max(b["input_ids"].shape[1] for b in micro_batches)
+        length = -(-longest // LENGTH_MULTIPLE) * LENGTH_MULTIPLE
+        micro_batches = [pad_micro_batch(b, length, self.pad_token_id) for b in micro_batches]
+        self.module.begin_step(micro_batches)
+        self.step_tokens = step_tokens
+        self.loss_sums = {}
+        schedule = self.schedule_for(tuple(micro_batches[0]["input_ids"].shape))
+        inputs = torch.cat([b["input_ids"] for b in micro_batches]).to(self.device)
+        labels = torch.cat([b["labels"] for b in micro_batches]).to(self.device)
+        if self.layout.is_first and self.layout.is_last:
+            schedule.step(inputs, target=labels)
+        elif self.layout.is_first:
+            schedule.step(inputs)
+        elif self.layout.is_last:
+            schedule.step(target=labels)
+        else:
+            schedule.step()
+        self.sum_replica_gradients([p for p in self.module.parameters() if p.requires_grad])
+        return torch.stack(list(self.loss_sums.values())).sum() if self.loss_sums else torch.zeros((), device=self.device)
+
+    def sum_replica_gradients(self, parameters) -> None:
+        """The replicas' gradients of each stage summed (each is already over the global batch's tokens)."""
+        grads = [p.grad for p in parameters if p.grad is not None]
+        if self.layout.replicas == 1 or not grads:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=self.stage_group)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+    def clip_grad_norm(self, parameters, max_norm: float) -> torch.Tensor:
+        """The norm of the whole model's gradient (every stage's part), and clip by it."""
+        grads = [p.grad for p in parameters if p.grad is not None]
+        local = sum((g.detach().float().pow(2).sum() for g in grads), torch.zeros((), device=self.device))
+        dist.all_reduce(local, group=self.pipeline_group)
+        total = local.sqrt()
+        if max_norm and math.isfinite(max_norm):
+            scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
+            for g in grads:
+                g.mul_(scale.to(g.dtype))
+        return total
+
+    # ------------------------------------------------------------------ forward only (evaluation, probe)
+
+    def _peer(self, step: int) -> int:
+        return self.layout.replica * self.layout.stages + self.layout.stage + step
+
+    def forward_only(self, batch: dict):
+        """The logits of `batch` on the last stage (None on the others): each stage's output sent to the
+        next, its dtype and shape first."""
+        self.module.begin_step([batch])
+        with torch.no_grad():
+            if self.layout.is_first:
+                inputs = batch["input_ids"].to(self.device)
+            else:
+                header = torch.zeros(5, dtype=torch.int64, device=self.device)
+                dist.recv(header, src=self._peer(-1))
+                dtype = DTYPES[int(header[0])]
+                inputs = torch.empty([int(n) for n in header[1:4]], dtype=dtype, device=self.device)
+                dist.recv(inputs, src=self._peer(-1))
+            output = self.module(inputs)
+            if self.layout.is_last:
+                return output
+            header = torch.tensor([DTYPES.index(output.dtype), *output.shape, 0], dtype=torch.int64, device=self.device)
+            dist.send(header, dst=self._peer(1))
+            dist.send(output.contiguous(), dst=self._peer(1))
+        return None
+
+    def evaluate(self, eval_loader) -> dict:
+        """`evaluation.evaluate`'s figures: every pipeline runs every batch, the first pipeline's last stage
+        counts them, and one all-reduce tells every rank."""
+        self.module.eval()
+        totals = torch.zeros(4, dtype=torch.float64, device=self.device)
+        for batch in eval_loader:
+            logits = self.forward_only(batch)
+            if logits is not None and self.layout.replica == 0:
+                totals += batch_figures(logits.float(), batch["labels"][:, 1:].to(self.device))
+        self.module.train()
+        dist.all_reduce(totals)
+        loss_sum, tokens, exact, rows = totals.tolist()
+        return {"eval_loss": loss_sum / max(tokens, 1), "eval_exact_match": exact / max(rows, 1)}
+
+    # ------------------------------------------------------------------ export
+
+    def gathered_state_dict(self, model) -> dict | None:
+        """The whole model's state dict on rank 0 (None elsewhere), gathered from the first pipeline's
+        stages, whose keys are the model's own (a stage keeps its layers' names). Of a peft model: the
+        adapter's tensors as peft saves them (peft picks them by the modules of the model it is given,
+        so each stage picks its own)."""
+        if is_peft(model):
+            from peft import get_peft_model_state_dict
+
+            mine = get_peft_model_state_dict(model)
+        else:
+            mine = model.state_dict()
+        mine = {key: value.detach().cpu() for key, value in mine.items()}
+        if self.layout.replica != 0:
+            return None
+        parts = [None] * self.layout.stages if self.layout.rank == 0 else None
+        dist.gather_object(mine, parts, dst=0, group=self.pipeline_group)
+        if self.layout.rank != 0:
+            return None
+        whole = {}
+        for part in parts:
+            whole.update(part)
+        return whole
+
+
+def is_peft(model) -> bool:
+    return hasattr(model, "peft_config")
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+
+
+
+
+def split(accelerator, launch, args, model, pad_token_id: int) -> Pipeline | None:
+    """Under --pipeline-stages N > 1: keep this process's stage of `model`, build its schedule, and say
+    the layout in one line; None for every other launch."""
+    if launch.pipeline_stages == 1:
+        return None
+    _, decoder = decoder_of(model)
+    layout = PipelineLayout(launch.pipeline_stages, launch.data_parallel_size, accelerator.process_index,
+                            len(decoder.layers))
+    pipe = Pipeline(model, layout, accelerator.device, args.pipeline_schedule, args.grad_accum, pad_token_id)
+    attach(model, pipe)
+    if accelerator.is_main_process:
+        print(f"pipeline: {pipe.describe()}", flush=True)
+    return pipe
+
+
+def attach(model, pipe: Pipeline) -> None:
+    """Mark `model` (this process's stage) as run by `pipe`: evaluation and export ask `pipeline_of(model)`."""
+    setattr(model, PIPELINE, pipe)

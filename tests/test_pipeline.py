@@ -1,0 +1,117 @@
+"""Pipeline parallel (`--pipeline-stages N` on accelerate_configs/pipeline.yaml), through the real
+`accelerate launch` on CPU processes: the same seed and global batch give one process's loss curve,
+evaluation and trained weights, under 1F1B and GPipe, with pipelines replicated (2 stages x 2 replicas);
+the export holds every stage's layers; what cannot run is one line before the model loads."""
+
+from __future__ import annotations
+
+import os
+import sys
+from unittest import mock
+
+import pytest
+
+from conftest import REPO, assert_the_refusal_ends_the_output, launch
+
+sys.path.insert(0, str(REPO / "recipes"))
+from common import preflight  # noqa: E402
+from common.args import parse_args, recipe_flags  # noqa: E402
+from common.launch import DDP, FSDP, Launch  # noqa: E402
+from common.pipeline import PipelineLayout  # noqa: E402
+from common.preflight import Refusal  # noqa: E402
+
+STEPS, GRAD_ACCUM = 3, 4
+
+
+def test_the_layers_go_to_contiguous_stages_the_first_ones_one_more():
+    for layers, stages in ((22, 4), (2, 2), (48, 3), (7, 7)):
+        ranges = [PipelineLayout(stages, 1, 0, layers).layer_range(s) for s in range(stages)]
+        assert [i for r in ranges for i in r] == list(range(layers))
+        sizes = [len(r) for r in ranges]
+        assert max(sizes) - min(sizes) <= 1 and sizes == sorted(sizes, reverse=True)
+    layout = PipelineLayout(2, 2, 3, 22)  # rank 3: the second pipeline's last stage
+    assert (layout.replica, layout.stage, layout.is_first, layout.is_last) == (1, 1, False, True)
+
+
+def one_process_and_pipeline(recipe, tmp_path, schedule, replicas, extra=()):
+    common = ["--max-steps", str(STEPS), "--grad-accum", str(GRAD_ACCUM), "--log-every", "1", *extra]
+    common += ["--lr", "2e-3"] if recipe == "full" else ["--lr", "5e-3", "--lora-dropout", "0"]
+    one = launch(recipe, tmp_path / "one", *common, "--batch-size", str(2 * replicas), processes=1)
+    assert one.returncode == 0, one.output[-3000:]
+    piped = launch(recipe, tmp_path / "pipeline", *common, "--batch-size", "2", "--pipeline-stages", "2",
+                   "--pipeline-schedule", schedule, config="pipeline", processes=2 * replicas)
+    assert piped.returncode == 0, piped.output[-3000:]
+    return one, piped
+
+
+@pytest.mark.parametrize("recipe, schedule, replicas", [("lora", "1f1b", 1), ("full", "gpipe", 2)])
+def test_stages_train_as_one_process(recipe, schedule, replicas, tmp_path):
+    import torch
+    from safetensors.torch import load_file
+
+    one, piped = one_process_and_pipeline(recipe, tmp_path, schedule, replicas)
+    assert len(piped.losses()) == STEPS
+    assert piped.losses() == pytest.approx(one.losses(), rel=1e-5)
+    assert piped.metrics("eval")[-1]["eval_loss"] == pytest.approx(one.metrics("eval")[-1]["eval_loss"], rel=1e-5)
+    record = piped.run_json()
+    assert record["pipeline"] == {"stages": 2, "replicas": replicas, "schedule": schedule,
+                                  "micro_batches": GRAD_ACCUM, "bubble": 0.2, "layers_by_stage": [[0, 0], [1, 1]],
+                                  "rank_layout": "rank = replica * stages + stage"}
+    assert record["launch"]["pipeline_stages"] == 2 and record["batch"]["global_batch_size"] == 2 * GRAD_ACCUM * replicas
+    assert f"pipeline: 2 stages x {replicas} replica(s), {schedule}, 4 micro-batches per step" in piped.output
+    # the export holds every stage's tensors (each rank held half the layers), trained as one process trained them
+    name = "model/model.safetensors" if recipe == "full" else "adapter/adapter_model.safetensors"
+    ours, theirs = load_file(piped.output_dir / name), load_file(one.output_dir / name)
+    assert set(ours) == set(theirs) and any(".layers.1." in key for key in ours)
+    probe = load_file(piped.output_dir / "probe_logits.safetensors")  # the trained stages' logits
+    from transformers import AutoModelForCausalLM
+
+    if recipe == "full":
+        model = AutoModelForCausalLM.from_pretrained(piped.output_dir / "model")
+    else:
+        from peft import PeftModel
+
+        base = AutoModelForCausalLM.from_pretrained(piped.run_json()["base_model"])
+        model = PeftModel.from_pretrained(base, piped.output_dir / "adapter")
+    with torch.no_grad():  # the saved files compute what the stages computed
+        logits = model(input_ids=probe["input_ids"], attention_mask=probe["attention_mask"]).logits
+    assert torch.allclose(logits, probe["logits"], atol=1e-5)
+
+def args_of(*argv: str, recipe: str = "lora"):
+    return parse_args(recipe_flags(recipe), list(argv))
+
+
+def plain(processes: int, kind: str = DDP) -> Launch:
+    return Launch(kind, processes=processes, on_gpu=False, visible_gpus=0, precision="no")
+
+
+@pytest.mark.parametrize("argv, launched, message", [
+    (["--pipeline-stages", "3"], plain(4), "--pipeline-stages 3 does not divide the 4 processes"),
+    (["--pipeline-stages", "4"], plain(4), "--pipeline-stages 4 is more than the model's 2 decoder layers"),
+    (["--pipeline-stages", "2"], plain(2, FSDP), "--pipeline-stages runs on a plain multi-process launch "
+                                                 r"\(accelerate_configs/pipeline.yaml\), not on fsdp"),
+    (["--pipeline-stages", "2", "--save-every", "5"], plain(2), "--save-every: pipeline parallel writes no checkpoints"),
+    (["--pipeline-stages", "2", "--resume", "auto"], plain(2), "--resume: pipeline parallel writes no checkpoints"),
+    (["--pipeline-stages", "2", "--batch-size", "auto"], plain(2), "--batch-size auto does not plan pipeline stages"),
+    (["--pipeline-stages", "0"], plain(2), "--pipeline-stages must be >= 1"),
+])
+def test_what_a_pipeline_cannot_run_is_one_line(argv, launched, message):
+    with pytest.raises(Refusal, match=message):
+        preflight.check_pipeline(args_of(*argv), "lora", launched)
+
+
+def test_one_stage_is_no_pipeline():
+    assert preflight.check_pipeline(args_of(), "lora", plain(2)) == plain(2)
+    staged = preflight.check_pipeline(args_of("--pipeline-stages", "2"), "lora", plain(4))
+    assert staged.pipeline_stages == 2 and staged.data_parallel_size == 2
+    assert staged.name == "2-stage pipeline x 2 replica(s)"
+
+
+def test_a_refused_pipeline_ends_the_launchers_output(tmp_path):
+    with mock.patch.dict(os.environ):
+        run = launch("lora", tmp_path / "out", "--pipeline-stages", "3", "--max-steps", "1", config="pipeline",
+                     processes=3)
+    refusal = "error: --pipeline-stages 3 is more than the model's 2 decoder layers: use at most 2"
+    assert run.returncode != 0
+    assert_the_refusal_ends_the_output(run.output, refusal)
+    assert "Loading weights" not in run.output  # before the model loads
