@@ -109,6 +109,24 @@ def tiny_model():
     return TINY_MODEL
 
 
+@pytest.fixture(scope="session")
+def tinyllama():
+    """The planner's shape of TinyLlama-1.1B (from data/model_configs/)."""
+    sys.path.insert(0, str(REPO / "recipes"))
+    import planner
+
+    return planner.load_shape("tinyllama-1.1b")
+
+
+@pytest.fixture(scope="session")
+def codellama():
+    """The planner's shape of CodeLlama-34B (from data/model_configs/)."""
+    sys.path.insert(0, str(REPO / "recipes"))
+    import planner
+
+    return planner.load_shape("codellama-34b")
+
+
 def assert_no_traceback_of_ours(output: str) -> None:
     """A refusal is one line: no frame of the recipes (the launcher may still report the exit code)."""
     assert "recipes/" not in "\n".join(line for line in output.splitlines() if line.strip().startswith("File ")), output[-3000:]

@@ -26,16 +26,6 @@ PLAN = REPO / "scripts" / "plan.py"
 GIB = planner.GiB
 
 
-@pytest.fixture(scope="module")
-def tinyllama():
-    return planner.load_shape("tinyllama-1.1b")
-
-
-@pytest.fixture(scope="module")
-def codellama():
-    return planner.load_shape("codellama-34b")
-
-
 def tiny_llama_model(layers: int | None = None, attention: str = "sdpa"):
     from transformers import LlamaConfig, LlamaForCausalLM
 

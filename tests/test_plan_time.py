@@ -24,16 +24,6 @@ PLAN = REPO / "scripts" / "plan.py"
 REFERENCE = planner.Machine.of("rtx6000-ada")
 
 
-@pytest.fixture(scope="module")
-def tinyllama():
-    return planner.load_shape("tinyllama-1.1b")
-
-
-@pytest.fixture(scope="module")
-def codellama():
-    return planner.load_shape("codellama-34b")
-
-
 def epoch(shape, strategy, batch, accum, checkpointing=0, machine=REFERENCE, method="lora", gpus=4, seq_len=1024):
     step = planner.step_time(shape, method, strategy, gpus, machine, batch, accum, seq_len, checkpointing)
     return planner.epoch_time(step, 1024)
