@@ -44,12 +44,13 @@ def one_process_and_pipeline(recipe, tmp_path, schedule, replicas, extra=()):
     return one, piped
 
 
-@pytest.mark.parametrize("recipe, schedule, replicas", [("lora", "1f1b", 1), ("full", "gpipe", 2)])
-def test_stages_train_as_one_process(recipe, schedule, replicas, tmp_path):
+@pytest.mark.parametrize("recipe, schedule, replicas, packing", [("lora", "1f1b", 1, True), ("full", "gpipe", 2, False)])
+def test_stages_train_as_one_process(recipe, schedule, replicas, packing, tmp_path):
+    """Packed rows (their position_ids) and padded rows (their attention mask) reach every stage."""
     import torch
     from safetensors.torch import load_file
 
-    one, piped = one_process_and_pipeline(recipe, tmp_path, schedule, replicas)
+    one, piped = one_process_and_pipeline(recipe, tmp_path, schedule, replicas, ["--packing"] if packing else [])
     assert len(piped.losses()) == STEPS
     assert piped.losses() == pytest.approx(one.losses(), rel=1e-5)
     assert piped.metrics("eval")[-1]["eval_loss"] == pytest.approx(one.metrics("eval")[-1]["eval_loss"], rel=1e-5)
