@@ -1,7 +1,8 @@
 """Pipeline parallel (`--pipeline-stages N` on accelerate_configs/pipeline.yaml), through the real
 `accelerate launch` on CPU processes: the same seed and global batch give one process's loss curve,
 evaluation and trained weights, under 1F1B and GPipe, with pipelines replicated (2 stages x 2 replicas);
-the export holds every stage's layers; what cannot run is one line before the model loads."""
+the export holds every stage's layers; a resumed run continues the same curve; what cannot run is one
+line before the model loads."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from common.launch import DDP, FSDP, Launch  # noqa: E402
 from common.pipeline import PipelineLayout  # noqa: E402
 from common.preflight import Refusal  # noqa: E402
 
-STEPS, GRAD_ACCUM = 3, 4
+STEPS, GRAD_ACCUM, SAVE_EVERY = 3, 4, 2
 
 
 def test_the_layers_go_to_contiguous_stages_the_first_ones_one_more():
@@ -33,24 +34,40 @@ def test_the_layers_go_to_contiguous_stages_the_first_ones_one_more():
     assert (layout.replica, layout.stage, layout.is_first, layout.is_last) == (1, 1, False, True)
 
 
-def one_process_and_pipeline(recipe, tmp_path, schedule, replicas, extra=()):
-    common = ["--max-steps", str(STEPS), "--grad-accum", str(GRAD_ACCUM), "--log-every", "1", *extra]
-    common += ["--lr", "2e-3"] if recipe == "full" else ["--lr", "5e-3", "--lora-dropout", "0"]
-    one = launch(recipe, tmp_path / "one", *common, "--batch-size", str(2 * replicas), processes=1)
-    assert one.returncode == 0, one.output[-3000:]
-    piped = launch(recipe, tmp_path / "pipeline", *common, "--batch-size", "2", "--pipeline-stages", "2",
-                   "--pipeline-schedule", schedule, config="pipeline", processes=2 * replicas)
-    assert piped.returncode == 0, piped.output[-3000:]
-    return one, piped
+CASES = {"lora": ("1f1b", 1, ["--packing"]), "full": ("gpipe", 2, [])}  # recipe: schedule, replicas, extra flags
 
 
-@pytest.mark.parametrize("recipe, schedule, replicas, packing", [("lora", "1f1b", 1, True), ("full", "gpipe", 2, False)])
-def test_stages_train_as_one_process(recipe, schedule, replicas, packing, tmp_path):
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """`runs(recipe)`: (one process, the pipeline) with the same seed and global batch, launched once."""
+    done = {}
+
+    def run(recipe: str):
+        if recipe not in done:
+            schedule, replicas, extra = CASES[recipe]
+            folder = tmp_path_factory.mktemp(f"pipeline-{recipe}")
+            common = ["--max-steps", str(STEPS), "--grad-accum", str(GRAD_ACCUM), "--log-every", "1", *extra,
+                      "--save-every", str(SAVE_EVERY)]
+            common += ["--lr", "2e-3"] if recipe == "full" else ["--lr", "5e-3", "--lora-dropout", "0"]
+            one = launch(recipe, folder / "one", *common, "--batch-size", str(2 * replicas), processes=1)
+            assert one.returncode == 0, one.output[-3000:]
+            piped = launch(recipe, folder / "pipeline", *common, "--batch-size", "2", "--pipeline-stages", "2",
+                           "--pipeline-schedule", schedule, config="pipeline", processes=2 * replicas)
+            assert piped.returncode == 0, piped.output[-3000:]
+            done[recipe] = one, piped, common
+        return done[recipe]
+
+    return run
+
+
+@pytest.mark.parametrize("recipe", CASES)
+def test_stages_train_as_one_process(recipe, runs):
     """Packed rows (their position_ids) and padded rows (their attention mask) reach every stage."""
     import torch
     from safetensors.torch import load_file
 
-    one, piped = one_process_and_pipeline(recipe, tmp_path, schedule, replicas, ["--packing"] if packing else [])
+    schedule, replicas, _ = CASES[recipe]
+    one, piped, _ = runs(recipe)
     assert len(piped.losses()) == STEPS
     assert piped.losses() == pytest.approx(one.losses(), rel=1e-5)
     assert piped.metrics("eval")[-1]["eval_loss"] == pytest.approx(one.metrics("eval")[-1]["eval_loss"], rel=1e-5)
@@ -78,6 +95,27 @@ def test_stages_train_as_one_process(recipe, schedule, replicas, packing, tmp_pa
         logits = model(input_ids=probe["input_ids"], attention_mask=probe["attention_mask"]).logits
     assert torch.allclose(logits, probe["logits"], atol=1e-5)
 
+def test_a_resumed_pipeline_continues_the_same_curve(runs, tmp_path):
+    """Each stage's weights and optimizer state, the schedule and every rank's random state come back."""
+    import shutil
+
+    from common import checkpoint
+
+    _, piped, common = runs("lora")
+    saved = piped.output_dir / "checkpoints" / f"step-{SAVE_EVERY}"
+    assert sorted(p.name for p in (saved / "pipeline_stages").iterdir()) == ["stage-0.pt", "stage-1.pt"]
+    shutil.copytree(saved, tmp_path / "resumed" / "checkpoints" / saved.name)
+    resumed = launch("lora", tmp_path / "resumed", *common, "--batch-size", "2", "--pipeline-stages", "2",
+                     "--resume", "auto", config="pipeline", processes=2)
+    assert resumed.returncode == 0, resumed.output[-3000:]
+    assert [r["step"] for r in resumed.metrics()] == list(range(SAVE_EVERY + 1, STEPS + 1))
+    assert resumed.losses() == piped.losses()[SAVE_EVERY:]
+    # another split of the layers cannot take these files
+    _, _, refusal = checkpoint.choose_resume(args_of("--output-dir", str(tmp_path / "resumed"), "--resume", "auto",
+                                                     "--lr", "5e-3"))
+    assert "was trained with --pipeline-stages 2, which a resumed run keeps" in refusal
+
+
 def args_of(*argv: str, recipe: str = "lora"):
     return parse_args(recipe_flags(recipe), list(argv))
 
@@ -91,8 +129,7 @@ def plain(processes: int, kind: str = DDP) -> Launch:
     (["--pipeline-stages", "4"], plain(4), "--pipeline-stages 4 is more than the model's 2 decoder layers"),
     (["--pipeline-stages", "2"], plain(2, FSDP), "--pipeline-stages runs on a plain multi-process launch "
                                                  r"\(accelerate_configs/pipeline.yaml\), not on fsdp"),
-    (["--pipeline-stages", "2", "--save-every", "5"], plain(2), "--save-every: pipeline parallel writes no checkpoints"),
-    (["--pipeline-stages", "2", "--resume", "auto"], plain(2), "--resume: pipeline parallel writes no checkpoints"),
+    (["--pipeline-stages", "2", "--liger"], plain(2), "--liger's fused loss runs inside the whole model's forward"),
     (["--pipeline-stages", "2", "--batch-size", "auto"], plain(2), "--batch-size auto does not plan pipeline stages"),
     (["--pipeline-stages", "0"], plain(2), "--pipeline-stages must be >= 1"),
 ])

@@ -51,18 +51,14 @@ def file_digests(folder: Path) -> dict:
     return digests
 
 
-def save_checkpoint(accelerator, args, step: int) -> Path | None:
-    if getattr(args, "pipeline_stages", 1) > 1:  # refused before loading when asked; here a stop signal
-        if accelerator.is_main_process:
-            print(f"checkpoint: not written at step {step}: pipeline parallel has no checkpoints yet", flush=True)
-        return None
+def save_checkpoint(accelerator, args, step: int) -> Path:
     final = checkpoints_dir(args.output_dir) / f"step-{step}"
     partial = final.with_name(f".step-{step}.partial")
     if accelerator.is_main_process:
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
     accelerator.wait_for_everyone()
-    with split_weights_apart(accelerator, partial, saving=True):
+    with split_weights_apart(accelerator, partial, saving=True), stages_apart(accelerator, partial, saving=True):
         accelerator.save_state(str(partial))  # model, optimizer, scheduler, RNG: every rank writes its part
     if os.environ.get("RECIPES_TEST_KILL_DURING_SAVE") == str(step):  # fault-injection hook for the tests
         os.kill(os.getpid(), signal.SIGKILL)
@@ -118,6 +114,41 @@ def split_weights_apart(accelerator, folder: Path, saving: bool):
         accelerator._models, accelerator._optimizers = models, optimizers
 
 
+STAGES_STATE = "pipeline_stages"  # each stage's trained weights and optimizer state
+
+
+@contextmanager
+def stages_apart(accelerator, folder: Path, saving: bool):
+    """Pipeline parallel: each stage's trained weights and optimizer state, written by the first pipeline's
+    ranks (the replicas hold the same) and read by every rank of that stage; accelerate's save_state /
+    load_state do the rest inside (schedule, random states), as for one process. Elsewhere nothing."""
+    from .evaluation import pipeline_of
+
+    pipe = pipeline_of(accelerator)
+    if pipe is None:
+        yield
+        return
+    optimizers = accelerator._optimizers
+    model = pipe.module.model
+    file = folder / STAGES_STATE / f"stage-{pipe.layout.stage}.pt"
+    if saving and pipe.layout.replica == 0:
+        file.parent.mkdir(exist_ok=True)
+        trained = {name: p.detach().cpu() for name, p in model.named_parameters() if p.requires_grad}
+        torch.save({"model": trained, "optimizer": optimizers[0].optimizer.state_dict()}, file)
+    if not saving:
+        state = torch.load(file, map_location="cpu", weights_only=True)
+        parameters = dict(model.named_parameters())
+        with torch.no_grad():
+            for name, value in state["model"].items():
+                parameters[name].copy_(value)
+        optimizers[0].optimizer.load_state_dict(state["optimizer"])
+    accelerator._optimizers = []  # accelerate would write or read the main process's stage only
+    try:
+        yield
+    finally:
+        accelerator._optimizers = optimizers
+
+
 def damage(path: Path) -> str | None:
     """Why the checkpoint at `path` cannot be trusted, or None when every file is as it was written."""
     try:
@@ -138,7 +169,8 @@ def damage(path: Path) -> str | None:
 
 # Flags a resumed run cannot change: the adapter's shape (the checkpoint would not load), and what the
 # optimizer and scheduler states restore over the flag (a new value would be ignored without a word).
-KEPT_SETTINGS = ("lora_r", "lora_alpha", "lora_targets", "bits", "lr", "warmup_ratio", "weight_decay")
+KEPT_SETTINGS = ("lora_r", "lora_alpha", "lora_targets", "bits", "lr", "warmup_ratio", "weight_decay",
+                 "pipeline_stages")
 
 
 def same_model(a: str, b: str) -> bool:
@@ -225,7 +257,7 @@ def resume_from(accelerator, path: Path | None) -> int:
     """Restore the checkpoint `resume_point` chose and return its step (0 when starting fresh)."""
     if path is None:
         return 0
-    with split_weights_apart(accelerator, Path(path), saving=False):
+    with split_weights_apart(accelerator, Path(path), saving=False), stages_apart(accelerator, Path(path), saving=False):
         accelerator.load_state(str(path))
     step = json.loads((Path(path) / STATE_FILE).read_text())["step"]
     if accelerator.is_main_process:

@@ -14,7 +14,8 @@ PIPELINE = "_recipes_pipeline"
 
 
 def pipeline_of(model):
-    """The `pipeline.Pipeline` running `model` (this process's stage), or None for every other strategy."""
+    """The `pipeline.Pipeline` running `model` (this process's stage, or the accelerator), or None for every other
+    strategy."""
     return getattr(model, PIPELINE, None) if model is not None else None
 
 

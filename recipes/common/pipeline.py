@@ -380,11 +380,13 @@ def split(accelerator, launch, args, model, pad_token_id: int) -> Pipeline | Non
                             len(decoder.layers))
     pipe = Pipeline(model, layout, accelerator.device, args.pipeline_schedule, args.grad_accum, pad_token_id)
     attach(model, pipe)
+    attach(accelerator, pipe)  # checkpoints ask the accelerator
     if accelerator.is_main_process:
         print(f"pipeline: {pipe.describe()}", flush=True)
     return pipe
 
 
-def attach(model, pipe: Pipeline) -> None:
-    """Mark `model` (this process's stage) as run by `pipe`: evaluation and export ask `pipeline_of(model)`."""
-    setattr(model, PIPELINE, pipe)
+def attach(owner, pipe: Pipeline) -> None:
+    """Mark `owner` (this process's stage, or the accelerator) as run by `pipe`: evaluation, export and
+    checkpoints ask `pipeline_of(owner)`."""
+    setattr(owner, PIPELINE, pipe)

@@ -131,10 +131,6 @@ def check_pipeline(args, recipe: str, launch):
     config_dict = model_config(args.model) or {}
     layers = config_dict.get("num_hidden_layers") or (config_dict.get("text_config") or {}).get("num_hidden_layers")
     check_layout(stages, launch.processes, layers)
-    for flag, value in (("--resume", args.resume), ("--save-every", args.save_every)):
-        if value:
-            refuse(f"{flag}: pipeline parallel writes no checkpoints yet; drop {flag}, or train with "
-                   "accelerate_configs/model_parallel.yaml or fsdp.yaml")
     if args.batch_size == "auto":
         refuse("--batch-size auto does not plan pipeline stages yet; give --batch-size N")
     if args.liger:
