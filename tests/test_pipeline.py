@@ -12,7 +12,7 @@ from unittest import mock
 
 import pytest
 
-from conftest import REPO, assert_the_refusal_ends_the_output, launch
+from conftest import REPO, assert_the_refusal_ends_the_output, launch, long_test
 
 sys.path.insert(0, str(REPO / "recipes"))
 from common import preflight  # noqa: E402
@@ -60,7 +60,8 @@ def runs(tmp_path_factory):
     return run
 
 
-@pytest.mark.parametrize("recipe", CASES)
+# The 4-process case (2 stages x 2 replicas) is a long test: results/2026-11-26_cpu_pipeline/ holds its run.
+@pytest.mark.parametrize("recipe", [pytest.param("lora"), pytest.param("full", marks=long_test)])
 def test_stages_train_as_one_process(recipe, runs):
     """Packed rows (their position_ids) and padded rows (their attention mask) reach every stage."""
     import torch
@@ -136,6 +137,15 @@ def plain(processes: int, kind: str = DDP) -> Launch:
 def test_what_a_pipeline_cannot_run_is_one_line(argv, launched, message):
     with pytest.raises(Refusal, match=message):
         preflight.check_pipeline(args_of(*argv), "lora", launched)
+
+
+def test_one_f_one_b_needs_a_micro_batch_per_stage():
+    staged = preflight.check_pipeline(args_of("--pipeline-stages", "2"), "full", plain(4))
+    with pytest.raises(Refusal, match="1F1B needs at least as many micro-batches per step as stages: --grad-accum 2 "
+                                      r"or more \(with 4 each stage idles 20% of a step\), or --pipeline-schedule gpipe"):
+        preflight.check_pipeline_micro_batches(args_of("--pipeline-stages", "2", "--grad-accum", "1"), staged)
+    preflight.check_pipeline_micro_batches(args_of("--pipeline-stages", "2", "--grad-accum", "2"), staged)
+    preflight.check_pipeline_micro_batches(args_of("--pipeline-stages", "2", "--pipeline-schedule", "gpipe"), staged)
 
 
 def test_one_stage_is_no_pipeline():

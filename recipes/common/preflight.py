@@ -74,6 +74,7 @@ def check_launch(args, recipe: str):
     if launch.kind == TENSOR_PARALLEL:
         check_tensor_parallel(args, recipe, launch)
     batch_line = settle_batch(args, recipe, launch)  # --batch-size auto, --global-batch-size
+    check_pipeline_micro_batches(args, launch)  # (after --global-batch-size has set --grad-accum)
     if batch_line and int(os.environ.get("RANK", "0")) == 0:
         print(batch_line, flush=True)
 
@@ -142,6 +143,15 @@ def check_pipeline(args, recipe: str, launch):
         refuse("a mixture of experts' router loss is not carried through pipeline stages; set "
                "output_router_logits false in the model's config, or use fsdp.yaml")
     return replace(launch, pipeline_stages=stages)
+
+
+def check_pipeline_micro_batches(args, launch) -> None:
+    """torch's 1F1B needs a micro-batch for every stage to be in flight; GPipe runs fewer (idling more)."""
+    stages = launch.pipeline_stages
+    if stages > 1 and args.pipeline_schedule == "1f1b" and args.grad_accum < stages:
+        refuse(f"1F1B needs at least as many micro-batches per step as stages: --grad-accum {stages} or more (with "
+               f"{2 * stages} each stage idles {(stages - 1) / (3 * stages - 1):.0%} of a step), or "
+               "--pipeline-schedule gpipe")
 
 
 def check_strategy(args, recipe: str, launch) -> None:
