@@ -148,6 +148,55 @@ def test_one_f_one_b_needs_a_micro_batch_per_stage():
     preflight.check_pipeline_micro_batches(args_of("--pipeline-stages", "2", "--pipeline-schedule", "gpipe"), staged)
 
 
+def test_a_model_the_split_cannot_cut_is_named():
+    """The split needs embed_tokens, a list of layers and a norm; and a decoder whose forward takes the
+    previous stage's hidden states unchanged (one that scales its input embeddings would scale twice)."""
+    from types import SimpleNamespace
+
+    import torch
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from common.pipeline import split_changes_the_forward, unstageable
+
+    with init_empty_weights():
+        gpt2 = AutoModelForCausalLM.from_config(AutoConfig.for_model("gpt2", n_layer=2))
+        opt = AutoModelForCausalLM.from_config(AutoConfig.for_model("opt", num_hidden_layers=2))
+    assert unstageable(gpt2) == "GPT2Model has no embed_tokens, layers, norm, layers as a list"
+    assert unstageable(opt) == "OPTDecoder has no norm"
+
+    class Decoder(torch.nn.Module):
+        def __init__(self, scale: float):
+            super().__init__()
+            self.embed_tokens, self.layers, self.scale = torch.nn.Embedding(8, 4), torch.nn.ModuleList([]), scale
+            self.norm = torch.nn.LayerNorm(4)
+
+        def forward(self, input_ids=None, inputs_embeds=None, use_cache=False):
+            hidden = (self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds) * self.scale
+            for layer in self.layers:
+                hidden = layer(hidden)
+            return SimpleNamespace(last_hidden_state=self.norm(hidden))
+
+    class LM(torch.nn.Module):
+        def __init__(self, scale: float = 1.0, softcap: float = 0.0):
+            super().__init__()
+            self.decoder, self.lm_head, self.softcap = Decoder(scale), torch.nn.Linear(4, 8), softcap
+
+        def forward(self, input_ids, use_cache=False):
+            logits = self.lm_head(self.decoder(input_ids).last_hidden_state)
+            return SimpleNamespace(logits=torch.tanh(logits / self.softcap) * self.softcap if self.softcap else logits)
+
+    def problem(lm):
+        return split_changes_the_forward(lm, lm.decoder)
+
+    assert problem(LM()) is None
+    assert "changes the input embeddings" in problem(LM(scale=2.0))
+    assert "a softcap or scale follows the head" in problem(LM(softcap=5.0))
+    llama = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", hidden_size=32, intermediate_size=64,
+                                                                  num_attention_heads=4, num_hidden_layers=2))
+    assert split_changes_the_forward(llama, llama.get_decoder()) is None
+
+
 def test_one_stage_is_no_pipeline():
     assert preflight.check_pipeline(args_of(), "lora", plain(2)) == plain(2)
     staged = preflight.check_pipeline(args_of("--pipeline-stages", "2"), "lora", plain(4))

@@ -93,10 +93,54 @@ def decoder_of(model):
     return base, base.get_decoder()
 
 
+def unstageable(model) -> str | None:
+    """Why `model` cannot be cut into stages here (None: it can): the split needs a decoder with
+    `embed_tokens`, a list of `layers` and a final `norm`, and an `lm_head` (the Llama family: Llama,
+    Mistral, Qwen, Gemma, Phi-3, ...)."""
+    try:
+        base, decoder = decoder_of(model)
+    except (AttributeError, NotImplementedError):
+        return f"{type(model).__name__} names no decoder (get_decoder)"
+    missing = [name for name in ("embed_tokens", "layers", "norm") if not hasattr(decoder, name)]
+    if not isinstance(getattr(decoder, "layers", None), torch.nn.ModuleList):
+        missing.append("layers as a list")
+    if not hasattr(base, "lm_head"):
+        missing.append("lm_head")
+    return f"{type(decoder).__name__} has no {', '.join(dict.fromkeys(missing))}" if missing else None
+
+
+@torch.no_grad()
+def split_changes_the_forward(base, decoder) -> str | None:
+    """What the stages would compute differently from the model's own forward (None: nothing), checked on
+    three tokens with every layer passed through:
+    - a later stage hands the previous stage's output to the decoder as `inputs_embeds`, so the forward
+      must take them as the residual stream unchanged (without its final norm, what goes in comes out);
+      a forward that scales its input embeddings would scale them again;
+    - the last stage computes `lm_head` of the decoder's output, so the model's logits must be just that
+      (no softcapping or scaling after the head)."""
+    layers, norm, training = decoder.layers, decoder.norm, base.training
+    decoder.layers = torch.nn.ModuleList(PassThrough() for _ in layers)
+    base.eval()
+    try:
+        weight = decoder.embed_tokens.weight
+        ids = torch.tensor([[1, 2, 3]], device=weight.device)
+        logits = base(input_ids=ids, use_cache=False).logits
+        if not torch.equal(logits, base.lm_head(decoder(input_ids=ids, use_cache=False).last_hidden_state)):
+            return "its logits are not just lm_head of its last hidden states (a softcap or scale follows the head)"
+        decoder.norm = torch.nn.Identity()
+        given = torch.randn(1, 3, weight.shape[1], dtype=weight.dtype, device=weight.device)
+        if not torch.equal(decoder(inputs_embeds=given, use_cache=False).last_hidden_state, given):
+            return "its forward changes the input embeddings it is given (a later stage would change the previous one's output)"
+    finally:
+        decoder.layers, decoder.norm = layers, norm
+        base.train(training)
+    return None
+
+
 class StageModule(torch.nn.Module):
     """One stage of a Hugging Face causal LM. The batch keys other than the input (the padding mask,
     packed rows' position ids) are not sent between stages: every rank of a pipeline holds the step's
-    micro-batches (`begin_step`) and takes them in order, as the schedules run forwards in order."""
+    micro-batches (`begin_step`), and the schedule says which one it computes (`index`)."""
 
     def __init__(self, model, layout: PipelineLayout):
         super().__init__()
@@ -104,7 +148,13 @@ class StageModule(torch.nn.Module):
         self.layout = layout
         self.micro_batches: list[dict] = []
         self.index = 0  # the micro-batch being computed, set by `Stage.forward_one_chunk`
+        problem = unstageable(model)
+        if problem:  # (preflight refuses it before loading when it can build the model from its config)
+            refuse(f"pipeline parallel cannot cut this model into stages: {problem}; use fsdp.yaml")
         base, decoder = decoder_of(model)
+        problem = split_changes_the_forward(base, decoder)
+        if problem:
+            refuse(f"pipeline parallel cannot cut {type(base).__name__} into stages: {problem}; use fsdp.yaml")
         kept = layout.layer_range()
         for index in range(len(decoder.layers)):
             if index not in kept:
@@ -113,8 +163,8 @@ class StageModule(torch.nn.Module):
             decoder.embed_tokens = None  # the hidden states arrive from the previous stage
         if not layout.is_last:
             decoder.norm = torch.nn.Identity()
-            base.set_output_embeddings(None) if hasattr(base, "set_output_embeddings") else None
-        self.base, self.decoder = base, decoder
+            base.lm_head = None
+        self.parts = (base, decoder)  # a tuple: not registered twice as submodules
 
     def begin_step(self, micro_batches: list[dict]) -> None:
         self.micro_batches, self.index = micro_batches, 0
@@ -123,8 +173,9 @@ class StageModule(torch.nn.Module):
         batch = self.micro_batches[self.index]  # (the stage's first, shape-finding forward: micro-batch 0)
         extra = {key: batch[key].to(inputs.device) for key in ("attention_mask", "position_ids") if key in batch}
         given = {"input_ids": inputs} if self.layout.is_first else {"inputs_embeds": inputs}
-        hidden = self.decoder(**given, **extra, use_cache=False).last_hidden_state
-        return self.base.lm_head(hidden) if self.layout.is_last else hidden
+        base, decoder = self.parts
+        hidden = decoder(**given, **extra, use_cache=False).last_hidden_state
+        return base.lm_head(hidden) if self.layout.is_last else hidden
 
 
 def process_groups(layout: PipelineLayout):
