@@ -119,14 +119,16 @@ def check(config_file: Path, recipe: str = "lora", recipe_argv: list[str] = (), 
             asked = num_processes or int(config.get("num_processes") or 1)
             launch_config.refuse_one_process_for_several(str(config.get("distributed_type", "NO")).upper(), asked)
         preflight.check_ranges(args)  # values the file handed to the flags, too
+        launch = preflight.check_pipeline(args, recipe, launch)  # --pipeline-stages against the processes, the model
         preflight.check_strategy(args, recipe, launch)  # FSDP's layer classes against the model, ...
         if launch.kind == TENSOR_PARALLEL:  # what the recipe can split (its model's heads, LoRA's targets)
             preflight.check_tensor_parallel(args, recipe, launch)
         batch_line = settle_batch(args, recipe, launch)  # the file's train_batch_size must split over the ranks
+        preflight.check_pipeline_micro_batches(args, launch)
     lines = [f"config: {'; '.join(notes)}"] if notes else []
     lines += [batch_line] if batch_line else []
-    return lines + [f"ok: {recipe} runs as {launch.planner_strategy} on {launch.gpus} process(es), "
-                    f"precision {launch.precision}"]
+    runs_as = launch.name if launch.pipeline_stages > 1 else launch.planner_strategy
+    return lines + [f"ok: {recipe} runs as {runs_as} on {launch.gpus} process(es), precision {launch.precision}"]
 
 
 def main(argv=None) -> int:

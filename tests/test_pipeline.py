@@ -212,3 +212,15 @@ def test_a_refused_pipeline_ends_the_launchers_output(tmp_path):
     assert run.returncode != 0
     assert_the_refusal_ends_the_output(run.output, refusal)
     assert "Loading weights" not in run.output  # before the model loads
+
+
+def test_check_config_answers_for_a_pipeline():
+    """scripts/check_config.py runs the same checks on pipeline.yaml with the recipe's flags."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    import check_config
+
+    config = REPO / "accelerate_configs" / "pipeline.yaml"
+    lines = check_config.check(config, "lora", ["--pipeline-stages", "2", "--grad-accum", "4"], on_gpu=True)
+    assert lines[-1] == "ok: lora runs as 2-stage pipeline x 2 replica(s) on 4 process(es), precision bf16"
+    with pytest.raises(Refusal, match="--pipeline-stages 3 does not divide the 4 processes"):
+        check_config.check(config, "lora", ["--pipeline-stages", "3"], on_gpu=True)
