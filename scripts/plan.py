@@ -196,6 +196,8 @@ def launch_command(config: str, strategy: str, args, batch_size: int, grad_accum
         processes += f" --parallelism_config_dp_shard_size {gpus // tp}" if strategy == "fsdp_tp" else ""
     command = (f"accelerate launch --config_file {config}{processes} recipes/{args.method}.py "
                f"--batch-size {batch_size} --max-length {args.seq_len}")
+    if strategy == "pipeline":  # one stage per GPU
+        command += f" --pipeline-stages {gpus}"
     if grad_accum > 1:
         command += f" --grad-accum {grad_accum}"
     if gradient_checkpointing:
@@ -265,7 +267,8 @@ def main(argv=None) -> int:
     if args.json:
         print(json.dumps(plan, indent=2))
         return 0
-    batches = {s: planner.max_micro_batch(shape, args.method, s, args.gpus, args.gpu_memory, **settings)
+    batches = {s: planner.max_micro_batch(shape, args.method, s, args.gpus, args.gpu_memory, **settings,
+                                          grad_accum=args.grad_accum)
                for s in planner.possible_strategies(args.method, args.gpus, shape, args.lora_targets)}
     print("\n".join(describe(shape, args) + [""] + table(plan, batches) + [""] + time_table(plan, args) + [""]
                     + sentences(shape, plan, args)))

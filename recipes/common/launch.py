@@ -69,6 +69,8 @@ class Launch:
     @property
     def planner_strategy(self) -> str:
         """The name `scripts/plan.py` gives this strategy (one per file in accelerate_configs/)."""
+        if self.pipeline_stages > 1:
+            return "pipeline"
         if self.kind == TENSOR_PARALLEL:
             return "tp" if self.data_parallel_size == 1 else "fsdp_tp"
         if self.kind == DEEPSPEED:

@@ -560,11 +560,12 @@ def announce_plan(args, recipe: str, launch) -> None:
         print(f"plan: skipped ({reason})", flush=True)
         return
     strategy, gpus = launch.planner_strategy, launch.gpus
-    if launch.pipeline_stages > 1:
-        print("plan: skipped (scripts/plan.py does not plan pipeline stages yet)", flush=True)
+    if launch.pipeline_stages > 1 and launch.data_parallel_size > 1:
+        print("plan: skipped (scripts/plan.py plans one pipeline over all the GPUs, not replicated ones)", flush=True)
         return
     try:
-        need = planner.per_gpu_bytes(shape, recipe, strategy, gpus, batch_size=args.batch_size, **inputs)
+        need = planner.per_gpu_bytes(shape, recipe, strategy, gpus, batch_size=args.batch_size, **inputs,
+                                     grad_accum=args.grad_accum)
     except ValueError as error:  # e.g. LoRA targets the planner does not know
         print(f"plan: skipped ({str(error).splitlines()[0]})", flush=True)
         return

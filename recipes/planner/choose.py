@@ -30,25 +30,30 @@ TIE = 0.03
 def per_gpu_bytes(shape: ModelShape, method: str, strategy: str, gpus: int, batch_size: int = 8,
                   seq_len: int = 512, gradient_checkpointing: int = 0, lora_rank: int = 16,
                   lora_targets="all-linear", precision: str = "bf16", attention: str = "sdpa",
-                  lora_dropout: float = 0.05) -> dict:
+                  lora_dropout: float = 0.05, grad_accum: int = 1) -> dict:
     """Memory of the busiest GPU: {"weights", "gradients", "optimizer", "activations", "total"} in
     bytes. `batch_size` is the micro-batch per GPU (the recipes' --batch-size), `seq_len` the
-    padded length (--max-length is the worst case). Model parallel: the heavier of the GPUs."""
+    padded length (--max-length is the worst case). Model parallel and pipeline: the heavier of the
+    GPUs; a pipeline stage k of N holds the activations of up to min(N - k, grad_accum) micro-batches
+    at once (1F1B: a micro-batch's backward starts once it has passed every later stage)."""
     _check(method, strategy, precision, attention)
     if gpus < 1 or batch_size < 1 or seq_len < 1:
         raise ValueError("gpus, batch_size and seq_len must be >= 1")
     why_not = impossible(method, strategy, gpus, shape, lora_targets)
     if why_not:
         raise ValueError(f"{method} with {strategy} on {gpus} GPU(s) does not run: {why_not}")
-    stages = model_parallel_stages(shape, gpus) if strategy == "model_parallel" else [Stage(shape.layers)]
+    staged = strategy in ("model_parallel", "pipeline")
+    stages = model_parallel_stages(shape, gpus) if staged else [Stage(shape.layers)]
     best = None
-    for stage in stages:
+    for index, stage in enumerate(stages):
+        in_flight = min(gpus - index, grad_accum) if strategy == "pipeline" else 1
         common = dict(lora_rank=lora_rank, lora_targets=lora_targets, precision=precision, stage=stage)
         result = {
             "weights": weight_bytes(shape, method, strategy, gpus, **common),
             "gradients": gradient_bytes(shape, method, strategy, gpus, **common),
             "optimizer": optimizer_bytes(shape, method, strategy, gpus, **common),
-            "activations": activation_bytes(shape, method, strategy, batch_size, seq_len, gradient_checkpointing,
+            "activations": activation_bytes(shape, method, strategy, batch_size * in_flight, seq_len,
+                                            gradient_checkpointing,
                                             attention=attention, lora_dropout=lora_dropout, gpus=gpus, **common),
         }
         result["total"] = sum(result.values())
@@ -70,12 +75,12 @@ def fits(total_bytes: int, gpu_memory_gb: float) -> bool:
 def max_micro_batch(shape: ModelShape, method: str, strategy: str, gpus: int, gpu_memory_gb: float,
                     seq_len: int = 512, gradient_checkpointing: int = 0, lora_rank: int = 16,
                     lora_targets="all-linear", precision: str = "bf16", attention: str = "sdpa",
-                    lora_dropout: float = 0.05) -> int:
+                    lora_dropout: float = 0.05, grad_accum: int = 1) -> int:
     """The largest micro-batch (1..256) that fits, by bisection (memory grows with the batch);
     0 when not even one sequence fits."""
     def ok(batch: int) -> bool:
         total = per_gpu_bytes(shape, method, strategy, gpus, batch, seq_len, gradient_checkpointing, lora_rank,
-                              lora_targets, precision, attention, lora_dropout)["total"]
+                              lora_targets, precision, attention, lora_dropout, grad_accum)["total"]
         return fits(total, gpu_memory_gb)
 
     if not ok(1):
@@ -107,10 +112,13 @@ def best_run(shape: ModelShape, method: str, strategy: str, gpus: int, gpu_memor
     gradient_checkpointing = int(gradient_checkpointing)
     for every in ([gradient_checkpointing] if gradient_checkpointing else [0, 1]):
         for micro in _divisors_descending(batch_size):
-            total = per_gpu_bytes(shape, method, strategy, gpus, micro, seq_len, every, **settings)["total"]
+            accum = grad_accum * batch_size // micro
+            if strategy == "pipeline" and accum < gpus:  # 1F1B needs a micro-batch per stage in flight
+                continue
+            total = per_gpu_bytes(shape, method, strategy, gpus, micro, seq_len, every, **settings,
+                                  grad_accum=accum)["total"]
             if not fits(total, gpu_memory_gb):
                 continue
-            accum = grad_accum * batch_size // micro
             time = step_time(shape, method, strategy, gpus, machine, micro, accum, seq_len, every,
                              settings.get("lora_rank", 16), settings.get("lora_targets", "all-linear"),
                              settings.get("precision", "bf16"))
@@ -159,7 +167,7 @@ def plan(shape: ModelShape, method: str, gpus: int, gpu_memory_gb: float, batch_
 
     def recommend(strategy: str, run: dict, n: int) -> dict:
         batch = max_micro_batch(shape, method, strategy, n, gpu_memory_gb, seq_len, run["gradient_checkpointing"],
-                                **memory)
+                                **memory, grad_accum=run["grad_accum"])
         return {"strategy": strategy, "config": STRATEGIES[strategy], "gpus": n, "max_micro_batch": batch,
                 **{k: run[k] for k in ("micro_batch", "grad_accum", "gradient_checkpointing", "global_batch", "tight")},
                 "seconds_per_step": run["time"]["step"], "seconds_per_epoch": epoch_time(run["time"], rows)}
@@ -170,7 +178,7 @@ def plan(shape: ModelShape, method: str, gpus: int, gpu_memory_gb: float, batch_
 
     strategies = []
     for strategy in runnable(gpus):
-        usage = per_gpu_bytes(shape, method, strategy, gpus, **settings)
+        usage = per_gpu_bytes(shape, method, strategy, gpus, **settings, grad_accum=grad_accum)
         run = best_run(shape, method, strategy, gpus, gpu_memory_gb, machine, **asked)
         if run:
             run = dict(run, seconds_per_epoch=epoch_time(run["time"], rows))

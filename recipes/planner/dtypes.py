@@ -56,7 +56,7 @@ def state_bytes_per_parameter(method: str, strategy: str, precision: str = "bf16
     _check(method, strategy, precision)
     deepspeed_bf16 = precision == "bf16" and strategy in DEEPSPEED
     frozen = 4 if precision == "fp32" else 2
-    if method == "qlora" and precision == "bf16" and strategy in ("ddp", "model_parallel"):
+    if method == "qlora" and precision == "bf16" and strategy in ("ddp", "model_parallel", "pipeline"):
         frozen = 4
     # ZeRO-3 in bf16, measured (deepspeed 0.19.8, scripts/plan_at_scale.py): the gradient the step sees is
     # the fp32 copy DeepSpeed casts its reduced bf16 partition into, and peft's adapters, created after
@@ -91,7 +91,7 @@ def compute_dtypes(method: str, strategy: str, precision: str = "bf16") -> dict:
     _check(method, strategy, precision)
     if precision == "fp32":
         return dict(compute=4, residual=4, linear_out=4, adapter_cast=False, autocast_copies=False, logits=4)
-    autocast = strategy in ("ddp", "model_parallel", "tp", "fsdp_tp")  # accelerate's autocast over fp32 weights
+    autocast = strategy in ("ddp", "model_parallel", "pipeline", "tp", "fsdp_tp")  # accelerate's autocast over fp32 weights
     fp32_embedding = autocast and method in ("full", "qlora")
     return dict(
         compute=2,

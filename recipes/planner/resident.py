@@ -92,7 +92,7 @@ def _divisors(strategy: str, gpus: int, where: str = "gpu") -> tuple[int, int, i
     partition once the step has reduced the gradients; its unpartitioned gradients of the backward
     are transient, see `gradient_bytes`); zero3 / fsdp_full_shard / fsdp_grad_op: N, N, N (grad-op's
     weights are sharded at rest, its gathered copy is in flight); fsdp_hybrid: G, G, G with
-    G = `hybrid_shard_size(N)`; model_parallel: its stage holds everything of its own layers.
+    G = `hybrid_shard_size(N)`; model_parallel and pipeline: a stage holds everything of its own layers.
     Offload (fsdp_offload, zero3_offload): where="gpu": 0, 0, 0 (in CPU RAM); where="anywhere":
     N, N, N, the shards of their twins fsdp_full_shard / zero3, held in the rank's CPU RAM.
     """
@@ -100,7 +100,7 @@ def _divisors(strategy: str, gpus: int, where: str = "gpu") -> tuple[int, int, i
         raise ValueError(f"where must be one of {WHERE}, not {where!r}")
     if strategy in OFFLOADED:
         return (0, 0, 0) if where == "gpu" else _divisors(OFFLOADED[strategy], gpus)
-    if strategy in ("ddp", "model_parallel"):
+    if strategy in ("ddp", "model_parallel", "pipeline"):
         return 1, 1, 1
     if strategy in ("zero1", "zero2"):
         return 1, gpus, gpus

@@ -18,6 +18,7 @@ STRATEGIES = {
     "fsdp_tp": "accelerate_configs/fsdp_tp.yaml",
     "fsdp_offload": "accelerate_configs/fsdp_offload.yaml",
     "zero3_offload": "accelerate_configs/zero3_offload.yaml",
+    "pipeline": "accelerate_configs/pipeline.yaml",  # with --pipeline-stages = the GPUs
     "model_parallel": "accelerate_configs/model_parallel.yaml",
 }
 
@@ -40,6 +41,8 @@ STRATEGIES = {
 # - fsdp_tp: tp within each group plus fsdp_full_shard's gathers across the groups.
 # - fsdp_offload ~ zero3_offload: the same plus every parameter and gradient over PCIe and the
 #   optimizer step on the CPU: several times slower.
+# - pipeline: model parallel's split, the micro-batches flowing through the stages at once: only the
+#   hidden states between neighbours, but each stage idles (N - 1) / (micro-batches + N - 1) of a step.
 # - model_parallel: little traffic, but the layers run one GPU after the other, so only ~1/N of
 #   the GPUs compute at any time.
 SPEED_ORDER = tuple(STRATEGIES)
@@ -77,6 +80,12 @@ ROW_SPLIT = ("o_proj", "down_proj", "lm_head")
 
 def impossible(method: str, strategy: str, gpus: int, shape=None, lora_targets="all-linear") -> str | None:
     """Why the recipes refuse `method` under `strategy` on `gpus` GPUs (None: they run it)."""
+    if strategy == "pipeline":
+        if gpus < 2:
+            return "pipeline needs 2 GPUs or more (one stage each)"
+        if shape is not None and gpus > shape.layers:
+            return f"{gpus} stages are more than the model's {shape.layers} layers"
+        return None
     if strategy not in TENSOR_PARALLEL:
         return None
     tp = tensor_parallel_size(strategy, gpus)

@@ -20,7 +20,9 @@ The model, per micro-batch on each GPU:
 - other: the optimizer step (bound by memory bandwidth; on the CPU for offload) and QLoRA's
   dequantisation of each 4-bit weight per forward, backward and recomputation.
 - idle: model parallel runs the whole micro-batch through one GPU after the other, so its step is
-  the whole model's compute on one GPU while the other n-1 wait.
+  the whole model's compute on one GPU while the other n-1 wait. A pipeline of n stages runs the m
+  micro-batches at once, each stage its 1/n of every one, in m + n - 1 time slots: idle
+  (n - 1) / (m + n - 1) of the step (the bubble of 1F1B and GPipe).
 
 Per step: grad_accum micro-batches + the per-step collectives + the optimizer step; per epoch:
 ceil(rows / global batch) steps.
@@ -157,7 +159,7 @@ def gather(size: float, ranks: int) -> float:
 def data_parallel_size(strategy: str, gpus: int) -> int:
     """Processes that each run their own micro-batch: all of them, except tensor parallel's groups
     (tp: 1, fsdp_tp: gpus / T) and model parallel (one process)."""
-    if strategy == "model_parallel":
+    if strategy in ("model_parallel", "pipeline"):  # (a pipeline: one, over all the GPUs)
         return 1
     return gpus // tensor_parallel_size(strategy, gpus)
 
@@ -167,7 +169,7 @@ def _gradient_bytes_reduced(method, strategy, precision, trained: int) -> float:
     dtype; DeepSpeed in the dtype of its gradient (`state_bytes_per_parameter`)."""
     if strategy in DEEPSPEED:
         return trained * state_bytes_per_parameter(method, strategy, precision)["trained_grad"]
-    if strategy in ("ddp", "model_parallel"):
+    if strategy in ("ddp", "model_parallel", "pipeline"):
         return trained * 4
     return trained * (2 if precision == "bf16" else 4)
 
@@ -231,6 +233,8 @@ def traffic(shape: ModelShape, method: str, strategy: str, gpus: int, machine: M
         return moved
     if strategy == "model_parallel":  # the hidden state to the next GPU, its gradient back
         return Traffic(exposed_per_micro=seconds(2 * (gpus - 1) * activation, gpus))
+    if strategy == "pipeline":  # each stage: a micro-batch's hidden state out, its gradient back, per time slot
+        return Traffic(exposed_per_micro=seconds(2 * activation, gpus))
     raise ValueError(f"no traffic model for {strategy!r}")
 
 
@@ -263,12 +267,19 @@ def step_time(shape: ModelShape, method: str, strategy: str, gpus: int, machine:
     else:
         optimizer = local_trained * OPTIMIZER_BYTES_TOUCHED / (machine.gpu.memory_gb_s * 1e9)
 
+    global_batch = batch_size * grad_accum * data_parallel_size(strategy, gpus)
+    if strategy == "pipeline":  # each stage computes its 1/N of every micro-batch, in m + N - 1 time slots
+        slots = grad_accum + gpus - 1
+        step = slots * (compute / gpus + moved.exposed_per_micro + other_per_micro / gpus) + optimizer / gpus
+        return {"compute": grad_accum * compute / gpus, "communication": slots * moved.exposed_per_micro,
+                "other": slots * other_per_micro / gpus + optimizer / gpus, "step": step,
+                "idle_share": (gpus - 1) / slots, "global_batch": global_batch,
+                "tokens_per_s": global_batch * seq_len / step}
     micro = max(compute, moved.hidden_per_micro) + moved.exposed_per_micro + other_per_micro
     last_backward_slack = max(0.0, moved.hidden_per_step - backward)
     step = grad_accum * micro + last_backward_slack + moved.exposed_per_step + optimizer
     communication = (grad_accum * (max(0.0, moved.hidden_per_micro - compute) + moved.exposed_per_micro)
                      + last_backward_slack + moved.exposed_per_step)
-    global_batch = batch_size * grad_accum * data_parallel_size(strategy, gpus)
     return {
         "compute": grad_accum * compute,
         "communication": communication,
