@@ -92,20 +92,18 @@ def stage_worker(rank: int, args, port: int, queue) -> None:
     busy = [0.0]
     base = pipeline._stage_class()
 
-    class Timed(base):  # the stage's compute, without the waits the schedule does before it
-        def forward_one_chunk(self, *a, **k):
+    def timed(method):
+        def run(*a, **k):
             started = time.perf_counter()
             try:
-                return super().forward_one_chunk(*a, **k)
+                return method(*a, **k)
             finally:
                 busy[0] += time.perf_counter() - started
+        return run
 
-        def backward_one_chunk(self, *a, **k):
-            started = time.perf_counter()
-            try:
-                return super().backward_one_chunk(*a, **k)
-            finally:
-                busy[0] += time.perf_counter() - started
+    class Timed(base):  # the stage's compute, without the waits the schedule does before it
+        forward_one_chunk = timed(base.forward_one_chunk)
+        backward_one_chunk = timed(base.backward_one_chunk)
 
     pipeline._stage_class = lambda: Timed
     results = {}
