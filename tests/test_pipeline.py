@@ -34,7 +34,11 @@ def test_the_layers_go_to_contiguous_stages_the_first_ones_one_more():
     assert (layout.replica, layout.stage, layout.is_first, layout.is_last) == (1, 1, False, True)
 
 
-CASES = {"lora": ("1f1b", 1, ["--packing"]), "full": ("gpipe", 2, [])}  # recipe: schedule, replicas, extra flags
+# name: recipe, schedule, replicas, extra flags. Every suite run launches the first; the others are long
+# tests (results/2026-11-26_cpu_pipeline/ holds their run): both recipes under both schedules, each recipe
+# with one pipeline and with two replicas.
+CASES = {"lora-1f1b": ("lora", "1f1b", 1, ["--packing"]), "full-gpipe-replicated": ("full", "gpipe", 2, []),
+         "full-1f1b": ("full", "1f1b", 1, []), "lora-gpipe-replicated": ("lora", "gpipe", 2, [])}
 
 
 @pytest.fixture(scope="module")
@@ -42,10 +46,10 @@ def runs(tmp_path_factory):
     """`runs(recipe)`: (one process, the pipeline) with the same seed and global batch, launched once."""
     done = {}
 
-    def run(recipe: str):
-        if recipe not in done:
-            schedule, replicas, extra = CASES[recipe]
-            folder = tmp_path_factory.mktemp(f"pipeline-{recipe}")
+    def run(case: str):
+        if case not in done:
+            recipe, schedule, replicas, extra = CASES[case]
+            folder = tmp_path_factory.mktemp(f"pipeline-{case}")
             common = ["--max-steps", str(STEPS), "--grad-accum", str(GRAD_ACCUM), "--log-every", "1", *extra,
                       "--save-every", str(SAVE_EVERY)]
             common += ["--lr", "2e-3"] if recipe == "full" else ["--lr", "5e-3", "--lora-dropout", "0"]
@@ -54,21 +58,20 @@ def runs(tmp_path_factory):
             piped = launch(recipe, folder / "pipeline", *common, "--batch-size", "2", "--pipeline-stages", "2",
                            "--pipeline-schedule", schedule, config="pipeline", processes=2 * replicas)
             assert piped.returncode == 0, piped.output[-3000:]
-            done[recipe] = one, piped, common
-        return done[recipe]
+            done[case] = one, piped, common
+        return done[case]
 
     return run
 
 
-# The 4-process case (2 stages x 2 replicas) is a long test: results/2026-11-26_cpu_pipeline/ holds its run.
-@pytest.mark.parametrize("recipe", [pytest.param("lora"), pytest.param("full", marks=long_test)])
-def test_stages_train_as_one_process(recipe, runs):
+@pytest.mark.parametrize("case", [pytest.param(case, marks=() if case == "lora-1f1b" else long_test) for case in CASES])
+def test_stages_train_as_one_process(case, runs):
     """Packed rows (their position_ids) and padded rows (their attention mask) reach every stage."""
     import torch
     from safetensors.torch import load_file
 
-    schedule, replicas, _ = CASES[recipe]
-    one, piped, _ = runs(recipe)
+    recipe, schedule, replicas, _ = CASES[case]
+    one, piped, _ = runs(case)
     assert len(piped.losses()) == STEPS
     assert piped.losses() == pytest.approx(one.losses(), rel=1e-5)
     assert piped.metrics("eval")[-1]["eval_loss"] == pytest.approx(one.metrics("eval")[-1]["eval_loss"], rel=1e-5)
@@ -102,7 +105,7 @@ def test_a_resumed_pipeline_continues_the_same_curve(runs, tmp_path):
 
     from common import checkpoint
 
-    _, piped, common = runs("lora")
+    _, piped, common = runs("lora-1f1b")
     saved = piped.output_dir / "checkpoints" / f"step-{SAVE_EVERY}"
     assert sorted(p.name for p in (saved / "pipeline_stages").iterdir()) == ["stage-0.pt", "stage-1.pt"]
     shutil.copytree(saved, tmp_path / "resumed" / "checkpoints" / saved.name)
