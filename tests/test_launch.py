@@ -23,6 +23,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 import check_config  # noqa: E402
 import planner  # noqa: E402
 from common import launch as launch_module  # noqa: E402
+from common import preflight  # noqa: E402
 from common.args import parse_args, recipe_flags  # noqa: E402
 from common.formats import IGNORE  # noqa: E402
 from common.launch_config import adapt_launch  # noqa: E402
@@ -47,6 +48,9 @@ def test_every_shipped_config_describes_itself_as_the_planner_names_it(config_na
     on_gpu = config_name in ("fsdp_hybrid.yaml", "model_parallel.yaml")  # hybrid shard is refused on CPU
     launch = described(config_name, on_gpu=on_gpu, processes=None if config_name != "fsdp_hybrid.yaml" else 4,
                        visible_gpus=4 if on_gpu else 0)
+    if config_name == "pipeline.yaml":  # a plain multi-process file: the recipe's --pipeline-stages makes the stages
+        assert launch.planner_strategy == "ddp"
+        launch = preflight.check_pipeline(parse_args(recipe_flags("lora"), ["--pipeline-stages", "2"]), "lora", launch)
     assert launch.planner_strategy == CONFIG_OF[config_name]
     assert launch.shards_parameters == (launch.kind in ("fsdp", "tensor_parallel") or launch.zero_stage == 3)
     if config_name in ("tp.yaml", "fsdp_tp.yaml"):  # the ranks of a tensor parallel group share their batches

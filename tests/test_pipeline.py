@@ -207,6 +207,7 @@ def test_one_stage_is_no_pipeline():
     assert staged.name == "2-stage pipeline x 2 replica(s)"
 
 
+@long_test  # (tests/test_bad_input.py checks the refusal's place through the launcher in every run)
 def test_a_refused_pipeline_ends_the_launchers_output(tmp_path):
     with mock.patch.dict(os.environ):
         run = launch("lora", tmp_path / "out", "--pipeline-stages", "3", "--max-steps", "1", config="pipeline",
