@@ -27,8 +27,6 @@ from .batches import IGNORE
 from .evaluation import PIPELINE, batch_figures
 from .refusal import refuse
 
-SCHEDULES = ("1f1b", "gpipe")
-
 
 @dataclass(frozen=True)
 class PipelineLayout:
@@ -62,11 +60,6 @@ class PipelineLayout:
         base, extra = divmod(self.layers, self.stages)
         start = stage * base + min(stage, extra)
         return range(start, start + base + (1 if stage < extra else 0))
-
-    def as_record(self) -> dict:
-        return {"stages": self.stages, "replicas": self.replicas, "stage": self.stage, "replica": self.replica,
-                "layers": [self.layer_range(s)[0] if self.layer_range(s) else None for s in range(self.stages)],
-                "layers_of_this_rank": [self.layer_range().start, self.layer_range().stop - 1]}
 
 
 def check_layout(stages: int, processes: int, layers: int | None = None) -> None:
@@ -360,7 +353,7 @@ class Pipeline:
             if self.layout.is_first:
                 inputs = batch["input_ids"].to(self.device)
             else:
-                header = torch.zeros(5, dtype=torch.int64, device=self.device)
+                header = torch.zeros(4, dtype=torch.int64, device=self.device)  # dtype, then the 3-D shape
                 dist.recv(header, src=self._peer(-1))
                 dtype = DTYPES[int(header[0])]
                 inputs = torch.empty([int(n) for n in header[1:4]], dtype=dtype, device=self.device)
@@ -368,7 +361,7 @@ class Pipeline:
             output = self.module(inputs)
             if self.layout.is_last:
                 return output
-            header = torch.tensor([DTYPES.index(output.dtype), *output.shape, 0], dtype=torch.int64, device=self.device)
+            header = torch.tensor([DTYPES.index(output.dtype), *output.shape], dtype=torch.int64, device=self.device)
             dist.send(header, dst=self._peer(1))
             dist.send(output.contiguous(), dst=self._peer(1))
         return None

@@ -123,19 +123,16 @@ def check_pipeline(args, recipe: str, launch):
     from dataclasses import replace
 
     from .launch import DDP
-    from .pipeline import check_layout
-
-    config = "accelerate_configs/pipeline.yaml"
-    if launch.kind != DDP:
-        refuse(f"--pipeline-stages runs on a plain multi-process launch ({config}), not on "
-               f"{launch.name}; FSDP, DeepSpeed or tensor parallel within a stage are not built")
     from .modeling import meta_model
-    from .pipeline import unstageable
+    from .pipeline import check_layout, unstageable
 
+    if launch.kind != DDP:
+        refuse("--pipeline-stages runs on a plain multi-process launch (accelerate_configs/pipeline.yaml), not on "
+               f"{launch.name}; FSDP, DeepSpeed or tensor parallel within a stage are not built")
     built = meta_model(args.model, args.trust_remote_code)  # None: a hub model not in the cache
     problem = unstageable(built) if built is not None else None
     if problem:
-        refuse(f"pipeline parallel cannot cut {args.model} into stages: {problem}; use {config.replace('pipeline', 'fsdp')}")
+        refuse(f"pipeline parallel cannot cut {args.model} into stages: {problem}; use accelerate_configs/fsdp.yaml")
     config_dict = model_config(args.model) or {}
     layers = config_dict.get("num_hidden_layers") or (config_dict.get("text_config") or {}).get("num_hidden_layers")
     check_layout(stages, launch.processes, layers)

@@ -176,10 +176,10 @@ def plan(shape: ModelShape, method: str, gpus: int, gpu_memory_gb: float, batch_
         return tuple(s for s in possible_strategies(method, n, shape, lora_targets)
                      if s != "model_parallel" or n <= machine.gpus_per_machine)
 
-    strategies = []
+    strategies, runs_on_all = [], {}
     for strategy in runnable(gpus):
         usage = per_gpu_bytes(shape, method, strategy, gpus, **settings, grad_accum=grad_accum)
-        run = best_run(shape, method, strategy, gpus, gpu_memory_gb, machine, **asked)
+        run = runs_on_all[strategy] = best_run(shape, method, strategy, gpus, gpu_memory_gb, machine, **asked)
         if run:
             run = dict(run, seconds_per_epoch=epoch_time(run["time"], rows))
         strategies.append({"strategy": strategy, "config": STRATEGIES[strategy], "per_gpu_bytes": usage,
@@ -190,7 +190,7 @@ def plan(shape: ModelShape, method: str, gpus: int, gpu_memory_gb: float, batch_
 
     fewest = None
     for n in range(1, gpus + 1):
-        runs = [(s, best_run(shape, method, s, n, gpu_memory_gb, machine, **asked))
+        runs = [(s, runs_on_all[s] if n == gpus else best_run(shape, method, s, n, gpu_memory_gb, machine, **asked))
                 for s in runnable(n)]
         runs = [(s, run) for s, run in runs if run]
         if runs:
