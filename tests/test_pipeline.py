@@ -1,6 +1,7 @@
 """Pipeline parallel (`--pipeline-stages N` on accelerate_configs/pipeline.yaml), through the real
 `accelerate launch` on CPU processes: the same seed and global batch give one process's loss curve,
-evaluation and trained weights, under 1F1B and GPipe, with pipelines replicated (2 stages x 2 replicas);
+evaluation and trained weights, under 1F1B, GPipe and interleaved 1F1B (two parts of the layers per
+process), with pipelines replicated (2 stages x 2 replicas);
 the export holds every stage's layers; a resumed run continues the same curve; what cannot run is one
 line before the model loads."""
 
@@ -34,15 +35,47 @@ def test_the_layers_go_to_contiguous_stages_the_first_ones_one_more():
     assert (layout.replica, layout.stage, layout.is_first, layout.is_last) == (1, 1, False, True)
 
 
+def test_interleaved_processes_run_every_stages_th_part():
+    """Under the interleaved schedule, 2 stages x 3 parts each: process s runs parts s, s + 2, s + 4 of the
+    layers, the first holding the embedding and the last the head."""
+    layouts = [PipelineLayout(2, 2, rank, 13, chunks=3) for rank in range(4)]
+    assert [layout.parts_of() for layout in layouts[:2]] == [[0, 2, 4], [1, 3, 5]]
+    assert sorted(i for layout in layouts[:2] for i in layout.held_layers()) == list(range(13))
+    assert layouts[0].held_layers() == [0, 1, 2, 5, 6, 9, 10]  # parts of 3, 2, 2, 2, 2, 2 layers
+    assert [layouts[3].rank_of(part) for part in range(6)] == [2, 3, 2, 3, 2, 3]  # in the second pipeline
+    assert layouts[0].is_first and layouts[1].is_last and layouts[3].is_last
+
+
 # name: recipe, schedule, replicas, extra flags. Every suite run launches the first; the others are long
-# tests (results/2026-11-26_cpu_pipeline/ holds their run): both recipes under both schedules, each recipe
-# with one pipeline and with two replicas.
-CASES = {"lora-1f1b": ("lora", "1f1b", 1, ["--packing"]), "full-gpipe-replicated": ("full", "gpipe", 2, []),
-         "full-1f1b": ("full", "1f1b", 1, []), "lora-gpipe-replicated": ("lora", "gpipe", 2, [])}
+# tests (results/2026-11-26_cpu_pipeline/ holds their run): both recipes under every schedule, each recipe
+# with one pipeline and with two replicas. The interleaved cases train a 4-layer model (2 stages x 2 parts).
+CASES = {"lora-interleaved": ("lora", "interleaved", 1, ["--packing"]),
+         "lora-1f1b": ("lora", "1f1b", 1, ["--packing"]), "full-gpipe-replicated": ("full", "gpipe", 2, []),
+         "full-1f1b": ("full", "1f1b", 1, []), "lora-gpipe-replicated": ("lora", "gpipe", 2, []),
+         "full-interleaved-replicated": ("full", "interleaved", 2, [])}
+EVERY_RUN = "lora-interleaved"
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def four_layers(tmp_path_factory):
+    """The bundled tiny Llama's shape with 4 decoder layers (random weights), beside its tokenizer."""
+    import json
+
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from conftest import TINY_MODEL
+
+    folder = tmp_path_factory.mktemp("four-layers")
+    config = json.loads((REPO / "data" / "tiny-llama-config.json").read_text()) | {"num_hidden_layers": 4}
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(**config)).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(TINY_MODEL).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, four_layers):
     """`runs(recipe)`: (one process, the pipeline) with the same seed and global batch, launched once."""
     done = {}
 
@@ -50,8 +83,9 @@ def runs(tmp_path_factory):
         if case not in done:
             recipe, schedule, replicas, extra = CASES[case]
             folder = tmp_path_factory.mktemp(f"pipeline-{case}")
+            model = ["--model", str(four_layers)] if schedule == "interleaved" else []
             common = ["--max-steps", str(STEPS), "--grad-accum", str(GRAD_ACCUM), "--log-every", "1", *extra,
-                      "--save-every", str(SAVE_EVERY)]
+                      *model, "--save-every", str(SAVE_EVERY)]
             common += ["--lr", "2e-3"] if recipe == "full" else ["--lr", "5e-3", "--lora-dropout", "0"]
             one = launch(recipe, folder / "one", *common, "--batch-size", str(2 * replicas), processes=1)
             assert one.returncode == 0, one.output[-3000:]
@@ -64,7 +98,7 @@ def runs(tmp_path_factory):
     return run
 
 
-@pytest.mark.parametrize("case", [pytest.param(case, marks=() if case == "lora-1f1b" else long_test) for case in CASES])
+@pytest.mark.parametrize("case", [pytest.param(case, marks=() if case == EVERY_RUN else long_test) for case in CASES])
 def test_stages_train_as_one_process(case, runs):
     """Packed rows (their position_ids) and padded rows (their attention mask) reach every stage."""
     import torch
@@ -76,15 +110,18 @@ def test_stages_train_as_one_process(case, runs):
     assert piped.losses() == pytest.approx(one.losses(), rel=1e-5)
     assert piped.metrics("eval")[-1]["eval_loss"] == pytest.approx(one.metrics("eval")[-1]["eval_loss"], rel=1e-5)
     record = piped.run_json()
-    assert record["pipeline"] == {"stages": 2, "replicas": replicas, "schedule": schedule,
-                                  "micro_batches": GRAD_ACCUM, "bubble": 0.2, "layers_by_stage": [[0, 0], [1, 1]],
-                                  "rank_layout": "rank = replica * stages + stage"}
+    parts = 2 if schedule == "interleaved" else 1
+    assert record["pipeline"] == {"stages": 2, "replicas": replicas, "schedule": schedule, "chunks": parts,
+                                  "micro_batches": GRAD_ACCUM, "bubble": round(1 / (parts * GRAD_ACCUM + 1), 4),
+                                  "layers_by_stage": [[i, i] for i in range(2 * parts)],
+                                  "rank_layout": "rank = replica * stages + stage" + (
+                                      "; stage s runs parts s, s + stages, ..." if parts > 1 else "")}
     assert record["launch"]["pipeline_stages"] == 2 and record["batch"]["global_batch_size"] == 2 * GRAD_ACCUM * replicas
     assert f"pipeline: 2 stages x {replicas} replica(s), {schedule}, 4 micro-batches per step" in piped.output
     # the export holds every stage's tensors (each rank held half the layers), trained as one process trained them
     name = "model/model.safetensors" if recipe == "full" else "adapter/adapter_model.safetensors"
     ours, theirs = load_file(piped.output_dir / name), load_file(one.output_dir / name)
-    assert set(ours) == set(theirs) and any(".layers.1." in key for key in ours)
+    assert set(ours) == set(theirs) and any(f".layers.{2 * parts - 1}." in key for key in ours)
     probe = load_file(piped.output_dir / "probe_logits.safetensors")  # the trained stages' logits
     from transformers import AutoModelForCausalLM
 
@@ -105,19 +142,19 @@ def test_a_resumed_pipeline_continues_the_same_curve(runs, tmp_path):
 
     from common import checkpoint
 
-    _, piped, common = runs("lora-1f1b")
+    _, piped, common = runs(EVERY_RUN)
     saved = piped.output_dir / "checkpoints" / f"step-{SAVE_EVERY}"
     assert sorted(p.name for p in (saved / "pipeline_stages").iterdir()) == ["stage-0.pt", "stage-1.pt"]
     shutil.copytree(saved, tmp_path / "resumed" / "checkpoints" / saved.name)
     resumed = launch("lora", tmp_path / "resumed", *common, "--batch-size", "2", "--pipeline-stages", "2",
-                     "--resume", "auto", config="pipeline", processes=2)
+                     "--pipeline-schedule", "interleaved", "--resume", "auto", config="pipeline", processes=2)
     assert resumed.returncode == 0, resumed.output[-3000:]
     assert [r["step"] for r in resumed.metrics()] == list(range(SAVE_EVERY + 1, STEPS + 1))
     assert resumed.losses() == piped.losses()[SAVE_EVERY:]
     # another split of the layers cannot take these files
     _, _, refusal = checkpoint.choose_resume(args_of("--output-dir", str(tmp_path / "resumed"), "--resume", "auto",
-                                                     "--lr", "5e-3"))
-    assert "was trained with --pipeline-stages 2, which a resumed run keeps" in refusal
+                                                     "--lr", "5e-3", *common[common.index("--model"):][:2]))
+    assert "was trained with --pipeline-stages 2, --pipeline-schedule interleaved, which a resumed run keeps" in refusal
 
 
 def args_of(*argv: str, recipe: str = "lora"):
@@ -136,6 +173,9 @@ def plain(processes: int, kind: str = DDP) -> Launch:
     (["--pipeline-stages", "2", "--liger"], plain(2), "--liger's fused loss runs inside the whole model's forward"),
     (["--pipeline-stages", "2", "--batch-size", "auto"], plain(2), "--batch-size auto does not plan pipeline stages"),
     (["--pipeline-stages", "0"], plain(2), "--pipeline-stages must be >= 1"),
+    (["--pipeline-stages", "2", "--pipeline-schedule", "interleaved"], plain(2),
+     "--pipeline-stages 2 x --pipeline-chunks 2 cuts the model's 2 decoder layers into 4 parts, more than there "
+     "are: too few to interleave: use --pipeline-schedule 1f1b"),
 ])
 def test_what_a_pipeline_cannot_run_is_one_line(argv, launched, message):
     with pytest.raises(Refusal, match=message):
@@ -149,6 +189,16 @@ def test_one_f_one_b_needs_a_micro_batch_per_stage():
         preflight.check_pipeline_micro_batches(args_of("--pipeline-stages", "2", "--grad-accum", "1"), staged)
     preflight.check_pipeline_micro_batches(args_of("--pipeline-stages", "2", "--grad-accum", "2"), staged)
     preflight.check_pipeline_micro_batches(args_of("--pipeline-stages", "2", "--pipeline-schedule", "gpipe"), staged)
+
+
+def test_interleaved_needs_rounds_of_one_micro_batch_per_stage():
+    staged = preflight.check_pipeline(args_of("--pipeline-stages", "2"), "full", plain(4))
+    with pytest.raises(Refusal, match="the interleaved schedule runs rounds of one micro-batch per stage: "
+                                      r"--grad-accum 4 \(a multiple of the 2 stages, not 5\)"):
+        preflight.check_pipeline_micro_batches(args_of("--pipeline-stages", "2", "--pipeline-schedule", "interleaved",
+                                                       "--grad-accum", "5"), staged)
+    preflight.check_pipeline_micro_batches(args_of("--pipeline-stages", "2", "--pipeline-schedule", "interleaved",
+                                                   "--grad-accum", "6"), staged)
 
 
 def test_a_model_the_split_cannot_cut_is_named():

@@ -87,8 +87,11 @@ def recipe_parser(doc: str) -> argparse.ArgumentParser:
     add("--pipeline-stages", type=int, default=1,
         help="split the decoder layers into N stages, one per process, and replicate the pipeline over the "
              "other processes (1: no pipeline)")
-    add("--pipeline-schedule", default="1f1b", choices=("1f1b", "gpipe"),
-        help="how the step's micro-batches (--grad-accum) flow through the stages (default: 1f1b)")
+    add("--pipeline-schedule", default="1f1b", choices=("1f1b", "gpipe", "interleaved"),
+        help="how the step's micro-batches (--grad-accum) flow through the stages (default: 1f1b; interleaved: "
+             "interleaved 1F1B, each process running --pipeline-chunks parts of the layers)")
+    add("--pipeline-chunks", type=int, default=2,
+        help="under --pipeline-schedule interleaved: parts of the layers per process (default: 2)")
     # Speed: the defaults are the measured winners (docs/speed-options.md); these switch extras on.
     add("--compile", action="store_true", help="torch.compile each decoder layer (regional compilation)")
     add("--liger", action="store_true", help="Liger's Triton kernels (fused cross-entropy, RMSNorm, ...); "

@@ -167,10 +167,11 @@ def damage(path: Path) -> str | None:
     return None
 
 
-# Flags a resumed run cannot change: the adapter's shape (the checkpoint would not load), and what the
-# optimizer and scheduler states restore over the flag (a new value would be ignored without a word).
+# Flags a resumed run cannot change: the adapter's shape and how a pipeline cuts the layers (the checkpoint
+# would not load), and what the optimizer and scheduler states restore over the flag (a new value would be
+# ignored without a word).
 KEPT_SETTINGS = ("lora_r", "lora_alpha", "lora_targets", "bits", "lr", "warmup_ratio", "weight_decay",
-                 "pipeline_stages")
+                 "pipeline_stages", "pipeline_schedule", "pipeline_chunks")
 
 
 def same_model(a: str, b: str) -> bool:

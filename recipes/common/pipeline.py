@@ -1,6 +1,7 @@
 """Pipeline parallel: the decoder's layers in contiguous stages, one per process, the step's
 micro-batches flowing through them under `torch.distributed.pipelining`'s schedules (1F1B by
-default, GPipe), and pipelines replicated over the remaining processes (pipeline x data parallel).
+default, GPipe, interleaved 1F1B with several stages per process), and pipelines replicated over the
+remaining processes (pipeline x data parallel).
 
 The model is split by module, not traced (tracing fails on models with rotary embeddings): every
 process keeps the Hugging Face model whole in structure, with the layers it does not run replaced
@@ -30,16 +31,37 @@ from .refusal import refuse
 
 @dataclass(frozen=True)
 class PipelineLayout:
-    """Where this process sits: `stages` stages x `replicas` pipelines; rank = replica * stages + stage."""
+    """Where this process sits: `stages` processes per pipeline x `replicas` pipelines; rank = replica *
+    stages + stage. Under the interleaved schedule each process runs `chunks` stages of the layers: the
+    layers are cut into stages * chunks parts, and process `stage` runs parts stage, stage + stages, ..."""
 
     stages: int
     replicas: int
     rank: int
     layers: int  # decoder layers of the model
+    chunks: int = 1
 
     @property
     def stage(self) -> int:
         return self.rank % self.stages
+
+    @property
+    def parts(self) -> int:
+        """The stages the layers are cut into (the schedule's stages)."""
+        return self.stages * self.chunks
+
+    def parts_of(self, stage: int | None = None) -> list[int]:
+        """The parts process `stage` (default: this one) runs, in the order the data meets them."""
+        stage = self.stage if stage is None else stage
+        return [stage + chunk * self.stages for chunk in range(self.chunks)]
+
+    def held_layers(self) -> list[int]:
+        """The decoder layers this process holds (of every part it runs)."""
+        return [index for part in self.parts_of() for index in self.layer_range(part)]
+
+    def rank_of(self, part: int) -> int:
+        """The rank in this pipeline that runs `part`."""
+        return self.replica * self.stages + part % self.stages
 
     @property
     def replica(self) -> int:
@@ -53,24 +75,30 @@ class PipelineLayout:
     def is_last(self) -> bool:
         return self.stage == self.stages - 1
 
-    def layer_range(self, stage: int | None = None) -> range:
-        """The contiguous layers of `stage` (default: this one): the first `layers % stages` stages get
-        one more, as `device_map="auto"` balances model parallel."""
-        stage = self.stage if stage is None else stage
-        base, extra = divmod(self.layers, self.stages)
-        start = stage * base + min(stage, extra)
-        return range(start, start + base + (1 if stage < extra else 0))
+    def layer_range(self, part: int) -> range:
+        """The contiguous layers of `part` (of `parts`): the first `layers % parts` parts get one more, as
+        `device_map="auto"` balances model parallel."""
+        base, extra = divmod(self.layers, self.parts)
+        start = part * base + min(part, extra)
+        return range(start, start + base + (1 if part < extra else 0))
 
 
-def check_layout(stages: int, processes: int, layers: int | None = None) -> None:
+def check_layout(stages: int, processes: int, layers: int | None = None, chunks: int = 1) -> None:
     """One line before the model loads when the sizes cannot work."""
     if stages < 1:
         refuse(f"--pipeline-stages must be >= 1, not {stages}")
+    if chunks < 1:
+        refuse(f"--pipeline-chunks must be >= 1, not {chunks}")
     if processes % stages:
         refuse(f"--pipeline-stages {stages} does not divide the {processes} processes: launch a multiple of "
                f"{stages} (each pipeline of {stages} stages is replicated over the rest)")
     if layers is not None and stages > layers:
         refuse(f"--pipeline-stages {stages} is more than the model's {layers} decoder layers: use at most {layers}")
+    if layers is not None and stages * chunks > layers:
+        fix = (f"use --pipeline-chunks {layers // stages} or fewer" if layers // stages > 1 else
+               "too few to interleave: use --pipeline-schedule 1f1b")
+        refuse(f"--pipeline-stages {stages} x --pipeline-chunks {chunks} cuts the model's {layers} decoder layers "
+               f"into {stages * chunks} parts, more than there are: {fix}")
 
 
 class PassThrough(torch.nn.Module):
@@ -131,16 +159,17 @@ def split_changes_the_forward(base, decoder) -> str | None:
 
 
 class StageModule(torch.nn.Module):
-    """One stage of a Hugging Face causal LM. The batch keys other than the input (the padding mask,
-    packed rows' position ids) are not sent between stages: every rank of a pipeline holds the step's
-    micro-batches (`begin_step`), and the schedule says which one it computes (`index`)."""
+    """This process's share of a Hugging Face causal LM: the layers of the parts it runs (the others
+    passed through), the embedding on the first stage, the final norm and LM head on the last. The batch
+    keys other than the input (the padding mask, packed rows' position ids) are not sent between stages:
+    every rank of a pipeline holds the step's micro-batches (`begin_step`), and the schedule says which
+    one each part computes (`Part.index`)."""
 
     def __init__(self, model, layout: PipelineLayout):
         super().__init__()
         self.model = model
         self.layout = layout
         self.micro_batches: list[dict] = []
-        self.index = 0  # the micro-batch being computed, set by `Stage.forward_one_chunk`
         problem = unstageable(model)
         if problem:  # (preflight refuses it before loading when it can build the model from its config)
             refuse(f"pipeline parallel cannot cut this model into stages: {problem}; use fsdp.yaml")
@@ -148,9 +177,9 @@ class StageModule(torch.nn.Module):
         problem = split_changes_the_forward(base, decoder)
         if problem:
             refuse(f"pipeline parallel cannot cut {type(base).__name__} into stages: {problem}; use fsdp.yaml")
-        kept = layout.layer_range()
+        held = set(layout.held_layers())
         for index in range(len(decoder.layers)):
-            if index not in kept:
+            if index not in held:
                 decoder.layers[index] = PassThrough()
         if not layout.is_first:
             decoder.embed_tokens = None  # the hidden states arrive from the previous stage
@@ -158,17 +187,44 @@ class StageModule(torch.nn.Module):
             decoder.norm = torch.nn.Identity()
             base.lm_head = None
         self.parts = (base, decoder)  # a tuple: not registered twice as submodules
+        # the schedule's stages: one per part this process runs (a list: not registered as submodules either)
+        self.chunks = [Part(self, part) for part in layout.parts_of()]
 
     def begin_step(self, micro_batches: list[dict]) -> None:
-        self.micro_batches, self.index = micro_batches, 0
+        self.micro_batches = micro_batches
+        for chunk in self.chunks:
+            chunk.index = 0
+
+
+class Part(torch.nn.Module):
+    """One part of the layers, run by the schedule as one pipeline stage: the model's own forward with
+    only this part's layers (and the final norm and head on the last part)."""
+
+    def __init__(self, stage: StageModule, part: int):
+        super().__init__()
+        layout = stage.layout
+        self.owner = (stage,)  # a tuple: the stage module holds the weights
+        self.is_first, self.is_last = part == 0, part == layout.parts - 1
+        base, decoder = stage.parts
+        kept = layout.layer_range(part)
+        self.layers = torch.nn.ModuleList(layer if index in kept else PassThrough()
+                                          for index, layer in enumerate(decoder.layers))
+        self.index = 0  # the micro-batch being computed, set by `Stage.forward_one_chunk`
 
     def forward(self, inputs):
-        batch = self.micro_batches[self.index]  # (the stage's first, shape-finding forward: micro-batch 0)
+        stage = self.owner[0]
+        batch = stage.micro_batches[self.index]  # (the stage's first, shape-finding forward: micro-batch 0)
         extra = {key: batch[key].to(inputs.device) for key in ("attention_mask", "position_ids") if key in batch}
-        given = {"input_ids": inputs} if self.layout.is_first else {"inputs_embeds": inputs}
-        base, decoder = self.parts
-        hidden = decoder(**given, **extra, use_cache=False).last_hidden_state
-        return base.lm_head(hidden) if self.layout.is_last else hidden
+        given = {"input_ids": inputs} if self.is_first else {"inputs_embeds": inputs}
+        base, decoder = stage.parts
+        held = decoder.layers, decoder.norm
+        # the decoder runs this part's layers; the final norm only on the last part
+        decoder.layers, decoder.norm = self.layers, (decoder.norm if self.is_last else torch.nn.Identity())
+        try:
+            hidden = decoder(**given, **extra, use_cache=False).last_hidden_state
+        finally:
+            decoder.layers, decoder.norm = held
+        return base.lm_head(hidden) if self.is_last else hidden
 
 
 def process_groups(layout: PipelineLayout):
@@ -239,26 +295,33 @@ class Pipeline:
 
     @property
     def bubble(self) -> float:
-        """The share of a step each stage waits (1F1B and GPipe): (p - 1) / (m + p - 1)."""
-        p, m = self.layout.stages, self.micro_batches
-        return (p - 1) / (m + p - 1)
+        """The share of a step each stage waits: (p - 1) / (m + p - 1) under 1F1B and GPipe; the
+        interleaved schedule's v parts per process cut it to (p - 1) / (v m + p - 1)."""
+        p, m, v = self.layout.stages, self.micro_batches, self.layout.chunks
+        return (p - 1) / (v * m + p - 1)
+
+    def layers_by_part(self) -> list[list[int]]:
+        return [[r.start, r.stop - 1] for r in map(self.layout.layer_range, range(self.layout.parts))]
 
     def describe(self) -> str:
-        layers = ", ".join(f"{r.start}-{r.stop - 1}" for r in map(self.layout.layer_range, range(self.layout.stages)))
-        line = (f"{self.layout.stages} stages x {self.layout.replicas} replica(s), {self.schedule_name}, "
-                f"{self.micro_batches} micro-batches per step; layers by stage: {layers}; each stage idles "
-                f"{self.bubble:.0%} of a step")
-        if self.micro_batches < self.layout.stages:
-            line += f" (fewer micro-batches than stages: --grad-accum {2 * self.layout.stages} would idle " \
-                    f"{(self.layout.stages - 1) / (3 * self.layout.stages - 1):.0%})"
+        layout = self.layout
+        layers = ", ".join(f"{first}-{last}" for first, last in self.layers_by_part())
+        parts = (f"{layout.chunks} parts of the layers per process (process s runs parts s, s + {layout.stages}, "
+                 "...); layers by part" if layout.chunks > 1 else "layers by stage")
+        line = (f"{layout.stages} stages x {layout.replicas} replica(s), {self.schedule_name}, {self.micro_batches} "
+                f"micro-batches per step; {parts}: {layers}; each stage idles {self.bubble:.0%} of a step")
+        if self.micro_batches < layout.stages:
+            line += f" (fewer micro-batches than stages: --grad-accum {2 * layout.stages} would idle " \
+                    f"{(layout.stages - 1) / (3 * layout.stages - 1):.0%})"
         return line
 
     def record(self) -> dict:
-        """run.json's `pipeline`: the layout, the schedule, which layers each stage holds."""
+        """run.json's `pipeline`: the layout, the schedule, which layers each stage (part) holds."""
         return {"stages": self.layout.stages, "replicas": self.layout.replicas, "schedule": self.schedule_name,
-                "micro_batches": self.micro_batches, "bubble": round(self.bubble, 4),
-                "layers_by_stage": [[r.start, r.stop - 1] for r in map(self.layout.layer_range, range(self.layout.stages))],
-                "rank_layout": "rank = replica * stages + stage"}
+                "chunks": self.layout.chunks, "micro_batches": self.micro_batches, "bubble": round(self.bubble, 4),
+                "layers_by_stage": self.layers_by_part(),
+                "rank_layout": "rank = replica * stages + stage" + (
+                    "; stage s runs parts s, s + stages, ..." if self.layout.chunks > 1 else "")}
 
     def shard(self, accelerator, loader, every_pipeline: bool = False):
         """`loader`'s batches for this pipeline: split over the replicas (the ranks of a pipeline read the
@@ -277,13 +340,18 @@ class Pipeline:
     def schedule_for(self, shape: tuple[int, int]):
         """The stage and schedule for micro-batches of this shape (built once per shape)."""
         if shape not in self.schedules:
-            from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+            from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
-            stage = _stage_class()(self.module, self.layout.stage, self.layout.stages, self.device,
-                                   group=self.pipeline_group)
-            kind = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[self.schedule_name]
-            self.schedules[shape] = kind(stage, n_microbatches=self.micro_batches, loss_fn=self.loss,
-                                         scale_grads=False)
+            stage_class = _stage_class()
+            stages = [stage_class(chunk, part, self.layout.parts, self.device, group=self.pipeline_group)
+                      for chunk, part in zip(self.module.chunks, self.layout.parts_of())]
+            if self.schedule_name == "interleaved":
+                schedule = ScheduleInterleaved1F1B(stages, n_microbatches=self.micro_batches, loss_fn=self.loss,
+                                                   scale_grads=False)
+            else:
+                kind = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[self.schedule_name]
+                schedule = kind(stages[0], n_microbatches=self.micro_batches, loss_fn=self.loss, scale_grads=False)
+            self.schedules[shape] = schedule
         return self.schedules[shape]
 
     def loss(self, logits, labels):
@@ -291,7 +359,7 @@ class Pipeline:
         token_loss = torch.nn.functional.cross_entropy(
             logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=IGNORE, reduction="sum")
         # by micro-batch: the stage's first, shape-finding forward (micro-batch 0 again) is overwritten
-        self.loss_sums[self.module.index] = token_loss.detach()
+        self.loss_sums[self.module.chunks[-1].index] = token_loss.detach()
         return token_loss / self.step_tokens
 
     def train_step(self, micro_batches: list[dict], step_tokens: int) -> torch.Tensor:
@@ -342,28 +410,28 @@ class Pipeline:
 
     # ------------------------------------------------------------------ forward only (evaluation, probe)
 
-    def _peer(self, step: int) -> int:
-        return self.layout.replica * self.layout.stages + self.layout.stage + step
-
     def forward_only(self, batch: dict):
-        """The logits of `batch` on the last stage (None on the others): each stage's output sent to the
-        next, its dtype and shape first."""
+        """The logits of `batch` on the last stage (None on the others): each part's output sent to the
+        process of the next part, its dtype and shape first."""
         self.module.begin_step([batch])
+        layout = self.layout
         with torch.no_grad():
-            if self.layout.is_first:
-                inputs = batch["input_ids"].to(self.device)
-            else:
-                header = torch.zeros(4, dtype=torch.int64, device=self.device)  # dtype, then the 3-D shape
-                dist.recv(header, src=self._peer(-1))
-                dtype = DTYPES[int(header[0])]
-                inputs = torch.empty([int(n) for n in header[1:4]], dtype=dtype, device=self.device)
-                dist.recv(inputs, src=self._peer(-1))
-            output = self.module(inputs)
-            if self.layout.is_last:
-                return output
-            header = torch.tensor([DTYPES.index(output.dtype), *output.shape], dtype=torch.int64, device=self.device)
-            dist.send(header, dst=self._peer(1))
-            dist.send(output.contiguous(), dst=self._peer(1))
+            for chunk, part in zip(self.module.chunks, layout.parts_of()):
+                if chunk.is_first:
+                    inputs = batch["input_ids"].to(self.device)
+                else:
+                    header = torch.zeros(4, dtype=torch.int64, device=self.device)  # dtype, then the 3-D shape
+                    dist.recv(header, src=layout.rank_of(part - 1))
+                    dtype = DTYPES[int(header[0])]
+                    inputs = torch.empty([int(n) for n in header[1:4]], dtype=dtype, device=self.device)
+                    dist.recv(inputs, src=layout.rank_of(part - 1))
+                output = chunk(inputs)
+                if chunk.is_last:
+                    return output
+                header = torch.tensor([DTYPES.index(output.dtype), *output.shape], dtype=torch.int64,
+                                      device=self.device)
+                dist.send(header, dst=layout.rank_of(part + 1))
+                dist.send(output.contiguous(), dst=layout.rank_of(part + 1))
         return None
 
     def evaluate(self, eval_loader) -> dict:
@@ -420,8 +488,9 @@ def split(accelerator, launch, args, model, pad_token_id: int) -> Pipeline | Non
     if launch.pipeline_stages == 1:
         return None
     _, decoder = decoder_of(model)
+    chunks = args.pipeline_chunks if args.pipeline_schedule == "interleaved" else 1
     layout = PipelineLayout(launch.pipeline_stages, launch.data_parallel_size, accelerator.process_index,
-                            len(decoder.layers))
+                            len(decoder.layers), chunks)
     pipe = Pipeline(model, layout, accelerator.device, args.pipeline_schedule, args.grad_accum, pad_token_id)
     attach(model, pipe)
     attach(accelerator, pipe)  # checkpoints ask the accelerator

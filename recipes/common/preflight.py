@@ -135,7 +135,7 @@ def check_pipeline(args, recipe: str, launch):
         refuse(f"pipeline parallel cannot cut {args.model} into stages: {problem}; use accelerate_configs/fsdp.yaml")
     config_dict = model_config(args.model) or {}
     layers = config_dict.get("num_hidden_layers") or (config_dict.get("text_config") or {}).get("num_hidden_layers")
-    check_layout(stages, launch.processes, layers)
+    check_layout(stages, launch.processes, layers, args.pipeline_chunks if args.pipeline_schedule == "interleaved" else 1)
     if args.batch_size == "auto":
         refuse("--batch-size auto does not plan pipeline stages yet; give --batch-size N")
     if args.liger:
@@ -150,8 +150,13 @@ def check_pipeline(args, recipe: str, launch):
 
 
 def check_pipeline_micro_batches(args, launch) -> None:
-    """torch's 1F1B needs a micro-batch for every stage to be in flight; GPipe runs fewer (idling more)."""
+    """torch's 1F1B needs a micro-batch for every stage to be in flight, its interleaved 1F1B rounds of one
+    micro-batch per stage; GPipe runs fewer (idling more)."""
     stages = launch.pipeline_stages
+    if stages > 1 and args.pipeline_schedule == "interleaved" and args.grad_accum % stages:
+        fits = max(stages, args.grad_accum // stages * stages)
+        refuse(f"the interleaved schedule runs rounds of one micro-batch per stage: --grad-accum {fits} (a multiple "
+               f"of the {stages} stages, not {args.grad_accum}), or --pipeline-schedule gpipe")
     if stages > 1 and args.pipeline_schedule == "1f1b" and args.grad_accum < stages:
         refuse(f"1F1B needs at least as many micro-batches per step as stages: --grad-accum {stages} or more (with "
                f"{2 * stages} each stage idles {(stages - 1) / (3 * stages - 1):.0%} of a step), or "
