@@ -1,6 +1,7 @@
 #!/usr/bin/env python
 """How busy pipeline stages are: each stage's compute time over the step's time, for 1, 2, 4 and 8
-micro-batches, beside the bubble formula m / (m + p - 1) and beside one process running every layer
+micro-batches, beside the bubble formula m / (m + p - 1) (interleaved over v parts per process:
+v m / (v m + p - 1)) and beside one process running every layer
 (model_parallel.yaml's schedule: one device busy at a time, 1 / p of the devices' time).
 
 Runs the recipes' own pipeline (recipes/common/pipeline.py: the stage split, torch's schedules) on CPU
@@ -10,6 +11,7 @@ schedule receives before it computes, so waiting is outside); the step's time is
 `step` on that rank.
 
     python scripts/pipeline_bubble.py --stages 2 --micro-batches 1 2 4 8 --out results/<folder>
+    python scripts/pipeline_bubble.py --stages 2 --micro-batches 2 4 8 --schedule interleaved --chunks 2
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ def parse_args(argv=None):
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--batch-size", type=int, default=2, help="rows per micro-batch")
-    parser.add_argument("--schedule", choices=("1f1b", "gpipe"), default="1f1b")
+    parser.add_argument("--schedule", choices=("1f1b", "gpipe", "interleaved"), default="1f1b")
+    parser.add_argument("--chunks", type=int, default=2, help="parts of the layers per process (interleaved)")
     parser.add_argument("--steps", type=int, default=3, help="timed steps after one warm-up step")
     parser.add_argument("--out", default=None, help="folder for results.json and table.md")
     return parser.parse_args(argv)
@@ -109,7 +112,7 @@ def stage_worker(rank: int, args, port: int, queue) -> None:
     results = {}
     for count in args.micro_batches:
         model = build_model(args)
-        layout = pipeline.PipelineLayout(args.stages, 1, rank, args.layers)
+        layout = pipeline.PipelineLayout(args.stages, 1, rank, args.layers, chunks_of(args))
         pipe = pipeline.Pipeline(model, layout, torch.device("cpu"), args.schedule, count, pad_token_id=0)
         batches = micro_batches(args, count)
         tokens = sum(int((b["labels"][:, 1:] != -100).sum()) for b in batches)
@@ -127,6 +130,10 @@ def stage_worker(rank: int, args, port: int, queue) -> None:
         dist.barrier()
     queue.put((rank, results))
     dist.destroy_process_group()
+
+
+def chunks_of(args) -> int:
+    return args.chunks if args.schedule == "interleaved" else 1
 
 
 def main(argv=None) -> int:
@@ -147,18 +154,19 @@ def main(argv=None) -> int:
     for worker in workers:
         worker.join()
     alone = one_process(args)
-    p = args.stages
+    p, v = args.stages, chunks_of(args)
     rows = []
     for m in args.micro_batches:
         step = max(by_rank[r][m]["step_s"] for r in by_rank)
-        rows.append({"micro_batches": m, "formula_busy_share": m / (m + p - 1),
+        rows.append({"micro_batches": m, "formula_busy_share": v * m / (v * m + p - 1),
                      "busy_share_by_stage": [round(by_rank[r][m]["busy_share"], 3) for r in sorted(by_rank)],
                      "pipeline_step_s": round(step, 3), "one_process_step_s": round(alone[m], 3),
                      "one_process_busy_share_of_p_devices": round(1 / p, 3),
                      "speedup_over_one_process": round(alone[m] / step, 2),
-                     "formula_speedup": round(p * m / (m + p - 1), 2)})
-    header = ("| micro-batches | busy share by stage (measured) | m / (m + p - 1) | pipeline step | one process | "
-              "speed-up (measured) | p m / (m + p - 1) |\n|---|---|---|---|---|---|---|")
+                     "formula_speedup": round(p * v * m / (v * m + p - 1), 2)})
+    formula = "v m / (v m + p - 1)" if v > 1 else "m / (m + p - 1)"
+    header = (f"| micro-batches | busy share by stage (measured) | {formula} | pipeline step | one process | "
+              f"speed-up (measured) | p {formula} |\n|---|---|---|---|---|---|---|")
     lines = [header] + [
         f"| {r['micro_batches']} | {', '.join(f'{x:.0%}' for x in r['busy_share_by_stage'])} | "
         f"{r['formula_busy_share']:.0%} | {r['pipeline_step_s']:.2f} s | {r['one_process_step_s']:.2f} s | "

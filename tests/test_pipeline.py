@@ -135,6 +135,9 @@ def test_stages_train_as_one_process(case, runs):
     with torch.no_grad():  # the saved files compute what the stages computed
         logits = model(input_ids=probe["input_ids"], attention_mask=probe["attention_mask"]).logits
     assert torch.allclose(logits, probe["logits"], atol=1e-5)
+    # the sample answers, token by token through the stages, are the ones generate() gave one process
+    samples = (piped.output_dir / "samples.jsonl").read_text().splitlines()
+    assert len(samples) == 3 and samples == (one.output_dir / "samples.jsonl").read_text().splitlines()
 
 def test_a_resumed_pipeline_continues_the_same_curve(runs, tmp_path):
     """Each stage's weights and optimizer state, the schedule and every rank's random state come back."""
@@ -278,3 +281,49 @@ def test_check_config_answers_for_a_pipeline():
     assert lines[-1] == "ok: lora runs as 2-stage pipeline x 2 replica(s) on 4 process(es), precision bf16"
     with pytest.raises(Refusal, match="--pipeline-stages 3 does not divide the 4 processes"):
         check_config.check(config, "lora", ["--pipeline-stages", "3"], on_gpu=True)
+
+
+@pytest.mark.parametrize("dtype_name, shard", [("float32", "200KB"), ("bfloat16", None)])
+def test_a_stage_reads_its_own_weights_as_the_whole_model_loads_them(dtype_name, shard, tmp_path, four_layers):
+    """Each process reads only its stage's tensors from the files (sharded or not): the same parameters,
+    buffers, dtypes and config as the whole model loaded and then cut."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from common.pipeline import keep_stage
+    from common.stage_loading import load_stage
+
+    name = four_layers
+    if shard:  # the same weights in several files named by an index
+        AutoModelForCausalLM.from_pretrained(four_layers).save_pretrained(tmp_path, max_shard_size=shard)
+        name = tmp_path
+        assert len(list(tmp_path.glob("model-*.safetensors"))) > 1
+    dtype = getattr(torch, dtype_name)
+    config = AutoConfig.from_pretrained(name)
+    for rank in range(4):  # 2 stages x 2 parts (interleaved), both replicas
+        layout = PipelineLayout(2, 2, rank, 4, chunks=2)
+        whole = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, use_safetensors=True)
+        keep_stage(whole, layout)
+        staged, why = load_stage(str(name), config, layout, dtype)
+        assert why is None
+        for kind in ("named_parameters", "named_buffers"):
+            theirs, ours = dict(getattr(whole, kind)()), dict(getattr(staged, kind)())
+            assert ours.keys() == theirs.keys()
+            for key, tensor in ours.items():
+                assert tensor.dtype == theirs[key].dtype and torch.equal(tensor, theirs[key]), key
+        held = {int(key.split(".")[2]) for key in dict(staged.named_parameters()) if ".layers." in key}
+        assert held == set(layout.held_layers()) == ({0, 2} if rank % 2 == 0 else {1, 3})
+        assert staged.config.to_dict() == whole.config.to_dict() and not staged.training
+
+
+def test_a_model_with_tied_weights_loads_whole_then_is_cut(tmp_path):
+    import torch
+    from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM
+
+    from common.stage_loading import load_stage
+
+    LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                 num_attention_heads=2, tie_word_embeddings=True)).save_pretrained(tmp_path)
+    model, why = load_stage(str(tmp_path), AutoConfig.from_pretrained(tmp_path), PipelineLayout(2, 1, 1, 2),
+                            torch.float32)
+    assert model is None and why == "its LM head is its embedding (tied)"

@@ -303,6 +303,7 @@ def save_full_model(accelerator, model, tokenizer, path: Path, dtype: str = "aut
         from safetensors.torch import save_file
 
         save_file(state_dict, str(Path(path) / "adapter_model.safetensors"), metadata={"format": "pt"})
+        name_every_adapted_layer(Path(path) / "adapter_config.json", state_dict)
     if accelerator.is_main_process and dtype != "auto":
         # config.json says what the files hold (from_pretrained's dtype="auto"); transformers wrote the
         # dtype of the model in memory there
@@ -311,6 +312,20 @@ def save_full_model(accelerator, model, tokenizer, path: Path, dtype: str = "aut
     if accelerator.is_main_process:
         tokenizer.save_pretrained(path)
     accelerator.wait_for_everyone()
+
+
+def name_every_adapted_layer(config_file: Path, adapter: dict) -> None:
+    """adapter_config.json's target_modules: every layer `adapter` holds tensors of, by its full name. peft
+    wrote those of the stage it was called on, which held some of the layers (and, where it resolved
+    `all-linear` over few layers, named them one by one): loaded as written, the other stages' tensors
+    would be left out."""
+    import re
+
+    modules = {match.group(1) for key in adapter
+               if (match := re.match(r"base_model\.model\.(.+?)\.lora_(?:embedding_)?[AB]\b", key))}
+    config = json.loads(config_file.read_text())
+    config["target_modules"] = sorted(modules)
+    config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def save_adapter(accelerator, model, tokenizer, path: Path) -> None:

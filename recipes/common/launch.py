@@ -41,6 +41,7 @@ class Launch:
     offload_optimizer: bool = False  # ZeRO offload_optimizer
     tensor_parallel: int = 1  # ranks that split each layer's weights (and see the same batches)
     pipeline_stages: int = 1  # --pipeline-stages: ranks that each run a part of the layers on the same batches
+    pipeline_chunks: int = 1  # parts of the layers each of them runs (the interleaved schedule's --pipeline-chunks)
 
     @property
     def shards_parameters(self) -> bool:

@@ -97,7 +97,11 @@ def load_model(name: str, accelerator, launch, *, frozen: bool, quantization=Non
         kwargs["quantization_config"] = quantization
         if not launch.shards_parameters and launch.kind != MODEL_PARALLEL:
             kwargs["device_map"] = {"": accelerator.device}
-    model = AutoModelForCausalLM.from_pretrained(name, **kwargs)
+    model = None
+    if launch.pipeline_stages > 1:  # each process reads only its stage's weights where the files allow
+        model = load_pipeline_stage(name, accelerator, launch, kwargs, quantized=quantization is not None)
+    if model is None:
+        model = AutoModelForCausalLM.from_pretrained(name, **kwargs)
     if quantization is not None and not quantized_weights(model):  # preflight's check, confirmed on what loaded
         refuse(f"bitsandbytes quantized none of {name}'s layers while it loaded, so qlora.py would train plain "
                "LoRA on a full-precision base; use recipes/lora.py")
@@ -109,6 +113,31 @@ def load_model(name: str, accelerator, launch, *, frozen: bool, quantization=Non
         apply_liger_kernel(model, None)
     accept_logits_to_keep(model)
     return model
+
+
+def load_pipeline_stage(name: str, accelerator, launch, kwargs: dict, quantized: bool):
+    """Pipeline parallel: this process's stage of the model, its weights alone read from the files; None
+    (said once) where the whole model must load first, as for every other strategy, and be cut after.
+    Either way the stages' forward is checked first (a refusal before any weight loads)."""
+    from .pipeline import layout_of
+    from .stage_loading import load_stage, refuse_a_changed_forward
+
+    trust, attention = kwargs["trust_remote_code"], kwargs.get("attn_implementation")
+    from transformers import AutoConfig
+
+    config = model_config_object(name, trust) or AutoConfig.from_pretrained(name, trust_remote_code=trust)
+    refuse_a_changed_forward(config, trust_remote_code=trust, attention=attention)
+    if quantized:
+        why = "bitsandbytes quantizes the weights as the whole model loads"
+    else:
+        layers = config.get_text_config().num_hidden_layers
+        model, why = load_stage(name, config, layout_of(accelerator, launch, layers), kwargs["dtype"],
+                                trust_remote_code=trust, attention=attention)
+        if model is not None:
+            return model
+    if accelerator.is_main_process:
+        print(f"pipeline: every process loads the whole model, then keeps its stage: {why}", flush=True)
+    return None
 
 
 def router_loss_weight(model) -> float:
@@ -260,14 +289,19 @@ def seed_adapter(model, seed: int) -> None:
 
     peft draws them while it builds the adapter, and how many random numbers the building takes
     depends on the layout (under tensor parallel it builds split layers), so without this each
-    strategy would start from a different adapter and a different random stream (dropout)."""
+    strategy would start from a different adapter and a different random stream (dropout). Each layer
+    draws from the seed and its own name: a pipeline stage, which holds some of the layers, draws
+    theirs as one process does."""
+    import zlib
+
     from peft.tuners.lora import LoraLayer
 
-    torch.manual_seed(seed)
-    for module in model.modules():
+    for name, module in model.named_modules():
         if isinstance(module, LoraLayer):
+            torch.manual_seed((seed << 32) ^ zlib.crc32(name.encode()))
             for adapter in module.lora_A:
                 module.reset_lora_parameters(adapter, init_lora_weights=True)  # A: kaiming, B: zeros
+    torch.manual_seed(seed)  # the random stream after it (dropout) the same on every layout
 
 
 def trained_parameter_groups(model) -> list[dict]:

@@ -158,6 +158,26 @@ def split_changes_the_forward(base, decoder) -> str | None:
     return None
 
 
+def keep_stage(model, layout: PipelineLayout):
+    """Drop from `model` what this process does not run (in place; again changes nothing): the layers of
+    the other stages become pass-throughs, the embedding stays on the first stage only, the final norm
+    and LM head on the last. Returns (the causal LM, its decoder)."""
+    problem = unstageable(model)
+    if problem:  # (preflight refuses it before loading when it can build the model from its config)
+        refuse(f"pipeline parallel cannot cut this model into stages: {problem}; use fsdp.yaml")
+    base, decoder = decoder_of(model)
+    held = set(layout.held_layers())
+    for index in range(len(decoder.layers)):
+        if index not in held:
+            decoder.layers[index] = PassThrough()
+    if not layout.is_first:
+        decoder.embed_tokens = None  # the hidden states arrive from the previous stage
+    if not layout.is_last:
+        decoder.norm = torch.nn.Identity()
+        base.lm_head = None
+    return base, decoder
+
+
 class StageModule(torch.nn.Module):
     """This process's share of a Hugging Face causal LM: the layers of the parts it runs (the others
     passed through), the embedding on the first stage, the final norm and LM head on the last. The batch
@@ -170,23 +190,7 @@ class StageModule(torch.nn.Module):
         self.model = model
         self.layout = layout
         self.micro_batches: list[dict] = []
-        problem = unstageable(model)
-        if problem:  # (preflight refuses it before loading when it can build the model from its config)
-            refuse(f"pipeline parallel cannot cut this model into stages: {problem}; use fsdp.yaml")
-        base, decoder = decoder_of(model)
-        problem = split_changes_the_forward(base, decoder)
-        if problem:
-            refuse(f"pipeline parallel cannot cut {type(base).__name__} into stages: {problem}; use fsdp.yaml")
-        held = set(layout.held_layers())
-        for index in range(len(decoder.layers)):
-            if index not in held:
-                decoder.layers[index] = PassThrough()
-        if not layout.is_first:
-            decoder.embed_tokens = None  # the hidden states arrive from the previous stage
-        if not layout.is_last:
-            decoder.norm = torch.nn.Identity()
-            base.lm_head = None
-        self.parts = (base, decoder)  # a tuple: not registered twice as submodules
+        self.parts = keep_stage(model, layout)  # a tuple: not registered twice as submodules
         # the schedule's stages: one per part this process runs (a list: not registered as submodules either)
         self.chunks = [Part(self, part) for part in layout.parts_of()]
 
@@ -434,6 +438,22 @@ class Pipeline:
                 dist.send(output.contiguous(), dst=layout.rank_of(part + 1))
         return None
 
+    @torch.no_grad()
+    def generate(self, prompt: torch.Tensor, max_new_tokens: int, stop_ids: list) -> torch.Tensor:
+        """Greedy decoding of `prompt` (1 x length) through the stages, the sequence on every rank of this
+        pipeline: the last stage picks each token and tells the others. No KV cache: each token runs the
+        whole sequence again (a few samples of a few dozen tokens)."""
+        ids = prompt.to(self.device)
+        last = self.layout.rank_of(self.layout.parts - 1)
+        for _ in range(max_new_tokens):
+            logits = self.forward_only({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
+            token = logits[:, -1].argmax(-1) if logits is not None else ids.new_zeros(1)
+            dist.broadcast(token, src=last, group=self.pipeline_group)
+            ids = torch.cat([ids, token[:, None]], 1)
+            if int(token) in stop_ids:
+                break
+        return ids
+
     def evaluate(self, eval_loader) -> dict:
         """`evaluation.evaluate`'s figures: every pipeline runs every batch, the first pipeline's last stage
         counts them, and one all-reduce tells every rank."""
@@ -480,6 +500,10 @@ def is_peft(model) -> bool:
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 
 
+def layout_of(accelerator, launch, layers: int) -> PipelineLayout:
+    """This process's place in the launch's pipelines, for a model of `layers` decoder layers."""
+    return PipelineLayout(launch.pipeline_stages, launch.data_parallel_size, accelerator.process_index, layers,
+                          launch.pipeline_chunks)
 
 
 def split(accelerator, launch, args, model, pad_token_id: int) -> Pipeline | None:
@@ -488,9 +512,7 @@ def split(accelerator, launch, args, model, pad_token_id: int) -> Pipeline | Non
     if launch.pipeline_stages == 1:
         return None
     _, decoder = decoder_of(model)
-    chunks = args.pipeline_chunks if args.pipeline_schedule == "interleaved" else 1
-    layout = PipelineLayout(launch.pipeline_stages, launch.data_parallel_size, accelerator.process_index,
-                            len(decoder.layers), chunks)
+    layout = layout_of(accelerator, launch, len(decoder.layers))
     pipe = Pipeline(model, layout, accelerator.device, args.pipeline_schedule, args.grad_accum, pad_token_id)
     attach(model, pipe)
     attach(accelerator, pipe)  # checkpoints ask the accelerator

@@ -135,7 +135,8 @@ def check_pipeline(args, recipe: str, launch):
         refuse(f"pipeline parallel cannot cut {args.model} into stages: {problem}; use accelerate_configs/fsdp.yaml")
     config_dict = model_config(args.model) or {}
     layers = config_dict.get("num_hidden_layers") or (config_dict.get("text_config") or {}).get("num_hidden_layers")
-    check_layout(stages, launch.processes, layers, args.pipeline_chunks if args.pipeline_schedule == "interleaved" else 1)
+    chunks = args.pipeline_chunks if args.pipeline_schedule == "interleaved" else 1
+    check_layout(stages, launch.processes, layers, chunks)
     if args.batch_size == "auto":
         refuse("--batch-size auto does not plan pipeline stages yet; give --batch-size N")
     if args.liger:
@@ -146,7 +147,7 @@ def check_pipeline(args, recipe: str, launch):
     if config_dict.get("output_router_logits"):
         refuse("a mixture of experts' router loss is not carried through pipeline stages; set "
                "output_router_logits false in the model's config, or use fsdp.yaml")
-    return replace(launch, pipeline_stages=stages)
+    return replace(launch, pipeline_stages=stages, pipeline_chunks=chunks)
 
 
 def check_pipeline_micro_batches(args, launch) -> None:

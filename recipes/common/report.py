@@ -14,20 +14,20 @@ from .formats import IGNORE
 def sample_generations(accelerator, launch, model, tokenizer, eval_set, output_dir, count: int = 3,
                        max_new_tokens: int = 32) -> list[dict]:
     """Greedy answers of the trained model to the first evaluation prompts; printed and saved
-    to samples.jsonl. Every rank generates (sharded weights need every rank's forward)."""
+    to samples.jsonl. Every rank generates (sharded weights need every rank's forward; under pipeline
+    parallel, the first pipeline's stages)."""
     from .evaluation import pipeline_of
 
-    if pipeline_of(model):  # generating token by token through the stages is not built
-        if accelerator.is_main_process:
-            print("samples: skipped under pipeline parallel (the evaluation and the saved model are complete)")
+    pipe = pipeline_of(model)
+    if pipe and pipe.layout.replica:  # the other pipelines hold the same weights
         return []
     generator = accelerator.unwrap_model(model)
     generator.eval()
     # Eager even under --compile: each new KV-cache length and layer index would be another graph,
     # compiled for a few tokens until torch gives up at its recompile limit with a page of warnings.
     with torch.compiler.set_stance("force_eager"):
-        samples = [generate_one(accelerator, generator, tokenizer, row, max_new_tokens, launch.shards_parameters)
-                   for row in eval_set.select(range(min(count, len(eval_set))))]
+        samples = [generate_one(accelerator, generator, tokenizer, row, max_new_tokens, launch.shards_parameters,
+                                pipe) for row in eval_set.select(range(min(count, len(eval_set))))]
     generator.train()
     if accelerator.is_main_process:
         with open(Path(output_dir) / "samples.jsonl", "w") as file:
@@ -38,15 +38,19 @@ def sample_generations(accelerator, launch, model, tokenizer, eval_set, output_d
     return samples
 
 
-def generate_one(accelerator, generator, tokenizer, row, max_new_tokens: int, sharded: bool) -> dict:
+def generate_one(accelerator, generator, tokenizer, row, max_new_tokens: int, sharded: bool, pipe=None) -> dict:
     """The greedy answer to one evaluation row's prompt (the tokens before its first target token)."""
     prompt_length = next((i for i, label in enumerate(row["labels"]) if label != IGNORE), len(row["labels"]))
     prompt = torch.tensor([row["input_ids"][:prompt_length]], device=accelerator.device)
-    output = generator.generate(
-        input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=max_new_tokens,
-        do_sample=False, pad_token_id=tokenizer.pad_token_id,
-        synced_gpus=sharded,  # every rank's forward gathers the shards: they keep stepping until all finish
-    )
+    if pipe:  # through the stages, token by token
+        stop = generator.generation_config.eos_token_id
+        output = pipe.generate(prompt, max_new_tokens, stop if isinstance(stop, list) else [stop])
+    else:
+        output = generator.generate(
+            input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=max_new_tokens,
+            do_sample=False, pad_token_id=tokenizer.pad_token_id,
+            synced_gpus=sharded,  # every rank's forward gathers the shards: they keep stepping until all finish
+        )
     reference = [t for t, label in zip(row["input_ids"], row["labels"]) if label != IGNORE]
     return {
         "prompt": tokenizer.decode(prompt[0], skip_special_tokens=True),

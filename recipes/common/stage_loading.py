@@ -1,0 +1,109 @@
+"""Pipeline parallel's loading: each process reads only its stage's weights from the model's safetensors
+files (a quarter of a 34B model per process on 4 stages, not all of it in every process).
+
+The model is built from its config on the meta device (no memory), cut to this process's stage
+(`pipeline.keep_stage`), and only the parameters left are read, tensor by tensor, from the files
+(sharded or not, a local folder or the hub's cache). Where the files name the weights otherwise than
+the model (a checkpoint transformers converts while loading), where weights are tied, or where the
+model keeps some weights in float32, the whole model is loaded as every other strategy loads it and
+then cut: the same result, with the whole model in memory for a while.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from .pipeline import PassThrough, PipelineLayout, decoder_of, keep_stage, split_changes_the_forward
+from .refusal import refuse
+
+
+def empty_model(config, *, trust_remote_code: bool, attention: str | None):
+    """The model of `config` with its parameters on the meta device (its buffers, such as the rotary
+    frequencies, computed as usual)."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    extra = {"attn_implementation": attention} if attention else {}
+    with init_empty_weights(include_buffers=False):
+        return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code, **extra)
+
+
+def refuse_a_changed_forward(config, *, trust_remote_code: bool, attention: str | None) -> None:
+    """One line, before any weight loads, when the stages would compute differently from the model's own
+    forward (`pipeline.split_changes_the_forward`): checked on the model's embedding, norm and head with
+    random weights, every layer passed through."""
+    from accelerate.utils import set_module_tensor_to_device
+
+    model = empty_model(config, trust_remote_code=trust_remote_code, attention=attention)
+    base, decoder = decoder_of(model)
+    decoder.layers = torch.nn.ModuleList(PassThrough() for _ in decoder.layers)
+    generator = torch.Generator().manual_seed(0)
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        value = torch.randn(parameter.shape, generator=generator, dtype=torch.bfloat16) * 0.02
+        set_module_tensor_to_device(model, name, "cpu", value=value)
+    problem = split_changes_the_forward(base, decoder)
+    if problem:
+        refuse(f"pipeline parallel cannot cut {type(base).__name__} into stages: {problem}; use "
+               "accelerate_configs/fsdp.yaml")
+
+
+def weight_files(name: str) -> dict[str, str] | None:
+    """{weight name: the safetensors file holding it} of model `name` (a folder, or a hub id, fetched into
+    the cache as `from_pretrained` fetches it); None without safetensors files."""
+    from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
+    from transformers.utils.hub import cached_file
+
+    def find(filename: str) -> str | None:
+        return cached_file(name, filename, _raise_exceptions_for_missing_entries=False)
+
+    index = find(SAFE_WEIGHTS_INDEX_NAME)
+    if index:
+        weight_map = json.loads(Path(index).read_text())["weight_map"]
+        files = {shard: find(shard) for shard in set(weight_map.values())}
+        return {key: files[shard] for key, shard in weight_map.items()}
+    single = find(SAFE_WEIGHTS_NAME)
+    if not single:
+        return None
+    from safetensors import safe_open
+
+    with safe_open(single, framework="pt") as handle:
+        return dict.fromkeys(handle.keys(), single)
+
+
+def load_stage(name: str, config, layout: PipelineLayout, dtype: torch.dtype, *, trust_remote_code: bool = False,
+               attention: str | None = None):
+    """(model `name` of `config` holding only `layout`'s stage, read from the files in `dtype`, None) - or
+    (None, why not) when only a whole load can build it."""
+    from accelerate.utils import set_module_tensor_to_device
+    from safetensors import safe_open
+    from transformers import GenerationConfig
+
+    if config.get_text_config().tie_word_embeddings:
+        return None, "its LM head is its embedding (tied)"
+    model = empty_model(config, trust_remote_code=trust_remote_code, attention=attention)
+    if getattr(model, "_keep_in_fp32_modules", None) or getattr(model, "_keep_in_fp32_modules_strict", None):
+        return None, "it keeps some weights in float32"
+    files = weight_files(name)
+    if files is None:
+        return None, "it has no safetensors files"
+    keep_stage(model, layout)
+    wanted = [key for key, _ in model.named_parameters()]
+    missing = [key for key in wanted if key not in files]
+    if missing:
+        return None, f"its files name the weights otherwise (no {missing[0]})"
+    by_file: dict[str, list[str]] = {}
+    for key in wanted:
+        by_file.setdefault(files[key], []).append(key)
+    for file, keys in by_file.items():
+        with safe_open(file, framework="pt") as handle:
+            for key in keys:
+                set_module_tensor_to_device(model, key, "cpu", value=handle.get_tensor(key), dtype=dtype)
+    model.config.dtype = dtype  # as from_pretrained records it
+    try:  # the model's own generation settings travel with the export, as from_pretrained keeps them
+        model.generation_config = GenerationConfig.from_pretrained(name)
+    except OSError:
+        pass
+    return model.eval(), None
