@@ -327,3 +327,46 @@ def test_a_model_with_tied_weights_loads_whole_then_is_cut(tmp_path):
     model, why = load_stage(str(tmp_path), AutoConfig.from_pretrained(tmp_path), PipelineLayout(2, 1, 1, 2),
                             torch.float32)
     assert model is None and why == "its LM head is its embedding (tied)"
+
+
+def _generate_worker(rank: int, port: int, queue) -> None:
+    import torch
+    import torch.distributed as dist
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from common.pipeline import Pipeline
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                         num_attention_heads=4, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    model = LlamaForCausalLM(config).eval()
+    prompt = torch.tensor([[5, 9, 3, 17]])
+    with torch.no_grad():
+        expected = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=12,
+                                  do_sample=False)
+    pipe = Pipeline(model, PipelineLayout(2, 1, rank, 4, chunks=2), torch.device("cpu"), "interleaved", 2, 0)
+    queue.put((rank, pipe.generate(prompt, 12, []).tolist(), expected.tolist()))
+    dist.destroy_process_group()
+
+
+def test_greedy_answers_through_the_stages_are_generates():
+    """The sample answers under a pipeline: each token picked on the last part and told to every stage, as
+    transformers' greedy generate (with its KV cache) picks them in one process."""
+    import torch.multiprocessing as mp
+
+    from conftest import free_port
+
+    context = mp.get_context("spawn")
+    queue = context.SimpleQueue()
+    port = free_port()
+    workers = [context.Process(target=_generate_worker, args=(rank, port, queue)) for rank in range(2)]
+    for worker in workers:
+        worker.start()
+    results = [queue.get() for _ in workers]
+    for worker in workers:
+        worker.join(timeout=60)
+    expected = results[0][2]
+    assert len(expected[0]) == 4 + 12 and len(set(expected[0][4:])) > 1  # a varied answer, not one token repeated
+    assert [tokens for _, tokens, _ in results] == [expected, expected]
