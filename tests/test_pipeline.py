@@ -370,3 +370,43 @@ def test_greedy_answers_through_the_stages_are_generates():
     expected = results[0][2]
     assert len(expected[0]) == 4 + 12 and len(set(expected[0][4:])) > 1  # a varied answer, not one token repeated
     assert [tokens for _, tokens, _ in results] == [expected, expected]
+
+
+FAMILIES = {  # transformers' config class and what its family adds to the Llama layout
+    "qwen2": ("Qwen2", {}),  # biases on q, k, v
+    "mistral": ("Mistral", {"sliding_window": 64}),
+    "phi3": ("Phi3", {}),  # fused qkv and gate_up projections
+    "qwen3": ("Qwen3", {"head_dim": 16}),  # q and k norms
+    "gemma": ("Gemma", {"head_dim": 16}),  # scaled embeddings, (1 + weight) norms
+}
+
+
+@long_test
+@pytest.mark.parametrize("family", FAMILIES)
+def test_other_families_train_in_interleaved_stages_as_one_process(family, tmp_path):
+    """Each family's own forward runs in the stages (read from the files stage by stage): LoRA on packed rows,
+    2 stages x 2 parts of a 4-layer model, the same losses and evaluation as one process."""
+    import torch
+    import transformers
+    from transformers import AutoTokenizer
+
+    from conftest import TINY_MODEL
+
+    name, extra = FAMILIES[family]
+    tokenizer = AutoTokenizer.from_pretrained(TINY_MODEL)
+    config = getattr(transformers, f"{name}Config")(
+        vocab_size=len(tokenizer), bos_token_id=1, eos_token_id=2, pad_token_id=3, hidden_size=64,
+        intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=512, tie_word_embeddings=False, **extra)
+    torch.manual_seed(0)
+    getattr(transformers, f"{name}ForCausalLM")(config).save_pretrained(tmp_path / family)
+    tokenizer.save_pretrained(tmp_path / family)
+    common = ["--model", str(tmp_path / family), "--max-steps", "3", "--grad-accum", "4", "--log-every", "1",
+              "--lr", "5e-3", "--lora-dropout", "0", "--packing", "--batch-size", "2"]
+    one = launch("lora", tmp_path / "one", *common, processes=1)
+    piped = launch("lora", tmp_path / "pipeline", *common, "--pipeline-stages", "2", "--pipeline-schedule",
+                   "interleaved", config="pipeline", processes=2)
+    assert one.returncode == 0 and piped.returncode == 0, (one.output[-2000:], piped.output[-2000:])
+    assert "every process loads the whole model" not in piped.output  # each read its stage alone
+    assert piped.losses() == pytest.approx(one.losses(), rel=1e-5) and len(piped.losses()) == 3
+    assert piped.metrics("eval")[-1]["eval_loss"] == pytest.approx(one.metrics("eval")[-1]["eval_loss"], rel=1e-5)
