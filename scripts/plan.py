@@ -152,8 +152,19 @@ def seconds(value: float) -> str:
     return f"{value:.2f} s" if value < 10 else f"{value:.1f} s"
 
 
-def runs_as(run: dict) -> str:
+def pipeline_layout(run: dict, gpus: int) -> str:
+    """How a pipeline run splits the GPUs ('' for the other strategies)."""
+    if "pipeline_stages" not in run:
+        return ""
+    stages, chunks = run["pipeline_stages"], run["pipeline_chunks"]
+    text = f"{stages} stages" + (f" x {gpus // stages} replicas" if stages < gpus else "")
+    return text + (", interleaved" if chunks > 1 else "")
+
+
+def runs_as(run: dict, gpus: int = 0) -> str:
     text = f"{run['micro_batch']} x {run['grad_accum']}"
+    if pipeline_layout(run, gpus):
+        text += f" ({pipeline_layout(run, gpus)})"
     if run["gradient_checkpointing"]:
         every = run["gradient_checkpointing"]
         text += ", checkpointing" + (f" 1 in {every}" if every > 1 else "")
@@ -173,7 +184,7 @@ def time_table(plan: dict, args) -> list[str]:
             note.append(f"{1 - time['idle_share']:.0%} of GPU time busy")
         if run["tight"]:
             note.append(f"tight: {run['total_bytes'] / planner.usable_bytes(args.gpu_memory):.0%} of usable memory")
-        rows.append([entry["strategy"], runs_as(run), str(run["global_batch"]), seconds(time["compute"]),
+        rows.append([entry["strategy"], runs_as(run, args.gpus), str(run["global_batch"]), seconds(time["compute"]),
                      seconds(time["communication"]), seconds(time["other"]), seconds(time["step"]),
                      seconds(run["seconds_per_epoch"]), "; ".join(note)])
     rows += [[e["strategy"], "does not fit", "", "", "", "", "", "", ""] for e in plan["strategies"] if not e["run"]]
@@ -187,7 +198,8 @@ def time_table(plan: dict, args) -> list[str]:
 
 
 def launch_command(config: str, strategy: str, args, batch_size: int, grad_accum: int = 1,
-                   gradient_checkpointing: int = 0, gpus: int | None = None) -> str:
+                   gradient_checkpointing: int = 0, gpus: int | None = None, pipeline_stages: int | None = None,
+                   pipeline_chunks: int = 1) -> str:
     gpus = gpus or args.gpus
     processes = "" if strategy == "model_parallel" else f" --num_processes {gpus}"
     if strategy in planner.TENSOR_PARALLEL:  # the mesh for this many GPUs (the files are written for 4)
@@ -196,8 +208,9 @@ def launch_command(config: str, strategy: str, args, batch_size: int, grad_accum
         processes += f" --parallelism_config_dp_shard_size {gpus // tp}" if strategy == "fsdp_tp" else ""
     command = (f"accelerate launch --config_file {config}{processes} recipes/{args.method}.py "
                f"--batch-size {batch_size} --max-length {args.seq_len}")
-    if strategy == "pipeline":  # one stage per GPU
-        command += f" --pipeline-stages {gpus}"
+    if strategy == "pipeline":  # one stage per GPU, or fewer replicated over the rest
+        command += f" --pipeline-stages {pipeline_stages or gpus}"
+        command += " --pipeline-schedule interleaved" if pipeline_chunks > 1 else ""  # its 2 parts: the default
     if grad_accum > 1:
         command += f" --grad-accum {grad_accum}"
     if gradient_checkpointing:
@@ -207,7 +220,8 @@ def launch_command(config: str, strategy: str, args, batch_size: int, grad_accum
 
 def recommended_launch(rec: dict, args) -> str:
     return launch_command(rec["config"], rec["strategy"], args, rec["micro_batch"], rec["grad_accum"],
-                          rec["gradient_checkpointing"], rec["gpus"])
+                          rec["gradient_checkpointing"], rec["gpus"], rec.get("pipeline_stages"),
+                          rec.get("pipeline_chunks", 1))
 
 
 def what_changed(rec: dict, args) -> str:
@@ -267,8 +281,9 @@ def main(argv=None) -> int:
     if args.json:
         print(json.dumps(plan, indent=2))
         return 0
+    layouts = {e["strategy"]: planner.pipeline_layout_of(e["run"]) for e in plan["strategies"] if e["run"]}
     batches = {s: planner.max_micro_batch(shape, args.method, s, args.gpus, args.gpu_memory, **settings,
-                                          grad_accum=args.grad_accum)
+                                          grad_accum=args.grad_accum, **layouts.get(s, {}))
                for s in planner.possible_strategies(args.method, args.gpus, shape, args.lora_targets)}
     print("\n".join(describe(shape, args) + [""] + table(plan, batches) + [""] + time_table(plan, args) + [""]
                     + sentences(shape, plan, args)))

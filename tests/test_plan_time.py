@@ -164,8 +164,47 @@ def test_a_pipeline_stage_holds_its_micro_batches_in_flight(tinyllama):
     mp = planner.step_time(tinyllama, "lora", "model_parallel", 4, REFERENCE, 2, 8, 1024)
     assert pipe["idle_share"] == 3 / 11 and mp["idle_share"] == 0.75
     assert mp["step"] / pipe["step"] == pytest.approx(4 * 8 / 11, rel=0.1)  # p m / (m + p - 1), less the sends
-    assert "pipeline" not in planner.possible_strategies("lora", 1) and planner.impossible("lora", "pipeline", 32,
-                                                                                           tinyllama)
+    assert "pipeline" not in planner.possible_strategies("lora", 1)
+    # 22 layers: 32 GPUs run 16 stages x 2 replicas; 23 GPUs (a prime above the layers) run no pipeline
+    assert planner.impossible("lora", "pipeline", 23, tinyllama) and not planner.impossible("lora", "pipeline", 32,
+                                                                                             tinyllama)
+    assert (16, 1) in planner.pipeline_layouts(32, 22) and (16, 2) not in planner.pipeline_layouts(32, 22)
+
+
+def test_interleaved_and_replicated_pipelines(tinyllama):
+    """Interleaved over v parts: the bubble (p - 1) / (v m + p - 1), stage k holding up to min(v m, (v - 1) p
+    + 2 (p - 1 - k) + 1) parts of 1/v of its layers (torch's warm-up plus one). Replicated: each replica
+    its own micro-batches (the global batch times the replicas), each stage's gradients summed across them."""
+    first = planner.model_parallel_stages(tinyllama, 2)[0]
+    for accum in (2, 8):
+        usage = planner.per_gpu_bytes(tinyllama, "lora", "pipeline", 4, 2, 1024, grad_accum=accum,
+                                      pipeline_stages=2, pipeline_chunks=2)
+        parts = min(2 * accum, (2 - 1) * 2 + 2 * (2 - 1 - 0) + 1)
+        assert usage["activations"] == planner.activation_bytes(tinyllama, "lora", "pipeline", 2 * parts / 2, 1024,
+                                                                stage=first)
+    one = planner.step_time(tinyllama, "lora", "pipeline", 2, REFERENCE, 2, 8, 1024)
+    interleaved = planner.step_time(tinyllama, "lora", "pipeline", 2, REFERENCE, 2, 8, 1024, pipeline_chunks=2)
+    assert one["idle_share"] == 1 / 9 and interleaved["idle_share"] == 1 / 17
+    assert interleaved["compute"] == one["compute"] and interleaved["communication"] > one["communication"]
+    replicated = planner.step_time(tinyllama, "lora", "pipeline", 4, REFERENCE, 2, 8, 1024, pipeline_stages=2)
+    assert replicated["global_batch"] == 2 * one["global_batch"] and replicated["step"] > one["step"]
+    assert replicated["communication"] > one["communication"]  # the replicas' gradient sum
+    with pytest.raises(ValueError, match="a pipeline of 3 stages x 1 part"):
+        planner.per_gpu_bytes(tinyllama, "lora", "pipeline", 4, 2, 1024, pipeline_stages=3)
+
+
+def test_the_interleaved_warm_up_is_torchs():
+    """The parts in flight the planner counts are torch's interleaved 1F1B warm-up, plus the one forward
+    before the first backward."""
+    schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
+    warmup = getattr(schedules, "_get_warmup_ops", None)
+    if warmup is None:
+        pytest.skip("torch names its warm-up otherwise")
+    for stages, chunks, micro in ((2, 2, 4), (4, 2, 8), (4, 3, 16), (8, 2, 8)):
+        for rank in range(stages):
+            ops = warmup(rank, chunks, stages, stages, micro, multiply_factor=2)
+            assert min(ops + 1, chunks * micro) == min(chunks * micro,
+                                                       (chunks - 1) * stages + 2 * (stages - 1 - rank) + 1)
 
 
 # ---------------------------------------------------------------------------- the reference measurements

@@ -563,12 +563,11 @@ def announce_plan(args, recipe: str, launch) -> None:
         print(f"plan: skipped ({reason})", flush=True)
         return
     strategy, gpus = launch.planner_strategy, launch.gpus
-    if launch.pipeline_stages > 1 and launch.data_parallel_size > 1:
-        print("plan: skipped (scripts/plan.py plans one pipeline over all the GPUs, not replicated ones)", flush=True)
-        return
+    layout = dict(pipeline_stages=launch.pipeline_stages, pipeline_chunks=launch.pipeline_chunks) \
+        if launch.pipeline_stages > 1 else {}
     try:
         need = planner.per_gpu_bytes(shape, recipe, strategy, gpus, batch_size=args.batch_size, **inputs,
-                                     grad_accum=args.grad_accum)
+                                     grad_accum=args.grad_accum, **layout)
     except ValueError as error:  # e.g. LoRA targets the planner does not know
         print(f"plan: skipped ({str(error).splitlines()[0]})", flush=True)
         return

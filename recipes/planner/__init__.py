@@ -45,6 +45,7 @@ as ("a 48 GB L40S", "an 80 GB H100"), which is GiB in practice.
 
 from .activations import activation_bytes, layer_activation_bytes_per_token
 from .choose import (
+    pipeline_layout_of,
     HEADROOM,
     MARGIN,
     MAX_MICRO_BATCH,
@@ -108,6 +109,7 @@ from .strategies import (
     STRATEGIES,
     TENSOR_PARALLEL,
     impossible,
+    pipeline_layouts,
     possible_strategies,
     tensor_parallel_size,
 )
@@ -115,7 +117,7 @@ from .timing import Machine, data_parallel_size, epoch_time, flops_per_token, st
 
 __all__ = [
     "DEFAULT_GPU", "DEFAULT_MFU", "GPUS", "GPUS_PER_MACHINE", "INTERCONNECTS", "NETWORK", "MARGIN", "Gpu",
-    "Machine", "best_run", "fastest_of",
+    "Machine", "best_run", "fastest_of", "pipeline_layout_of", "pipeline_layouts",
     "collective_bandwidth", "data_parallel_size", "epoch_time", "flops_per_token", "rank_key", "step_time",
     "ALIASES", "ATTENTIONS", "DEEPSPEED", "DEEPSPEED_REDUCE_BUCKET", "FSDP", "HEADROOM", "LAYERS_IN_FLIGHT",
     "LINEAR_NAMES", "MAX_MICRO_BATCH", "METHODS", "NF4_BITS_PER_WEIGHT", "OFFLOADED", "REPO_ROOT", "SPEED_ORDER",

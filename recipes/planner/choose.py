@@ -12,7 +12,15 @@ from .activations import activation_bytes
 from .peak import gradient_bytes, optimizer_bytes, weight_bytes
 from .resident import Stage, model_parallel_stages
 from .shapes import ModelShape
-from .strategies import SPEED_ORDER, STRATEGIES, _check, impossible, possible_strategies
+from .strategies import (
+    SPEED_ORDER,
+    STRATEGIES,
+    _check,
+    check_pipeline_layout,
+    impossible,
+    pipeline_layouts,
+    possible_strategies,
+)
 from .timing import Machine, epoch_time, step_time
 
 # Keep 10% of every GPU free: the CUDA context (~0.5-1 GiB), NCCL buffers, the caching
@@ -30,12 +38,16 @@ TIE = 0.03
 def per_gpu_bytes(shape: ModelShape, method: str, strategy: str, gpus: int, batch_size: int = 8,
                   seq_len: int = 512, gradient_checkpointing: int = 0, lora_rank: int = 16,
                   lora_targets="all-linear", precision: str = "bf16", attention: str = "sdpa",
-                  lora_dropout: float = 0.05, grad_accum: int = 1) -> dict:
+                  lora_dropout: float = 0.05, grad_accum: int = 1, pipeline_stages: int | None = None,
+                  pipeline_chunks: int = 1) -> dict:
     """Memory of the busiest GPU: {"weights", "gradients", "optimizer", "activations", "total"} in
     bytes. `batch_size` is the micro-batch per GPU (the recipes' --batch-size), `seq_len` the
     padded length (--max-length is the worst case). Model parallel and pipeline: the heavier of the
-    GPUs; a pipeline stage k of N holds the activations of up to min(N - k, grad_accum) micro-batches
-    at once (1F1B: a micro-batch's backward starts once it has passed every later stage)."""
+    GPUs. A pipeline has `pipeline_stages` stages (default: one per GPU; fewer are replicated over the
+    rest, each replica the same) of `pipeline_chunks` parts each: under 1F1B stage k of p holds the
+    activations of up to min(p - k, grad_accum) micro-batches at once (a micro-batch's backward starts
+    once it has passed every later stage); under the interleaved schedule up to min(v m, (v - 1) p +
+    2 (p - 1 - k) + 1) parts of 1/v of its layers each, torch's warm-up plus one."""
     _check(method, strategy, precision, attention)
     if gpus < 1 or batch_size < 1 or seq_len < 1:
         raise ValueError("gpus, batch_size and seq_len must be >= 1")
@@ -43,10 +55,16 @@ def per_gpu_bytes(shape: ModelShape, method: str, strategy: str, gpus: int, batc
     if why_not:
         raise ValueError(f"{method} with {strategy} on {gpus} GPU(s) does not run: {why_not}")
     staged = strategy in ("model_parallel", "pipeline")
-    stages = model_parallel_stages(shape, gpus) if staged else [Stage(shape.layers)]
+    p, v = (pipeline_stages or gpus, pipeline_chunks) if strategy == "pipeline" else (gpus, 1)
+    if strategy == "pipeline":
+        check_pipeline_layout(gpus, p, v, shape.layers)
+    stages = model_parallel_stages(shape, p) if staged else [Stage(shape.layers)]
     best = None
     for index, stage in enumerate(stages):
-        in_flight = min(gpus - index, grad_accum) if strategy == "pipeline" else 1
+        in_flight = 1
+        if strategy == "pipeline":
+            in_flight = (min(p - index, grad_accum) if v == 1 else
+                         min(v * grad_accum, (v - 1) * p + 2 * (p - 1 - index) + 1) / v)
         common = dict(lora_rank=lora_rank, lora_targets=lora_targets, precision=precision, stage=stage)
         result = {
             "weights": weight_bytes(shape, method, strategy, gpus, **common),
@@ -75,12 +93,14 @@ def fits(total_bytes: int, gpu_memory_gb: float) -> bool:
 def max_micro_batch(shape: ModelShape, method: str, strategy: str, gpus: int, gpu_memory_gb: float,
                     seq_len: int = 512, gradient_checkpointing: int = 0, lora_rank: int = 16,
                     lora_targets="all-linear", precision: str = "bf16", attention: str = "sdpa",
-                    lora_dropout: float = 0.05, grad_accum: int = 1) -> int:
+                    lora_dropout: float = 0.05, grad_accum: int = 1, **pipeline_layout) -> int:
     """The largest micro-batch (1..256) that fits, by bisection (memory grows with the batch);
-    0 when not even one sequence fits."""
+    0 when not even one sequence fits. `pipeline_layout`: `per_gpu_bytes`'s pipeline_stages and
+    pipeline_chunks."""
     def ok(batch: int) -> bool:
         total = per_gpu_bytes(shape, method, strategy, gpus, batch, seq_len, gradient_checkpointing, lora_rank,
-                              lora_targets, precision, attention, lora_dropout, grad_accum)["total"]
+                              lora_targets, precision, attention, lora_dropout, grad_accum,
+                              **pipeline_layout)["total"]
         return fits(total, gpu_memory_gb)
 
     if not ok(1):
@@ -107,25 +127,46 @@ def best_run(shape: ModelShape, method: str, strategy: str, gpus: int, gpu_memor
     becomes a smaller divisor of it with more accumulation, and when the launch asks for no gradient
     checkpointing, checkpointing every layer is tried as well (it costs a forward, and can buy a
     micro-batch large enough to hide a sharded strategy's gathers). A run above `MARGIN` of the usable
-    memory is `tight`: any run with margin ranks before it (`rank_key`)."""
+    memory is `tight`: any run with margin ranks before it (`rank_key`).
+
+    A pipeline also tries its layouts (`pipeline_layouts`: fewer stages replicated, the interleaved
+    schedule's 2 parts per stage), each with the micro-batches its schedule takes (1F1B: at least one
+    per stage; interleaved: a multiple of the stages); the run names its `pipeline_stages` and
+    `pipeline_chunks`, and a layout within `TIE` of the fastest gives way to a simpler one (one pipeline
+    over all the GPUs, 1F1B)."""
     runs = []
     gradient_checkpointing = int(gradient_checkpointing)
-    for every in ([gradient_checkpointing] if gradient_checkpointing else [0, 1]):
-        for micro in _divisors_descending(batch_size):
-            accum = grad_accum * batch_size // micro
-            if strategy == "pipeline" and accum < gpus:  # 1F1B needs a micro-batch per stage in flight
-                continue
-            total = per_gpu_bytes(shape, method, strategy, gpus, micro, seq_len, every, **settings,
-                                  grad_accum=accum)["total"]
-            if not fits(total, gpu_memory_gb):
-                continue
-            time = step_time(shape, method, strategy, gpus, machine, micro, accum, seq_len, every,
-                             settings.get("lora_rank", 16), settings.get("lora_targets", "all-linear"),
-                             settings.get("precision", "bf16"))
-            runs.append({"micro_batch": micro, "grad_accum": accum, "gradient_checkpointing": every,
-                         "global_batch": time["global_batch"], "total_bytes": total,
-                         "tight": total > MARGIN * usable_bytes(gpu_memory_gb), "time": time})
-    return min(runs, key=rank_key) if runs else None
+    layouts = pipeline_layouts(gpus, shape.layers) if strategy == "pipeline" else [(None, 1)]
+    for order, (stages, chunks) in enumerate(layouts):
+        layout = dict(pipeline_stages=stages, pipeline_chunks=chunks) if stages else {}
+        for every in ([gradient_checkpointing] if gradient_checkpointing else [0, 1]):
+            for micro in _divisors_descending(batch_size):
+                accum = grad_accum * batch_size // micro
+                if stages and (accum < stages if chunks == 1 else accum % stages):  # as the recipes refuse
+                    continue
+                total = per_gpu_bytes(shape, method, strategy, gpus, micro, seq_len, every, **settings,
+                                      grad_accum=accum, **layout)["total"]
+                if not fits(total, gpu_memory_gb):
+                    continue
+                time = step_time(shape, method, strategy, gpus, machine, micro, accum, seq_len, every,
+                                 settings.get("lora_rank", 16), settings.get("lora_targets", "all-linear"),
+                                 settings.get("precision", "bf16"), **layout)
+                runs.append({"micro_batch": micro, "grad_accum": accum, "gradient_checkpointing": every,
+                             "global_batch": time["global_batch"], "total_bytes": total,
+                             "tight": total > MARGIN * usable_bytes(gpu_memory_gb), "time": time, **layout,
+                             "_order": order})
+    if not runs:
+        return None
+    best = min(runs, key=rank_key)
+    close = [run for run in runs if run["tight"] == best["tight"] and run["_order"] < best["_order"]
+             and run["time"]["tokens_per_s"] >= (1 - TIE) * best["time"]["tokens_per_s"]]
+    chosen = min(close, key=lambda run: (run["_order"], rank_key(run))) if close else best
+    return {key: value for key, value in chosen.items() if key != "_order"}
+
+
+def pipeline_layout_of(run: dict) -> dict:
+    """A pipeline run's layout as `per_gpu_bytes` takes it ({} for the other strategies)."""
+    return {key: run[key] for key in ("pipeline_stages", "pipeline_chunks") if key in run}
 
 
 def rank_key(run: dict) -> tuple:
@@ -166,11 +207,12 @@ def plan(shape: ModelShape, method: str, gpus: int, gpu_memory_gb: float, batch_
     asked = dict(settings, grad_accum=grad_accum)
 
     def recommend(strategy: str, run: dict, n: int) -> dict:
+        layout = pipeline_layout_of(run)
         batch = max_micro_batch(shape, method, strategy, n, gpu_memory_gb, seq_len, run["gradient_checkpointing"],
-                                **memory, grad_accum=run["grad_accum"])
+                                **memory, grad_accum=run["grad_accum"], **layout)
         return {"strategy": strategy, "config": STRATEGIES[strategy], "gpus": n, "max_micro_batch": batch,
                 **{k: run[k] for k in ("micro_batch", "grad_accum", "gradient_checkpointing", "global_batch", "tight")},
-                "seconds_per_step": run["time"]["step"], "seconds_per_epoch": epoch_time(run["time"], rows)}
+                **layout, "seconds_per_step": run["time"]["step"], "seconds_per_epoch": epoch_time(run["time"], rows)}
 
     def runnable(n: int) -> tuple[str, ...]:  # model parallel is one process: its GPUs are one machine's
         return tuple(s for s in possible_strategies(method, n, shape, lora_targets)
@@ -178,8 +220,10 @@ def plan(shape: ModelShape, method: str, gpus: int, gpu_memory_gb: float, batch_
 
     strategies, runs_on_all = [], {}
     for strategy in runnable(gpus):
-        usage = per_gpu_bytes(shape, method, strategy, gpus, **settings, grad_accum=grad_accum)
         run = runs_on_all[strategy] = best_run(shape, method, strategy, gpus, gpu_memory_gb, machine, **asked)
+        # at the asked micro-batch; a pipeline in the layout its run chose (default: one over all the GPUs)
+        usage = per_gpu_bytes(shape, method, strategy, gpus, **settings, grad_accum=grad_accum,
+                              **(pipeline_layout_of(run) if run else {}))
         if run:
             run = dict(run, seconds_per_epoch=epoch_time(run["time"], rows))
         strategies.append({"strategy": strategy, "config": STRATEGIES[strategy], "per_gpu_bytes": usage,

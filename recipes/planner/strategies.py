@@ -78,13 +78,27 @@ def tensor_parallel_size(strategy: str, gpus: int) -> int:
 ROW_SPLIT = ("o_proj", "down_proj", "lm_head")
 
 
+def pipeline_layouts(gpus: int, layers: int | None = None) -> list[tuple[int, int]]:
+    """The (stages, parts of the layers per process) a pipeline runs on `gpus` GPUs, simplest first: one
+    pipeline over all of them, then fewer stages replicated over the rest; 1F1B (one part), then the
+    interleaved schedule's 2 parts (the recipes' --pipeline-chunks default) where the layers allow."""
+    return [(stages, chunks) for stages in range(gpus, 1, -1) if gpus % stages == 0
+            for chunks in (1, 2) if layers is None or stages * chunks <= layers]
+
+
+def check_pipeline_layout(gpus: int, stages: int, chunks: int, layers: int | None = None) -> None:
+    if (stages, chunks) not in pipeline_layouts(gpus, layers):
+        raise ValueError(f"a pipeline of {stages} stages x {chunks} part(s) does not run on {gpus} GPUs"
+                         + (f" and {layers} layers" if layers else ""))
+
+
 def impossible(method: str, strategy: str, gpus: int, shape=None, lora_targets="all-linear") -> str | None:
     """Why the recipes refuse `method` under `strategy` on `gpus` GPUs (None: they run it)."""
     if strategy == "pipeline":
         if gpus < 2:
             return "pipeline needs 2 GPUs or more (one stage each)"
-        if shape is not None and gpus > shape.layers:
-            return f"{gpus} stages are more than the model's {shape.layers} layers"
+        if not pipeline_layouts(gpus, shape.layers if shape is not None else None):
+            return f"no pipeline of 2 to {shape.layers} stages divides {gpus} GPUs"
         return None
     if strategy not in TENSOR_PARALLEL:
         return None

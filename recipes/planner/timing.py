@@ -22,7 +22,9 @@ The model, per micro-batch on each GPU:
 - idle: model parallel runs the whole micro-batch through one GPU after the other, so its step is
   the whole model's compute on one GPU while the other n-1 wait. A pipeline of n stages runs the m
   micro-batches at once, each stage its 1/n of every one, in m + n - 1 time slots: idle
-  (n - 1) / (m + n - 1) of the step (the bubble of 1F1B and GPipe).
+  (n - 1) / (m + n - 1) of the step (the bubble of 1F1B and GPipe). Interleaved over v parts per
+  stage: v m + n - 1 slots of 1/(n v) each, every slot sending a hidden state. Pipelines replicated
+  over the other GPUs sum each stage's gradients across the replicas after the step.
 
 Per step: grad_accum micro-batches + the per-step collectives + the optimizer step; per epoch:
 ceil(rows / global batch) steps.
@@ -156,11 +158,14 @@ def gather(size: float, ranks: int) -> float:
     return (ranks - 1) / ranks * size if ranks > 1 else 0.0
 
 
-def data_parallel_size(strategy: str, gpus: int) -> int:
+def data_parallel_size(strategy: str, gpus: int, pipeline_stages: int | None = None) -> int:
     """Processes that each run their own micro-batch: all of them, except tensor parallel's groups
-    (tp: 1, fsdp_tp: gpus / T) and model parallel (one process)."""
-    if strategy in ("model_parallel", "pipeline"):  # (a pipeline: one, over all the GPUs)
+    (tp: 1, fsdp_tp: gpus / T), model parallel (one process) and a pipeline's stages (its replicas:
+    gpus / stages, one pipeline over all the GPUs by default)."""
+    if strategy == "model_parallel":
         return 1
+    if strategy == "pipeline":
+        return gpus // (pipeline_stages or gpus)
     return gpus // tensor_parallel_size(strategy, gpus)
 
 
@@ -240,11 +245,18 @@ def traffic(shape: ModelShape, method: str, strategy: str, gpus: int, machine: M
 
 def step_time(shape: ModelShape, method: str, strategy: str, gpus: int, machine: Machine, batch_size: int = 8,
               grad_accum: int = 1, seq_len: int = 512, gradient_checkpointing: int = 0, lora_rank: int = 16,
-              lora_targets="all-linear", precision: str = "bf16") -> dict:
+              lora_targets="all-linear", precision: str = "bf16", pipeline_stages: int | None = None,
+              pipeline_chunks: int = 1) -> dict:
     """Seconds of one optimizer step, estimated (see the module's docstring), split into
     {"compute", "communication", "other", "step"} plus "idle_share" (the share of GPU time no GPU
-    computes: model parallel's (n-1)/n), "global_batch" (sequences per step) and "tokens_per_s"."""
+    computes: model parallel's (n-1)/n, a pipeline's bubble), "global_batch" (sequences per step) and
+    "tokens_per_s". A pipeline: `pipeline_stages` stages (default: one per GPU) of `pipeline_chunks`
+    parts each (the interleaved schedule's), replicated over the rest of the GPUs."""
     _check(method, strategy, precision)
+    if strategy == "pipeline":
+        return _pipeline_step_time(shape, method, gpus, machine, batch_size, grad_accum, seq_len,
+                                   gradient_checkpointing, lora_rank, lora_targets, precision,
+                                   pipeline_stages or gpus, pipeline_chunks)
     tokens = batch_size * seq_len
     flops = flops_per_token(shape, method, seq_len, gradient_checkpointing, lora_rank, lora_targets)
     flops_per_gpu = tokens * flops["total"] / tensor_parallel_size(strategy, gpus)
@@ -268,13 +280,6 @@ def step_time(shape: ModelShape, method: str, strategy: str, gpus: int, machine:
         optimizer = local_trained * OPTIMIZER_BYTES_TOUCHED / (machine.gpu.memory_gb_s * 1e9)
 
     global_batch = batch_size * grad_accum * data_parallel_size(strategy, gpus)
-    if strategy == "pipeline":  # each stage computes its 1/N of every micro-batch, in m + N - 1 time slots
-        slots = grad_accum + gpus - 1
-        step = slots * (compute / gpus + moved.exposed_per_micro + other_per_micro / gpus) + optimizer / gpus
-        return {"compute": grad_accum * compute / gpus, "communication": slots * moved.exposed_per_micro,
-                "other": slots * other_per_micro / gpus + optimizer / gpus, "step": step,
-                "idle_share": (gpus - 1) / slots, "global_batch": global_batch,
-                "tokens_per_s": global_batch * seq_len / step}
     micro = max(compute, moved.hidden_per_micro) + moved.exposed_per_micro + other_per_micro
     last_backward_slack = max(0.0, moved.hidden_per_step - backward)
     step = grad_accum * micro + last_backward_slack + moved.exposed_per_step + optimizer
@@ -289,6 +294,42 @@ def step_time(shape: ModelShape, method: str, strategy: str, gpus: int, machine:
         "global_batch": global_batch,
         "tokens_per_s": global_batch * seq_len / step,
     }
+
+
+def _pipeline_step_time(shape, method, gpus, machine, batch_size, grad_accum, seq_len, gradient_checkpointing,
+                        lora_rank, lora_targets, precision, stages: int, chunks: int) -> dict:
+    """A pipeline's step: p stages of v parts each compute their 1/(p v) of every micro-batch in v m + p - 1
+    time slots, each slot sending a hidden state out and its gradient back; then the replicas (gpus / p)
+    sum each stage's gradients, after the schedule (exposed)."""
+    # one pipeline over `stages` GPUs: its compute, sends (over the network where it spans machines),
+    # dequantisation and optimizer step
+    one = step_time(shape, method, "model_parallel", stages, machine, batch_size, grad_accum, seq_len,
+                    gradient_checkpointing, lora_rank, lora_targets, precision)
+    tokens = batch_size * seq_len
+    compute = one["compute"] / grad_accum  # a micro-batch's whole forward and backward on one GPU
+    c = 2 if precision == "bf16" else 4
+    send = machine.seconds(2 * tokens * shape.hidden * c, stages)
+    quantised = 0.0
+    if method == "qlora":
+        weights = _stage_parameters(shape, method, Stage(shape.layers), lora_rank, lora_targets)["quantized"]
+        quantised = weights * DEQUANTISE_BYTES * (2 + recomputed_share(shape, gradient_checkpointing)) / (
+            machine.gpu.memory_gb_s * 1e9)
+    at_rest = resident_bytes(shape, method, "pipeline", stages, lora_rank, lora_targets, precision, where="anywhere")
+    trained = at_rest["optimizer"] / state_bytes_per_parameter(method, "pipeline", precision)["trained_optimizer"]
+    optimizer = trained * OPTIMIZER_BYTES_TOUCHED / (machine.gpu.memory_gb_s * 1e9) / stages
+    replicas = gpus // stages
+    gradients = _gradient_bytes_reduced(method, "pipeline", precision,
+                                        _stage_parameters(shape, method, Stage(shape.layers), lora_rank,
+                                                          lora_targets)["trained"])
+    replica_sum = machine.seconds(all_reduce(gradients / stages, replicas), gpus)
+    parts = stages * chunks
+    slots = chunks * grad_accum + stages - 1
+    step = slots * (compute / parts + send + quantised / parts) + optimizer + replica_sum
+    global_batch = batch_size * grad_accum * replicas
+    return {"compute": grad_accum * compute / stages, "communication": slots * send + replica_sum,
+            "other": slots * quantised / parts + optimizer, "step": step,
+            "idle_share": (stages - 1) / slots, "global_batch": global_batch,
+            "tokens_per_s": global_batch * seq_len / step}
 
 
 def epoch_time(step: dict, rows: int) -> float:
