@@ -17,7 +17,7 @@ Flags: --model --dataset --eval-dataset --columns --chat-template --packing --ou
        --save-every --save-total-limit --resume --gradient-checkpointing --log-every --report-to --save-dtype
        --trust-remote-code
        --config (a YAML file of any of these flags)
-Pipeline parallel: --pipeline-stages --pipeline-schedule
+Pipeline parallel: --pipeline-stages --pipeline-schedule --pipeline-chunks
 Speed: --compile --liger --attention --dataloader-workers
 LoRA:  --lora-r --lora-alpha --lora-dropout --lora-targets --merge
 """
