@@ -62,6 +62,27 @@ def test_auto_within_a_global_batch_divides_it(monkeypatch):
     assert args.batch_size * args.grad_accum == per_process
 
 
+def test_auto_plans_a_pipelines_stage_with_the_micro_batches_it_holds(monkeypatch):
+    """Under --pipeline-stages the plan is the busiest stage's (its layers, the micro-batches its schedule
+    keeps in flight at most), not one process holding the whole model."""
+    from dataclasses import replace
+
+    plan_memory(monkeypatch, 0.05)
+    whole = settle("--batch-size", "auto")[0].batch_size
+    staged = replace(DDP_ON_2_CPUS, pipeline_stages=2)
+    args, line = settle("--batch-size", "auto", launch=staged)
+    shape = planner.load_shape("tiny-llama")
+    expected = planner.max_micro_batch(shape, "lora", "pipeline", 2, 0.05, seq_len=512, precision="fp32",
+                                       grad_accum=batch_size.PIPELINE_FULL, pipeline_stages=2)
+    assert args.batch_size == expected and "x 1 process(es)" in line  # one pipeline: one data-parallel rank
+    in_flight = planner.per_gpu_bytes(shape, "lora", "pipeline", 2, expected, 512, precision="fp32",
+                                      grad_accum=1, pipeline_stages=2)
+    assert in_flight["total"] < planner.per_gpu_bytes(shape, "lora", "pipeline", 2, expected, 512, precision="fp32",
+                                                      grad_accum=batch_size.PIPELINE_FULL,
+                                                      pipeline_stages=2)["total"]  # planned with 2 in flight
+    assert expected != whole
+
+
 def test_a_longer_context_plans_a_smaller_micro_batch(monkeypatch):
     plan_memory(monkeypatch, 0.05)
     short = settle("--batch-size", "auto", "--max-length", "256")[0].batch_size

@@ -58,6 +58,11 @@ def memory_gib(launch) -> tuple[float, str]:
     return ram / local, f"CPU RAM / {local} process(es)"
 
 
+# Micro-batches per step planned for a pipeline whose --grad-accum is not settled yet: enough for every stage
+# to hold as many as its schedule ever does (the plan's worst case).
+PIPELINE_FULL = 1024
+
+
 def planned_micro_batch(args, recipe: str, launch) -> dict:
     """The planner's largest micro-batch for this run, with what it was planned for."""
     import planner
@@ -69,6 +74,9 @@ def planned_micro_batch(args, recipe: str, launch) -> dict:
         refuse(f"--batch-size auto plans from the model's config.json, which cannot be read here ({reason}); "
                "give --batch-size N")
     gib, device = memory_gib(launch)
+    if launch.pipeline_stages > 1:  # the launch's layout, with as many micro-batches in flight as its schedule holds
+        inputs.update(pipeline_stages=launch.pipeline_stages, pipeline_chunks=launch.pipeline_chunks,
+                      grad_accum=PIPELINE_FULL)
     try:
         fit = planner.max_micro_batch(shape, recipe, launch.planner_strategy, launch.gpus, gib, **inputs)
     except ValueError as error:  # e.g. LoRA targets the planner does not know
@@ -131,12 +139,14 @@ def confirm_on_gpu(accelerator, launch, model, args) -> None:
     """--batch-size auto on GPUs: run one real forward and backward of the planned micro-batch at
     --max-length tokens, and take a smaller one (halving) if it runs out of memory. Before the
     loaders are built, so the batch and accumulation can still change. Only where each GPU holds
-    the whole model (unsharded strategies): a sharded model is only sharded by `prepare`, and there
-    the plan alone decides. Every rank takes the smallest size any rank could run.
+    the whole model (unsharded strategies): a sharded model is only sharded by `prepare`, and a pipeline
+    stage runs only within its schedule; there the plan alone decides. Every rank takes the smallest
+    size any rank could run.
 
     Not yet run on a GPU."""
     plan = getattr(args, "batch_plan", {})
-    if not launch.on_gpu or plan.get("asked", {}).get("batch_size") != AUTO or launch.shards_parameters:
+    if (not launch.on_gpu or plan.get("asked", {}).get("batch_size") != AUTO or launch.shards_parameters
+            or launch.pipeline_stages > 1):
         return
     import torch
 

@@ -137,8 +137,6 @@ def check_pipeline(args, recipe: str, launch):
     layers = config_dict.get("num_hidden_layers") or (config_dict.get("text_config") or {}).get("num_hidden_layers")
     chunks = args.pipeline_chunks if args.pipeline_schedule == "interleaved" else 1
     check_layout(stages, launch.processes, layers, chunks)
-    if args.batch_size == "auto":
-        refuse("--batch-size auto does not plan pipeline stages yet; give --batch-size N")
     if args.liger:
         refuse("--liger's fused loss runs inside the whole model's forward; drop --liger with --pipeline-stages")
     if recipe == "full" and config_dict.get("tie_word_embeddings"):
