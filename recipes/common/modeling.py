@@ -119,12 +119,12 @@ def load_pipeline_stage(name: str, accelerator, launch, kwargs: dict, quantized:
     """Pipeline parallel: this process's stage of the model, its weights alone read from the files; None
     (said once) where the whole model must load first, as for every other strategy, and be cut after.
     Either way the stages' forward is checked first (a refusal before any weight loads)."""
+    from transformers import AutoConfig
+
     from .pipeline import layout_of
     from .stage_loading import load_stage, refuse_a_changed_forward
 
     trust, attention = kwargs["trust_remote_code"], kwargs.get("attn_implementation")
-    from transformers import AutoConfig
-
     config = model_config_object(name, trust) or AutoConfig.from_pretrained(name, trust_remote_code=trust)
     refuse_a_changed_forward(config, trust_remote_code=trust, attention=attention)
     if quantized:
