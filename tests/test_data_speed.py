@@ -1,7 +1,9 @@
 """scripts/data_speed.py at a tiny size: the limit and the recipes' one-process sides, cold and cached,
 for both tokenizers and both formats. What it checks holds on any machine (no timing): every side has
 its row, the recipes keep every generated row, a rerun reads the cache it left, and the large
-tokenizer is one of a real model's size."""
+tokenizer is one of a real model's size. A long test (about 100 s, most of it building the 32k
+tokenizer and running both sides twice): results/2026-11-26_cpu_long-data-speed holds its run; the
+figures at 200,000 rows are in results/2026-11-26_cpu_data-speed-200k."""
 
 from __future__ import annotations
 
@@ -10,11 +12,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+from conftest import long_test
+
 REPO = Path(__file__).resolve().parents[1]
 ROWS = 300
 SIDES = ("limit", "recipes-1-cold", "recipes-1-cached")
 
 
+@long_test
 def test_every_side_is_measured_and_a_rerun_reuses_the_recipes_cache(tmp_path):
     out = tmp_path / "results"
     done = subprocess.run([sys.executable, "scripts/data_speed.py", "--rows", str(ROWS), "--sides", "limit,recipes-1",
