@@ -151,17 +151,11 @@ def best_run(shape: ModelShape, method: str, strategy: str, gpus: int, gpu_memor
                 time = step_time(shape, method, strategy, gpus, machine, micro, accum, seq_len, every,
                                  settings.get("lora_rank", 16), settings.get("lora_targets", "all-linear"),
                                  settings.get("precision", "bf16"), **layout)
-                runs.append({"micro_batch": micro, "grad_accum": accum, "gradient_checkpointing": every,
-                             "global_batch": time["global_batch"], "total_bytes": total,
-                             "tight": total > MARGIN * usable_bytes(gpu_memory_gb), "time": time, **layout,
-                             "_order": order})
-    if not runs:
-        return None
-    best = min(runs, key=rank_key)
-    close = [run for run in runs if run["tight"] == best["tight"] and run["_order"] < best["_order"]
-             and run["time"]["tokens_per_s"] >= (1 - TIE) * best["time"]["tokens_per_s"]]
-    chosen = min(close, key=lambda run: (run["_order"], rank_key(run))) if close else best
-    return {key: value for key, value in chosen.items() if key != "_order"}
+                runs.append((order, {"micro_batch": micro, "grad_accum": accum, "gradient_checkpointing": every,
+                                     "global_batch": time["global_batch"], "total_bytes": total,
+                                     "tight": total > MARGIN * usable_bytes(gpu_memory_gb), "time": time,
+                                     **layout}))
+    return simplest_of_the_fastest(runs)[1] if runs else None
 
 
 def pipeline_layout_of(run: dict) -> dict:
@@ -177,10 +171,17 @@ def rank_key(run: dict) -> tuple:
 def fastest_of(runs: list[tuple[str, dict]]) -> tuple[str, dict]:
     """The (strategy, run) to recommend: the first by `rank_key`, except that estimates within `TIE` of
     it are a tie, which goes to the simpler config (the earlier in `SPEED_ORDER`)."""
-    best = min(runs, key=lambda pair: rank_key(pair[1]))[1]
-    close = [(strategy, run) for strategy, run in runs if run["tight"] == best["tight"]
+    order, run = simplest_of_the_fastest([(SPEED_ORDER.index(strategy), run) for strategy, run in runs])
+    return SPEED_ORDER[order], run
+
+
+def simplest_of_the_fastest(candidates: list[tuple[int, dict]]) -> tuple[int, dict]:
+    """Of (simplicity order, run) pairs, the one to pick: the first run by `rank_key`, except that runs within
+    `TIE` of it (with as much margin) are a tie, which goes to the lowest order, the simpler one."""
+    best = min((run for _, run in candidates), key=rank_key)
+    close = [(order, run) for order, run in candidates if run["tight"] == best["tight"]
              and run["time"]["tokens_per_s"] >= (1 - TIE) * best["time"]["tokens_per_s"]]
-    return min(close, key=lambda pair: SPEED_ORDER.index(pair[0]))
+    return min(close, key=lambda pair: (pair[0], rank_key(pair[1])))
 
 
 def plan(shape: ModelShape, method: str, gpus: int, gpu_memory_gb: float, batch_size: int = 8,

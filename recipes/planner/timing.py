@@ -191,9 +191,10 @@ class Traffic:
 
 def traffic(shape: ModelShape, method: str, strategy: str, gpus: int, machine: Machine, tokens: int,
             gradient_checkpointing: int = 0, lora_rank: int = 16, lora_targets="all-linear",
-            precision: str = "bf16") -> Traffic:
+            precision: str = "bf16", pipeline_stages: int | None = None) -> Traffic:
     """What `strategy` moves between the GPUs in a step whose micro-batches hold `tokens` tokens each
-    (the module's docstring lists it per strategy)."""
+    (the module's docstring lists it per strategy; a pipeline has `pipeline_stages` stages, default one per
+    GPU, replicated over the rest)."""
     params = _stage_parameters(shape, method, Stage(shape.layers), lora_rank, lora_targets)
     gradients = _gradient_bytes_reduced(method, strategy, precision, params["trained"])
     gathered = _unsharded_bytes(shape, method, precision, shape.layers, True, True, lora_rank, lora_targets)
@@ -238,8 +239,11 @@ def traffic(shape: ModelShape, method: str, strategy: str, gpus: int, machine: M
         return moved
     if strategy == "model_parallel":  # the hidden state to the next GPU, its gradient back
         return Traffic(exposed_per_micro=seconds(2 * (gpus - 1) * activation, gpus))
-    if strategy == "pipeline":  # each stage: a micro-batch's hidden state out, its gradient back, per time slot
-        return Traffic(exposed_per_micro=seconds(2 * activation, gpus))
+    if strategy == "pipeline":  # each stage: a micro-batch's hidden state out, its gradient back, per time slot;
+        # the replicas then sum each stage's gradients, after the schedule
+        stages = pipeline_stages or gpus
+        return Traffic(exposed_per_micro=seconds(2 * activation, stages),
+                       exposed_per_step=seconds(all_reduce(gradients / stages, gpus // stages), gpus))
     raise ValueError(f"no traffic model for {strategy!r}")
 
 
@@ -253,24 +257,22 @@ def step_time(shape: ModelShape, method: str, strategy: str, gpus: int, machine:
     "tokens_per_s". A pipeline: `pipeline_stages` stages (default: one per GPU) of `pipeline_chunks`
     parts each (the interleaved schedule's), replicated over the rest of the GPUs."""
     _check(method, strategy, precision)
-    if strategy == "pipeline":
-        return _pipeline_step_time(shape, method, gpus, machine, batch_size, grad_accum, seq_len,
-                                   gradient_checkpointing, lora_rank, lora_targets, precision,
-                                   pipeline_stages or gpus, pipeline_chunks)
+    stages = (pipeline_stages or gpus) if strategy == "pipeline" else None
     tokens = batch_size * seq_len
     flops = flops_per_token(shape, method, seq_len, gradient_checkpointing, lora_rank, lora_targets)
     flops_per_gpu = tokens * flops["total"] / tensor_parallel_size(strategy, gpus)
     compute = flops_per_gpu / (machine.peak_flops(precision) * machine.mfu)
     backward = compute * (flops["backward"] + flops["recompute"]) / flops["total"]
     moved = traffic(shape, method, strategy, gpus, machine, tokens, gradient_checkpointing, lora_rank, lora_targets,
-                    precision)
+                    precision, stages)
 
     other_per_micro = 0.0
     if method == "qlora":
         quantized = _stage_parameters(shape, method, Stage(shape.layers), lora_rank, lora_targets)["quantized"]
         passes = 2 + recomputed_share(shape, gradient_checkpointing)
         other_per_micro += quantized * DEQUANTISE_BYTES * passes / (machine.gpu.memory_gb_s * 1e9)
-    at_rest = resident_bytes(shape, method, strategy, gpus, lora_rank, lora_targets, precision, where="anywhere")
+    at_rest = resident_bytes(shape, method, strategy, stages or gpus, lora_rank, lora_targets, precision,
+                             where="anywhere")
     local_trained = at_rest["optimizer"] / state_bytes_per_parameter(method, strategy, precision)["trained_optimizer"]
     if strategy in OFFLOADED:  # shards copied in for the forward and the backward, gradients out
         host = HOST_LINK.get(machine.gpu.pcie_gen, 20.0)
@@ -279,7 +281,16 @@ def step_time(shape: ModelShape, method: str, strategy: str, gpus: int, machine:
     else:
         optimizer = local_trained * OPTIMIZER_BYTES_TOUCHED / (machine.gpu.memory_gb_s * 1e9)
 
-    global_batch = batch_size * grad_accum * data_parallel_size(strategy, gpus)
+    global_batch = batch_size * grad_accum * data_parallel_size(strategy, gpus, stages)
+    if strategy == "pipeline":  # the stages' v parts each compute 1/(p v) of every micro-batch, in v m + p - 1 slots
+        parts, slots = stages * pipeline_chunks, pipeline_chunks * grad_accum + stages - 1
+        step = (slots * (compute / parts + moved.exposed_per_micro + other_per_micro / parts) + optimizer / stages
+                + moved.exposed_per_step)
+        return {"compute": grad_accum * compute / stages,
+                "communication": slots * moved.exposed_per_micro + moved.exposed_per_step,
+                "other": slots * other_per_micro / parts + optimizer / stages, "step": step,
+                "idle_share": (stages - 1) / slots, "global_batch": global_batch,
+                "tokens_per_s": global_batch * seq_len / step}
     micro = max(compute, moved.hidden_per_micro) + moved.exposed_per_micro + other_per_micro
     last_backward_slack = max(0.0, moved.hidden_per_step - backward)
     step = grad_accum * micro + last_backward_slack + moved.exposed_per_step + optimizer
@@ -294,42 +305,6 @@ def step_time(shape: ModelShape, method: str, strategy: str, gpus: int, machine:
         "global_batch": global_batch,
         "tokens_per_s": global_batch * seq_len / step,
     }
-
-
-def _pipeline_step_time(shape, method, gpus, machine, batch_size, grad_accum, seq_len, gradient_checkpointing,
-                        lora_rank, lora_targets, precision, stages: int, chunks: int) -> dict:
-    """A pipeline's step: p stages of v parts each compute their 1/(p v) of every micro-batch in v m + p - 1
-    time slots, each slot sending a hidden state out and its gradient back; then the replicas (gpus / p)
-    sum each stage's gradients, after the schedule (exposed)."""
-    # one pipeline over `stages` GPUs: its compute, sends (over the network where it spans machines),
-    # dequantisation and optimizer step
-    one = step_time(shape, method, "model_parallel", stages, machine, batch_size, grad_accum, seq_len,
-                    gradient_checkpointing, lora_rank, lora_targets, precision)
-    tokens = batch_size * seq_len
-    compute = one["compute"] / grad_accum  # a micro-batch's whole forward and backward on one GPU
-    c = 2 if precision == "bf16" else 4
-    send = machine.seconds(2 * tokens * shape.hidden * c, stages)
-    quantised = 0.0
-    if method == "qlora":
-        weights = _stage_parameters(shape, method, Stage(shape.layers), lora_rank, lora_targets)["quantized"]
-        quantised = weights * DEQUANTISE_BYTES * (2 + recomputed_share(shape, gradient_checkpointing)) / (
-            machine.gpu.memory_gb_s * 1e9)
-    at_rest = resident_bytes(shape, method, "pipeline", stages, lora_rank, lora_targets, precision, where="anywhere")
-    trained = at_rest["optimizer"] / state_bytes_per_parameter(method, "pipeline", precision)["trained_optimizer"]
-    optimizer = trained * OPTIMIZER_BYTES_TOUCHED / (machine.gpu.memory_gb_s * 1e9) / stages
-    replicas = gpus // stages
-    gradients = _gradient_bytes_reduced(method, "pipeline", precision,
-                                        _stage_parameters(shape, method, Stage(shape.layers), lora_rank,
-                                                          lora_targets)["trained"])
-    replica_sum = machine.seconds(all_reduce(gradients / stages, replicas), gpus)
-    parts = stages * chunks
-    slots = chunks * grad_accum + stages - 1
-    step = slots * (compute / parts + send + quantised / parts) + optimizer + replica_sum
-    global_batch = batch_size * grad_accum * replicas
-    return {"compute": grad_accum * compute / stages, "communication": slots * send + replica_sum,
-            "other": slots * quantised / parts + optimizer, "step": step,
-            "idle_share": (stages - 1) / slots, "global_batch": global_batch,
-            "tokens_per_s": global_batch * seq_len / step}
 
 
 def epoch_time(step: dict, rows: int) -> float:
