@@ -26,6 +26,7 @@ import json, resource, sys, torch
 sys.path.insert(0, {recipes!r})
 from transformers import AutoConfig, AutoModelForCausalLM
 from common.pipeline import PipelineLayout, keep_stage
+from common.modeling import empty_model
 from common.stage_loading import load_stage
 config = AutoConfig.from_pretrained({model!r})
 layout = PipelineLayout({stages}, 1, {stage}, config.num_hidden_layers)
@@ -33,7 +34,7 @@ if {whole}:
     model = AutoModelForCausalLM.from_pretrained({model!r}, dtype=torch.{dtype}, use_safetensors=True)
     keep_stage(model, layout)
 else:
-    model, why = load_stage({model!r}, config, layout, torch.{dtype})
+    model, why = load_stage({model!r}, empty_model(config), layout, torch.{dtype})
     assert why is None, why
 held = sum(p.numel() * p.element_size() for p in model.parameters())
 with torch.no_grad():  # read every weight kept, as training does (a file mapped in memory is read lazily)

@@ -290,6 +290,7 @@ def test_a_stage_reads_its_own_weights_as_the_whole_model_loads_them(dtype_name,
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from common.pipeline import keep_stage
+    from common.modeling import empty_model
     from common.stage_loading import load_stage
 
     name = four_layers
@@ -303,7 +304,7 @@ def test_a_stage_reads_its_own_weights_as_the_whole_model_loads_them(dtype_name,
         layout = PipelineLayout(2, 2, rank, 4, chunks=2)
         whole = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, use_safetensors=True)
         keep_stage(whole, layout)
-        staged, why = load_stage(str(name), config, layout, dtype)
+        staged, why = load_stage(str(name), empty_model(config), layout, dtype)
         assert why is None
         for kind in ("named_parameters", "named_buffers"):
             theirs, ours = dict(getattr(whole, kind)()), dict(getattr(staged, kind)())
@@ -319,12 +320,13 @@ def test_a_model_with_tied_weights_loads_whole_then_is_cut(tmp_path):
     import torch
     from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM
 
+    from common.modeling import empty_model
     from common.stage_loading import load_stage
 
     LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
                                  num_attention_heads=2, tie_word_embeddings=True)).save_pretrained(tmp_path)
-    model, why = load_stage(str(tmp_path), AutoConfig.from_pretrained(tmp_path), PipelineLayout(2, 1, 1, 2),
-                            torch.float32)
+    model, why = load_stage(str(tmp_path), empty_model(AutoConfig.from_pretrained(tmp_path)),
+                            PipelineLayout(2, 1, 1, 2), torch.float32)
     assert model is None and why == "its LM head is its embedding (tied)"
 
 

@@ -126,13 +126,13 @@ def load_pipeline_stage(name: str, accelerator, launch, kwargs: dict, quantized:
 
     trust, attention = kwargs["trust_remote_code"], kwargs.get("attn_implementation")
     config = model_config_object(name, trust) or AutoConfig.from_pretrained(name, trust_remote_code=trust)
-    refuse_a_changed_forward(config, trust_remote_code=trust, attention=attention)
+    refuse_a_changed_forward(empty_model(config, trust, attention))
     if quantized:
         why = "bitsandbytes quantizes the weights as the whole model loads"
     else:
         layers = config.get_text_config().num_hidden_layers
-        model, why = load_stage(name, config, layout_of(accelerator, launch, layers), kwargs["dtype"],
-                                trust_remote_code=trust, attention=attention)
+        model, why = load_stage(name, empty_model(config, trust, attention), layout_of(accelerator, launch, layers),
+                                kwargs["dtype"])
         if model is not None:
             return model
     if accelerator.is_main_process:
@@ -215,17 +215,24 @@ ADAPTABLE_KINDS = (torch.nn.Linear, torch.nn.Embedding, torch.nn.Conv1d, torch.n
 def meta_model(name: str, trust_remote_code: bool = False):
     """Model `name` built from its config on the meta device (no weights, no memory), a new one each call
     (the checks may change it); None when its config cannot be read here (a hub id not in the cache)."""
-    from accelerate import init_empty_weights
-    from transformers import AutoModelForCausalLM
-
     config = model_config_object(name, trust_remote_code)
     if config is None:
         return None
     try:
-        with init_empty_weights():
-            return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+        return empty_model(config, trust_remote_code)
     except (OSError, ValueError):
         return None
+
+
+def empty_model(config, trust_remote_code: bool = False, attention: str | None = None):
+    """The model of `config` with its parameters on the meta device and its buffers (the rotary
+    frequencies) computed as usual."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    extra = {"attn_implementation": attention} if attention else {}
+    with init_empty_weights(include_buffers=False):
+        return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code, **extra)
 
 
 @functools.lru_cache(maxsize=4)

@@ -190,7 +190,7 @@ class StageModule(torch.nn.Module):
         self.model = model
         self.layout = layout
         self.micro_batches: list[dict] = []
-        self.parts = keep_stage(model, layout)  # a tuple: not registered twice as submodules
+        self.base_and_decoder = keep_stage(model, layout)  # a tuple: not registered twice as submodules
         # the schedule's stages: one per part this process runs (a list: not registered as submodules either)
         self.chunks = [Part(self, part) for part in layout.parts_of()]
 
@@ -209,10 +209,11 @@ class Part(torch.nn.Module):
         layout = stage.layout
         self.owner = (stage,)  # a tuple: the stage module holds the weights
         self.is_first, self.is_last = part == 0, part == layout.parts - 1
-        base, decoder = stage.parts
+        _, decoder = stage.base_and_decoder
         kept = layout.layer_range(part)
         self.layers = torch.nn.ModuleList(layer if index in kept else PassThrough()
                                           for index, layer in enumerate(decoder.layers))
+        self.norm = decoder.norm if self.is_last else torch.nn.Identity()  # the final norm on the last part only
         self.index = 0  # the micro-batch being computed, set by `Stage.forward_one_chunk`
 
     def forward(self, inputs):
@@ -220,10 +221,9 @@ class Part(torch.nn.Module):
         batch = stage.micro_batches[self.index]  # (the stage's first, shape-finding forward: micro-batch 0)
         extra = {key: batch[key].to(inputs.device) for key in ("attention_mask", "position_ids") if key in batch}
         given = {"input_ids": inputs} if self.is_first else {"inputs_embeds": inputs}
-        base, decoder = stage.parts
+        base, decoder = stage.base_and_decoder
         held = decoder.layers, decoder.norm
-        # the decoder runs this part's layers; the final norm only on the last part
-        decoder.layers, decoder.norm = self.layers, (decoder.norm if self.is_last else torch.nn.Identity())
+        decoder.layers, decoder.norm = self.layers, self.norm  # the decoder runs this part
         try:
             hidden = decoder(**given, **extra, use_cache=False).last_hidden_state
         finally:

@@ -1,7 +1,7 @@
 """Pipeline parallel's loading: each process reads only its stage's weights from the model's safetensors
 files (a quarter of a 34B model per process on 4 stages, not all of it in every process).
 
-The model is built from its config on the meta device (no memory), cut to this process's stage
+The model is built from its config on the meta device (no memory; `modeling.empty_model`), cut to this process's stage
 (`pipeline.keep_stage`), and only the parameters left are read, tensor by tensor, from the files
 (sharded or not, a local folder or the hub's cache). Where the files name the weights otherwise than
 the model (a checkpoint transformers converts while loading), where weights are tied, or where the
@@ -20,24 +20,13 @@ from .pipeline import PassThrough, PipelineLayout, decoder_of, keep_stage, split
 from .refusal import refuse
 
 
-def empty_model(config, *, trust_remote_code: bool, attention: str | None):
-    """The model of `config` with its parameters on the meta device (its buffers, such as the rotary
-    frequencies, computed as usual)."""
-    from accelerate import init_empty_weights
-    from transformers import AutoModelForCausalLM
-
-    extra = {"attn_implementation": attention} if attention else {}
-    with init_empty_weights(include_buffers=False):
-        return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code, **extra)
-
-
-def refuse_a_changed_forward(config, *, trust_remote_code: bool, attention: str | None) -> None:
+def refuse_a_changed_forward(model) -> None:
     """One line, before any weight loads, when the stages would compute differently from the model's own
-    forward (`pipeline.split_changes_the_forward`): checked on the model's embedding, norm and head with
-    random weights, every layer passed through."""
+    forward (`pipeline.split_changes_the_forward`): checked on `model` (built on the meta device,
+    `modeling.empty_model`; changed here) with random weights in its embedding, norm and head, every
+    layer passed through."""
     from accelerate.utils import set_module_tensor_to_device
 
-    model = empty_model(config, trust_remote_code=trust_remote_code, attention=attention)
     base, decoder = decoder_of(model)
     decoder.layers = torch.nn.ModuleList(PassThrough() for _ in decoder.layers)
     generator = torch.Generator().manual_seed(0)
@@ -73,17 +62,16 @@ def weight_files(name: str) -> dict[str, str] | None:
         return dict.fromkeys(handle.keys(), single)
 
 
-def load_stage(name: str, config, layout: PipelineLayout, dtype: torch.dtype, *, trust_remote_code: bool = False,
-               attention: str | None = None):
-    """(model `name` of `config` holding only `layout`'s stage, read from the files in `dtype`, None) - or
-    (None, why not) when only a whole load can build it."""
+def load_stage(name: str, model, layout: PipelineLayout, dtype: torch.dtype):
+    """(`model`, built from model `name`'s config on the meta device (`modeling.empty_model`), cut to
+    `layout`'s stage and its parameters read from `name`'s files in `dtype`, None) - or (None, why not)
+    when only a whole load can build it."""
     from accelerate.utils import set_module_tensor_to_device
     from safetensors import safe_open
     from transformers import GenerationConfig
 
-    if config.get_text_config().tie_word_embeddings:
+    if model.config.get_text_config().tie_word_embeddings:
         return None, "its LM head is its embedding (tied)"
-    model = empty_model(config, trust_remote_code=trust_remote_code, attention=attention)
     if getattr(model, "_keep_in_fp32_modules", None) or getattr(model, "_keep_in_fp32_modules_strict", None):
         return None, "it keeps some weights in float32"
     files = weight_files(name)
