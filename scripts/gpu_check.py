@@ -2,19 +2,26 @@
 """The GPU proof in one command: installs what the GPU box lacks, then runs on its GPUs, in order
 of importance, and writes each result as soon as it has it.
 
-    python scripts/gpu_check.py --wheels .whl --parts headline,core --budget-s 540 --results $OUT
+    python3 scripts/gpu_check.py --wheels .whl --results $OUT       # one call, 450 s (--budget-s)
 
-A lent GPU comes for 30 minutes of device time, 10 a call, each call maybe on a bare box: README's
-"Running on GPUs" gives the three calls in order. Each call reinstalls the wheels (skipped when the
-box still has them) and starts no part it has no time left for (--budget-s).
+A lent GPU comes for 15 minutes of device time in all (the box's start, the transfers and its idle
+time included), 10 a call: one call of about 8 minutes is what it reliably gives. The default is that
+call; a second (--parts recipes,planner,reference,options,reference34b,trl) runs the rest when time is
+left. Each call reinstalls the wheels (skipped when the box still has them) and starts no part it has no
+time left for (--budget-s).
 
-Parts, in order of importance:
+Parts, in order of importance (the first three are the default call):
   headline   the TinyLlama-1.1B LoRA reference epoch under ddp.yaml (scripts/benchmark.py --workload tinyllama
-             --strategies ddp --measure-peak): wall time, tokens/s, MFU, peak memory
-  core       tests/gpu/test_gpu_recipes.py for the three recipes under ddp, fsdp and zero3 (9 launches)
+             --strategies ddp --measure-peak): wall time, tokens/s, MFU against the GPU's peak and a bf16
+             matmul measured in the same call, peak memory beside the planner's for the same launch
+  memory     the 4-bit path and the planner: qlora.py, lora.py and full.py at TinyLlama-1.1B's full shape for
+             2 steps each, the measured peak beside the planner's, tokens/s
+  core       tests/gpu/test_gpu_recipes.py for the three recipes under fsdp, zero3 and ddp (9 launches, the
+             sharded ones first): the loss goes down, the saved adapter / model reloads to the same logits,
+             each rank's host RAM by the first step
   recipes    the rest of tests/gpu/test_gpu_recipes.py: every other config the GPUs present can run, bf16
+  planner    the rest of tests/gpu/test_gpu_planner.py (other micro-batches, gradient checkpointing)
   reference  the TinyLlama workload's other strategies (model_parallel, zero2, zero3, qlora_ddp)
-  planner    tests/gpu/test_gpu_planner.py: the planner's peak against torch.cuda.max_memory_allocated
   options    tests/gpu/test_gpu_speed_options.py: bitsandbytes CUDA, Liger, attention kernels, compile, workers,
              --batch-size auto's probe
   reference34b  the CodeLlama-34B LoRA workload, layer-scaled to 8 of 48 layers
@@ -23,8 +30,9 @@ Parts, in order of importance:
 Written to --results (default results/<date>_<gpu>/), rewritten after every part, so that a run cut
 short still leaves its numbers: summary.md (tables, the benchmarks' too), results.json (the same,
 machine-readable, with every test case's recorded figures and the box's package versions), log.txt
-(every command and its output), and <part>.json / <part>.png for each benchmark part: at most 7 files
-per call, within the 8 the device tool brings back.
+(every command and its output), and <part>.json / <part>.png for each benchmark part: 5 files for the
+first call, 7 for the second, within the 8 the device tool brings back. No git needed there: the commit
+is read from git, else from the COMMIT file scripts/gpu_wheels.sh writes beside the wheels.
 
 --cpu-stand-in runs the same parts on a machine without a GPU (RECIPES_GPU_SUITE_ON_CPU=1, the benchmark's
 --smoke): it checks the plumbing before GPU time is spent, and says nothing about GPUs.
@@ -56,29 +64,42 @@ LIBRARIES = ("transformers", "accelerate", "huggingface_hub", "tokenizers", "pef
 SITE = Path(os.environ.get("GPU_CHECK_SITE", "/tmp/gpu-site"))  # where carried wheels go
 PYTEST = ["-m", "pytest", "-q", "-o", "junit_family=legacy"]
 RECIPE_TESTS = "tests/gpu/test_gpu_recipes.py"
+PLANNER_TESTS = "tests/gpu/test_gpu_planner.py"
+# The order is the order of importance: pytest runs listed cases in the order given, and a part stopped by the
+# budget keeps the cases it finished. The 4-bit path first (bitsandbytes' CUDA kernels: no CPU run checks them).
+MEMORY_CASES = [f"{PLANNER_TESTS}::test_planned_peak_matches_the_measured_one[{case}]"
+                for case in ("batch4-qlora", "batch4-lora", "batch2-full")]
 CORE_CASES = [f"{RECIPE_TESTS}::test_recipe_on_gpu[{recipe}-{config}]"
-              for recipe in ("full", "lora", "qlora") for config in ("ddp", "fsdp", "zero3")]
+              for recipe, config in (("lora", "fsdp"), ("lora", "zero3"), ("qlora", "fsdp"), ("qlora", "zero3"),
+                                     ("full", "fsdp"), ("full", "zero3"), ("qlora", "ddp"), ("full", "ddp"),
+                                     ("lora", "ddp"))]
 TINYLLAMA = ["scripts/benchmark.py", "--workload", "tinyllama", "--measure-peak"]
 # part -> (command, seconds it may take at most, seconds it needs at least to give a result: a part starts
 # only when the call's budget has that much left; a test part stopped early keeps the cases it ran, a
-# benchmark keeps nothing). In order of importance: the default runs them in this order. Estimates for one
-# H100, not yet measured.
+# benchmark keeps nothing). In order of importance. Times for one H100, from the FLOPs where the work is
+# training (the headline epoch is 4.6 PFLOP, ~15 s at 300 TFLOP/s) plus ~30-40 s per launch (imports,
+# loading, saving), not yet measured.
 PARTS = {
-    "headline": ([*TINYLLAMA, "--strategies", "ddp"], 420, 180),
-    "core": ([*PYTEST, *CORE_CASES], 480, 60),
+    # call 1 (the default): the headline, the 4-bit path and the planner's peak, the sharded configs
+    "headline": ([*TINYLLAMA, "--strategies", "ddp"], 300, 150),
+    "memory": ([*PYTEST, *MEMORY_CASES], 240, 60),
+    "core": ([*PYTEST, *CORE_CASES], 420, 45),
+    # call 2: the rest, in order of what it proves
     "recipes": ([*PYTEST, RECIPE_TESTS, *(f"--deselect={case}" for case in CORE_CASES)], 540, 60),
-    "reference": ([*TINYLLAMA, "--strategies", "model_parallel,zero2,zero3,qlora_ddp"], 540, 360),
-    "planner": ([*PYTEST, "tests/gpu/test_gpu_planner.py"], 420, 60),
+    "planner": ([*PYTEST, PLANNER_TESTS, *(f"--deselect={case}" for case in MEMORY_CASES)], 420, 60),
+    "reference": ([*TINYLLAMA, "--strategies", "model_parallel,zero2,zero3,qlora_ddp"], 540, 240),
     "options": ([*PYTEST, "tests/gpu/test_gpu_speed_options.py"], 360, 60),
     # CodeLlama-34B's shape cut to 8 of its 48 layers (labelled so in the table): the whole does not fit one GPU
     "reference34b": (["scripts/benchmark.py", "--workload", "codellama34b", "--layers", "8",
-                      "--gradient-checkpointing", "--measure-peak"], 540, 360),
+                      "--gradient-checkpointing", "--measure-peak"], 540, 300),
     # the TinyLlama workload's model, micro-batch and accumulation through TRL's SFTTrainer beside the recipe
     # (the bundled instruction data: TRL's side needs prompt/completion rows), bf16, one GPU
     "trl": (["scripts/compare_trl.py", "--processes", "1", "--mixed-precision", "bf16", "--model",
              "models/tinyllama-1.1b-22-layers", "--batch-size", "16", "--grad-accum", "2", "--max-length", "1024",
              "--steps", "40", "--rounds", "1"], 420, 300),
 }
+FIRST_CALL = ("headline", "memory", "core")
+DEFAULT_BUDGET_S = 450
 BENCHMARKS = ("headline", "reference", "reference34b")
 # What a part runs instead on the CPU stand-in: the benchmark's smoke path (2 CPU processes, the tiny model).
 CPU_STAND_IN = {"headline": ["scripts/benchmark.py", "--smoke", "--strategies", "ddp"],
@@ -98,15 +119,18 @@ def parse_args(argv=None):
     summary, _, details = __doc__.partition("\n")
     parser = argparse.ArgumentParser(description=summary, epilog=details,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, among {', '.join(PARTS)}")
+    parser.add_argument("--parts", default=",".join(FIRST_CALL),
+                        help=f"comma-separated, among {', '.join(PARTS)} (default: the first call's, "
+                             f"{','.join(FIRST_CALL)})")
     parser.add_argument("--wheels", type=Path, default=None, help="a folder of wheels to install first")
     parser.add_argument("--results", type=Path, default=None, help="where to write (default: results/<date>_<gpu>)")
-    parser.add_argument("--budget-s", type=int, default=None,
+    parser.add_argument("--budget-s", type=int, default=DEFAULT_BUDGET_S,
                         help="seconds this call may take in all: a part starts only if the time it needs is left, "
-                             "and is stopped before the budget ends (default: no budget)")
+                             f"and is stopped before the budget ends (default: {DEFAULT_BUDGET_S}; 0: no budget)")
     parser.add_argument("--cpu-stand-in", action="store_true",
                         help="run the parts' plumbing on a machine without a GPU (fp32, the tiny model)")
     args = parser.parse_args(argv)
+    args.budget_s = args.budget_s or None
     unknown = [part for part in args.parts.split(",") if part not in PARTS]
     if unknown:
         parser.error(f"unknown part {', '.join(unknown)}; choose among {', '.join(PARTS)}")
@@ -165,8 +189,17 @@ def environment() -> dict:
             "'gpu_memory_gib': round(p.total_memory / 2**30, 1) if p else None, "
             "'python': '.'.join(map(str, __import__('sys').version_info[:3])), "
             f"**{{name: found(name) for name in {LIBRARIES!r}}}}}))")
-    return json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                                     env=launch_env(), check=True).stdout)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=launch_env())
+    if done.returncode != 0:  # the parts still run: each says what failed in its own log
+        return {"error": (done.stderr.strip().splitlines() or ["no output"])[-1][:300]}
+    found = json.loads(done.stdout)
+    try:
+        smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30)
+        found["driver"] = smi.stdout.strip().splitlines()[0] if smi.returncode == 0 and smi.stdout.strip() else None
+    except (OSError, subprocess.TimeoutExpired):
+        found["driver"] = None
+    return found
 
 
 def launch_env(extra: dict | None = None) -> dict:
@@ -267,9 +300,17 @@ def copy_benchmark(part: str, folder: Path, results_dir: Path, result: dict) -> 
             (results_dir / target).write_bytes((source / name).read_bytes())
 
 
-def git_commit() -> str:
-    done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
-    return done.stdout.strip() or "unknown"
+def commit_of(wheels: Path | None) -> str:
+    """The repository's commit: from git where there is one, else from the COMMIT file that
+    scripts/gpu_wheels.sh writes beside the wheels (a GPU box gets the tree without .git, maybe without git)."""
+    try:
+        done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
+        if done.returncode == 0 and done.stdout.strip():
+            return done.stdout.strip()
+    except OSError:
+        pass
+    written = wheels / "COMMIT" if wheels else None
+    return f"{written.read_text().strip()} (from {written.name})" if written and written.exists() else "unknown"
 
 
 def main(argv=None) -> int:
@@ -280,7 +321,7 @@ def main(argv=None) -> int:
     date = datetime.date.today().isoformat()
     results_dir = args.results
     results_dir_default = results_dir is None
-    record = {"date": date, "parts": args.parts, "commit": git_commit(), "cpu_stand_in": args.cpu_stand_in,
+    record = {"date": date, "parts": args.parts, "commit": commit_of(args.wheels), "cpu_stand_in": args.cpu_stand_in,
               "budget_s": args.budget_s, "results": {}}
     temporary = Path(f"/tmp/gpu-check-log-{os.getpid()}.txt")
     with open(temporary, "w") as log:

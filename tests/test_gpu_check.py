@@ -66,7 +66,7 @@ def test_the_core_part_is_the_three_recipes_under_ddp_fsdp_and_zero3(tmp_path):
 
 
 def test_a_part_the_budget_has_no_time_for_is_not_started_and_says_why(tmp_path):
-    done = subprocess.run([sys.executable, "scripts/gpu_check.py", "--parts", "headline,core", "--budget-s", "100",
+    done = subprocess.run([sys.executable, "scripts/gpu_check.py", "--parts", "headline,core", "--budget-s", "40",
                            "--results", str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     results = json.loads((tmp_path / "results.json").read_text())["results"]

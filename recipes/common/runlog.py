@@ -7,6 +7,7 @@ every rank must call at the same step; the rest is local.
 from __future__ import annotations
 
 import json
+import resource
 import sys
 import time
 from pathlib import Path
@@ -120,6 +121,11 @@ def held_bytes(model, optimizer) -> dict:
     }
 
 
+def host_peak_bytes() -> int:
+    """This process's peak resident host memory so far (loading included): what a machine's RAM must hold per rank."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports kibibytes
+
+
 class RunLog:
     def __init__(self, accelerator, args, recipe: str, launch):
         self.accelerator = accelerator
@@ -207,11 +213,12 @@ class RunLog:
         """Gather what each rank holds (parameters; bytes of weights, gradients, optimizer state at the
         first optimizer step) into run.json. A collective: every rank must call it, at the same step."""
         held = self.held_at_first_step or held_bytes(self.model, self.inner_optimizer)  # fp16 can skip one
-        local = torch.tensor([[self.held_parameters] + [held[k] for k in MEMORY_KINDS]],
+        local = torch.tensor([[self.held_parameters] + [held[k] for k in MEMORY_KINDS] + [host_peak_bytes()]],
                              dtype=torch.float64, device=self.accelerator.device)
         rows = self.accelerator.gather(local).tolist()
         self.record["parameters"]["held_by_rank"] = [int(row[0]) for row in rows]
-        self.record["memory_by_rank"] = [dict(zip(MEMORY_KINDS, map(int, row[1:]))) for row in rows]
+        self.record["memory_by_rank"] = [dict(zip(MEMORY_KINDS, map(int, row[1:-1]))) for row in rows]
+        self.record["host_peak_gib_by_rank"] = [round(row[-1] / 2**30, 3) for row in rows]
         if self.main:
             self.save_record()
 

@@ -16,6 +16,7 @@ from bench.row import (
     failure_message,
     launch_row,
     measurements,
+    planned_peak_gib,
     progress_line,
     read_metrics,
     scaled_estimate,
@@ -123,6 +124,8 @@ def run_strategy(strategy: Strategy, settings: dict, env: dict, sampler_ids: lis
     summary = summarise_metrics(read_metrics(output / "metrics.jsonl"))
     per_gpu = tokens_per_s_per_gpu(summary, devices)
     row.update(measurements(summary, per_gpu, strategy, settings))
+    if summary["peak_allocated_gib"] is not None:  # a GPU's peak, beside what the planner predicted for it
+        row["planned_peak_gib"] = planned_peak_gib(strategy, settings, devices)
     row.update(monitor.training_utilisation(summary["wall_s"]))
     row["gpu_util_source"] = sampler.kind if sampler is not None and sampler.kind else None
     if settings["layers"] != settings["full_layers"]:

@@ -22,7 +22,8 @@ from bench.workloads import STRATEGIES, WORKLOADS
 def memory_cell(row: dict) -> str:
     if row.get("peak_allocated_gib") is None:
         return "n/a"
-    return f"{row['peak_allocated_gib']:.1f} / {row['peak_reserved_gib']:.1f}"
+    planned = f" (planned {row['planned_peak_gib']:.1f})" if row.get("planned_peak_gib") is not None else ""
+    return f"{row['peak_allocated_gib']:.1f} / {row['peak_reserved_gib']:.1f}{planned}"
 
 
 def markdown_table(rows: list[dict]) -> str:
@@ -84,7 +85,8 @@ def notes(environment: dict, rows: list[dict]) -> list[str]:
         "NVML counts communication kernels as busy, so it is a secondary figure. n/a: no NVML (CPU, or neither "
         "pynvml / nvidia-ml-py nor nvidia-smi available).",
         "Peak memory: the maximum of metrics.jsonl's peak_allocated_gib / peak_reserved_gib, i.e. rank 0 "
-        "(model parallel: the first GPU).",
+        "(model parallel: the first GPU); (planned N): the planner's per-GPU peak for the same launch "
+        "(recipes/planner, the busiest GPU).",
         f"* Reference MFU: computed here from the published time, assuming {REFERENCE_TOKENS:,} real tokens per "
         f"epoch and {REFERENCE_PEAK_TFLOPS:g} TFLOP/s dense bf16 per RTX 6000 Ada; the reference did not publish "
         "LoRA rank / targets, data, precision or padding.",

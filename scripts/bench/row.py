@@ -6,6 +6,8 @@ import json
 from pathlib import Path
 
 from bench.flops import flop_per_token, mfu
+from planner import STRATEGIES as PLANNED_CONFIGS
+from planner import per_gpu_bytes
 from bench.formatting import format_duration, percent
 from bench.shapes import shape_of
 from bench.workloads import Strategy
@@ -63,6 +65,18 @@ def measurements(summary: dict, per_gpu: float, strategy: Strategy, settings: di
         "peak_allocated_gib": summary["peak_allocated_gib"], "peak_reserved_gib": summary["peak_reserved_gib"],
         "final_loss": summary["final_loss"],
     }
+
+
+def planned_peak_gib(strategy: Strategy, settings: dict, devices: int) -> float | None:
+    """The planner's per-GPU peak for this launch (bf16, the recipes' LoRA defaults, rows padded to
+    --max-length), to set beside the measured one; None for a config the planner does not plan."""
+    planned_names = [name for name, path in PLANNED_CONFIGS.items() if path == f"accelerate_configs/{strategy.config}.yaml"]
+    if not planned_names:
+        return None
+    planned = per_gpu_bytes(settings["shape"], method_of(strategy), planned_names[0], devices,
+                            batch_size=settings["batch_size"], seq_len=settings["workload"].max_length,
+                            gradient_checkpointing=int(settings["gradient_checkpointing"]), precision="bf16")
+    return round(planned["total"] / 2**30, 3)
 
 
 def scaled_estimate(wall_s: float, per_gpu: float, strategy: Strategy, settings: dict) -> dict:

@@ -32,7 +32,9 @@ def test_planned_peak_matches_the_measured_one(recipe, batch, checkpointing, tmp
              "--lr", "1e-5"] + (["--gradient-checkpointing"] if checkpointing else [])
     run = gpu_launch(recipe, tmp_path / "out", *flags, config="ddp", model=model)
     assert run.returncode == 0, run.output[-4000:]
-    measured = max(r["peak_allocated_gib"] for r in run.metrics()) * 2**30
+    metrics = run.metrics()
+    measured = max(r["peak_allocated_gib"] for r in metrics) * 2**30
+    record_property("tokens_per_s", metrics[-1]["tokens_per_s"])
     lora = {} if recipe == "full" else {"lora_rank": 16, "lora_targets": "all-linear", "lora_dropout": 0.05}
     predicted = planner.per_gpu_bytes(planner.load_shape(str(model)), recipe, "ddp", 1, batch_size=batch,
                                       seq_len=SEQ_LEN, gradient_checkpointing=checkpointing, precision="bf16",

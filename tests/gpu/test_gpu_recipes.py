@@ -96,6 +96,7 @@ def test_recipe_on_gpu(recipe, config, tmp_path, record_property):
     assert ran["launch"]["kind"] == CONFIGS[config][0]
     assert ran["strategy"]["precision"] == ("bf16" if PRECISION == "bf16" else "no")
     assert ran["device"] == ("cuda" if HAS_GPU else "cpu")
+    record_property("host_peak_gib_by_rank", json.dumps(ran["host_peak_gib_by_rank"]))
 
     losses = run.losses()
     assert len(losses) == STEPS and sum(losses[-2:]) < sum(losses[:2]), losses
