@@ -247,6 +247,8 @@ def junit_cases(path: Path) -> list[dict]:
             if element is not None:
                 outcome = f"{tag}: {(element.get('message') or '').splitlines()[0][:160] if element.get('message') else ''}"
         properties = {p.get("name"): p.get("value") for p in case.iter("property")}
+        if case.get("name") is None:  # pytest's entry for the Ctrl-C that stopped a part at its time
+            continue
         cases.append({"name": case.get("name"), "outcome": outcome, "seconds": float(case.get("time", 0)),
                       **properties})
     return cases
@@ -301,16 +303,19 @@ def copy_benchmark(part: str, folder: Path, results_dir: Path, result: dict) -> 
 
 
 def commit_of(wheels: Path | None) -> str:
-    """The repository's commit: from git where there is one, else from the COMMIT file that
-    scripts/gpu_wheels.sh writes beside the wheels (a GPU box gets the tree without .git, maybe without git)."""
+    """The repository's commit: from the COMMIT file scripts/gpu_wheels.sh writes beside the wheels
+    just before a call (a GPU box may get the tree without git, or with a .git older than the tree it
+    runs: seen on the first lent H100), else from git."""
+    written = wheels / "COMMIT" if wheels else None
+    if written and written.exists():
+        return f"{written.read_text().strip()} (from {written})"
     try:
         done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
         if done.returncode == 0 and done.stdout.strip():
             return done.stdout.strip()
     except OSError:
         pass
-    written = wheels / "COMMIT" if wheels else None
-    return f"{written.read_text().strip()} (from {written.name})" if written and written.exists() else "unknown"
+    return "unknown"
 
 
 def main(argv=None) -> int:

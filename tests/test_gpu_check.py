@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO
+from conftest import REPO, long_test
 
 sys.path.insert(0, str(REPO / "scripts"))
 import gpu_check  # noqa: E402
@@ -41,10 +41,11 @@ def test_recorded_figures_become_table_columns(tmp_path):
     junit.write_text('<testsuites><testsuite><testcase name="t[a]" time="2.5"><properties>'
                      '<property name="ratio" value="1.07"/></properties></testcase>'
                      '<testcase name="t[b]" time="1"><failure message="planned 3.0 GiB, measured 4.0 GiB"/></testcase>'
+                     '<testcase time="0.001" />'  # pytest's entry for a Ctrl-C at the part's time
                      '</testsuite></testsuites>')
     cases = gpu_check.junit_cases(junit)
     assert cases[0] == {"name": "t[a]", "outcome": "passed", "seconds": 2.5, "ratio": "1.07"}
-    assert cases[1]["outcome"] == "failure: planned 3.0 GiB, measured 4.0 GiB"
+    assert cases[1]["outcome"] == "failure: planned 3.0 GiB, measured 4.0 GiB" and len(cases) == 2
     record = {"date": "d", "parts": "planner", "commit": "c", "environment": {"gpu": "G", "gpus": 1},
               "results": {"planner": {"returncode": 1, "seconds": 3, "cases": cases}}}
     table = gpu_check.summary_markdown(record)
@@ -115,3 +116,33 @@ def test_a_part_past_its_time_is_interrupted_and_keeps_what_it_wrote(tmp_path, m
     while not gone() and time.monotonic() < deadline:
         time.sleep(0.1)
     assert gone()
+
+
+def test_the_commit_comes_from_the_file_written_beside_the_wheels(tmp_path):
+    """A GPU box may run the tree without git, or with a stale .git: the COMMIT file, written here, wins."""
+    (tmp_path / "COMMIT").write_text("abc1234\n")
+    assert gpu_check.commit_of(tmp_path).startswith("abc1234 ")
+    assert gpu_check.commit_of(None) not in ("", "abc1234")
+
+
+def test_the_default_call_is_the_first_calls_parts_within_the_budget_and_the_files_brought_back():
+    args = gpu_check.parse_args([])
+    assert args.parts.split(",") == ["headline", "memory", "core"] and args.budget_s == 450
+    benchmark_files = 2 * sum(part in gpu_check.BENCHMARKS for part in args.parts.split(","))
+    assert 3 + benchmark_files <= 8  # summary.md, results.json, log.txt and each benchmark's .json / .png
+
+
+@long_test
+def test_the_default_call_rehearsed_on_cpu_writes_every_part_in_at_most_eight_files(tmp_path):
+    """The one GPU call, end to end on CPU stand-ins (~4 min on 2 cores): every part runs, and what comes
+    back fits the device tool's 8 files, none deeper than 2 folders."""
+    done = subprocess.run([sys.executable, "scripts/gpu_check.py", "--cpu-stand-in", "--results", str(tmp_path)],
+                          cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout + done.stderr
+    results = json.loads((tmp_path / "results.json").read_text())["results"]
+    assert list(results) == ["headline", "memory", "core"]
+    assert all(result["returncode"] == 0 for result in results.values()), results
+    core = {case["name"]: case["outcome"] for case in results["core"]["cases"]}
+    assert core and all(outcome == "passed" for outcome in core.values()), core
+    written = [path for path in tmp_path.rglob("*") if path.is_file()]
+    assert len(written) <= 8 and all(len(path.relative_to(tmp_path).parts) <= 3 for path in written)
