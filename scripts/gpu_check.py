@@ -14,8 +14,8 @@ Parts, in order of importance (the first three are the default call):
   headline   the TinyLlama-1.1B LoRA reference epoch under ddp.yaml (scripts/benchmark.py --workload tinyllama
              --strategies ddp --measure-peak): wall time, tokens/s, MFU against the GPU's peak and a bf16
              matmul measured in the same call, peak memory beside the planner's for the same launch
-  memory     the 4-bit path and the planner: qlora.py, lora.py and full.py at TinyLlama-1.1B's full shape for
-             2 steps each, the measured peak beside the planner's, tokens/s
+  memory     the 4-bit path and the planner: qlora.py and full.py at TinyLlama-1.1B's full shape for 2 steps
+             each, the measured peak beside the planner's, tokens/s
   core       tests/gpu/test_gpu_recipes.py for the three recipes under fsdp, zero3 and ddp (9 launches, the
              sharded ones first): the loss goes down, the saved adapter / model reloads to the same logits,
              each rank's host RAM by the first step
@@ -68,7 +68,7 @@ PLANNER_TESTS = "tests/gpu/test_gpu_planner.py"
 # The order is the order of importance: pytest runs listed cases in the order given, and a part stopped by the
 # budget keeps the cases it finished. The 4-bit path first (bitsandbytes' CUDA kernels: no CPU run checks them).
 MEMORY_CASES = [f"{PLANNER_TESTS}::test_planned_peak_matches_the_measured_one[{case}]"
-                for case in ("batch4-qlora", "batch4-lora", "batch2-full")]
+                for case in ("batch4-qlora", "batch2-full")]  # LoRA's peak is the headline's, beside its plan
 CORE_CASES = [f"{RECIPE_TESTS}::test_recipe_on_gpu[{recipe}-{config}]"
               for recipe, config in (("lora", "fsdp"), ("lora", "zero3"), ("qlora", "fsdp"), ("qlora", "zero3"),
                                      ("full", "fsdp"), ("full", "zero3"), ("qlora", "ddp"), ("full", "ddp"),
@@ -76,9 +76,9 @@ CORE_CASES = [f"{RECIPE_TESTS}::test_recipe_on_gpu[{recipe}-{config}]"
 TINYLLAMA = ["scripts/benchmark.py", "--workload", "tinyllama", "--measure-peak"]
 # part -> (command, seconds it may take at most, seconds it needs at least to give a result: a part starts
 # only when the call's budget has that much left; a test part stopped early keeps the cases it ran, a
-# benchmark keeps nothing). In order of importance. Times for one H100, from the FLOPs where the work is
-# training (the headline epoch is 4.6 PFLOP, ~15 s at 300 TFLOP/s) plus ~30-40 s per launch (imports,
-# loading, saving), not yet measured.
+# benchmark keeps nothing). In order of importance. Times measured on one H100 (results/2026-11-26_h100_call1):
+# the headline 93 s (its epoch 29 s), a 1.1B-shaped launch 35-66 s, a 2-layer recipe case 25-50 s (imports,
+# loading, saving and the reload dominate); the first call's wheels 20 s.
 PARTS = {
     # call 1 (the default): the headline, the 4-bit path and the planner's peak, the sharded configs
     "headline": ([*TINYLLAMA, "--strategies", "ddp"], 300, 150),
