@@ -28,7 +28,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT / "recipes"))
 
 from common import launch_config, preflight  # noqa: E402
-from common.launch import TENSOR_PARALLEL, describe  # noqa: E402
+from common.deepspeed_config import check_engine_config, deepspeed_source, edit_deepspeed  # noqa: E402
+from common.launch import DEEPSPEED, TENSOR_PARALLEL, describe  # noqa: E402
 from common.args import parse_args as parse_recipe_args  # noqa: E402
 from common.args import recipe_flags  # noqa: E402
 from common.batch_size import settle as settle_batch  # noqa: E402
@@ -125,6 +126,11 @@ def check(config_file: Path, recipe: str = "lora", recipe_argv: list[str] = (), 
             preflight.check_tensor_parallel(args, recipe, launch)
         batch_line = settle_batch(args, recipe, launch)  # the file's train_batch_size must split over the ranks
         preflight.check_pipeline_micro_batches(args, launch)
+        if launch.kind == DEEPSPEED:  # as the recipe, once the Accelerator exists: the engine's exact config
+            source, config, _ = deepspeed_source(os.environ)
+            edit_deepspeed(config, args)
+            check_engine_config(config, args, launch.precision,
+                                Path(source).name if source != "the accelerate config" else source)
     lines = [f"config: {'; '.join(notes)}"] if notes else []
     lines += [batch_line] if batch_line else []
     runs_as = launch.name if launch.pipeline_stages > 1 else launch.planner_strategy

@@ -10,7 +10,7 @@ import sys
 import pytest
 import yaml
 
-from conftest import REPO, launch, long_test
+from conftest import REPO, assert_no_traceback_of_ours, launch, long_test
 
 sys.path.insert(0, str(REPO / "scripts"))
 sys.path.insert(0, str(REPO / "recipes"))
@@ -50,7 +50,33 @@ CASES = {
     "deepspeed_scheduler_null": (zero(scheduler=None), ("ok",)),
     "deepspeed_other_top_level_keys": (zero(steps_per_print=10, wall_clock_breakdown=False, prescale_gradients=False,
                                             zero_allow_untested_optimizer=True, communication_data_type="fp32"), ("ok",)),
+    # DeepSpeed's deprecated names and its stage3_* aliases (docs/config-files.md): read as their settings
+    "deepspeed_old_gather_name": ({"zero_optimization": {"stage": 3, "stage3_gather_fp16_weights_on_model_save": True}},
+                                  ("ok", "stage3_gather_fp16_weights_on_model_save -> gather_16bit_weights_on_model_save")),
+    "deepspeed_cpu_offload": ({"zero_optimization": {"stage": 2, "cpu_offload": True}},
+                              ("ok", "cpu_offload -> offload_optimizer")),
+    "deepspeed_cpu_offload_false": ({"zero_optimization": {"stage": 2, "cpu_offload": False}},
+                                    ("ok", "cpu_offload (false) dropped")),
+    "deepspeed_cpu_offload_param": ({"zero_optimization": {"stage": 3, "cpu_offload_param": True}},
+                                    ("ok", "cpu_offload_param -> offload_param", "zero3_offload")),
+    "deepspeed_cpu_offload_pin_memory": ({"zero_optimization": {"stage": 3, "cpu_offload": True,
+                                                                "cpu_offload_use_pin_memory": True}},
+                                         ("ok", "cpu_offload_use_pin_memory -> pin_memory in offload_optimizer")),
+    "deepspeed_boolean_zero": ({"zero_optimization": True, "allgather_size": 100000000},
+                               ("ok", '"zero_optimization": true -> {"stage": 1, "allgather_bucket_size": 100000000}')),
+    "deepspeed_stage3_aliases": ({"zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": 1000000,
+                                                        "stage3_param_persistence_threshold": 10000,
+                                                        "stage3_max_live_parameters": 100000000,
+                                                        "stage3_max_reuse_distance": 100000000,
+                                                        "stage3_gather_16bit_weights_on_model_save": False}},
+                                 ("ok", "stage3_gather_16bit_weights_on_model_save -> true")),
     # refused in one line
+    "deepspeed_old_and_new_names_disagree": ({"zero_optimization": {"stage": 2, "cpu_offload": True,
+                                                                    "offload_optimizer": {"device": "none"}}},
+                                             "keep `offload_optimizer` and delete `cpu_offload`"),
+    "deepspeed_removed_amp_section": (zero(amp={"enabled": False}), "error: DeepSpeed refuses the config it would start with"),
+    "deepspeed_cpu_offload_param_at_stage_2": ({"zero_optimization": {"stage": 2, "cpu_offload_param": True}},
+                                               "offload_param in"),
     "deepspeed_stage_auto": (zero("auto"), "error: zero_optimization.stage in"),
     "deepspeed_top_level_list": ("[{\"zero_optimization\": {\"stage\": 2}}]", "holds no settings"),
     "deepspeed_fractional_micro_batch": (zero(train_micro_batch_size_per_gpu=2.5),
@@ -110,7 +136,7 @@ def test_variant_runs_as_asked_or_is_refused_in_one_line(name, tmp_path, capsys)
         return
     assert isinstance(expected, tuple), f"ran, expected a refusal ({expected}): {lines}"
     assert lines[-1].startswith("ok: lora runs as"), lines
-    notes = " ".join(lines[:-1])
+    notes = " ".join(lines)  # the translations and the strategy it runs as
     assert all(note in notes for note in expected[1:]), lines
 
 
@@ -122,7 +148,28 @@ LAUNCHED = {
                                  {"distributed_type": "FSDP", "precision": "no", "gradient_checkpointing": 1}),
     "deepspeed_minimal_bfloat16": (zero(2, bfloat16={"enabled": True}),
                                    {"distributed_type": "DEEPSPEED", "precision": "bf16", "gradient_checkpointing": 0}),
+    # the old export name beside the recipe's own addition of the new one (DeepSpeed refused both at prepare),
+    # with the old offload and pinning names
+    "deepspeed_zero3_old_names": ({"zero_optimization": {"stage": 3, "stage3_gather_fp16_weights_on_model_save": True,
+                                                         "cpu_offload": True, "cpu_offload_use_pin_memory": True}},
+                                  {"distributed_type": "DEEPSPEED", "precision": "no", "gradient_checkpointing": 0,
+                                   "deepspeed": {"zero_stage": 3, "offload_optimizer": "cpu", "offload_param": "none"}}),
 }
+# The other deprecated names and aliases, launched (~12 s each)
+LAUNCHED.update({
+    "deepspeed_zero2_cpu_offload": ({"zero_optimization": {"stage": 2, "cpu_offload": True}},
+                                    {"distributed_type": "DEEPSPEED", "precision": "no", "gradient_checkpointing": 0,
+                                     "deepspeed": {"zero_stage": 2, "offload_optimizer": "cpu"}}),
+    "deepspeed_zero3_cpu_offload_param": ({"zero_optimization": {"stage": 3, "cpu_offload_param": True}},
+                                          {"distributed_type": "DEEPSPEED", "precision": "no", "gradient_checkpointing": 0,
+                                           "deepspeed": {"zero_stage": 3, "offload_param": "cpu"}}),
+    "deepspeed_boolean_zero": ({"zero_optimization": True},
+                               {"distributed_type": "DEEPSPEED", "precision": "no", "gradient_checkpointing": 0,
+                                "deepspeed": {"zero_stage": 1}}),
+    "deepspeed_zero3_aliases": (CASES["deepspeed_stage3_aliases"][0],
+                                {"distributed_type": "DEEPSPEED", "precision": "no", "gradient_checkpointing": 0,
+                                 "deepspeed": {"zero_stage": 3, "offload_param": "none"}}),
+})
 
 
 @pytest.mark.parametrize("name", sorted(LAUNCHED))
@@ -135,6 +182,8 @@ def test_translated_variant_trains_and_saves(name, tmp_path):
     ran = run.run_json()
     assert (ran["distributed_type"], ran["strategy"]["precision"]) == (expected["distributed_type"], expected["precision"])
     assert ran["arguments"]["gradient_checkpointing"] == expected["gradient_checkpointing"]
+    engine = ran["strategy"].get("deepspeed", {})
+    assert {key: engine.get(key) for key in expected.get("deepspeed", {})} == expected.get("deepspeed", {}), engine
     assert (tmp_path / "out" / "adapter" / "adapter_model.safetensors").is_file()
 
 
@@ -161,3 +210,19 @@ def test_the_launch_reads_a_deepspeed_json_as_strictly_as_check_config(text, mes
     with pytest.raises(Refusal):
         deepspeed_source({"ACCELERATE_DEEPSPEED_CONFIG_FILE": str(path)})
     assert message in capsys.readouterr().err
+
+
+def test_what_deepspeed_would_refuse_in_the_engines_config_is_one_line_before_the_model_loads(tmp_path):
+    """DeepSpeed's own config classes read the exact config the engine would start with, before the model loads
+    (a removed section, even disabled, is refused by DeepSpeed only at prepare), and check_config says the same."""
+    config = write(tmp_path, "removed_amp", zero(2, amp={"enabled": False}))
+    run = launch("lora", tmp_path / "out", "--max-steps", "1", config=config, mixed_precision=None)
+    assert run.returncode != 0
+    lines = [line for line in run.output.splitlines() if line.startswith("error: ")]
+    assert len(lines) == 1 and lines[0].startswith("error: DeepSpeed refuses the config it would start with "
+                                                   "(removed_amp.json with the recipe's settings): "), run.output[-3000:]
+    assert "Apex" in lines[0]
+    assert_no_traceback_of_ours(run.output)
+    assert not (tmp_path / "out" / "run.json").exists()
+    with pytest.raises(Refusal, match="DeepSpeed refuses the config it would start with"):
+        check_config.check(config, "lora", num_processes=2, on_gpu=False)

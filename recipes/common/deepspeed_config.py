@@ -49,9 +49,10 @@ def deepspeed_source(env) -> tuple[str, dict]:
         if not isinstance(config, dict):
             refuse(f"deepspeed_config_file {path} holds a JSON {type(config).__name__}, not an object of "
                    "DeepSpeed settings; write it as {\"zero_optimization\": {\"stage\": ...}, ...}")
+        config, renamed = current_names(config, path)
         if not isinstance(config.get("zero_optimization"), dict):
             refuse(f"{path} has no `zero_optimization` section; add one with the ZeRO \"stage\" to use")
-        return path, config
+        return path, config, renamed
 
     def value(name):
         raw = env.get(name, "auto")
@@ -65,7 +66,63 @@ def deepspeed_source(env) -> tuple[str, dict]:
             "offload_param": {"device": env.get("ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE", "none")},
             "offload_optimizer": {"device": env.get("ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE", "none")},
         },
-    }
+    }, []
+
+
+# A deprecated ZeRO setting DeepSpeed reads but does not move to its new place: old name -> the field it
+# sets in each offload section present (DeepSpeed's `new_param` names the sections).
+KEPT_IN_OFFLOAD_SECTIONS = {"cpu_offload_use_pin_memory": "pin_memory"}
+
+
+def current_names(config: dict, source: str) -> tuple[dict, list[str]]:
+    """The config with every ZeRO setting under the name DeepSpeed reads now, and what was renamed.
+
+    DeepSpeed still accepts its deprecated names (the list comes from its own config class, so a newer
+    DeepSpeed's are covered) but refuses one beside its new name, which a recipe's own addition can
+    create (the 16-bit export's `gather_16bit_weights_on_model_save`). Renamed here once, every reader
+    (the launch, the checks, accelerate, the engine) sees one name per setting. The `stage3_*` spellings
+    are aliases, not deprecated names: they stay as written.
+    """
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    config, renamed = dict(config), []
+    zero = config.get("zero_optimization")
+    if isinstance(zero, bool):  # DeepSpeed's first form: true is stage 1, with its bucket size at the top level
+        zero = {"stage": 1 if zero else 0}
+        if "allgather_size" in config:
+            zero["allgather_bucket_size"] = config.pop("allgather_size")
+        renamed.append(f"\"zero_optimization\": {str(config['zero_optimization']).lower()} -> {json.dumps(zero)}")
+    if not isinstance(zero, dict):
+        return config, renamed
+    zero = dict(zero)
+    fields = DeepSpeedZeroConfig.model_fields
+    deprecated = {name: field.json_schema_extra for name, field in fields.items()
+                  if isinstance(field.json_schema_extra, dict) and field.json_schema_extra.get("deprecated")}
+    moved = [name for name, extra in deprecated.items() if extra.get("new_param") and extra.get("set_new_param", True)]
+    for old in [name for name in moved if name in zero]:
+        new = deprecated[old]["new_param"]
+        value = deprecated[old].get("new_param_fn", lambda x: x)(zero.pop(old))
+        if hasattr(value, "model_dump"):  # an offload section as DeepSpeed builds it
+            value = value.model_dump(mode="json", exclude_unset=True)
+        alias = fields[new].alias if new in fields else None
+        present = next((name for name in (new, alias) if name and name in zero), None)
+        if present is not None and value is not None and zero[present] != value:
+            refuse(f"zero_optimization of {source} gives `{old}` (DeepSpeed's old name) and `{present}` "
+                   f"with different values; keep `{present}` and delete `{old}`")
+        if present is None and value is not None:
+            zero[new] = value
+        renamed.append(f"{old} -> {new}" if value is not None else f"{old} (false) dropped")
+    for old, field in KEPT_IN_OFFLOAD_SECTIONS.items():
+        if old in zero and old in deprecated:
+            value = zero.pop(old)
+            sections = [name for name in deprecated[old].get("new_param", "").split(" or ")
+                        if isinstance(zero.get(name), dict)]
+            for name in sections:
+                zero[name] = {**zero[name], field: zero[name].get(field, value)}
+            renamed.append(f"{old} -> {field} in {', '.join(sections)}" if sections
+                           else f"{old} dropped (nothing is offloaded)")
+    config["zero_optimization"] = zero
+    return config, renamed
 
 
 def lookup(config: dict, dotted: str):
@@ -408,6 +465,28 @@ def edit_deepspeed(config: dict, args) -> None:
         name = next((key for key in ("gather_16bit_weights_on_model_save", "stage3_gather_16bit_weights_on_model_save")
                      if key in zero), "stage3_gather_16bit_weights_on_model_save")
         zero[name] = True
+
+
+def check_engine_config(config: dict, args, precision: str, source: str) -> None:
+    """The exact config the engine will start with (after `edit_deepspeed`), read by DeepSpeed's own
+    config classes before the model loads: anything DeepSpeed would refuse only at `prepare` is one line
+    now, on every rank alike. accelerate fills the batch sizes and the precision's "auto" at `prepare`:
+    filled here the same way."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    trial = json.loads(json.dumps(config))  # DeepSpeed writes what it computes into the dict it reads
+    trial["train_micro_batch_size_per_gpu"] = args.batch_size
+    trial["gradient_accumulation_steps"] = args.grad_accum
+    trial.pop("train_batch_size", None)  # the two above x the processes (settle_deepspeed checked the file's)
+    for name in ("bf16", "fp16"):
+        if isinstance(trial.get(name), dict) and trial[name].get("enabled") == "auto":
+            trial[name]["enabled"] = precision == name
+    try:
+        DeepSpeedConfig(trial)
+    except Exception as error:  # noqa: BLE001 - whatever DeepSpeed raises on a config is the answer, in one line
+        said = " ".join(str(error).split()) or type(error).__name__
+        refuse(f"DeepSpeed refuses the config it would start with ({source} with the recipe's settings): "
+               f"{said[:300]}; fix that key in {source}")
 
 
 def check_zero_section(zero: dict, source: str) -> None:

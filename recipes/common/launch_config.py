@@ -437,6 +437,7 @@ def adapt_launch(args, env=None, config_file: Path | None | str = "launcher", on
     if env.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
         from .deepspeed_config import deepspeed_source, settle_deepspeed
 
-        source, config = deepspeed_source(env)
+        source, config, renamed = deepspeed_source(env)
+        notes += [f"renamed in {Path(source).name}: {', '.join(renamed)}"] if renamed else []
         notes += settle_deepspeed(config, source, args, env, on_gpu)
     return notes

@@ -17,7 +17,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import torch
-from accelerate import Accelerator, DataLoaderConfiguration
+from accelerate import Accelerator, DataLoaderConfiguration, DeepSpeedPlugin
 from accelerate.utils import (DistributedDataParallelKwargs, DistributedType, GradientAccumulationPlugin,
                                InitProcessGroupKwargs)
 
@@ -59,6 +59,10 @@ def make_accelerator(args, launch: Launch) -> Accelerator:
     # DeepSpeed discovers its own CPU accelerator; every other strategy must be told it runs on CPU.
     if on_cpu and launch.kind != DEEPSPEED:
         kwargs["cpu"] = True
+    if launch.kind == DEEPSPEED:
+        source, config, renamed = deepspeed_config.deepspeed_source(os.environ)
+        if renamed:  # accelerate reads the file as written: it gets the settings under their current names
+            kwargs["deepspeed_plugin"] = DeepSpeedPlugin(hf_ds_config=config)
     if on_cpu and launch.kind == TENSOR_PARALLEL:
         with parallelism_config_hidden():  # accelerate refuses it on CPU processes: added after
             accelerator = Accelerator(**kwargs)
@@ -173,6 +177,9 @@ def align_deepspeed_with_recipe(accelerator: Accelerator, args, launch: Launch) 
         # DeepSpeed's CPU Adam needs a compiled extension; on a CPU-only machine torch's AdamW
         # runs the same update without the build.
         config["zero_force_ds_cpu_optimizer"] = False
+    source = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "none")
+    deepspeed_config.check_engine_config(config, args, launch.precision,
+                                         Path(source).name if source != "none" else "the accelerate config")
 
 
 def exit_after_a_finished_run() -> None:
