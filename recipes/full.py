@@ -34,6 +34,16 @@ from common.evaluation import evaluate
 from common.runlog import RunLog
 
 
+def token_losses(logits, targets):
+    """The loss of each target token, laid out like `targets`: the cross-entropy of the next token.
+    Prompt and padding targets are IGNORE and count 0. Every path that trains or evaluates computes
+    its loss here (the loop below, pipeline parallel's schedule, evaluation's eval_loss): to weight
+    tokens, multiply the result by weights laid out like `targets`."""
+    losses = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(),
+                                               ignore_index=batches.IGNORE, reduction="none")
+    return losses.view_as(targets)
+
+
 def parse_args():
     return cli.parse_args(cli.recipe_flags("full", __doc__))
 
@@ -114,12 +124,12 @@ def main():
         step_loss = step_router_loss = 0.0
         if stages:  # pipeline parallel: the schedule runs each micro-batch's forward and backward, stage by stage
             with accelerator.autocast():
-                step_loss = stages.train_step(micro_batches, int(step_tokens))
+                step_loss = stages.train_step(micro_batches, int(step_tokens), token_losses)
         else:
             for batch in micro_batches:
                 with accelerator.accumulate(model):
                     labels = batch.pop("labels")
-                    if args.liger:  # Liger's fused linear + cross-entropy sums inside the model, never building logits
+                    if args.liger:  # Liger's fused linear + plain cross-entropy, inside the model (not token_losses)
                         loss_sum = model(**batch, labels=labels, use_cache=False, num_items_in_batch=1).loss
                         router_loss = None  # --liger with the router's loss is refused before loading
                     else:  # no KV cache in training (it would also hide packing)
@@ -130,12 +140,7 @@ def main():
                         outputs = model(**batch, use_cache=False, logits_to_keep=positions)
                         logits, router_loss = outputs.logits, outputs.get("aux_loss")  # aux_loss: a mixture of experts'
                         del outputs
-                        # The loss: cross-entropy of each next token. Prompt and padding tokens are IGNORE and
-                        # count 0; to weight tokens, multiply token_loss by weights laid out like
-                        # targets[:, positions] (flattened) before the sum.
-                        token_loss = torch.nn.functional.cross_entropy(
-                            logits.flatten(0, 1).float(), targets[:, positions].flatten(), ignore_index=batches.IGNORE,
-                            reduction="none")
+                        token_loss = token_losses(logits, targets[:, positions])  # the loss, defined above
                         del logits  # the largest tensor of the step: the backward keeps only what it needs
                         loss_sum = token_loss.sum()
                     step_loss += loss_sum.detach()
@@ -168,7 +173,7 @@ def main():
             preflight.refuse(f"the loss became {loss} at step {step}; lower --lr or check the data, and start "
                              "in a new --output-dir (a checkpoint here may already hold the update that diverged)")
         if step == total_steps or (args.eval_every and step % args.eval_every == 0):
-            log.log_eval(step, evaluate(accelerator, model, eval_loader))
+            log.log_eval(step, evaluate(accelerator, model, eval_loader, token_losses))
         if stopping or (args.save_every and step % args.save_every == 0):
             checkpoint.save_checkpoint(accelerator, args, step)
         if stopping:

@@ -25,6 +25,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "recipes"))
+from lora import token_losses  # noqa: E402  (the recipes' loss: the schedule times what they run)
 
 
 def parse_args(argv=None):
@@ -121,7 +122,7 @@ def stage_worker(rank: int, args, port: int, queue) -> None:
             dist.barrier()
             busy[0] = 0.0
             started = time.perf_counter()
-            pipe.train_step(batches, tokens)
+            pipe.train_step(batches, tokens, token_losses)
             elapsed = time.perf_counter() - started
             if step:
                 steps.append(elapsed)

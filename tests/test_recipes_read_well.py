@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from conftest import REPO, launch
-from strategies import STEPS, matrix_args
+from strategies import CPU_STRATEGIES, STEPS, matrix_args
 
 sys.path.insert(0, str(REPO / "recipes"))
 from common.args import recipe_flags  # noqa: E402
@@ -45,7 +45,8 @@ def test_the_loop_is_written_out_in_each_recipe(recipe):
     source = (REPO / "recipes" / f"{recipe}.py").read_text()
     for piece in ("accelerator.accumulate(model)", "accelerator.backward(", "clip_grad_norm_(",
                   "optimizer.step()", "scheduler.step()", "optimizer.zero_grad()", "evaluate(",
-                  "save_checkpoint(", "resume_from(", "token_loss = torch.nn.functional.cross_entropy(",
+                  "save_checkpoint(", "resume_from(", "def token_losses(", "torch.nn.functional.cross_entropy(",
+                  "token_loss = token_losses(", "evaluate(accelerator, model, eval_loader, token_losses)",
                   "loss_sum / step_tokens"):
         assert piece in source, f"{recipe}.py lost `{piece}`"
     assert len(source.splitlines()) <= 300
@@ -61,8 +62,9 @@ def test_lora_differs_from_full_by_the_lora_lines_only():
     assert len(changed) <= 60, "\n".join(changed)
 
 
-def launch_edited_copy(edits: list[tuple[str, str]], output_dir, steps: int):
-    """Copy lora.py with `edits` (old, new) applied to the copy alone, and launch it as the matrix does."""
+def launch_edited_copy(edits: list[tuple[str, str]], output_dir, steps: int, config: str = "model_parallel"):
+    """Copy lora.py with `edits` (old, new) applied to the copy alone, and launch it as the matrix does
+    (`config` "pipeline": the one-process batch through 2 stages)."""
     source = (REPO / "recipes" / "lora.py").read_text()
     for old, new in edits:
         assert source.count(old) == 1, old
@@ -70,8 +72,10 @@ def launch_edited_copy(edits: list[tuple[str, str]], output_dir, steps: int):
     copy = REPO / "recipes" / f"my_edited_lora_{output_dir.parent.name}.py"
     copy.write_text(source)
     try:
-        run = launch(copy.stem, output_dir, *matrix_args("lora", "model_parallel"), "--max-steps", str(steps),
-                     config="model_parallel", processes=1)
+        flags = (matrix_args("lora", "model_parallel") + ["--pipeline-stages", "2"] if config == "pipeline"
+                 else matrix_args("lora", config))
+        run = launch(copy.stem, output_dir, *flags, "--max-steps", str(steps), config=config,
+                     processes=2 if config == "pipeline" else CPU_STRATEGIES[config][1])
     finally:
         copy.unlink()
     assert run.returncode == 0, run.output[-3000:]
@@ -83,7 +87,7 @@ def test_a_copied_recipe_edited_in_its_loss_and_schedule_trains_on_the_edits(tra
     first step's loss (before any update) is twice the untouched recipe's on the same batch, and
     the learning rate no longer follows the cosine."""
     run = launch_edited_copy([
-        ("loss_sum = token_loss.sum()", "loss_sum = (token_loss * 2.0).sum()  # every target token counts twice"),
+        ("    return losses.view_as(targets)", "    return 2.0 * losses.view_as(targets)  # every target token counts twice"),
         ("from transformers import get_cosine_schedule_with_warmup", "from transformers import get_constant_schedule"),
         ("get_cosine_schedule_with_warmup(optimizer, int(args.warmup_ratio * total_steps), total_steps)",
          "get_constant_schedule(optimizer)"),
@@ -96,6 +100,32 @@ def test_a_copied_recipe_edited_in_its_loss_and_schedule_trains_on_the_edits(tra
     assert [record["lr"] for record in reference.metrics()[:3]] != [lr] * 3
 
 
+DOUBLED_LOSS = ("    return losses.view_as(targets)", "    return 2.0 * losses.view_as(targets)  # every token twice")
+
+
+@pytest.mark.parametrize("config", ["ddp", "fsdp", "zero3", "pipeline"])
+def test_an_edited_loss_trains_under_every_strategy(config, trained, tmp_path):
+    """The loss is written once, in the recipe's token_losses, and every path that trains uses it (the
+    plain loop, ZeRO's engine, pipeline parallel's schedule): doubled in a copy, the first step's loss
+    (before any update) is twice the one-process recipe's on the same global batch."""
+    run = launch_edited_copy([DOUBLED_LOSS], tmp_path / "out", steps=1, config=config)
+    assert run.losses()[0] == pytest.approx(2 * trained("lora", "model_parallel").losses()[0], rel=1e-5)
+
+
+def test_evaluation_scores_with_the_recipes_loss():
+    """eval_loss is the same quantity as the training loss: the recipe's token_losses, handed in."""
+    import torch
+    from common.evaluation import batch_figures
+    from lora import token_losses
+
+    torch.manual_seed(0)
+    logits, labels = torch.randn(2, 5, 11), torch.tensor([[3, 1, -100, 4], [-100, -100, 2, 9]])
+    plain = batch_figures(logits, labels, token_losses)
+    doubled = batch_figures(logits, labels, lambda lg, tg: 2.0 * token_losses(lg, tg))
+    assert doubled[0] == pytest.approx(2 * plain[0]) and plain[0] > 0
+    assert doubled[1:].tolist() == plain[1:].tolist() == [5.0, plain[2].item(), 2.0]
+
+
 def test_logits_at_target_positions_only_give_the_textbook_loss(trained, tmp_path):
     """The recipe's LM head runs only where some row has a target; a copy that computes every
     position's logits and the textbook shifted cross-entropy follows the same loss curve."""
@@ -104,8 +134,7 @@ def test_logits_at_target_positions_only_give_the_textbook_loss(trained, tmp_pat
          "outputs = model(**batch, use_cache=False)"),
         ("logits, router_loss = outputs.logits, outputs.get(\"aux_loss\")",
          "logits, router_loss = outputs.logits[:, :-1], outputs.get(\"aux_loss\")"),
-        ("logits.flatten(0, 1).float(), targets[:, positions].flatten(),",
-         "logits.flatten(0, 1).float(), labels[:, 1:].flatten(),"),
+        ("token_loss = token_losses(logits, targets[:, positions])", "token_loss = token_losses(logits, labels[:, 1:])"),
     ], tmp_path / "out", steps=STEPS)
     assert run.losses() == pytest.approx(trained("lora", "model_parallel").losses(), rel=1e-5)
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from .batches import positions_with_targets
 from .formats import IGNORE
@@ -20,14 +19,15 @@ def pipeline_of(model):
 
 
 @torch.no_grad()
-def evaluate(accelerator, model, eval_loader) -> dict:
-    """`eval_loss` over all target tokens; `eval_exact_match`: rows whose every target token is the argmax.
+def evaluate(accelerator, model, eval_loader, token_losses) -> dict:
+    """`eval_loss`: the recipe's `token_losses` over all target tokens (the quantity the training loss is);
+    `eval_exact_match`: rows whose every target token is the argmax.
 
     Every rank runs every batch (FSDP and ZeRO-3 forwards are collective); `gather_for_metrics`
     drops the rows accelerate repeated to even out the last batch.
     """
     if pipeline_of(model):  # pipeline parallel: the batch's forward runs through the stages
-        return pipeline_of(model).evaluate(eval_loader)
+        return pipeline_of(model).evaluate(eval_loader, token_losses)
     model.eval()
     loss_sum = tokens = exact = rows = 0.0
     for batch in eval_loader:
@@ -35,7 +35,7 @@ def evaluate(accelerator, model, eval_loader) -> dict:
         positions = positions_with_targets(labels)  # the LM head runs where a row has a target
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                        logits_to_keep=positions).logits.float()
-        per_row = accelerator.gather_for_metrics(row_figures(logits, labels[:, positions].to(logits.device)))
+        per_row = accelerator.gather_for_metrics(row_figures(logits, labels[:, positions].to(logits.device), token_losses))
         loss_sum += per_row[:, 0].sum().item()
         tokens += per_row[:, 1].sum().item()
         exact += per_row[:, 2].sum().item()
@@ -44,17 +44,17 @@ def evaluate(accelerator, model, eval_loader) -> dict:
     return {"eval_loss": loss_sum / max(tokens, 1), "eval_exact_match": exact / max(rows, 1)}
 
 
-def row_figures(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+def row_figures(logits: torch.Tensor, labels: torch.Tensor, token_losses) -> torch.Tensor:
     """Per row: summed target-token loss, target tokens, 1 if every target token is the argmax."""
     targets = labels != IGNORE
-    token_loss = F.cross_entropy(logits.transpose(1, 2), labels.clamp(min=0), reduction="none") * targets
+    token_loss = token_losses(logits, labels)
     correct = ((logits.argmax(-1) == labels) | ~targets).all(dim=1)
     return torch.stack([token_loss.sum(1), targets.sum(1).float(), correct.float()], dim=1)
 
 
-def batch_figures(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+def batch_figures(logits: torch.Tensor, labels: torch.Tensor, token_losses) -> torch.Tensor:
     """(loss sum, target tokens, exact rows, rows) of a batch: logits at every position but the last."""
-    per_row = row_figures(logits[:, :-1], labels)
+    per_row = row_figures(logits[:, :-1], labels, token_losses)
     return torch.cat([per_row.sum(0), per_row.new_tensor([per_row.shape[0]])]).double()
 
 

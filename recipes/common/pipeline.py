@@ -359,20 +359,20 @@ class Pipeline:
         return self.schedules[shape]
 
     def loss(self, logits, labels):
-        """The micro-batch's summed next-token loss over the global batch's target tokens."""
-        token_loss = torch.nn.functional.cross_entropy(
-            logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=IGNORE, reduction="sum")
+        """The micro-batch's summed token loss (the recipe's `token_losses`) over the global batch's target tokens."""
+        token_loss = self.token_losses(logits[:, :-1], labels[:, 1:]).sum()
         # by micro-batch: the stage's first, shape-finding forward (micro-batch 0 again) is overwritten
         self.loss_sums[self.module.chunks[-1].index] = token_loss.detach()
         return token_loss / self.step_tokens
 
-    def train_step(self, micro_batches: list[dict], step_tokens: int) -> torch.Tensor:
-        """Forward and backward of the step's micro-batches; the summed token loss (0 but on the last stage)."""
+    def train_step(self, micro_batches: list[dict], step_tokens: int, token_losses) -> torch.Tensor:
+        """Forward and backward of the step's micro-batches, each micro-batch's loss the sum of the recipe's
+        `token_losses` (logits, next tokens -> a loss per token); the summed loss (0 but on the last stage)."""
         longest = max(b["input_ids"].shape[1] for b in micro_batches)
         length = -(-longest // LENGTH_MULTIPLE) * LENGTH_MULTIPLE
         micro_batches = [pad_micro_batch(b, length, self.pad_token_id) for b in micro_batches]
         self.module.begin_step(micro_batches)
-        self.step_tokens = step_tokens
+        self.step_tokens, self.token_losses = step_tokens, token_losses  # what `loss`, the schedule's loss_fn, reads
         self.loss_sums = {}
         schedule = self.schedule_for(tuple(micro_batches[0]["input_ids"].shape))
         inputs = torch.cat([b["input_ids"] for b in micro_batches]).to(self.device)
@@ -454,7 +454,7 @@ class Pipeline:
                 break
         return ids
 
-    def evaluate(self, eval_loader) -> dict:
+    def evaluate(self, eval_loader, token_losses) -> dict:
         """`evaluation.evaluate`'s figures: every pipeline runs every batch, the first pipeline's last stage
         counts them, and one all-reduce tells every rank."""
         self.module.eval()
@@ -462,7 +462,7 @@ class Pipeline:
         for batch in eval_loader:
             logits = self.forward_only(batch)
             if logits is not None and self.layout.replica == 0:
-                totals += batch_figures(logits.float(), batch["labels"][:, 1:].to(self.device))
+                totals += batch_figures(logits.float(), batch["labels"][:, 1:].to(self.device), token_losses)
         self.module.train()
         dist.all_reduce(totals)
         loss_sum, tokens, exact, rows = totals.tolist()
