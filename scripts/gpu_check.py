@@ -6,7 +6,7 @@ of importance, and writes each result as soon as it has it.
 
 A lent GPU comes for 15 minutes of device time in all (the box's start, the transfers and its idle
 time included), 10 a call: one call of about 8 minutes is what it reliably gives. The default is that
-call; a second (--parts recipes,planner,reference,options,reference34b,trl) runs the rest when time is
+call; a second (--parts planner,recipes,reference,options,reference34b,trl) runs the rest when time is
 left. Each call reinstalls the wheels (skipped when the box still has them) and starts no part it has no
 time left for (--budget-s).
 
@@ -19,8 +19,8 @@ Parts, in order of importance (the first three are the default call):
   core       tests/gpu/test_gpu_recipes.py for the three recipes under fsdp, zero3 and ddp (9 launches, the
              sharded ones first): the loss goes down, the saved adapter / model reloads to the same logits,
              each rank's host RAM by the first step
-  recipes    the rest of tests/gpu/test_gpu_recipes.py: every other config the GPUs present can run, bf16
   planner    the rest of tests/gpu/test_gpu_planner.py (other micro-batches, gradient checkpointing)
+  recipes    the rest of tests/gpu/test_gpu_recipes.py: every other config the GPUs present can run, bf16
   reference  the TinyLlama workload's other strategies (model_parallel, zero2, zero3, qlora_ddp)
   options    tests/gpu/test_gpu_speed_options.py: bitsandbytes CUDA, Liger, attention kernels, compile, workers,
              --batch-size auto's probe
@@ -84,10 +84,13 @@ PARTS = {
     "headline": ([*TINYLLAMA, "--strategies", "ddp"], 300, 150),
     "memory": ([*PYTEST, *MEMORY_CASES], 240, 60),
     "core": ([*PYTEST, *CORE_CASES], 420, 45),
-    # call 2: the rest, in order of what it proves
+    # call 2: the rest, in order of what it proves; each part's limit from call 1's measured launches
+    # the planner's other peaks: 7 launches at 1.1B x ~45 s
+    "planner": ([*PYTEST, PLANNER_TESTS, *(f"--deselect={case}" for case in MEMORY_CASES)], 360, 60),
+    # the other configs one GPU can run: 18 cases x ~35 s (a call's 10 minutes at most)
     "recipes": ([*PYTEST, RECIPE_TESTS, *(f"--deselect={case}" for case in CORE_CASES)], 540, 60),
-    "planner": ([*PYTEST, PLANNER_TESTS, *(f"--deselect={case}" for case in MEMORY_CASES)], 420, 60),
-    "reference": ([*TINYLLAMA, "--strategies", "model_parallel,zero2,zero3,qlora_ddp"], 540, 240),
+    # 4 epochs of the headline's workload: ~90 s each, the 1.1B model already built on a warm box
+    "reference": ([*TINYLLAMA, "--strategies", "model_parallel,zero2,zero3,qlora_ddp"], 420, 120),
     "options": ([*PYTEST, "tests/gpu/test_gpu_speed_options.py"], 360, 60),
     # CodeLlama-34B's shape cut to 8 of its 48 layers (labelled so in the table): the whole does not fit one GPU
     "reference34b": (["scripts/benchmark.py", "--workload", "codellama34b", "--layers", "8",

@@ -86,6 +86,9 @@ def test_each_rank_holds_what_the_planner_says(recipe, config, trained):
     assert "memory_by_rank" in ran, "run.json has no memory_by_rank: the first optimizer step was not measured"
     measured = ran["memory_by_rank"]
     assert len(measured) == ranks
+    # each rank's own peak host RSS by its first step: at least the weights it holds, and a process's, not a sum
+    host = ran["host_peak_gib_by_rank"]
+    assert len(host) == ranks and all(held["weights"] / 2**30 < peak < 16 for held, peak in zip(measured, host)), host
 
     planned = planned_per_rank(recipe, config, ran)
     lora_rank = ran["arguments"].get("lora_r", 16)
