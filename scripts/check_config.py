@@ -129,8 +129,7 @@ def check(config_file: Path, recipe: str = "lora", recipe_argv: list[str] = (), 
         if launch.kind == DEEPSPEED:  # as the recipe, once the Accelerator exists: the engine's exact config
             source, config, _ = deepspeed_source(os.environ)
             edit_deepspeed(config, args)
-            check_engine_config(config, args, launch.precision,
-                                Path(source).name if source != "the accelerate config" else source)
+            check_engine_config(config, args, launch.precision, Path(source).name)
     lines = [f"config: {'; '.join(notes)}"] if notes else []
     lines += [batch_line] if batch_line else []
     runs_as = launch.name if launch.pipeline_stages > 1 else launch.planner_strategy

@@ -32,7 +32,7 @@ short still leaves its numbers: summary.md (tables, the benchmarks' too), result
 machine-readable, with every test case's recorded figures and the box's package versions), log.txt
 (every command and its output), and <part>.json / <part>.png for each benchmark part: 5 files for the
 first call, 7 for the second, within the 8 the device tool brings back. No git needed there: the commit
-is read from git, else from the COMMIT file scripts/gpu_wheels.sh writes beside the wheels.
+is read from the COMMIT file scripts/gpu_wheels.sh writes beside the wheels, else from git.
 
 --cpu-stand-in runs the same parts on a machine without a GPU (RECIPES_GPU_SUITE_ON_CPU=1, the benchmark's
 --smoke): it checks the plumbing before GPU time is spent, and says nothing about GPUs.

@@ -22,7 +22,7 @@ for name in datasets dill multiprocess bitsandbytes trl peft hjson pydantic pyda
 done
 python3 -m pip download -q --no-deps "${platform[@]}" -d "$dest" "liger-kernel==0.8.5"
 python3 -m pip download -q --no-deps --no-binary=:all: -d "$dest" "deepspeed==$(installed deepspeed)"
-git rev-parse --short HEAD > "$dest/COMMIT"  # the box gets the tree without .git: gpu_check.py reads the commit here
+git rev-parse --short HEAD > "$dest/COMMIT"  # the box may get the tree without .git, or with a stale one: gpu_check.py reads the commit here
 du -sh "$dest"
 ls "$dest"
 size=$(du -sb "$dest" | cut -f1)

@@ -31,8 +31,9 @@ SETTLED_BY_FLAGS = {
 ADAMW_DEFAULTS = {"betas": [0.9, 0.999], "eps": 1e-8}
 
 
-def deepspeed_source(env) -> tuple[str, dict]:
-    """(where the DeepSpeed settings come from, those settings as a DeepSpeed config dict)."""
+def deepspeed_source(env) -> tuple[str, dict, list[str]]:
+    """(where the DeepSpeed settings come from, those settings as a DeepSpeed config dict under their
+    current names, what `current_names` renamed)."""
     path = env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "none")
     if path != "none":
         inline = [name for name in env.get("ACCELERATE_CONFIG_DS_FIELDS", "").split(",")

@@ -72,7 +72,7 @@ def make_accelerator(args, launch: Launch) -> Accelerator:
     if on_cpu and launch.kind == FSDP:
         enable_fsdp_on_cpu(accelerator)
     if launch.kind == DEEPSPEED:
-        align_deepspeed_with_recipe(accelerator, args, launch)
+        align_deepspeed_with_recipe(accelerator, args, launch, Path(source).name)
     return accelerator
 
 
@@ -169,17 +169,16 @@ def enable_tensor_parallel_on_cpu(accelerator: Accelerator) -> None:
     PartialState._shared_state["distributed_type"] = DistributedType.MULTI_GPU
 
 
-def align_deepspeed_with_recipe(accelerator: Accelerator, args, launch: Launch) -> None:
-    """Make DeepSpeed accumulate and clip like every other strategy and keep the full weights savable."""
+def align_deepspeed_with_recipe(accelerator: Accelerator, args, launch: Launch, source: str) -> None:
+    """Make DeepSpeed accumulate and clip like every other strategy and keep the full weights savable;
+    then check the result as DeepSpeed will read it (`source`: the file's name, for the refusal)."""
     config = accelerator.state.deepspeed_plugin.deepspeed_config
     deepspeed_config.edit_deepspeed(config, args)
     if not launch.on_gpu and launch.offload_optimizer:
         # DeepSpeed's CPU Adam needs a compiled extension; on a CPU-only machine torch's AdamW
         # runs the same update without the build.
         config["zero_force_ds_cpu_optimizer"] = False
-    source = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "none")
-    deepspeed_config.check_engine_config(config, args, launch.precision,
-                                         Path(source).name if source != "none" else "the accelerate config")
+    deepspeed_config.check_engine_config(config, args, launch.precision, source)
 
 
 def exit_after_a_finished_run() -> None:

@@ -6,11 +6,11 @@ import json
 from pathlib import Path
 
 from bench.flops import flop_per_token, mfu
-from planner import STRATEGIES as PLANNED_CONFIGS
-from planner import per_gpu_bytes
 from bench.formatting import format_duration, percent
 from bench.shapes import shape_of
 from bench.workloads import Strategy
+from planner import STRATEGIES as PLANNED_CONFIGS
+from planner import per_gpu_bytes
 
 
 def launch_row(strategy: Strategy, settings: dict, processes: int, devices: int, command_line: str,
