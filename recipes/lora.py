@@ -32,7 +32,7 @@ from transformers import get_cosine_schedule_with_warmup
 
 from common import args as cli
 from common import batch_size, batches, checkpoint, data, deepspeed_config, modeling, pipeline, preflight
-from common import report, runtime
+from common import report, runtime, settle
 from common.evaluation import evaluate
 from common.runlog import RunLog
 
@@ -52,62 +52,64 @@ def parse_args():
 
 
 def main():
-    args = parse_args()
-    launch = preflight.check_launch(args, recipe="lora")  # what accelerate launch asked for, checked
-    accelerator = runtime.make_accelerator(args, launch)
-    resume = checkpoint.resume_point(accelerator, args)  # the checkpoint to continue, checked before loading
-    set_seed(args.seed)
+    # The run's settings, settled once: the flags, the --config file, what the accelerate / DeepSpeed file fixes and
+    # the batch-size rules (read-only from here; run.json lists what a file or rule changed). A launch that cannot
+    # work is refused here, in one line, before the model loads.
+    run, launch = settle.settle_launch(parse_args(), recipe="lora")
+    accelerator = runtime.make_accelerator(run, launch)
+    resume = checkpoint.resume_point(accelerator, run)  # the checkpoint to continue, checked before loading
+    set_seed(run.seed)
 
     # Data, before the model: a file that cannot be read stops the run here (file:line), rows that
     # cannot train are counted and dropped. Prompt tokens are masked: the loss covers the responses only.
-    modeling.ensure_default_model(args.model, accelerator)
-    tokenizer = modeling.load_tokenizer(args.model, args.trust_remote_code, args.chat_template)
-    train_set, eval_set, data_format = data.prepare(accelerator, tokenizer, args, launch)
+    modeling.ensure_default_model(run.model, accelerator)
+    tokenizer = modeling.load_tokenizer(run.model, run.trust_remote_code, run.chat_template)
+    train_set, eval_set, data_format = data.prepare(accelerator, tokenizer, run, launch)
 
     # Model: the frozen base in 16 bits where mixed precision allows, trainable adapters on top.
-    model = modeling.load_model(args.model, accelerator, launch, frozen=True, attention=args.attention,
-                                liger=args.liger, trust_remote_code=args.trust_remote_code)
+    model = modeling.load_model(run.model, accelerator, launch, frozen=True, attention=run.attention,
+                                liger=run.liger, trust_remote_code=run.trust_remote_code)
     # A mixture of experts whose config asks for it (output_router_logits) also trains its router to spread
     # the tokens over the experts: transformers' load-balancing loss with this weight (0 for other models).
     router_weight = modeling.router_loss_weight(model)
-    if args.gradient_checkpointing:  # recompute every Nth layer's activations in the backward instead of keeping them
-        modeling.checkpoint_activations(model, every_n_layers=args.gradient_checkpointing)
+    if run.gradient_checkpointing:  # recompute every Nth layer's activations in the backward instead of keeping them
+        modeling.checkpoint_activations(model, every_n_layers=run.gradient_checkpointing)
     lora_config = LoraConfig(
-        r=args.lora_r,
-        lora_alpha=args.lora_alpha,
-        lora_dropout=args.lora_dropout,
-        target_modules=cli.lora_targets(args.lora_targets),
+        r=run.lora_r,
+        lora_alpha=run.lora_alpha,
+        lora_dropout=run.lora_dropout,
+        target_modules=cli.lora_targets(run.lora_targets),
         task_type="CAUSAL_LM",
     )
     model = get_peft_model(model, lora_config)
-    modeling.seed_adapter(model, args.seed)  # the same first adapter whatever the strategy split
-    batch_size.confirm_on_gpu(accelerator, launch, model, args)  # --batch-size auto: does a real step fit?
+    modeling.seed_adapter(model, run.seed)  # the same first adapter whatever the strategy split
+    run = batch_size.confirm_on_gpu(accelerator, launch, model, run)  # --batch-size auto: does a real step fit?
     # Pipeline parallel (--pipeline-stages N): this process keeps its stage of the layers, and a schedule runs
     # the step's micro-batches through the stages (None for every other launch).
-    stages = pipeline.split(accelerator, launch, args, model, tokenizer.pad_token_id)
-    if args.compile:
+    stages = pipeline.split(accelerator, launch, run, model, tokenizer.pad_token_id)
+    if run.compile:
         modeling.compile_layers(model)  # the first steps are slower while each shape compiles
 
     # Batches: shuffled micro-batches, each padded to its longest row; a fixed one to check reloads against.
     # To batch differently, swap the collator: any function from a list of rows to a dict of tensors.
     collate = batches.PadToLongest(tokenizer.pad_token_id)
-    train_loader, eval_loader = batches.make_loaders(train_set, eval_set, collate, args.batch_size,
-                                                  args.dataloader_workers)
+    train_loader, eval_loader = batches.make_loaders(train_set, eval_set, collate, run.batch_size,
+                                                  run.dataloader_workers)
     probe = next(iter(eval_loader))
 
     # fused: one kernel updates every tensor of a group (a loop over tensors otherwise; docs/speed-options.md).
     # The groups keep tensor parallel's split weights apart from whole ones: one kernel takes one kind.
     optimizer = torch.optim.AdamW(
-        modeling.trained_parameter_groups(model), lr=args.lr, weight_decay=args.weight_decay, fused=True
+        modeling.trained_parameter_groups(model), lr=run.lr, weight_decay=run.weight_decay, fused=True
     )
-    steps_per_epoch = batches.steps_per_epoch(len(train_loader) // launch.data_parallel_size, args.grad_accum)
-    total_steps = args.max_steps or math.ceil(args.epochs * steps_per_epoch)
+    steps_per_epoch = batches.steps_per_epoch(len(train_loader) // launch.data_parallel_size, run.grad_accum)
+    total_steps = run.max_steps or math.ceil(run.epochs * steps_per_epoch)
     # The learning rate: linear warm-up over --warmup-ratio of the steps, then cosine decay to 0; a DeepSpeed
     # config's own `scheduler` section replaces it, run as its file asks (docs/config-files.md).
-    if args.deepspeed_scheduler:
-        scheduler = deepspeed_config.deepspeed_schedule(optimizer, args.deepspeed_scheduler, args, total_steps)
+    if run.deepspeed_scheduler:
+        scheduler = deepspeed_config.deepspeed_schedule(optimizer, run.deepspeed_scheduler, run, total_steps)
     else:
-        scheduler = get_cosine_schedule_with_warmup(optimizer, int(args.warmup_ratio * total_steps), total_steps)
+        scheduler = get_cosine_schedule_with_warmup(optimizer, int(run.warmup_ratio * total_steps), total_steps)
     if stages:  # no DDP around a stage: the stages pass activations, and each pipeline reads its own batches
         optimizer, scheduler = accelerator.prepare(optimizer, scheduler)
         train_loader = stages.shard(accelerator, train_loader)
@@ -118,16 +120,16 @@ def main():
         )
     parameters = list(model.parameters())  # after prepare (FSDP's shards); listed once, not walked each step
 
-    log = RunLog(accelerator, args, recipe="lora", launch=launch)
+    log = RunLog(accelerator, run, recipe="lora", launch=launch)
     start_step = checkpoint.resume_from(accelerator, resume)
-    log.write_run_json(model, data_format, optimizer)  # after the resume: a checkpoint that fails to load changes nothing
+    log.write_run_json(model, data_format, optimizer, total_steps)  # after the resume: a failed load changes nothing
 
     # The loop: one iteration = one optimizer step over grad_accum micro-batches on every rank.
     model.train()
     # The loop's collectives; SIGTERM / Ctrl-C stop it at the end of a step (a pipeline's last stage counts its tokens).
     sync = runtime.StepSync(accelerator, counts_tokens=stages.counts_tokens() if stages else True)
     log.start(start_step, total_steps)
-    steps = batches.optimizer_steps(train_loader, args.grad_accum, start_step)
+    steps = batches.optimizer_steps(train_loader, run.grad_accum, start_step)
     epoch, micro_batches = next(steps)
     # A step's loss is the mean over every target token of the global batch (all micro-batches, all
     # ranks), so the count comes first.
@@ -141,7 +143,7 @@ def main():
             for batch in micro_batches:
                 with accelerator.accumulate(model):
                     labels = batch.pop("labels")
-                    if args.liger:  # Liger's fused linear + plain cross-entropy, inside the model (not token_losses)
+                    if run.liger:  # Liger's fused linear + plain cross-entropy, inside the model (not token_losses)
                         loss_sum = model(**batch, labels=labels, use_cache=False, num_items_in_batch=1).loss
                         router_loss = None  # --liger with the router's loss is refused before loading
                     else:  # no KV cache in training (it would also hide packing)
@@ -159,15 +161,15 @@ def main():
                     # The gradient of the global token mean: / step_tokens (every rank's micro-batches), and
                     # undo accelerate's division by grad_accum and the gradient all-reduce's mean over ranks
                     # (tensor parallel: each rank of a group counts the group's tokens; the same factor cancels it).
-                    objective = loss_sum / step_tokens * args.grad_accum * accelerator.num_processes
+                    objective = loss_sum / step_tokens * run.grad_accum * accelerator.num_processes
                     if router_weight:  # the router's loss: its mean over micro-batches and ranks, as the backward scales it
                         objective = objective + router_weight * router_loss
                         step_router_loss += router_loss.detach()
                     accelerator.backward(objective)
         if stages:  # a pipeline: the norm of the whole model's gradient, every stage's part
-            grad_norm = stages.clip_grad_norm(parameters, args.max_grad_norm)
+            grad_norm = stages.clip_grad_norm(parameters, run.max_grad_norm)
         else:
-            grad_norm = accelerator.clip_grad_norm_(parameters, args.max_grad_norm)
+            grad_norm = accelerator.clip_grad_norm_(parameters, run.max_grad_norm)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad()
@@ -179,28 +181,28 @@ def main():
         loss = summed_loss / int(step_tokens)  # the mean over the global batch's target tokens
         if step == start_step + 1:  # a gather (every rank takes part): what each rank holds, into run.json
             log.record_ranks()
-        router_mean = router_sum / (args.grad_accum * accelerator.num_processes) if router_weight else None
+        router_mean = router_sum / (run.grad_accum * accelerator.num_processes) if router_weight else None
         log.log_step(step, epoch, loss, scheduler.get_last_lr()[0], grad_norm, int(step_tokens), router_mean)
         if not math.isfinite(loss):  # stop before saving anything from a diverged model
             preflight.refuse(f"the loss became {loss} at step {step}; lower --lr or check the data, and start "
                              "in a new --output-dir (a checkpoint here may already hold the update that diverged)")
-        if step == total_steps or (args.eval_every and step % args.eval_every == 0):
+        if step == total_steps or (run.eval_every and step % run.eval_every == 0):
             log.log_eval(step, evaluate(accelerator, model, eval_loader, token_losses))
-        if stopping or (args.save_every and step % args.save_every == 0):
-            checkpoint.save_checkpoint(accelerator, args, step)
+        if stopping or (run.save_every and step % run.save_every == 0):
+            checkpoint.save_checkpoint(accelerator, run, step)
         if stopping:
             log.close(f"stopped by {sync.signal_name} after step {step}; continue with --resume auto")
             return
         epoch, micro_batches, step_tokens = next_epoch, next_batches, next_tokens
 
     # Export: what the trained model computes, then the files that reproduce it.
-    checkpoint.save_probe(accelerator, model, probe, args.output_dir)
-    samples = report.sample_generations(accelerator, launch, model, tokenizer, eval_set, args.output_dir)
-    adapter_dir = f"{args.output_dir}/adapter"
+    checkpoint.save_probe(accelerator, model, probe, run.output_dir)
+    samples = report.sample_generations(accelerator, launch, model, tokenizer, eval_set, run.output_dir)
+    adapter_dir = f"{run.output_dir}/adapter"
     checkpoint.save_adapter(accelerator, model, tokenizer, adapter_dir)
-    if args.merge:
-        checkpoint.merge_adapter(accelerator, args.model, adapter_dir, f"{args.output_dir}/merged", dtype=args.save_dtype)
-    report.write_model_card(accelerator, args, "lora", "adapter", samples)
+    if run.merge:
+        checkpoint.merge_adapter(accelerator, run.model, adapter_dir, f"{run.output_dir}/merged", dtype=run.save_dtype)
+    report.write_model_card(accelerator, run, "lora", "adapter", samples)
     log.close(f"done: {total_steps} steps; adapter saved to {adapter_dir}")
     accelerator.end_training()
 

@@ -113,23 +113,24 @@ def check(config_file: Path, recipe: str = "lora", recipe_argv: list[str] = (), 
     args = parse_recipe_args(recipe_flags(recipe), list(recipe_argv))
     on_gpu = (__import__("torch").cuda.is_available()) if on_gpu is None else on_gpu
     with mock.patch.dict(os.environ, env, clear=True), mock.patch("torch.cuda.is_available", return_value=on_gpu):
-        notes = launch_config.adapt_launch(args, config_file=None if is_deepspeed_json(path) else path, on_gpu=on_gpu)
+        run, notes = launch_config.adapt_launch(args, config_file=None if is_deepspeed_json(path) else path,
+                                                on_gpu=on_gpu)
         launch = describe(on_gpu=on_gpu)
-        if env["WORLD_SIZE"] == "1" and not is_deepspeed_json(path):  # as preflight.check_launch, in its order:
+        if env["WORLD_SIZE"] == "1" and not is_deepspeed_json(path):  # as settle.settle_launch, in its order:
             config = launch_config.read_config(path)  # accelerate starts one process, whatever was asked
             asked = num_processes or int(config.get("num_processes") or 1)
             launch_config.refuse_one_process_for_several(str(config.get("distributed_type", "NO")).upper(), asked)
-        preflight.check_ranges(args)  # values the file handed to the flags, too
-        launch = preflight.check_pipeline(args, recipe, launch)  # --pipeline-stages against the processes, the model
-        preflight.check_strategy(args, recipe, launch)  # FSDP's layer classes against the model, ...
+        preflight.check_ranges(run)  # values the file handed to the flags, too
+        launch = preflight.check_pipeline(run, recipe, launch)  # --pipeline-stages against the processes, the model
+        preflight.check_strategy(run, recipe, launch)  # FSDP's layer classes against the model, ...
         if launch.kind == TENSOR_PARALLEL:  # what the recipe can split (its model's heads, LoRA's targets)
-            preflight.check_tensor_parallel(args, recipe, launch)
-        batch_line = settle_batch(args, recipe, launch)  # the file's train_batch_size must split over the ranks
-        preflight.check_pipeline_micro_batches(args, launch)
+            preflight.check_tensor_parallel(run, recipe, launch)
+        run, batch_line = settle_batch(run, recipe, launch)  # the file's train_batch_size must split over the ranks
+        preflight.check_pipeline_micro_batches(run, launch)
         if launch.kind == DEEPSPEED:  # as the recipe, once the Accelerator exists: the engine's exact config
             source, config, _ = deepspeed_source(os.environ)
-            edit_deepspeed(config, args)
-            check_engine_config(config, args, launch.precision, Path(source).name)
+            edit_deepspeed(config, run)
+            check_engine_config(config, run, launch.precision, Path(source).name)
     lines = [f"config: {'; '.join(notes)}"] if notes else []
     lines += [batch_line] if batch_line else []
     runs_as = launch.name if launch.pipeline_stages > 1 else launch.planner_strategy

@@ -17,7 +17,7 @@ import pytest
 from conftest import REPO, TINY_MODEL, assert_no_traceback_of_ours, assert_the_refusal_ends_the_output, launch, long_test
 
 sys.path.insert(0, str(REPO / "recipes"))
-from common import checked_rows, checkpoint, preflight, tokens  # noqa: E402
+from common import checked_rows, checkpoint, preflight, settle, tokens  # noqa: E402
 from common.args import parse_args, recipe_flags  # noqa: E402
 from common.preflight import Refusal  # noqa: E402
 
@@ -135,7 +135,7 @@ def test_a_template_that_leaves_the_replies_out_drops_its_rows(tokenizer):
 def test_a_bad_flag_is_one_line_naming_the_rule(argv, message, tmp_path):
     argv = ["--output-dir", str(tmp_path / "out"), *argv]
     with pytest.raises(Refusal, match=message):
-        preflight.check_launch(args_of(*argv), "lora")
+        settle.settle_launch(args_of(*argv), "lora")
 
 
 def test_a_tracker_that_is_not_installed_is_refused(tmp_path):
@@ -341,8 +341,9 @@ def test_a_resume_that_would_change_the_run_is_refused(tmp_path):
 def test_paths_from_a_run_file_expand_the_home_folder(tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path))
     args = args_of("--output-dir", "~/runs/one", "--model", str(TINY_MODEL))
-    preflight.check_launch(args, "lora")
-    assert args.output_dir == str(tmp_path / "runs" / "one") and args.model == str(TINY_MODEL.resolve())
+    run, _ = settle.settle_launch(args, "lora")
+    assert run.output_dir == str(tmp_path / "runs" / "one") and run.model == str(TINY_MODEL.resolve())
+    assert args.output_dir == "~/runs/one"  # the parsed flags stay as given: the settled run is a new one
 
 
 def test_a_resume_on_another_number_of_processes_says_so(tmp_path, capsys):

@@ -22,9 +22,7 @@ DDP_ON_2_CPUS = Launch("ddp", processes=2, on_gpu=False, visible_gpus=0, precisi
 
 
 def settle(*argv: str, launch: Launch = DDP_ON_2_CPUS, recipe: str = "lora"):
-    args = parse_args(recipe_flags(recipe), list(argv))
-    line = batch_size.settle(args, recipe, launch)
-    return args, line
+    return batch_size.settle(parse_args(recipe_flags(recipe), list(argv)), recipe, launch)
 
 
 def test_nothing_asked_changes_nothing():
@@ -146,8 +144,8 @@ def test_the_gpu_probe_backs_off_to_a_size_that_runs(start, largest_that_runs, p
 
 def test_the_gpu_probe_does_nothing_without_a_gpu_or_auto():
     args, _ = settle("--batch-size", "auto")
-    batch_size.confirm_on_gpu(accelerator=None, launch=DDP_ON_2_CPUS, model=None, args=args)  # no GPU: no probe
+    assert batch_size.confirm_on_gpu(accelerator=None, launch=DDP_ON_2_CPUS, model=None, run=args) is args  # no GPU: no probe
     gpu = Launch("ddp", processes=2, on_gpu=True, visible_gpus=1, precision="bf16")
     typed, _ = settle("--batch-size", "4")
-    batch_size.confirm_on_gpu(accelerator=None, launch=gpu, model=None, args=typed)  # a typed size: no probe
-    assert typed.batch_size == 4
+    confirmed = batch_size.confirm_on_gpu(accelerator=None, launch=gpu, model=None, run=typed)  # a typed size: no probe
+    assert confirmed.batch_size == 4

@@ -28,8 +28,8 @@ def fsdp_env(**changes) -> dict:
 
 def adapt(env: dict, *argv: str, on_gpu: bool = False, recipe: str = "lora"):
     args = parse_args(recipe_flags(recipe), list(argv))
-    notes = launch_config.adapt_launch(args, env=env, config_file=None, on_gpu=on_gpu)
-    return notes, args
+    run, notes = launch_config.adapt_launch(args, env=env, config_file=None, on_gpu=on_gpu)
+    return notes, run
 
 
 # FSDP: every file runs as FSDP2 with the sharding it asks for

@@ -44,18 +44,17 @@ def test_a_typed_dropout_on_fused_experts_is_refused_before_loading(tmp_path):
     args = parse_args(recipe_flags("lora"), ["--model", model, "--lora-dropout", "0.1"])
     with pytest.raises(Refusal, match=r"--lora-dropout 0.1: peft's LoRA on .* fused expert weights takes no dropout; "
                                       "pass --lora-dropout 0, or --lora-targets naming attention layers only"):
-        preflight.check_adapter(args)
+        preflight.adapter_dropout(args)
     attention_only = parse_args(recipe_flags("lora"), ["--model", model, "--lora-dropout", "0.1",
                                                        "--lora-targets", "q_proj,v_proj"])
-    preflight.check_adapter(attention_only)  # no expert adapted: dropout works
-    assert attention_only.lora_dropout == 0.1
+    assert preflight.adapter_dropout(attention_only) == 0.1  # no expert adapted: dropout works
 
 
 def test_peft_refusing_the_targets_is_one_line_before_loading(tmp_path):
     """Mixtral's w1 and w3 are fused into one weight: peft cannot adapt one without the other."""
     args = parse_args(recipe_flags("lora"), ["--model", build("mixtral", tmp_path / "mixtral"), "--lora-targets", "w1"])
     with pytest.raises(Refusal, match="peft cannot put LoRA on .* with --lora-targets w1: .*change --lora-targets"):
-        preflight.check_adapter(args)
+        preflight.adapter_dropout(args)
 
 
 STRATEGIES = [("model_parallel", 1), ("ddp", 2), ("fsdp", 2)] + ([("zero3", 2)] if os.environ.get("RECIPES_LONG_TESTS") else [])

@@ -13,7 +13,7 @@ import pytest
 from conftest import CONFIGS, REPO, assert_no_traceback_of_ours, launch
 
 sys.path.insert(0, str(REPO / "recipes"))
-from common import preflight  # noqa: E402
+from common import preflight, settle  # noqa: E402
 from common.args import parse_args, recipe_flags  # noqa: E402
 from common.checked_rows import load_splits  # noqa: E402
 from common.preflight import Refusal  # noqa: E402
@@ -50,14 +50,14 @@ def launched_with(config: str, processes: int):
 def test_eight_bit_under_fsdp_is_refused(tmp_path):
     args = parse_args(recipe_flags("qlora"), ["--bits", "8", "--max-steps", "1", "--output-dir", str(tmp_path / "out")])
     with launched_with("fsdp", 2), pytest.raises(Refusal) as refusal:
-        preflight.check_launch(args, "qlora")
+        settle.settle_launch(args, "qlora")
     assert "8-bit" in str(refusal.value) and "--bits 4" in str(refusal.value)
 
 
 def test_missing_dataset_is_refused(tmp_path):
     args = parse_args(recipe_flags("full"), ["--dataset", str(tmp_path / "nope.jsonl"), "--output-dir", str(tmp_path / "out")])
     with launched_with("ddp", 2), pytest.raises(Refusal, match="nope.jsonl does not exist"):
-        preflight.check_launch(args, "full")
+        settle.settle_launch(args, "full")
 
 
 # The checks themselves, in-process: each refusal names the problem and the fix.
@@ -82,14 +82,14 @@ def recipe_args(*argv: str) -> argparse.Namespace:
 ])
 def test_bad_arguments_are_refused_with_the_fix(argv, message, tmp_path):
     with pytest.raises(Refusal, match=message.replace("(", r"\(")):
-        preflight.check_launch(recipe_args("--output-dir", str(tmp_path), *argv), "lora")
+        settle.settle_launch(recipe_args("--output-dir", str(tmp_path), *argv), "lora")
 
 
 def test_not_enough_disk_for_a_checkpoint_is_refused(tmp_path, monkeypatch):
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(preflight.shutil, "disk_usage", lambda path: usage(10**9, 10**9 - 1000, 1000))
     with pytest.raises(Refusal, match="has 0.0 MiB free but this run writes about .*; free some disk or choose another --output-dir"):
-        preflight.check_launch(recipe_args("--output-dir", str(tmp_path / "new" / "run"), "--save-every", "10"), "full")
+        settle.settle_launch(recipe_args("--output-dir", str(tmp_path / "new" / "run"), "--save-every", "10"), "full")
 
 
 def test_deepspeed_accumulation_that_disagrees_with_the_recipe_is_refused(tmp_path, monkeypatch):
@@ -97,14 +97,14 @@ def test_deepspeed_accumulation_that_disagrees_with_the_recipe_is_refused(tmp_pa
     monkeypatch.setenv("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "1")
     with pytest.raises(Refusal, match="the accelerate config sets gradient_accumulation_steps = 1 but --grad-accum is 4; "
                                       "pass the same value, or set \"gradient_accumulation_steps\": \"auto\""):
-        preflight.check_launch(recipe_args("--output-dir", str(tmp_path), "--grad-accum", "4"), "lora")
+        settle.settle_launch(recipe_args("--output-dir", str(tmp_path), "--grad-accum", "4"), "lora")
 
 
 def test_fsdp_activation_checkpointing_twice_is_refused(tmp_path, monkeypatch):
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
     monkeypatch.setenv("FSDP_ACTIVATION_CHECKPOINTING", "true")
     with pytest.raises(Refusal, match="activation checkpointing is asked twice"):
-        preflight.check_launch(recipe_args("--output-dir", str(tmp_path), "--gradient-checkpointing"), "lora")
+        settle.settle_launch(recipe_args("--output-dir", str(tmp_path), "--gradient-checkpointing"), "lora")
 
 
 def test_an_empty_dataset_is_refused(tmp_path):
@@ -152,7 +152,7 @@ def test_random_launches_get_a_clean_start_or_one_refusal(tmp_path, monkeypatch,
                     patch.setenv(key, value)
                 patch.setenv("RANK", rank)
                 try:
-                    preflight.check_launch(recipe_args(*argv), recipe)
+                    settle.settle_launch(recipe_args(*argv), recipe)
                     outcomes.append("ok")
                 except Refusal as refusal:
                     assert "\n" not in refusal.message
@@ -181,10 +181,10 @@ def test_a_deepspeed_config_file_that_contradicts_the_launch_is_refused(fields, 
     monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", str(ds_file))
     monkeypatch.setenv("ACCELERATE_CONFIG_DS_FIELDS", fields)
     with pytest.raises(Refusal, match=message):
-        preflight.check_launch(recipe_args("--output-dir", str(tmp_path / "out"), *argv), "lora")
+        settle.settle_launch(recipe_args("--output-dir", str(tmp_path / "out"), *argv), "lora")
     monkeypatch.setenv("ACCELERATE_CONFIG_DS_FIELDS", "")
     ds_file.write_text(json.dumps({"zero_optimization": {"stage": 2}, "gradient_accumulation_steps": "auto"}))
-    preflight.check_launch(recipe_args("--output-dir", str(tmp_path / "out"), *argv), "lora")  # a clean file passes
+    settle.settle_launch(recipe_args("--output-dir", str(tmp_path / "out"), *argv), "lora")  # a clean file passes
 
 
 # Tensor parallel: what it cannot split is refused before the model loads, naming the config to use.
@@ -212,14 +212,14 @@ def test_what_tensor_parallel_cannot_split_is_refused(recipe, config, mesh, argv
     processes, tp, shard = mesh
     args = parse_args(recipe_flags(recipe), [*argv, "--output-dir", str(tmp_path / "out")])
     with launched_with_mesh(config, processes, tp, shard), pytest.raises(Refusal) as refusal:
-        preflight.check_launch(args, recipe)
+        settle.settle_launch(args, recipe)
     assert message.replace("the tiny model's", "") in str(refusal.value).replace(str(args.model), ""), refusal.value
 
 
 def test_lora_on_the_column_split_layers_passes_the_checks(tmp_path):
     args = parse_args(recipe_flags("lora"), ["--lora-targets", "q_proj,v_proj", "--output-dir", str(tmp_path / "out")])
     with launched_with_mesh("tp", 2, 2):
-        launch = preflight.check_launch(args, "lora")
+        _, launch = settle.settle_launch(args, "lora")
     assert (launch.kind, launch.tensor_parallel, launch.data_parallel_size) == ("tensor_parallel", 2, 1)
 
 

@@ -89,7 +89,7 @@ def test_a_copied_recipe_edited_in_its_loss_and_schedule_trains_on_the_edits(tra
     run = launch_edited_copy([
         ("    return losses.view_as(targets)", "    return 2.0 * losses.view_as(targets)  # every target token counts twice"),
         ("from transformers import get_cosine_schedule_with_warmup", "from transformers import get_constant_schedule"),
-        ("get_cosine_schedule_with_warmup(optimizer, int(args.warmup_ratio * total_steps), total_steps)",
+        ("get_cosine_schedule_with_warmup(optimizer, int(run.warmup_ratio * total_steps), total_steps)",
          "get_constant_schedule(optimizer)"),
     ], tmp_path / "out", steps=3)
     reference = trained("lora", "model_parallel")

@@ -15,7 +15,7 @@ from packaging.version import Version
 from conftest import REPO
 
 sys.path.insert(0, str(REPO / "recipes"))
-from common import preflight, versions  # noqa: E402
+from common import preflight, settle, versions  # noqa: E402
 from common.args import parse_args, recipe_flags  # noqa: E402
 from common.preflight import Refusal  # noqa: E402
 
@@ -49,6 +49,6 @@ def test_an_older_library_is_named_with_the_fix_before_anything_loads(tmp_path, 
     assert versions.too_old() == ["transformers 5.10.0 (needs >= 5.17)"]
     args = parse_args(recipe_flags("lora", "LoRA."), ["--output-dir", str(tmp_path / "out")])
     with mock.patch.dict(os.environ), pytest.raises(Refusal) as refusal:
-        preflight.check_launch(args, "lora")
+        settle.settle_launch(args, "lora")
     assert str(refusal.value) == ("too old for these recipes: transformers 5.10.0 (needs >= 5.17); pip install -r "
                                   "requirements.txt (the tested versions), or upgrade just these")

@@ -7,6 +7,7 @@ import sys
 
 from .batch_size import int_or_auto
 from .modeling import DEFAULT_MODEL
+from .settled import Run
 
 
 class HelpWithDefaults(argparse.RawDescriptionHelpFormatter):
@@ -144,10 +145,10 @@ def recipe_flags(recipe: str, doc: str = "recipe\n") -> argparse.ArgumentParser:
     return parser
 
 
-def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> argparse.Namespace:
-    """The parsed flags, plus `given_flags`: the ones typed on the command line or set in the
-    --config file. A setting in the user's DeepSpeed config may fill a flag left at its default,
-    but never override a given one."""
+def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> Run:
+    """The parsed flags as a read-only run, with `given_flags`: the ones typed on the command line or
+    set in the --config file. A setting in the user's DeepSpeed config may fill a flag left at its
+    default, but never override a given one (settle.settle_launch settles the rest)."""
     argv = sys.argv[1:] if argv is None else argv
     from_file = flags_from_config_file(parser, argv)
     typed = {action.dest for action in parser._actions for option in action.option_strings
@@ -155,10 +156,7 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None = None) -
     appended = {action.dest for action in parser._actions if isinstance(action, argparse._AppendAction)}
     # defaults, so that a typed flag still wins; a typed --dataset replaces the file's list, not adds to it
     parser.set_defaults(**{dest: value for dest, value in from_file.items() if not (dest in appended and dest in typed)})
-    args = parser.parse_args(argv)
-    args.given_flags = sorted(typed | set(from_file))
-    args.deepspeed_scheduler = None  # a DeepSpeed config's `scheduler` section, once settled (deepspeed_config.py)
-    return args
+    return Run(**vars(parser.parse_args(argv)), given_flags=sorted(typed | set(from_file)))
 
 
 def flags_from_config_file(parser: argparse.ArgumentParser, argv: list[str]) -> dict:

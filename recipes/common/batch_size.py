@@ -6,15 +6,17 @@ processes. With `--global-batch-size N` the recipe keeps N and works out the acc
 same arithmetic as `scripts/plan.py`), within the global batch when one is given.
 
 Settled once, before the model loads, the same on every rank (each reads only the launch and the
-flags), so `args.batch_size` and `args.grad_accum` are plain numbers from then on.
+flags), so the run's `batch_size` and `grad_accum` are plain numbers from then on (settled.py).
 """
 
 from __future__ import annotations
 
 import os
 
+from .launch import DEEPSPEED
 from .modeling import is_default_model
 from .refusal import refuse
+from .settled import Run
 
 AUTO = "auto"
 
@@ -92,11 +94,13 @@ def largest_divisor_up_to(number: int, limit: int) -> int:
     return max(d for d in range(1, min(number, limit) + 1) if number % d == 0)
 
 
-def settle(args, recipe: str, launch) -> str | None:
-    """Fix args.batch_size and args.grad_accum; the line that says how (None when nothing was asked)."""
-    auto, target = args.batch_size == AUTO, args.global_batch_size
+def settle(run: Run, recipe: str, launch) -> tuple[Run, str | None]:
+    """The run with its micro-batch and accumulation settled, and the line that says how (None when
+    neither `auto` nor a global batch was asked: the run as it was)."""
+    run = Run.of(run)
+    auto, target = run.batch_size == AUTO, run.global_batch_size
     if not auto and not target:
-        return None
+        return run, None
     ranks = launch.data_parallel_size
     if target and target % ranks:
         lower, upper = target // ranks * ranks, (target // ranks + 1) * ranks
@@ -105,22 +109,27 @@ def settle(args, recipe: str, launch) -> str | None:
     per_rank = target // ranks if target else None
     plan = None
     if auto:
-        plan = planned_micro_batch(args, recipe, launch)
+        plan = planned_micro_batch(run, recipe, launch)
         micro = largest_divisor_up_to(per_rank, plan["fits"]) if per_rank else plan["fits"]
     else:
-        micro = args.batch_size
+        micro = run.batch_size
         if per_rank % micro:
             refuse(f"--global-batch-size {target} is {per_rank} sequences per process, which --batch-size {micro} "
                    f"does not divide; use --batch-size {largest_divisor_up_to(per_rank, micro)} (or auto)")
-    accum = per_rank // micro if per_rank else args.grad_accum
-    if per_rank and "grad_accum" in getattr(args, "given_flags", ()) and accum != args.grad_accum:
+    accum = per_rank // micro if per_rank else run.grad_accum
+    if per_rank and "grad_accum" in run.given_flags and accum != run.grad_accum:
         refuse(f"--global-batch-size {target} with a micro-batch of {micro} on {ranks} process(es) needs "
-               f"--grad-accum {accum}, but --grad-accum {args.grad_accum} was given; drop one of them")
-    args.batch_size, args.grad_accum = micro, accum
-    args.batch_plan = {"asked": {"batch_size": AUTO if auto else micro, "global_batch_size": target},
-                       **({"planner": plan} if plan else {})}
+               f"--grad-accum {accum}, but --grad-accum {run.grad_accum} was given; drop one of them")
+    changes = {}
+    if auto:
+        changes["batch_size"] = (micro, f"--batch-size auto (the memory plan{f', within --global-batch-size {target}' if target else ''})")
+    if accum != run.grad_accum:
+        changes["grad_accum"] = (accum, f"--global-batch-size {target} / (micro-batch {micro} x {ranks} process(es))")
+    run = run.settled(changes).recorded(batch_plan={"asked": {"batch_size": AUTO if auto else micro,
+                                                              "global_batch_size": target},
+                                                    **({"planner": plan} if plan else {})})
     why = (f" (the plan fits {plan['fits']} in {plan['memory_gib']:.3g} GiB, {plan['device']})" if plan else "")
-    return (f"batch: {micro} per process{why} x --grad-accum {accum} x {ranks} process(es) = "
+    return run, (f"batch: {micro} per process{why} x --grad-accum {accum} x {ranks} process(es) = "
             f"{micro * accum * ranks} sequences per step")
 
 
@@ -135,19 +144,20 @@ def back_off(fits_step, start: int, per_rank: int | None) -> int:
     return 0
 
 
-def confirm_on_gpu(accelerator, launch, model, args) -> None:
+def confirm_on_gpu(accelerator, launch, model, run: Run) -> Run:
     """--batch-size auto on GPUs: run one real forward and backward of the planned micro-batch at
     --max-length tokens, and take a smaller one (halving) if it runs out of memory. Before the
     loaders are built, so the batch and accumulation can still change. Only where each GPU holds
     the whole model (unsharded strategies): a sharded model is only sharded by `prepare`, and a pipeline
-    stage runs only within its schedule; there the plan alone decides. Every rank takes the smallest
-    size any rank could run.
+    stage runs only within its schedule; there, and under DeepSpeed (whose engine config already holds
+    the batch), the plan alone decides. Every rank takes the smallest
+    size any rank could run. Returns the run with the size that ran (the same run when nothing changed).
 
     Not yet run on a GPU."""
-    plan = getattr(args, "batch_plan", {})
+    plan = run.batch_plan
     if (not launch.on_gpu or plan.get("asked", {}).get("batch_size") != AUTO or launch.shards_parameters
-            or launch.pipeline_stages > 1):
-        return
+            or launch.pipeline_stages > 1 or launch.kind == DEEPSPEED):
+        return run
     import torch
 
     if launch.kind != "model_parallel":
@@ -159,7 +169,7 @@ def confirm_on_gpu(accelerator, launch, model, args) -> None:
     def fits_step(size: int) -> bool:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-        tokens = torch.randint(0, model.config.vocab_size, (size, args.max_length), device=device)
+        tokens = torch.randint(0, model.config.vocab_size, (size, run.max_length), device=device)
         try:
             with accelerator.autocast():
                 loss = model(input_ids=tokens, labels=tokens, use_cache=False).loss
@@ -173,16 +183,21 @@ def confirm_on_gpu(accelerator, launch, model, args) -> None:
         return peak is not None and peak + optimizer_bytes <= usable
 
     per_rank = (plan["asked"]["global_batch_size"] or 0) // launch.data_parallel_size or None
-    found = back_off(fits_step, args.batch_size, per_rank)
+    found = back_off(fits_step, run.batch_size, per_rank)
     # a collective: the smallest over ranks (accelerate reduces by sum or max only)
     agreed = -int(accelerator.reduce(torch.tensor(-found, device=accelerator.device), "max"))
     if agreed == 0:
-        refuse(f"not one sequence of --max-length {args.max_length} fits a real step on this GPU; lower "
+        refuse(f"not one sequence of --max-length {run.max_length} fits a real step on this GPU; lower "
                "--max-length, add --gradient-checkpointing, or use a sharded config (fsdp.yaml, zero3.yaml)")
-    if agreed != args.batch_size:
-        args.grad_accum = per_rank // agreed if per_rank else args.grad_accum
-        plan["confirmed"] = {"planned": args.batch_size, "ran": agreed}
-        args.batch_size = agreed
-        if accelerator.is_main_process:
-            print(f"batch: the planned micro-batch ran out of memory in a real step; {agreed} per process x "
-                  f"--grad-accum {args.grad_accum}", flush=True)
+    if agreed == run.batch_size:
+        return run
+    source = "a real step on the GPU (the planned micro-batch ran out of memory)"
+    accum = per_rank // agreed if per_rank else run.grad_accum
+    changes = {"batch_size": (agreed, source), **({"grad_accum": (accum, source)} if accum != run.grad_accum else {})}
+    run = run.settled(changes).recorded(
+        batch_plan={**plan, "confirmed": {"planned": run.batch_size, "ran": agreed}})
+    accelerator.gradient_accumulation_steps = accum  # accelerate's division of each micro-batch's loss
+    if accelerator.is_main_process:
+        print(f"batch: the planned micro-batch ran out of memory in a real step; {agreed} per process x "
+              f"--grad-accum {accum}", flush=True)
+    return run

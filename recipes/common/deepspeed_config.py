@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 
 from .refusal import refuse
+from .settled import Run
 from .strict_reading import DuplicateKey, mapping_without_repeats
 
 # accelerate ignores these beside a `deepspeed_config_file` (and refuses with a long message).
@@ -141,27 +142,26 @@ def differs(a, b) -> bool:
         return True
 
 
-def settle_deepspeed(config: dict, source: str, args, env, on_gpu: bool) -> list[str]:
-    """Make the DeepSpeed settings and `args` agree, or refuse in one line.
+def settle_deepspeed(config: dict, source: str, run: Run, env, on_gpu: bool) -> tuple[Run, list[str]]:
+    """Make the DeepSpeed settings and the run agree, or refuse in one line.
 
-    A value the config fixes and the command line does not mention becomes the recipe's (`args`
-    is changed in place); a value both give differently is refused, and so is a section the
-    recipe cannot honour. Returns what was taken over, for the one line the recipe prints.
+    A value the config fixes and the command line does not mention becomes the run's (a new run is
+    returned); a value both give differently is refused, and so is a section the recipe cannot
+    honour. Also returns what was taken over, for the one line the recipe prints.
     """
     check_deepspeed_sections(config, source, on_gpu)
     notes = []
-    given = set(getattr(args, "given_flags", ()))
+    given = set(run.given_flags)
     for key, (flag, dest) in SETTLED_BY_FLAGS.items():
         value = lookup(config, key)
-        if value in (None, "auto") or not differs(value, getattr(args, dest)):
+        if value in (None, "auto") or not differs(value, getattr(run, dest)):
             continue
         if dest in given:
-            refuse(f"{source} sets {key} = {value} but {flag} is {getattr(args, dest)}; pass the same value, "
+            refuse(f"{source} sets {key} = {value} but {flag} is {getattr(run, dest)}; pass the same value, "
                    f"or set \"{key.split('.')[-1]}\": \"auto\" there (or delete it) so that {flag} applies")
-        setattr(args, dest, int(value) if dest == "batch_size" else type(getattr(args, dest))(value))
-        args.given_flags = sorted(set(getattr(args, "given_flags", ())) | {dest})  # fixed by the file
-        args.settled_from = {**getattr(args, "settled_from", {}), dest: f"{key} in {source}"}  # named by refusals
-        notes.append(f"{flag} {getattr(args, dest)} (its {key})")
+        typed = int(value) if dest == "batch_size" else type(getattr(run, dest))(value)
+        run = run.settled({dest: (typed, f"{key} in {source}")}, fixes_flags=True)  # the source named by refusals
+        notes.append(f"{flag} {typed} (its {key})")
     # The global batch: batch_size.settle works out the accumulation that keeps it, or refuses.
     train_batch = config.get("train_batch_size", "auto")
     fixed = [config.get(key, "auto") for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps")]
@@ -173,16 +173,16 @@ def settle_deepspeed(config: dict, source: str, args, env, on_gpu: bool) -> list
     if train_batch != "auto" and fixed[0] == "auto" and fixed[1] != "auto" and "batch_size" not in given:
         # DeepSpeed's own rule: micro-batch = train_batch_size / (accumulation x processes)
         micro, rest = divmod(int(train_batch), int(fixed[1]) * processes)
-        if micro >= 1 and rest == 0 and micro != args.batch_size:
-            args.batch_size = micro
-            args.given_flags = sorted(set(args.given_flags) | {"batch_size"})
+        if micro >= 1 and rest == 0 and micro != run.batch_size:
+            run = run.settled({"batch_size": (micro, f"train_batch_size / gradient_accumulation_steps in {source}")},
+                              fixes_flags=True)
             notes.append(f"--batch-size {micro} (its train_batch_size / gradient_accumulation_steps / {processes} "
                          "processes)")
-    if train_batch != "auto" and args.global_batch_size is None:
-        args.global_batch_size = int(train_batch)
+    if train_batch != "auto" and run.global_batch_size is None:
+        run = run.settled({"global_batch_size": (int(train_batch), f"train_batch_size in {source}")})
         notes.append(f"--global-batch-size {train_batch} (its train_batch_size)")
-    elif train_batch != "auto" and differs(train_batch, args.global_batch_size):
-        refuse(f"{source} sets train_batch_size = {train_batch} but --global-batch-size is {args.global_batch_size}; "
+    elif train_batch != "auto" and differs(train_batch, run.global_batch_size):
+        refuse(f"{source} sets train_batch_size = {train_batch} but --global-batch-size is {run.global_batch_size}; "
                "pass the same value, or set \"train_batch_size\": \"auto\" there")
 
     optimizer = config.get("optimizer")
@@ -199,7 +199,8 @@ def settle_deepspeed(config: dict, source: str, args, env, on_gpu: bool) -> list
                    "and eps) on every strategy: delete the `optimizer` section, or edit the recipe's optimizer")
         notes.append(f"optimizer {optimizer.get('type')} -> the recipe's AdamW")
     if config.get("scheduler") is not None:
-        notes.append(settle_scheduler(config["scheduler"], source, args))
+        run, note = settle_scheduler(config["scheduler"], source, run)
+        notes.append(note)
 
     compile_asked = torch_compile_section(config)
     if compile_asked:
@@ -207,8 +208,8 @@ def settle_deepspeed(config: dict, source: str, args, env, on_gpu: bool) -> list
         if backend != "inductor":
             refuse(f"{source} asks torch.compile for the `{backend}` backend; the recipes' --compile uses inductor: "
                    "delete the `compile` section, or set \"backend\": \"inductor\"")
-        if not args.compile:
-            args.compile = True
+        if not run.compile:
+            run = run.settled({"compile": (True, f"the compile section of {source}")})
             notes.append("--compile (its compile section)")
 
     launcher = env.get("ACCELERATE_MIXED_PRECISION", "no").lower()
@@ -230,9 +231,9 @@ def settle_deepspeed(config: dict, source: str, args, env, on_gpu: bool) -> list
     checkpointing = config.get("activation_checkpointing")
     asked = isinstance(checkpointing, dict) and any(value is True or (type(value) is int and value > 0)
                                                     for value in checkpointing.values())
-    if asked and not args.gradient_checkpointing:
+    if asked and not run.gradient_checkpointing:
         # DeepSpeed's section configures its own checkpointing API, which transformers' models never call
-        args.gradient_checkpointing = 1
+        run = run.settled({"gradient_checkpointing": (1, f"activation_checkpointing in {source}")})
         notes.append("activation_checkpointing -> --gradient-checkpointing (transformers checkpoints each layer; "
                      "the section's own options are not used)")
     if precision != launcher:
@@ -244,7 +245,7 @@ def settle_deepspeed(config: dict, source: str, args, env, on_gpu: bool) -> list
     if str(zero.get("stage")) == "3" and gather:  # edit_deepspeed turns it on: the export needs whole weights
         notes.append(f"{gather[0]} -> true (the final save gathers the full weights)")
     check_zero_section(zero, source)
-    return notes
+    return run, notes
 
 
 # DeepSpeed's schedules the recipes run -> their parameters. The ones the recipe has a setting for are
@@ -258,9 +259,9 @@ FILLED_BY_RECIPE = {"warmup_min_lr": "0", "warmup_max_lr": "--lr",
                     "warmup_num_steps": "--warmup-ratio x the run's steps", "total_num_steps": "the run's steps"}
 
 
-def settle_scheduler(section, source: str, args) -> str:
+def settle_scheduler(section, source: str, run: Run) -> tuple[Run, str]:
     """A DeepSpeed `scheduler` section the recipe runs as the file asks (`deepspeed_schedule`), or a refusal
-    in one line. Kept in `args.deepspeed_scheduler`; returns the note for the config line."""
+    in one line. Returns the run that records it (`deepspeed_scheduler`) and the note for the config line."""
     kind = section.get("type") if isinstance(section, dict) else None
     if kind not in DEEPSPEED_SCHEDULES:
         refuse(f"{source} asks for a DeepSpeed {str(kind) + ' ' if kind else ''}scheduler; the recipes run "
@@ -284,23 +285,36 @@ def settle_scheduler(section, source: str, args) -> str:
             refuse(f"{key} in the {kind} scheduler of {source} is {value!r}; give a whole number >= 1 (or \"auto\")")
         elif key not in ("warmup_num_steps", "total_num_steps") and not is_number(value):
             refuse(f"{key} in the {kind} scheduler of {source} is {value!r}; give a number (or \"auto\")")
-    given = set(getattr(args, "given_flags", ()))
-    if params.get("warmup_max_lr", "auto") != "auto" and differs(params["warmup_max_lr"], args.lr):
+    given = set(run.given_flags)
+    if params.get("warmup_max_lr", "auto") != "auto" and differs(params["warmup_max_lr"], run.lr):
         if "lr" in given:
-            refuse(f"{source} sets warmup_max_lr = {params['warmup_max_lr']} but --lr is {args.lr}; pass the same "
+            refuse(f"{source} sets warmup_max_lr = {params['warmup_max_lr']} but --lr is {run.lr}; pass the same "
                    "value, or set \"warmup_max_lr\": \"auto\" there (or delete it) so that --lr applies")
-        args.lr = float(params["warmup_max_lr"])
-        args.given_flags = sorted(given | {"lr"})
-        args.settled_from = {**getattr(args, "settled_from", {}), "lr": f"warmup_max_lr in {source}"}
+        run = run.settled({"lr": (float(params["warmup_max_lr"]), f"warmup_max_lr in {source}")}, fixes_flags=True)
     if params.get("warmup_num_steps", "auto") != "auto" and "warmup_ratio" in given:
         refuse(f"{source} sets warmup_num_steps = {params['warmup_num_steps']} and --warmup-ratio is given too; "
                "drop --warmup-ratio, or set \"warmup_num_steps\": \"auto\" there so that --warmup-ratio applies")
-    args.deepspeed_scheduler = {"type": kind, "params": dict(params)}
+    run = run.recorded(deepspeed_scheduler={"type": kind, "params": dict(params)})
     filled = [f"{key} {FILLED_BY_RECIPE[key]}" for key in accepted
               if key in FILLED_BY_RECIPE and params.get(key, "auto") == "auto"]
     fixed = [f"{key} {value}" for key, value in params.items() if value != "auto"]
     said = [", ".join(fixed), f"from the recipe: {', '.join(filled)}" if filled else ""]
-    return f"scheduler {kind} runs as the file asks ({'; '.join(part for part in said if part)})"
+    return run, f"scheduler {kind} runs as the file asks ({'; '.join(part for part in said if part)})"
+
+
+def schedule_settings(section: dict, args, total_steps: int) -> dict:
+    """The parameters a DeepSpeed `scheduler` section runs with: its own, and the recipe's values for
+    its "auto" and absent ones (run.json records them)."""
+    params = {key: value for key, value in section["params"].items() if value != "auto"}
+    recipe_values = {"warmup_min_lr": 0.0, "warmup_max_lr": args.lr, "total_num_steps": total_steps,
+                     "warmup_num_steps": max(1, int(args.warmup_ratio * total_steps))}
+    for key in DEEPSPEED_SCHEDULES[section["type"]]:
+        if key in recipe_values and key not in params:
+            params[key] = recipe_values[key]
+    for key in ("warmup_num_steps", "total_num_steps"):
+        if key in params:
+            params[key] = int(float(params[key]))
+    return params
 
 
 def deepspeed_schedule(optimizer, section: dict, args, total_steps: int):
@@ -313,19 +327,10 @@ def deepspeed_schedule(optimizer, section: dict, args, total_steps: int):
     import torch
     from deepspeed.runtime import lr_schedules
 
-    params = {key: value for key, value in section["params"].items() if value != "auto"}
-    recipe_values = {"warmup_min_lr": 0.0, "warmup_max_lr": args.lr, "total_num_steps": total_steps,
-                     "warmup_num_steps": max(1, int(args.warmup_ratio * total_steps))}
-    for key in DEEPSPEED_SCHEDULES[section["type"]]:
-        if key in recipe_values and key not in params:
-            params[key] = recipe_values[key]
-    for key in ("warmup_num_steps", "total_num_steps"):
-        if key in params:
-            params[key] = int(float(params[key]))
+    params = schedule_settings(section, args, total_steps)
     stand_in = torch.optim.SGD([torch.zeros(1)], lr=args.lr)
     # from iteration 0: started at -1, DeepSpeed warns on every rank that no step was taken yet
     deepspeed_own = getattr(lr_schedules, section["type"])(stand_in, **params, last_batch_iteration=0)
-    section["ran"] = params  # what run.json records
 
     def factor(step: int) -> float:
         # DeepSpeed's first optimizer step runs before its first iteration (the warm-up's lowest rate; 0 for

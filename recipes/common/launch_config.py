@@ -21,6 +21,7 @@ import os
 from pathlib import Path
 
 from .refusal import refuse
+from .settled import Run
 from .strict_reading import DuplicateKey, StrictLoader, mapping_without_repeats
 
 TRUE = ("true", "1", "yes", "on", "y", "t")
@@ -168,12 +169,12 @@ def file_distributed_type() -> str:
     return str(config.get("distributed_type", "NO")).upper()
 
 
-def translate_dynamo(env, args) -> list[str]:
+def translate_dynamo(env, run: Run) -> tuple[Run, list[str]]:
     """A `dynamo_config` makes accelerate compile the whole model, which renames the weights a LoRA
     adapter is saved under; the recipes' --compile compiles each decoder layer in place instead."""
     backend = env.get("ACCELERATE_DYNAMO_BACKEND", "no").strip().lower()
     if backend in ("no", ""):
-        return []
+        return run, []
     if backend != "inductor":
         refuse(f"dynamo_backend {backend.upper()}: the recipes compile with inductor (--compile); set "
                "dynamo_backend: INDUCTOR, or NO")
@@ -181,11 +182,11 @@ def translate_dynamo(env, args) -> list[str]:
     # the rest of the dynamo block: --compile uses torch.compile's defaults, so say what is not applied
     unused = [f"dynamo_{name.lower()} {env.pop(f'ACCELERATE_DYNAMO_{name}')}" for name in ("MODE", "USE_FULLGRAPH",
               "USE_DYNAMIC") if env.get(f"ACCELERATE_DYNAMO_{name}", "").lower() not in ("", "default", "false")]
-    if args.compile:
-        return [f"not applied: {', '.join(unused)}"] if unused else []
-    args.compile = True
-    return ["dynamo_backend INDUCTOR -> --compile (each decoder layer compiled in place)"
-            + (f"; not applied: {', '.join(unused)}" if unused else "")]
+    if run.compile:
+        return run, [f"not applied: {', '.join(unused)}"] if unused else []
+    return run.settled({"compile": (True, "dynamo_backend INDUCTOR in the accelerate config")}), [
+        "dynamo_backend INDUCTOR -> --compile (each decoder layer compiled in place)"
+        + (f"; not applied: {', '.join(unused)}" if unused else "")]
 
 
 
@@ -385,7 +386,7 @@ def translate_fsdp(env, on_gpu: bool) -> list[str]:
     return notes
 
 
-def translate_fsdp_activation_checkpointing(env, args) -> list[str]:
+def translate_fsdp_activation_checkpointing(env, run: Run) -> tuple[Run, list[str]]:
     """FSDP's activation checkpointing wraps each layer in a module of its own, which renames the
     weights a LoRA adapter is saved under (and, without a wrap policy, has no layers to wrap).
     transformers' own checkpointing of each decoder layer keeps the same activations and the names."""
@@ -394,24 +395,27 @@ def translate_fsdp_activation_checkpointing(env, args) -> list[str]:
         if offload:  # accelerate's plugin stops at it, after the model loaded
             refuse("fsdp_activation_checkpointing_offload needs fsdp_activation_checkpointing: true; delete the "
                    "offload line, or pass --gradient-checkpointing to the recipe")
-        return []
-    if args.gradient_checkpointing:
-        return []  # asked twice: preflight refuses it in one line
+        return run, []
+    if run.gradient_checkpointing:
+        return run, []  # asked twice: preflight refuses it in one line
     env["FSDP_ACTIVATION_CHECKPOINTING"] = "false"
-    args.gradient_checkpointing = 1
+    run = run.settled({"gradient_checkpointing": (1, "fsdp_activation_checkpointing in the accelerate config")})
     notes = ["fsdp_activation_checkpointing -> --gradient-checkpointing (transformers checkpoints each layer)"]
     if offload:
         env["FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD"] = "false"
         notes.append("fsdp_activation_checkpointing_offload: not done (the checkpointed activations stay on the GPU)")
-    return notes
+    return run, notes
 
 
 # --- the whole check --------------------------------------------------------------------------
 
 
-def adapt_launch(args, env=None, config_file: Path | None | str = "launcher", on_gpu: bool | None = None) -> list[str]:
+def adapt_launch(run: Run, env=None, config_file: Path | None | str = "launcher",
+                 on_gpu: bool | None = None) -> tuple[Run, list[str]]:
     """Check and translate the launch described by `env` (default: this process's environment)
-    and the config file the launcher read. Returns the notes of what was translated."""
+    and the config file the launcher read. Returns the run with what the file settled, and the
+    notes of what was translated."""
+    run = Run.of(run)
     env = os.environ if env is None else env
     if on_gpu is None:
         import torch
@@ -425,7 +429,7 @@ def adapt_launch(args, env=None, config_file: Path | None | str = "launcher", on
         if problem:
             refuse(f"{Path(path).name}: {problem}")
         refuse_unsupported_type(config, Path(path).name)
-    notes = translate_dynamo(env, args)
+    run, notes = translate_dynamo(env, run)
     fsdp_file = env.get("ACCELERATE_USE_FSDP", "false").lower() == "true"  # before NO_SHARD turns it into DDP
     if fsdp_file:
         notes += translate_fsdp(env, on_gpu)
@@ -433,11 +437,13 @@ def adapt_launch(args, env=None, config_file: Path | None | str = "launcher", on
     if tensor_parallel_size(env) > 1:
         notes += hand_tensor_parallel_to_transformers(env)
     elif fsdp_file:
-        notes += translate_fsdp_activation_checkpointing(env, args)
+        run, checkpointing = translate_fsdp_activation_checkpointing(env, run)
+        notes += checkpointing
     if env.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
         from .deepspeed_config import deepspeed_source, settle_deepspeed
 
         source, config, renamed = deepspeed_source(env)
         notes += [f"renamed in {Path(source).name}: {', '.join(renamed)}"] if renamed else []
-        notes += settle_deepspeed(config, source, args, env, on_gpu)
-    return notes
+        run, settled = settle_deepspeed(config, source, run, env, on_gpu)
+        notes += settled
+    return run, notes

@@ -2,7 +2,8 @@
 
 Each refusal is one line naming the problem and the fix, printed once, and the process exits
 with status 2. Every rank reaches the same verdict because every check reads only the launch
-environment and the arguments, which are the same on every rank.
+environment and the run, which are the same on every rank. A check reads and refuses (some return
+what they found); settle.settle_launch orders them between the steps that settle the run.
 """
 
 from __future__ import annotations
@@ -40,28 +41,29 @@ def requested_processes_of_launcher() -> int:
     return int(processes) if processes.isdigit() else 1
 
 
-def check_launch(args, recipe: str):
-    """Everything that can be known to fail before the model loads. Returns the checked `Launch`:
-    what accelerate launch asked for, read by everything that depends on the strategy."""
-    from .batch_size import settle as settle_batch
-    from .launch import TENSOR_PARALLEL, describe
-    from .launch_config import adapt_launch, file_distributed_type, refuse_one_process_for_several
-    from .modeling import is_default_model
+def check_versions() -> None:
     from .versions import too_old
 
     old = too_old()
     if old:
         refuse(f"too old for these recipes: {', '.join(old)}; pip install -r requirements.txt (the tested "
                "versions), or upgrade just these")
-    # The user's config file: it may translate the launch (FSDP1 -> FSDP2) or settle flags.
-    notes = adapt_launch(args)
-    if notes and int(os.environ.get("RANK", "0")) == 0:
-        print(f"config: {'; '.join(notes)}", flush=True)
-    launch = describe()
+
+
+def check_process_count(launch) -> None:
+    """One process where several were asked: accelerate's own rule for some launches, said in one line."""
+    from .launch_config import file_distributed_type, refuse_one_process_for_several
 
     if launch.processes == 1 and launch.kind in ("single", "model_parallel"):
         refuse_one_process_for_several(file_distributed_type(), requested_processes_of_launcher())
 
+
+def check_flags(args, recipe: str) -> None:
+    """The flags' own values: in range, not empty, something to train, nothing asked that this run cannot do."""
+    for flag in ("model", "dataset", "output_dir", "resume", "columns"):
+        values = getattr(args, flag)
+        if any(value is not None and not str(value).strip() for value in (values if isinstance(values, list) else [values])):
+            refuse(f"--{flag.replace('_', '-')} is empty (an unset shell variable?); give a value or leave the flag out")
     check_ranges(args)
     if args.max_steps == 0 and args.epochs == 0:
         refuse("nothing to train: give --max-steps N or --epochs N (> 0)")
@@ -69,50 +71,32 @@ def check_launch(args, recipe: str):
     if recipe != "full" and args.save_dtype != "auto" and not args.merge:
         refuse(f"--save-dtype {args.save_dtype} sets the dtype of merged/ (and full.py's model/), which this run does "
                "not write: add --merge, or drop --save-dtype (adapter/ keeps the adapter as trained)")
-    check_speed_options(args, launch.on_gpu)
-    launch = check_pipeline(args, recipe, launch)
-    if launch.kind == TENSOR_PARALLEL:
-        check_tensor_parallel(args, recipe, launch)
-    batch_line = settle_batch(args, recipe, launch)  # --batch-size auto, --global-batch-size
-    check_pipeline_micro_batches(args, launch)  # (after --global-batch-size has set --grad-accum)
-    if batch_line and int(os.environ.get("RANK", "0")) == 0:
-        print(batch_line, flush=True)
 
-    check_strategy(args, recipe, launch)
 
-    for flag in ("model", "dataset", "output_dir", "resume", "columns"):
-        values = getattr(args, flag)
-        if any(value is not None and not str(value).strip() for value in (values if isinstance(values, list) else [values])):
-            refuse(f"--{flag.replace('_', '-')} is empty (an unset shell variable?); give a value or leave the flag out")
-    args.output_dir = os.path.expanduser(args.output_dir)  # `~/runs/x` from a run file: no shell expanded it
+def check_inputs(args) -> None:
+    """The model and the data exist where they are given, and the model can take --max-length tokens."""
+    from .mixture import sources_of
+    from .modeling import is_default_model
+
     if looks_local(args.model) and not Path(args.model).expanduser().exists() and not is_default_model(args.model):
         refuse(f"--model {args.model} does not exist; give a local folder or a hub id such as "
                "TinyLlama/TinyLlama-1.1B-Chat-v1.0")
-    from .mixture import sources_of
-
     given = [("--dataset", source.spec) for source in sources_of(args.dataset)]  # a weight that is no weight: refused
     for flag, spec in given + [("--eval-dataset", getattr(args, "eval_dataset", None))]:
         if spec and looks_local(spec) and not Path(spec).expanduser().exists():
             refuse(f"{flag} {spec} does not exist; give a .jsonl/.json/.parquet/.txt/.csv/.tsv file, "
                    "a folder of them, or a hub id")
     check_model_folder(args.model)
-    if Path(args.model).expanduser().exists():
-        # recorded as given in the adapter's config and run.json: a relative path means nothing elsewhere
-        args.model = str(Path(args.model).expanduser().resolve())
     context = context_length(args.model)
     if context and args.max_length > context:
         refuse(f"--max-length {args.max_length} is beyond the model's context of {context} tokens; "
                f"pass --max-length {context} or less")
-    if recipe != "full":
-        check_lora_targets(args)
-        check_adapter(args)
-    if recipe == "qlora":
-        check_quantization(args)
+
+
+def check_outputs(args, recipe: str) -> None:
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
     check_output_dir(args.output_dir, resuming=bool(args.resume) or restarted)
     refuse_if_disk_too_small(args, recipe)
-    announce_plan(args, recipe, launch)
-    return launch
 
 
 def check_pipeline(args, recipe: str, launch):
@@ -341,11 +325,12 @@ def check_lora_targets(args) -> None:
                f"and convolution layers); the model's linear layers are {leaves} (or use all-linear)")
 
 
-def check_adapter(args) -> None:
-    """peft builds the adapter once on the model made from its config (meta device: no weights), so what
-    peft would refuse is refused here, before loading, in one line. peft adapts a mixture of experts'
-    fused expert weights (MixtralExperts) through its ParamWrapper, which takes no dropout: a default
-    --lora-dropout becomes 0 there (said at start-up), a typed one is refused naming the fix."""
+def adapter_dropout(args) -> float:
+    """The --lora-dropout peft takes on this model. peft builds the adapter once on the model made from
+    its config (meta device: no weights), so what peft would refuse is refused here, before loading, in
+    one line. peft adapts a mixture of experts' fused expert weights (MixtralExperts) through its
+    ParamWrapper, which takes no dropout: a default --lora-dropout is 0 there (settle_launch says so),
+    a typed one is refused naming the fix."""
     import warnings
 
     from accelerate import init_empty_weights
@@ -354,62 +339,62 @@ def check_adapter(args) -> None:
     from .args import lora_targets
     from .modeling import meta_model
 
-    def build() -> None:
+    def build(dropout: float) -> None:
         model = meta_model(args.model, args.trust_remote_code)
         if model is None:  # a hub model not in the cache: peft checks when it loads
             return
-        config = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
+        config = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=dropout,
                             target_modules=lora_targets(args.lora_targets), task_type="CAUSAL_LM")
         with init_empty_weights(), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # peft's notes on this throw-away build; the real one prints its own
             get_peft_model(model, config)
 
-    def peft_refusal() -> str | None:
+    def peft_refusal(dropout: float) -> str | None:
         """peft's own message when it refuses these flags on this model; None when it builds (or when it
         cannot build on the meta device at all: the real build, after loading, decides then)."""
         try:
-            build()
+            build(dropout)
         except ValueError as error:
             return " ".join(str(error).split())
         except Exception:  # noqa: BLE001  (not a verdict on the flags: e.g. remote code that needs real weights)
             return None
         return None
 
-    problem = peft_refusal()
-    if problem and "lora_dropout" in problem and args.lora_dropout:
-        if "lora_dropout" in getattr(args, "given_flags", ()):
-            refuse(f"--lora-dropout {args.lora_dropout}: peft's LoRA on {args.model}'s fused expert weights takes no "
+    dropout = args.lora_dropout
+    problem = peft_refusal(dropout)
+    if problem and "lora_dropout" in problem and dropout:
+        if "lora_dropout" in args.given_flags:
+            refuse(f"--lora-dropout {dropout}: peft's LoRA on {args.model}'s fused expert weights takes no "
                    "dropout; pass --lora-dropout 0, or --lora-targets naming attention layers only (e.g. "
                    "q_proj,k_proj,v_proj,o_proj)")
-        args.lora_dropout = 0.0
-        if int(os.environ.get("RANK", "0")) == 0:
-            print("lora: --lora-dropout 0 (peft's LoRA on the fused expert weights of this mixture of experts "
-                  "takes no dropout)", flush=True)
-        problem = peft_refusal()
+        dropout = 0.0
+        problem = peft_refusal(dropout)
     if problem:
         refuse(f"peft cannot put LoRA on {args.model} with --lora-targets {args.lora_targets}: {problem}; "
                "change --lora-targets")
+    return dropout
 
 
-def check_quantization(args) -> None:
+def check_quantization(args) -> dict | None:
     """QLoRA quantizes the base, or is refused: a model none of whose layers bitsandbytes replaces would
     train as plain LoRA on a full-precision base under QLoRA's name. Layers it leaves in the float dtype
-    beside quantized ones (a mixture of experts' fused weights) are said, with their share."""
+    beside quantized ones (a mixture of experts' fused weights) are said, with their share. Returns the
+    share (run.json records it; None for a hub model not in the cache)."""
     from .modeling import quantizable_weights
 
     share = quantizable_weights(args.model, args.trust_remote_code)
     if share is None:  # a hub model not in the cache: load_model checks what loaded
-        return
+        return None
     kinds = ", ".join(share["left_kinds"])
     if not share["quantized"]:
         refuse(f"bitsandbytes would quantize none of {args.model}'s layers ({kinds}: transformers' {args.bits}-bit "
                "loading replaces only torch's nn.Linear), so qlora.py would train plain LoRA on a full-precision "
                "base; use recipes/lora.py")
-    args.quantization_plan = share  # recorded in run.json
     if share["left"] and int(os.environ.get("RANK", "0")) == 0:
         quantized = share["quantized"] / (share["quantized"] + share["left"])
         print(f"quantization: {args.bits}-bit on {quantized:.0%} of the base's layer weights; left in the float dtype: "
               f"{kinds} (bitsandbytes replaces only torch's nn.Linear)", flush=True)
+    return share
 
 
 def check_speed_options(args, on_gpu: bool) -> None:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from .deepspeed_config import schedule_settings
 from .evaluation import pipeline_of
 from .modeling import parameter_counts
 
@@ -126,6 +127,15 @@ def host_peak_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports kibibytes
 
 
+def arguments_record(run, total_steps: int) -> dict:
+    """The run's settings as run.json records them; a DeepSpeed schedule with the values it runs with."""
+    arguments = dict(vars(run))
+    section = arguments.get("deepspeed_scheduler")
+    if section:
+        arguments["deepspeed_scheduler"] = {**section, "ran": schedule_settings(section, run, total_steps)}
+    return arguments
+
+
 class RunLog:
     def __init__(self, accelerator, args, recipe: str, launch):
         self.accelerator = accelerator
@@ -147,7 +157,7 @@ class RunLog:
             writer(message)
             sys.stdout.flush()
 
-    def write_run_json(self, model, data_format: str, optimizer) -> None:
+    def write_run_json(self, model, data_format: str, optimizer, total_steps: int) -> None:
         """Record what really ran: strategy, processes, precision, parameters. No collective: each
         rank's share is gathered later, by `record_ranks`."""
         counts = parameter_counts(model)
@@ -157,7 +167,8 @@ class RunLog:
         self.held_at_first_step = None
         self.record = {
             "recipe": self.recipe,
-            "arguments": vars(self.args),
+            "arguments": arguments_record(self.args, total_steps),
+            "total_steps": total_steps,
             "base_model": self.args.model,
             "data_format": data_format,
             "distributed_type": self.accelerator.distributed_type.value,

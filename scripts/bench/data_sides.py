@@ -70,10 +70,9 @@ def limit(file: Path, tokenizer_dir: Path) -> None:
 
 def recipes(tokenizer_dir: Path, recipe_argv: list[str]) -> None:
     from common import args as cli
-    from common import data, modeling, preflight, runtime
+    from common import data, modeling, runtime, settle
 
-    args = cli.parse_args(cli.recipe_flags("lora"), recipe_argv)
-    launch = preflight.check_launch(args, recipe="lora")
+    args, launch = settle.settle_launch(cli.parse_args(cli.recipe_flags("lora"), recipe_argv), recipe="lora")
     accelerator = runtime.make_accelerator(args, launch)
     tokenizer = modeling.load_tokenizer(str(tokenizer_dir), chat_template=args.chat_template)
     accelerator.wait_for_everyone()  # every rank starts the stage together

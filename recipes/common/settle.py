@@ -1,0 +1,76 @@
+"""Everything a launch settles and checks before the model loads, in one place and one order.
+
+The run's flags (parsed: `args.parse_args`) meet the user's accelerate or DeepSpeed file, the
+batch-size rules and the model's own limits here. Each settle step returns a new read-only run
+(settled.py); each check only reads and refuses (preflight.py). What comes out is the run every
+later step reads, and the launch: what accelerate launch asked for.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from . import preflight
+from .batch_size import settle as settle_batch
+from .launch import TENSOR_PARALLEL, Launch, describe
+from .launch_config import adapt_launch
+from .settled import Run
+
+
+def say(line: str) -> None:
+    """A start-up line, printed once (by the first rank)."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(line, flush=True)
+
+
+def settle_launch(args: Run, recipe: str) -> tuple[Run, Launch]:
+    """The settled run and the checked launch; refuses, in one line, whatever can be known to fail
+    before the model loads."""
+    preflight.check_versions()
+    # The user's config file: it may translate the launch (FSDP1 -> FSDP2) or settle flags.
+    run, notes = adapt_launch(args)
+    if notes:
+        say(f"config: {'; '.join(notes)}")
+    launch = describe()
+    preflight.check_process_count(launch)
+    preflight.check_flags(run, recipe)
+    preflight.check_speed_options(run, launch.on_gpu)
+    launch = preflight.check_pipeline(run, recipe, launch)
+    if launch.kind == TENSOR_PARALLEL:
+        preflight.check_tensor_parallel(run, recipe, launch)
+    run, batch_line = settle_batch(run, recipe, launch)  # --batch-size auto, --global-batch-size
+    preflight.check_pipeline_micro_batches(run, launch)  # (after --global-batch-size has set --grad-accum)
+    if batch_line:
+        say(batch_line)
+    preflight.check_strategy(run, recipe, launch)
+
+    run = settle_paths(run)
+    preflight.check_inputs(run)
+    if recipe != "full":
+        preflight.check_lora_targets(run)
+        dropout = preflight.adapter_dropout(run)
+        if dropout != run.lora_dropout:
+            run = run.settled({"lora_dropout": (dropout, "peft (the fused expert weights take no dropout)")})
+            say("lora: --lora-dropout 0 (peft's LoRA on the fused expert weights of this mixture of experts "
+                "takes no dropout)")
+    if recipe == "qlora":
+        run = run.recorded(quantization_plan=preflight.check_quantization(run))
+    preflight.check_outputs(run, recipe)
+    preflight.announce_plan(run, recipe, launch)
+    return run, launch
+
+
+def settle_paths(run: Run) -> Run:
+    """Paths as the run uses them: `~` expanded (a run file's `~/runs/x` met no shell), and a local
+    model folder made absolute (the adapter's config and run.json record it; a relative path means
+    nothing elsewhere)."""
+    changes = {}
+    output_dir = os.path.expanduser(run.output_dir)
+    if output_dir != run.output_dir:
+        changes["output_dir"] = (output_dir, "~ expanded")
+    if Path(run.model).expanduser().exists():
+        model = str(Path(run.model).expanduser().resolve())
+        if model != run.model:
+            changes["model"] = (model, "the local folder's absolute path")
+    return run.settled(changes) if changes else run
