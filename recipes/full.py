@@ -109,8 +109,8 @@ def main():
     parameters = list(model.parameters())  # after prepare (FSDP's shards); listed once, not walked each step
 
     log = RunLog(accelerator, run, recipe="full", launch=launch)
-    start_step = checkpoint.resume_from(accelerator, resume)
-    log.write_run_json(model, data_format, optimizer, total_steps)  # after the resume: a failed load changes nothing
+    start_step = checkpoint.resume_from(accelerator, resume, stages)
+    log.write_run_json(model, stages, data_format, optimizer, total_steps)  # after the resume: a failed load changes nothing
 
     # The loop: one iteration = one optimizer step over grad_accum micro-batches on every rank.
     model.train()
@@ -175,19 +175,19 @@ def main():
             preflight.refuse(f"the loss became {loss} at step {step}; lower --lr or check the data, and start "
                              "in a new --output-dir (a checkpoint here may already hold the update that diverged)")
         if step == total_steps or (run.eval_every and step % run.eval_every == 0):
-            log.log_eval(step, evaluate(accelerator, model, eval_loader, token_losses))
+            log.log_eval(step, evaluate(accelerator, model, eval_loader, token_losses, stages))
         if stopping or (run.save_every and step % run.save_every == 0):
-            checkpoint.save_checkpoint(accelerator, run, step)
+            checkpoint.save_checkpoint(accelerator, run, step, stages)
         if stopping:
             log.close(f"stopped by {sync.signal_name} after step {step}; continue with --resume auto")
             return
         epoch, micro_batches, step_tokens = next_epoch, next_batches, next_tokens
 
     # Export: what the trained model computes, then the files that reproduce it.
-    checkpoint.save_probe(accelerator, model, probe, run.output_dir)
-    samples = report.sample_generations(accelerator, launch, model, tokenizer, eval_set, run.output_dir)
+    checkpoint.save_probe(accelerator, model, stages, probe, run.output_dir)
+    samples = report.sample_generations(accelerator, launch, model, stages, tokenizer, eval_set, run.output_dir)
     model_dir = f"{run.output_dir}/model"
-    checkpoint.save_full_model(accelerator, model, tokenizer, model_dir, run.save_dtype)
+    checkpoint.save_full_model(accelerator, model, stages, tokenizer, model_dir, run.save_dtype)
     report.write_model_card(accelerator, run, "full", "model", samples)
     log.close(f"done: {total_steps} steps; model saved to {model_dir}")
     accelerator.end_training()

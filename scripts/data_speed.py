@@ -534,7 +534,7 @@ def parse_args(argv=None):
 
 def ensure_tiny_model() -> None:
     """The bundled tiny Llama, built as the recipes build it on first use: the recipes' launch checks read it."""
-    from common.modeling import default_model_needs_building
+    from common.model_config import default_model_needs_building
 
     if default_model_needs_building():
         subprocess.run([sys.executable, str(REPO / "scripts" / "build_tiny_model.py")], cwd=REPO, check=True)

@@ -34,7 +34,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT / "recipes"))
 
 import common.quiet  # noqa: E402,F401  (first: the recipes' filter of library notices)
-from common import checked_rows, data_files, formats, modeling, preflight, tokens  # noqa: E402
+from common import checked_rows, data_files, formats, model_config, modeling, preflight, tokens  # noqa: E402
 
 BUNDLED_TOKENIZER = REPO_ROOT / "data" / "tokenizer"  # what the bundled model is built with
 VISIBLE = {" ": "␣", "\n": "↵\n", "\t": "→", "\r": "␍"}
@@ -44,7 +44,7 @@ TRAINED_ON, TRAINED_OFF = "\x1b[1;30;42m", "\x1b[0m"
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=__doc__.split("\n", 1)[1],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=str(modeling.DEFAULT_MODEL),
+    parser.add_argument("--model", default=str(model_config.DEFAULT_MODEL),
                         help="hub id or local folder whose tokenizer (and chat template) the rows go through "
                              "(default: the bundled tiny Llama)")
     parser.add_argument("--dataset", default=None, help="as the recipes take it (default: the bundled data/)")
@@ -61,7 +61,7 @@ def parse_args(argv=None):
 
 def tokenizer_of(model: str, trust_remote_code: bool = False, chat_template: str | None = None):
     """The tokenizer a recipe trains with (modeling.load_tokenizer): the bundled model's before its first build."""
-    if modeling.is_default_model(model) and not (Path(model) / "tokenizer.json").is_file():
+    if model_config.is_default_model(model) and not (Path(model) / "tokenizer.json").is_file():
         model = str(BUNDLED_TOKENIZER)
     elif preflight.looks_local(model) and not Path(model).expanduser().exists():
         preflight.refuse(f"--model {model} does not exist; give a model folder (a folder with its tokenizer is "

@@ -45,11 +45,11 @@ class MemorySampler:
 
 
 def main(argv=None) -> int:
-    from common import checked_rows, modeling, packing, tokens
+    from common import checked_rows, model_config, modeling, packing, tokens
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dataset", required=True)
-    parser.add_argument("--model", default=str(modeling.DEFAULT_MODEL))
+    parser.add_argument("--model", default=str(model_config.DEFAULT_MODEL))
     parser.add_argument("--max-length", type=int, default=1024)
     args = parser.parse_args(argv)
     sampler = MemorySampler()

@@ -88,7 +88,7 @@ def stage_worker(rank: int, args, port: int, queue) -> None:
     import torch
     import torch.distributed as dist
 
-    from common import pipeline
+    from common import pipeline, pipeline_layout
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -113,7 +113,7 @@ def stage_worker(rank: int, args, port: int, queue) -> None:
     results = {}
     for count in args.micro_batches:
         model = build_model(args)
-        layout = pipeline.PipelineLayout(args.stages, 1, rank, args.layers, chunks_of(args))
+        layout = pipeline_layout.PipelineLayout(args.stages, 1, rank, args.layers, chunks_of(args))
         pipe = pipeline.Pipeline(model, layout, torch.device("cpu"), args.schedule, count, pad_token_id=0)
         batches = micro_batches(args, count)
         tokens = sum(int((b["labels"][:, 1:] != -100).sum()) for b in batches)

@@ -25,8 +25,8 @@ MEASURE = """
 import json, resource, sys, torch
 sys.path.insert(0, {recipes!r})
 from transformers import AutoConfig, AutoModelForCausalLM
-from common.pipeline import PipelineLayout, keep_stage
-from common.modeling import empty_model
+from common.pipeline_layout import PipelineLayout, keep_stage
+from common.model_config import empty_model
 from common.stage_loading import load_stage
 config = AutoConfig.from_pretrained({model!r})
 layout = PipelineLayout({stages}, 1, {stage}, config.num_hidden_layers)

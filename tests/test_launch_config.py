@@ -402,17 +402,15 @@ def test_the_recipe_knows_which_flags_were_typed():
 
 
 def test_the_files_num_processes_counts_as_asked_for(tmp_path, monkeypatch):
-    from common import preflight
-
     path = tmp_path / "multi_cpu.yaml"
     path.write_text("distributed_type: MULTI_CPU\nnum_processes: 2\nuse_cpu: true\n")
     launcher = ["/usr/bin/python", "/usr/bin/accelerate", "launch", "--config_file", str(path), "recipes/lora.py"]
     monkeypatch.setattr(launch_config, "launcher_argv", lambda: launcher)
-    assert preflight.requested_processes_of_launcher() == 2
+    assert launch_config.requested_processes_of_launcher() == 2
     with pytest.raises(Refusal, match="distributed_type MULTI_CPU starts one process unless mpirun is set up, but 2"):
-        launch_config.refuse_one_process_for_several("MULTI_CPU", preflight.requested_processes_of_launcher())
+        launch_config.refuse_one_process_for_several("MULTI_CPU", launch_config.requested_processes_of_launcher())
     monkeypatch.setattr(launch_config, "launcher_argv", lambda: [*launcher[:3], "--num_processes", "3", *launcher[3:]])
-    assert preflight.requested_processes_of_launcher() == 3  # the command line wins, as in accelerate
+    assert launch_config.requested_processes_of_launcher() == 3  # the command line wins, as in accelerate
 
 
 def test_the_dynamo_settings_compile_does_not_apply_are_named():

@@ -19,7 +19,7 @@ sys.path.insert(0, str(REPO / "recipes"))
 from common import preflight  # noqa: E402
 from common.args import parse_args, recipe_flags  # noqa: E402
 from common.launch import DDP, FSDP, Launch  # noqa: E402
-from common.pipeline import PipelineLayout  # noqa: E402
+from common.pipeline_layout import PipelineLayout  # noqa: E402
 from common.preflight import Refusal  # noqa: E402
 
 STEPS, GRAD_ACCUM, SAVE_EVERY = 3, 4, 2
@@ -212,7 +212,7 @@ def test_a_model_the_split_cannot_cut_is_named():
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from common.pipeline import split_changes_the_forward, unstageable
+    from common.pipeline_layout import split_changes_the_forward, unstageable
 
     with init_empty_weights():
         gpt2 = AutoModelForCausalLM.from_config(AutoConfig.for_model("gpt2", n_layer=2))
@@ -289,8 +289,8 @@ def test_a_stage_reads_its_own_weights_as_the_whole_model_loads_them(dtype_name,
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from common.pipeline import keep_stage
-    from common.modeling import empty_model
+    from common.pipeline_layout import keep_stage
+    from common.model_config import empty_model
     from common.stage_loading import load_stage
 
     name = four_layers
@@ -320,7 +320,7 @@ def test_a_model_with_tied_weights_loads_whole_then_is_cut(tmp_path):
     import torch
     from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM
 
-    from common.modeling import empty_model
+    from common.model_config import empty_model
     from common.stage_loading import load_stage
 
     LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,

@@ -46,7 +46,7 @@ def test_the_loop_is_written_out_in_each_recipe(recipe):
     for piece in ("accelerator.accumulate(model)", "accelerator.backward(", "clip_grad_norm_(",
                   "optimizer.step()", "scheduler.step()", "optimizer.zero_grad()", "evaluate(",
                   "save_checkpoint(", "resume_from(", "def token_losses(", "torch.nn.functional.cross_entropy(",
-                  "token_loss = token_losses(", "evaluate(accelerator, model, eval_loader, token_losses)",
+                  "token_loss = token_losses(", "evaluate(accelerator, model, eval_loader, token_losses, stages)",
                   "loss_sum / step_tokens"):
         assert piece in source, f"{recipe}.py lost `{piece}`"
     assert len(source.splitlines()) <= 300

@@ -5,9 +5,24 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .batch_size import int_or_auto
-from .modeling import DEFAULT_MODEL
+from .model_config import DEFAULT_MODEL
+from .refusal import refuse
 from .settled import Run
+from .strict_reading import DuplicateKey, StrictLoader
+
+AUTO = "auto"
+
+
+class IntOrAuto:
+    """The type of --batch-size: an integer (its range is checked with the other flags'), or `auto`."""
+
+    __name__ = "number or `auto`"  # argparse and --config name the type by it: "not a valid number or `auto`"
+
+    def __call__(self, value):
+        return AUTO if str(value).strip().lower() == AUTO else int(value)
+
+
+int_or_auto = IntOrAuto()
 
 
 class HelpWithDefaults(argparse.RawDescriptionHelpFormatter):
@@ -26,8 +41,6 @@ class OneLineErrors(argparse.ArgumentParser):
     once per rank)."""
 
     def error(self, message: str):
-        from .refusal import refuse
-
         refuse(f"{message}; see --help")
 
 
@@ -162,8 +175,6 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None = None) -
 def flags_from_config_file(parser: argparse.ArgumentParser, argv: list[str]) -> dict:
     """{dest: value} from the file after --config, checked like typed flags; an unknown key or a
     value outside a flag's choices stops the run in one line naming the fix."""
-    from .refusal import refuse
-
     paths = [argv[i + 1] for i, arg in enumerate(argv[:-1]) if arg == "--config"]
     paths += [arg.split("=", 1)[1] for arg in argv if arg.startswith("--config=")]
     if not paths:
@@ -176,8 +187,6 @@ def flags_from_config_file(parser: argparse.ArgumentParser, argv: list[str]) -> 
     import difflib
 
     import yaml
-
-    from .strict_reading import DuplicateKey, StrictLoader
 
     try:
         settings = yaml.load(open(path), Loader=StrictLoader) or {}  # a flag set twice is refused, not the last kept
@@ -216,8 +225,6 @@ def flags_from_config_file(parser: argparse.ArgumentParser, argv: list[str]) -> 
 def typed_value(action, value, where: str):
     """A run file's value as the flag would take it typed: YAML's own types are not trusted (1.9 is
     no step count, `true` no number, a list no model name)."""
-    from .refusal import refuse
-
     kind = action.type or str
     if isinstance(value, (bool, list, dict)) or (isinstance(value, float) and kind is not float
                                                    and not value.is_integer()):

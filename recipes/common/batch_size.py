@@ -13,46 +13,21 @@ from __future__ import annotations
 
 import os
 
+import torch
+
+import planner
+
+from .args import AUTO
 from .launch import DEEPSPEED
-from .modeling import is_default_model
+from .memory_plan import planner_inputs
 from .refusal import refuse
 from .settled import Run
-
-AUTO = "auto"
-
-
-class IntOrAuto:
-    """The type of --batch-size: an integer (its range is checked with the other flags'), or `auto`."""
-
-    __name__ = "number or `auto`"  # argparse and --config name the type by it: "not a valid number or `auto`"
-
-    def __call__(self, value):
-        return AUTO if str(value).strip().lower() == AUTO else int(value)
-
-
-int_or_auto = IntOrAuto()
-
-
-def planner_inputs(args, recipe: str, launch) -> tuple:
-    """The model's shape and the planner's keyword arguments for this run (all but the micro-batch).
-    Raises when the shape cannot be read (an offline hub id, an unknown architecture)."""
-    import planner
-
-    source = "tiny-llama" if is_default_model(args.model) else args.model  # before its first build
-    shape = planner.load_shape(source)
-    inputs = dict(seq_len=args.max_length, gradient_checkpointing=args.gradient_checkpointing,
-                  precision="bf16" if launch.precision in ("bf16", "fp16") else "fp32")
-    if recipe != "full":
-        inputs.update(lora_rank=args.lora_r, lora_targets=args.lora_targets, lora_dropout=args.lora_dropout)
-    return shape, inputs
 
 
 def memory_gib(launch) -> tuple[float, str]:
     """The memory one rank may plan with: its GPU's, or on CPU the machine's RAM shared by the
     processes on it."""
     if launch.on_gpu:
-        import torch
-
         properties = torch.cuda.get_device_properties(0)
         return properties.total_memory / 2**30, properties.name
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
@@ -67,8 +42,6 @@ PIPELINE_FULL = 1024
 
 def planned_micro_batch(args, recipe: str, launch) -> dict:
     """The planner's largest micro-batch for this run, with what it was planned for."""
-    import planner
-
     try:
         shape, inputs = planner_inputs(args, recipe, launch)
     except Exception as error:  # offline hub id, unknown architecture
@@ -158,7 +131,6 @@ def confirm_on_gpu(accelerator, launch, model, run: Run) -> Run:
     if (not launch.on_gpu or plan.get("asked", {}).get("batch_size") != AUTO or launch.shards_parameters
             or launch.pipeline_stages > 1 or launch.kind == DEEPSPEED):
         return run
-    import torch
 
     if launch.kind != "model_parallel":
         model.to(accelerator.device)

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from .args import SAVE_DTYPES
+from .evaluation import probe_logits
 from .refusal import refuse
 
 STATE_FILE = "recipe_state.json"
@@ -51,14 +53,14 @@ def file_digests(folder: Path) -> dict:
     return digests
 
 
-def save_checkpoint(accelerator, args, step: int) -> Path:
+def save_checkpoint(accelerator, args, step: int, stages) -> Path:
     final = checkpoints_dir(args.output_dir) / f"step-{step}"
     partial = final.with_name(f".step-{step}.partial")
     if accelerator.is_main_process:
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
     accelerator.wait_for_everyone()
-    with split_weights_apart(accelerator, partial, saving=True), stages_apart(accelerator, partial, saving=True):
+    with split_weights_apart(accelerator, partial, saving=True), stages_apart(stages, accelerator, partial, saving=True):
         accelerator.save_state(str(partial))  # model, optimizer, scheduler, RNG: every rank writes its part
     if os.environ.get("RECIPES_TEST_KILL_DURING_SAVE") == str(step):  # fault-injection hook for the tests
         os.kill(os.getpid(), signal.SIGKILL)
@@ -118,20 +120,18 @@ STAGES_STATE = "pipeline_stages"  # each stage's trained weights and optimizer s
 
 
 @contextmanager
-def stages_apart(accelerator, folder: Path, saving: bool):
+def stages_apart(stages, accelerator, folder: Path, saving: bool):
     """Pipeline parallel: each stage's trained weights and optimizer state, written by the first pipeline's
     ranks (the replicas hold the same) and read by every rank of that stage; accelerate's save_state /
-    load_state do the rest inside (schedule, random states), as for one process. Elsewhere nothing."""
-    from .evaluation import pipeline_of
-
-    pipe = pipeline_of(accelerator)
-    if pipe is None:
+    load_state do the rest inside (schedule, random states), as for one process. Elsewhere (`stages` None)
+    nothing."""
+    if stages is None:
         yield
         return
     optimizers = accelerator._optimizers
-    model = pipe.module.model
-    file = folder / STAGES_STATE / f"stage-{pipe.layout.stage}.pt"
-    if saving and pipe.layout.replica == 0:
+    model = stages.module.model
+    file = folder / STAGES_STATE / f"stage-{stages.layout.stage}.pt"
+    if saving and stages.layout.replica == 0:
         file.parent.mkdir(exist_ok=True)
         trained = {name: p.detach().cpu() for name, p in model.named_parameters() if p.requires_grad}
         torch.save({"model": trained, "optimizer": optimizers[0].optimizer.state_dict()}, file)
@@ -254,11 +254,11 @@ def resume_point(accelerator, args) -> Path | None:
     return chosen
 
 
-def resume_from(accelerator, path: Path | None) -> int:
+def resume_from(accelerator, path: Path | None, stages) -> int:
     """Restore the checkpoint `resume_point` chose and return its step (0 when starting fresh)."""
     if path is None:
         return 0
-    with split_weights_apart(accelerator, Path(path), saving=False), stages_apart(accelerator, Path(path), saving=False):
+    with split_weights_apart(accelerator, Path(path), saving=False), stages_apart(stages, accelerator, Path(path), saving=False):
         accelerator.load_state(str(path))
     step = json.loads((Path(path) / STATE_FILE).read_text())["step"]
     if accelerator.is_main_process:
@@ -266,7 +266,7 @@ def resume_from(accelerator, path: Path | None) -> int:
     return step
 
 
-def save_full_model(accelerator, model, tokenizer, path: Path, dtype: str = "auto") -> None:
+def save_full_model(accelerator, model, stages, tokenizer, path: Path, dtype: str = "auto") -> None:
     """`model/`: loadable by `AutoModelForCausalLM.from_pretrained`, whatever the strategy; its floating
     weights in `dtype` (a --save-dtype name; auto: as trained).
 
@@ -277,24 +277,19 @@ def save_full_model(accelerator, model, tokenizer, path: Path, dtype: str = "aut
     """
     from torch.distributed.tensor import DTensor
 
-    from .evaluation import pipeline_of
-
-    pipe = pipeline_of(model)
-    if pipe:  # each stage holds its layers: rank 0 gathers them
-        state_dict = pipe.gathered_state_dict(model)
+    if stages:  # each stage holds its layers: rank 0 gathers them
+        state_dict = stages.gathered_state_dict(model)
     else:
         state_dict = accelerator.get_state_dict(model)  # ZeRO-3: None on all but the main process
     split = state_dict is not None and any(isinstance(tensor, DTensor) for tensor in state_dict.values())
     if split:  # the same keys in the same order on every rank: each full_tensor() is a collective
         state_dict = {key: tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
                       for key, tensor in state_dict.items()}
-    from .args import SAVE_DTYPES
-
     if dtype != "auto" and state_dict is not None:
         wanted = getattr(torch, SAVE_DTYPES[dtype])
         state_dict = {key: tensor.to(wanted) if tensor.is_floating_point() else tensor
                       for key, tensor in state_dict.items()}
-    adapter_of_stages = pipe is not None and hasattr(model, "peft_config")
+    adapter_of_stages = stages is not None and hasattr(model, "peft_config")
     if accelerator.is_main_process or split:
         accelerator.unwrap_model(model).save_pretrained(
             path, state_dict=None if adapter_of_stages else state_dict, safe_serialization=True,
@@ -328,12 +323,12 @@ def name_every_adapted_layer(config_file: Path, adapter: dict) -> None:
     config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
-def save_adapter(accelerator, model, tokenizer, path: Path) -> None:
+def save_adapter(accelerator, model, stages, tokenizer, path: Path) -> None:
     """`adapter/`: loadable by `PeftModel.from_pretrained`, checked tensor by tensor.
 
     peft's `save_pretrained` keeps only the adapter's tensors of the gathered state dict.
     """
-    save_full_model(accelerator, model, tokenizer, path)
+    save_full_model(accelerator, model, stages, tokenizer, path)
     if accelerator.is_main_process:
         check_adapter(path)
 
@@ -368,17 +363,14 @@ def merge_adapter(accelerator, base_model: str, adapter, merged, base_4bit: bool
     accelerator.wait_for_everyone()
 
 
-def save_probe(accelerator, model, batch: dict, output_dir) -> None:
+def save_probe(accelerator, model, stages, batch: dict, output_dir) -> None:
     """Logits of the trained model on a fixed batch, so a reload can be compared with it."""
     from safetensors.torch import save_file
 
-    from .evaluation import pipeline_of, probe_logits
-
     batch = {key: value.to(accelerator.device) for key, value in batch.items()}
-    pipe = pipeline_of(model)
-    if pipe:  # the last stage of the first pipeline has the logits: it writes them
-        logits = pipe.forward_only(batch)
-        writer = logits is not None and pipe.layout.replica == 0
+    if stages:  # the last stage of the first pipeline has the logits: it writes them
+        logits = stages.forward_only(batch)
+        writer = logits is not None and stages.layout.replica == 0
         logits = logits.float().cpu() if writer else None
     else:
         logits, writer = probe_logits(model, batch), accelerator.is_main_process

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from .formats import TEXT_COLUMNS
 from .refusal import refuse
+from .strict_reading import DuplicateKey, mapping_without_repeats
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_DATASET = REPO_ROOT / "data"
@@ -209,8 +210,6 @@ def check_header(path: Path, text: str) -> None:
 
 def duplicate_key(files: list[Path]) -> str | None:
     """file:line of the first JSON row that names a column twice (json keeps the last; datasets fails)."""
-    from .strict_reading import DuplicateKey, mapping_without_repeats
-
     for path in files:
         if suffix(path) not in (".jsonl", ".json"):
             continue

@@ -8,26 +8,17 @@ from .batches import positions_with_targets
 from .formats import IGNORE
 
 
-# The attribute by which a model split into pipeline stages names its `pipeline.Pipeline`.
-PIPELINE = "_recipes_pipeline"
-
-
-def pipeline_of(model):
-    """The `pipeline.Pipeline` running `model` (this process's stage, or the accelerator), or None for every other
-    strategy."""
-    return getattr(model, PIPELINE, None) if model is not None else None
-
-
 @torch.no_grad()
-def evaluate(accelerator, model, eval_loader, token_losses) -> dict:
+def evaluate(accelerator, model, eval_loader, token_losses, stages) -> dict:
     """`eval_loss`: the recipe's `token_losses` over all target tokens (the quantity the training loss is);
-    `eval_exact_match`: rows whose every target token is the argmax.
+    `eval_exact_match`: rows whose every target token is the argmax. `stages`: pipeline parallel's
+    `pipeline.Pipeline` (None for every other strategy), which runs the batches through its stages.
 
     Every rank runs every batch (FSDP and ZeRO-3 forwards are collective); `gather_for_metrics`
     drops the rows accelerate repeated to even out the last batch.
     """
-    if pipeline_of(model):  # pipeline parallel: the batch's forward runs through the stages
-        return pipeline_of(model).evaluate(eval_loader, token_losses)
+    if stages:  # pipeline parallel: the batch's forward runs through the stages
+        return stages.evaluate(eval_loader, token_losses)
     model.eval()
     loss_sum = tokens = exact = rows = 0.0
     for batch in eval_loader:

@@ -18,6 +18,9 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from .deepspeed_config import deepspeed_source
+from .refusal import refuse
+
 # launch.kind values
 SINGLE = "single"  # one process on one device (CPU, or one GPU)
 MODEL_PARALLEL = "model_parallel"  # one process, the layers spread over the visible GPUs
@@ -102,6 +105,19 @@ def flag(env, name: str) -> bool:
     return env.get(name, "false").lower() == "true"
 
 
+def number(env, name: str, default: int = 1) -> int:
+    value = env.get(name, str(default))
+    if not value.lstrip("-").isdigit():
+        refuse(f"{name.lower()} must be a whole number, got {value!r}; fix it in the accelerate config")
+    return int(value)
+
+
+def tensor_parallel_size(env) -> int:
+    if env.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() != "true":
+        return 1
+    return number(env, "PARALLELISM_CONFIG_TP_SIZE")
+
+
 def describe(env=None, on_gpu: bool | None = None) -> Launch:
     """The launch described by `env` (default: this process's environment, as adapt_launch left it)."""
     env = os.environ if env is None else env
@@ -109,14 +125,10 @@ def describe(env=None, on_gpu: bool | None = None) -> Launch:
     visible = torch.cuda.device_count() if on_gpu else 0
     common = dict(processes=int(env.get("WORLD_SIZE", "1")), on_gpu=on_gpu, visible_gpus=visible,
                   precision=env.get("ACCELERATE_MIXED_PRECISION", "no"))
-    from .launch_config import tensor_parallel_size
-
     tensor_parallel = tensor_parallel_size(env)
     if tensor_parallel > 1:  # alone (tp.yaml) or with FSDP across the groups (fsdp_tp.yaml)
         return Launch(TENSOR_PARALLEL, **common, tensor_parallel=tensor_parallel)
     if flag(env, "ACCELERATE_USE_DEEPSPEED"):
-        from .deepspeed_config import deepspeed_source
-
         zero = deepspeed_source(env)[1]["zero_optimization"]
         return Launch(DEEPSPEED, **common, zero_stage=int(zero.get("stage", 0)),
                       offload_parameters=(zero.get("offload_param") or {}).get("device", "none") != "none",

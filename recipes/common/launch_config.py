@@ -20,6 +20,8 @@ import json
 import os
 from pathlib import Path
 
+from .deepspeed_config import deepspeed_source, settle_deepspeed
+from .launch import number, tensor_parallel_size
 from .refusal import refuse
 from .settled import Run
 from .strict_reading import DuplicateKey, StrictLoader, mapping_without_repeats
@@ -169,6 +171,32 @@ def file_distributed_type() -> str:
     return str(config.get("distributed_type", "NO")).upper()
 
 
+
+def requested_processes_of_launcher() -> int:
+    """`--num_processes N` given to the `accelerate launch` that started this single process, else
+    the config file's `num_processes`.
+
+    With `distributed_type: 'NO'` accelerate starts one process whatever `--num_processes`
+    says; only the launcher's own command line and its file still show what the user asked for.
+    """
+    argv = launcher_argv()
+    for i, arg in enumerate(argv):
+        if arg.startswith("--num_processes="):
+            return int(arg.split("=", 1)[1])
+        if arg in ("--num_processes", "--num-processes") and i + 1 < len(argv) and argv[i + 1].isdigit():
+            return int(argv[i + 1])
+    path = config_file_of_launcher()
+    config = read_config(path) if path is not None and Path(path).is_file() else {}
+    processes = str(config.get("num_processes", 1))
+    return int(processes) if processes.isdigit() else 1
+
+
+def check_process_count(launch) -> None:
+    """One process where several were asked: accelerate's own rule for some launches, said in one line."""
+    if launch.processes == 1 and launch.kind in ("single", "model_parallel"):
+        refuse_one_process_for_several(file_distributed_type(), requested_processes_of_launcher())
+
+
 def translate_dynamo(env, run: Run) -> tuple[Run, list[str]]:
     """A `dynamo_config` makes accelerate compile the whole model, which renames the weights a LoRA
     adapter is saved under; the recipes' --compile compiles each decoder layer in place instead."""
@@ -190,13 +218,6 @@ def translate_dynamo(env, run: Run) -> tuple[Run, list[str]]:
 
 
 
-def number(env, name: str, default: int = 1) -> int:
-    value = env.get(name, str(default))
-    if not value.lstrip("-").isdigit():
-        refuse(f"{name.lower()} must be a whole number, got {value!r}; fix it in the accelerate config")
-    return int(value)
-
-
 def refuse_unsupported_parallelism(env, on_gpu: bool) -> None:
     """Sequence sharding needs loop changes these recipes do not make; hybrid sharding needs GPUs."""
     if env.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() != "true":
@@ -209,12 +230,6 @@ def refuse_unsupported_parallelism(env, on_gpu: bool) -> None:
                    f"which keep each sequence on one rank; {fix}")
     if number(env, "PARALLELISM_CONFIG_DP_REPLICATE_SIZE") > 1 and not on_gpu:
         refuse_hybrid_on_cpu()
-
-
-def tensor_parallel_size(env) -> int:
-    if env.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() != "true":
-        return 1
-    return number(env, "PARALLELISM_CONFIG_TP_SIZE")
 
 
 # transformers shards a model over FSDP and tensor parallel together from this version on
@@ -440,8 +455,6 @@ def adapt_launch(run: Run, env=None, config_file: Path | None | str = "launcher"
         run, checkpointing = translate_fsdp_activation_checkpointing(env, run)
         notes += checkpointing
     if env.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
-        from .deepspeed_config import deepspeed_source, settle_deepspeed
-
         source, config, renamed = deepspeed_source(env)
         notes += [f"renamed in {Path(source).name}: {', '.join(renamed)}"] if renamed else []
         run, settled = settle_deepspeed(config, source, run, env, on_gpu)

@@ -18,12 +18,13 @@ if __name__ == "__main__":  # run as a script: the recipes' notice filter first,
 
 import torch
 
+from common.args import SAVE_DTYPES
+from common.modeling import bits_config
+
 
 def merge(base: str, adapter: str, output: str, base_4bit: bool = False, dtype: str = "auto") -> None:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from common.modeling import bits_config
 
     if base_4bit:
         compute_dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
@@ -36,16 +37,12 @@ def merge(base: str, adapter: str, output: str, base_4bit: bool = False, dtype: 
         model = AutoModelForCausalLM.from_pretrained(base, dtype="auto")
     merged = PeftModel.from_pretrained(model, adapter).merge_and_unload()
     if dtype != "auto":  # after the merge, which adds the adapter's update in the base's precision
-        from common.args import SAVE_DTYPES
-
         merged = merged.to(getattr(torch, SAVE_DTYPES[dtype]))
     merged.save_pretrained(output, safe_serialization=True)
     AutoTokenizer.from_pretrained(adapter).save_pretrained(output)
 
 
 def main() -> None:
-    from common.args import SAVE_DTYPES
-
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--base", required=True, help="the base model the adapter was trained on")
     parser.add_argument("--adapter", required=True, help="folder written as adapter/ by a recipe")

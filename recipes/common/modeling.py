@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import inspect
 import subprocess
 import sys
@@ -10,23 +9,13 @@ from pathlib import Path
 
 import torch
 
+from .formats import DEFAULT_CHAT_TEMPLATE
 from .launch import MODEL_PARALLEL, TENSOR_PARALLEL
+from .model_config import (DEFAULT_MODEL, REPO_ROOT, default_model_needs_building, empty_model, is_default_model,
+                           model_config_object)
+from .pipeline_layout import layout_of
 from .refusal import refuse
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
-DEFAULT_MODEL = REPO_ROOT / "models" / "tiny-llama"
-
-
-def is_default_model(name: str) -> bool:
-    return Path(name).resolve() == DEFAULT_MODEL.resolve()
-
-
-def default_model_needs_building() -> bool:
-    """Not built yet, or built before the bundled tokenizer changed (its rows would tokenise differently)."""
-    saved = DEFAULT_MODEL / "tokenizer.json"
-    bundled = REPO_ROOT / "data" / "tokenizer" / "tokenizer.json"
-    return not (DEFAULT_MODEL / "config.json").exists() or not saved.exists() or saved.read_bytes() != bundled.read_bytes()
-
+from .stage_loading import load_stage, refuse_a_changed_forward
 
 def ensure_default_model(name: str, accelerator) -> None:
     """Build the bundled tiny model the first time it is asked for (random init, a few seconds)."""
@@ -43,7 +32,6 @@ def load_tokenizer(name: str, trust_remote_code: bool = False, chat_template: st
     else its own, else the plain default."""
     from transformers import AutoTokenizer
 
-    from .formats import DEFAULT_CHAT_TEMPLATE
 
     template = None
     if chat_template:
@@ -121,8 +109,6 @@ def load_pipeline_stage(name: str, accelerator, launch, kwargs: dict, quantized:
     Either way the stages' forward is checked first (a refusal before any weight loads)."""
     from transformers import AutoConfig
 
-    from .pipeline import layout_of
-    from .stage_loading import load_stage, refuse_a_changed_forward
 
     trust, attention = kwargs["trust_remote_code"], kwargs.get("attn_implementation")
     config = model_config_object(name, trust) or AutoConfig.from_pretrained(name, trust_remote_code=trust)
@@ -205,90 +191,6 @@ def keep_4bit_weights_unpacked_on_cpu(model) -> None:
     for module in model.modules():
         if hasattr(module, "support_avx512bf16_for_cpu"):
             module.support_avx512bf16_for_cpu = False
-
-
-# peft's LoRA adapts these layer kinds (and Conv1D, transformers' GPT-2 linear)
-LINEAR_KINDS = (torch.nn.Linear,)
-ADAPTABLE_KINDS = (torch.nn.Linear, torch.nn.Embedding, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)
-
-
-def meta_model(name: str, trust_remote_code: bool = False):
-    """Model `name` built from its config on the meta device (no weights, no memory), a new one each call
-    (the checks may change it); None when its config cannot be read here (a hub id not in the cache)."""
-    config = model_config_object(name, trust_remote_code)
-    if config is None:
-        return None
-    try:
-        return empty_model(config, trust_remote_code)
-    except (OSError, ValueError):
-        return None
-
-
-def empty_model(config, trust_remote_code: bool = False, attention: str | None = None):
-    """The model of `config` with its parameters on the meta device and its buffers (the rotary
-    frequencies) computed as usual."""
-    from accelerate import init_empty_weights
-    from transformers import AutoModelForCausalLM
-
-    extra = {"attn_implementation": attention} if attention else {}
-    with init_empty_weights(include_buffers=False):
-        return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code, **extra)
-
-
-@functools.lru_cache(maxsize=4)
-def model_config_object(name: str, trust_remote_code: bool = False):
-    """transformers' config of model `name`, read once per process (for a hub id, reading it may ask the
-    hub); None when it cannot be read here."""
-    import json
-
-    from transformers import AutoConfig
-
-    try:
-        if Path(name).resolve() == DEFAULT_MODEL.resolve() and not (DEFAULT_MODEL / "config.json").exists():
-            config = json.loads((REPO_ROOT / "data" / "tiny-llama-config.json").read_text())
-            return AutoConfig.for_model(**config)  # the bundled model before its first build
-        return AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError):
-        return None
-
-
-def module_kinds(name: str, trust_remote_code: bool = False) -> dict[str, str] | None:
-    """{module name: "linear" / "adaptable" (LoRA can adapt it) / "other"} of model `name` (from its
-    config, `meta_model`); None when its config cannot be read here."""
-    from transformers.pytorch_utils import Conv1D
-
-    model = meta_model(name, trust_remote_code)
-    if model is None:
-        return None
-    return {module_name: "linear" if isinstance(module, (*LINEAR_KINDS, Conv1D)) else
-            "adaptable" if isinstance(module, ADAPTABLE_KINDS) else "other"
-            for module_name, module in model.named_modules() if module_name}
-
-
-def quantizable_weights(name: str, trust_remote_code: bool = False) -> dict | None:
-    """How much of model `name`'s layer weights bitsandbytes quantizes as transformers loads it (from its
-    config, `meta_model`): {"quantized": weights, "left": weights, "left_kinds": [module classes]}.
-
-    transformers' bitsandbytes integration replaces modules whose type is exactly torch's nn.Linear (or
-    GPT-2's Conv1D); a subclass (Falcon's FalconLinear) or the fused 3-D weights of a mixture of experts
-    (MixtralExperts) stay in the float dtype. The output layer is kept in it on purpose, and not counted."""
-    from transformers.pytorch_utils import Conv1D
-
-    model = meta_model(name, trust_remote_code)
-    if model is None:
-        return None
-    output = model.get_output_embeddings()
-    quantized, left, left_kinds = 0, 0, set()
-    for module in model.modules():
-        if module is output or isinstance(module, torch.nn.Embedding):
-            continue
-        weights = sum(p.numel() for p in module.parameters(recurse=False) if p.dim() >= 2)
-        if type(module) is torch.nn.Linear or isinstance(module, Conv1D):
-            quantized += weights
-        elif weights:
-            left += weights
-            left_kinds.add(type(module).__name__)
-    return {"quantized": quantized, "left": left, "left_kinds": sorted(left_kinds)}
 
 
 def seed_adapter(model, seed: int) -> None:

@@ -13,49 +13,27 @@ import os
 import shutil
 from pathlib import Path
 
+import planner
+
+from .args import lora_targets
+from .launch import DDP, FSDP
+from .memory_plan import size
+from .mixture import sources_of
+from .model_config import is_default_model, meta_model, module_kinds, quantizable_weights
+from .pipeline_layout import check_layout, unstageable
 from .refusal import Refusal, refuse  # noqa: F401  (preflight.refuse and preflight.Refusal, as the recipes and tests use them)
+from .versions import too_old
 
 
 def env_flag(name: str) -> bool:
     return os.environ.get(name, "false").lower() == "true"
 
 
-def requested_processes_of_launcher() -> int:
-    """`--num_processes N` given to the `accelerate launch` that started this single process, else
-    the config file's `num_processes`.
-
-    With `distributed_type: 'NO'` accelerate starts one process whatever `--num_processes`
-    says; only the launcher's own command line and its file still show what the user asked for.
-    """
-    from .launch_config import config_file_of_launcher, launcher_argv, read_config
-
-    argv = launcher_argv()
-    for i, arg in enumerate(argv):
-        if arg.startswith("--num_processes="):
-            return int(arg.split("=", 1)[1])
-        if arg in ("--num_processes", "--num-processes") and i + 1 < len(argv) and argv[i + 1].isdigit():
-            return int(argv[i + 1])
-    path = config_file_of_launcher()
-    config = read_config(path) if path is not None and Path(path).is_file() else {}
-    processes = str(config.get("num_processes", 1))
-    return int(processes) if processes.isdigit() else 1
-
-
 def check_versions() -> None:
-    from .versions import too_old
-
     old = too_old()
     if old:
         refuse(f"too old for these recipes: {', '.join(old)}; pip install -r requirements.txt (the tested "
                "versions), or upgrade just these")
-
-
-def check_process_count(launch) -> None:
-    """One process where several were asked: accelerate's own rule for some launches, said in one line."""
-    from .launch_config import file_distributed_type, refuse_one_process_for_several
-
-    if launch.processes == 1 and launch.kind in ("single", "model_parallel"):
-        refuse_one_process_for_several(file_distributed_type(), requested_processes_of_launcher())
 
 
 def check_flags(args, recipe: str) -> None:
@@ -75,8 +53,6 @@ def check_flags(args, recipe: str) -> None:
 
 def check_inputs(args) -> None:
     """The model and the data exist where they are given, and the model can take --max-length tokens."""
-    from .mixture import sources_of
-    from .modeling import is_default_model
 
     if looks_local(args.model) and not Path(args.model).expanduser().exists() and not is_default_model(args.model):
         refuse(f"--model {args.model} does not exist; give a local folder or a hub id such as "
@@ -106,9 +82,6 @@ def check_pipeline(args, recipe: str, launch):
         return launch
     from dataclasses import replace
 
-    from .launch import DDP
-    from .modeling import meta_model
-    from .pipeline import check_layout, unstageable
 
     if launch.kind != DDP:
         refuse("--pipeline-stages runs on a plain multi-process launch (accelerate_configs/pipeline.yaml), not on "
@@ -149,7 +122,6 @@ def check_pipeline_micro_batches(args, launch) -> None:
 def check_strategy(args, recipe: str, launch) -> None:
     """What the launched strategy cannot do with these flags and this model (scripts/check_config.py
     runs it too)."""
-    from .launch import FSDP
 
     fsdp = launch.kind == FSDP
     if recipe == "qlora" and getattr(args, "bits", 4) == 8 and fsdp:
@@ -240,7 +212,6 @@ def check_lora_split(args, plan: dict) -> None:
     (split by the model class's own plan, with its output gathered) fails the same way."""
     from importlib.metadata import version
 
-    from .args import lora_targets
 
     styles = {}
     for name, style in plan.items():
@@ -298,8 +269,6 @@ def check_output_dir(output_dir: str, resuming: bool = False) -> None:
 
 def check_lora_targets(args) -> None:
     """Every name in --lora-targets must match a module of the model, read from its config (no weights)."""
-    from .args import lora_targets
-    from .modeling import module_kinds
 
     targets = lora_targets(args.lora_targets)
     if targets == "all-linear":
@@ -336,8 +305,6 @@ def adapter_dropout(args) -> float:
     from accelerate import init_empty_weights
     from peft import LoraConfig, get_peft_model
 
-    from .args import lora_targets
-    from .modeling import meta_model
 
     def build(dropout: float) -> None:
         model = meta_model(args.model, args.trust_remote_code)
@@ -380,7 +347,6 @@ def check_quantization(args) -> dict | None:
     train as plain LoRA on a full-precision base under QLoRA's name. Layers it leaves in the float dtype
     beside quantized ones (a mixture of experts' fused weights) are said, with their share. Returns the
     share (run.json records it; None for a hub model not in the cache)."""
-    from .modeling import quantizable_weights
 
     share = quantizable_weights(args.model, args.trust_remote_code)
     if share is None:  # a hub model not in the cache: load_model checks what loaded
@@ -422,7 +388,6 @@ def check_speed_options(args, on_gpu: bool) -> None:
 
 def model_config(model: str) -> dict | None:
     """The model's config.json when it is local (the default model's before its first build)."""
-    from .modeling import is_default_model
 
     path = Path(model) / "config.json"
     if is_default_model(model) and not path.is_file():
@@ -474,7 +439,6 @@ ENCODER_TYPES = {"bert", "roberta", "xlm-roberta", "xlm-roberta-xl", "camembert"
 def check_model_folder(model: str) -> None:
     """A local --model folder must hold what a causal LM loads from: config.json naming a decoder with a
     causal-LM class, and safetensors weights (the recipes never unpickle .bin files)."""
-    from .modeling import is_default_model
 
     if is_default_model(model) or not (looks_local(model) or Path(model).expanduser().is_dir()):
         return  # a hub id (a local folder of the same name would be loaded instead, and is checked)
@@ -508,7 +472,6 @@ def check_model_folder(model: str) -> None:
 
 def refuse_if_disk_too_small(args, recipe: str) -> None:
     """A checkpoint (weights + optimizer state) or the final export must fit on the output disk."""
-    import planner
 
     try:
         shape = planner.ModelShape.from_config(model_config(args.model))
@@ -527,49 +490,6 @@ def refuse_if_disk_too_small(args, recipe: str) -> None:
     if free < need:
         refuse(f"{folder} has {size(free)} free but this run writes about {size(need)}; free some disk or "
                "choose another --output-dir")
-
-
-def announce_plan(args, recipe: str, launch) -> None:
-    """Print the memory plan of this very run, and warn before loading when it will not fit."""
-    if int(os.environ.get("RANK", "0")) != 0:
-        return
-    import torch
-
-    import planner
-
-    from .batch_size import planner_inputs
-
-    try:
-        shape, inputs = planner_inputs(args, recipe, launch)
-    except Exception as error:  # offline hub id, unknown architecture: a courtesy, never a blocker
-        reason = str(error).splitlines()[0] if str(error) else type(error).__name__
-        print(f"plan: skipped ({reason})", flush=True)
-        return
-    strategy, gpus = launch.planner_strategy, launch.gpus
-    layout = dict(pipeline_stages=launch.pipeline_stages, pipeline_chunks=launch.pipeline_chunks) \
-        if launch.pipeline_stages > 1 else {}
-    try:
-        need = planner.per_gpu_bytes(shape, recipe, strategy, gpus, batch_size=args.batch_size, **inputs,
-                                     grad_accum=args.grad_accum, **layout)
-    except ValueError as error:  # e.g. LoRA targets the planner does not know
-        print(f"plan: skipped ({str(error).splitlines()[0]})", flush=True)
-        return
-    parts = ", ".join(f"{key} {size(need[key])}" for key in ("weights", "gradients", "optimizer", "activations"))
-    line = (f"plan: {recipe} with {strategy} on {gpus} process(es): {size(need['total'])} per GPU ({parts}) "
-            f"at --max-length {args.max_length}")
-    if not launch.on_gpu:
-        print(line, flush=True)
-        return
-    gpu_gib = torch.cuda.get_device_properties(0).total_memory / planner.GiB
-    print(f"{line}; the GPU has {gpu_gib:.0f} GiB", flush=True)
-    if not planner.fits(need["total"], gpu_gib):
-        print(f"warning: the plan says this will not fit; see `python scripts/plan.py --model {args.model} "
-              f"--method {recipe} --gpus {gpus} --gpu-memory {gpu_gib:.0f} --batch-size {args.batch_size} "
-              f"--seq-len {args.max_length}` for a config and micro-batch that fit", flush=True)
-
-
-def size(num_bytes: float) -> str:
-    return f"{num_bytes / 2**30:.2f} GiB" if num_bytes >= 2**30 else f"{num_bytes / 2**20:.1f} MiB"
 
 
 def looks_local(name: str) -> bool:

@@ -11,15 +11,12 @@ from .formats import IGNORE
 
 
 @torch.no_grad()
-def sample_generations(accelerator, launch, model, tokenizer, eval_set, output_dir, count: int = 3,
+def sample_generations(accelerator, launch, model, stages, tokenizer, eval_set, output_dir, count: int = 3,
                        max_new_tokens: int = 32) -> list[dict]:
     """Greedy answers of the trained model to the first evaluation prompts; printed and saved
     to samples.jsonl. Every rank generates (sharded weights need every rank's forward; under pipeline
-    parallel, the first pipeline's stages)."""
-    from .evaluation import pipeline_of
-
-    pipe = pipeline_of(model)
-    if pipe and pipe.layout.replica:  # the other pipelines hold the same weights
+    parallel, the first pipeline's `stages`)."""
+    if stages and stages.layout.replica:  # the other pipelines hold the same weights
         return []
     generator = accelerator.unwrap_model(model)
     generator.eval()
@@ -27,7 +24,7 @@ def sample_generations(accelerator, launch, model, tokenizer, eval_set, output_d
     # compiled for a few tokens until torch gives up at its recompile limit with a page of warnings.
     with torch.compiler.set_stance("force_eager"):
         samples = [generate_one(accelerator, generator, tokenizer, row, max_new_tokens, launch.shards_parameters,
-                                pipe) for row in eval_set.select(range(min(count, len(eval_set))))]
+                                stages) for row in eval_set.select(range(min(count, len(eval_set))))]
     generator.train()
     if accelerator.is_main_process:
         with open(Path(output_dir) / "samples.jsonl", "w") as file:
@@ -38,13 +35,13 @@ def sample_generations(accelerator, launch, model, tokenizer, eval_set, output_d
     return samples
 
 
-def generate_one(accelerator, generator, tokenizer, row, max_new_tokens: int, sharded: bool, pipe=None) -> dict:
+def generate_one(accelerator, generator, tokenizer, row, max_new_tokens: int, sharded: bool, stages=None) -> dict:
     """The greedy answer to one evaluation row's prompt (the tokens before its first target token)."""
     prompt_length = next((i for i, label in enumerate(row["labels"]) if label != IGNORE), len(row["labels"]))
     prompt = torch.tensor([row["input_ids"][:prompt_length]], device=accelerator.device)
-    if pipe:  # through the stages, token by token
+    if stages:  # through the stages, token by token
         stop = generator.generation_config.eos_token_id
-        output = pipe.generate(prompt, max_new_tokens, stop if isinstance(stop, list) else [stop])
+        output = stages.generate(prompt, max_new_tokens, stop if isinstance(stop, list) else [stop])
     else:
         output = generator.generate(
             input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=max_new_tokens,

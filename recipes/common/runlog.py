@@ -15,7 +15,6 @@ from pathlib import Path
 import torch
 
 from .deepspeed_config import schedule_settings
-from .evaluation import pipeline_of
 from .modeling import parameter_counts
 
 LIBRARIES = ("torch", "transformers", "accelerate", "peft", "datasets", "bitsandbytes", "deepspeed")
@@ -157,7 +156,7 @@ class RunLog:
             writer(message)
             sys.stdout.flush()
 
-    def write_run_json(self, model, data_format: str, optimizer, total_steps: int) -> None:
+    def write_run_json(self, model, stages, data_format: str, optimizer, total_steps: int) -> None:
         """Record what really ran: strategy, processes, precision, parameters. No collective: each
         rank's share is gathered later, by `record_ranks`."""
         counts = parameter_counts(model)
@@ -184,9 +183,8 @@ class RunLog:
             "strategy": ran,
             "versions": library_versions(),
         }
-        pipe = pipeline_of(model)
-        if pipe:  # the counts above are this rank's stage; the layout says which layers each rank holds
-            self.record["pipeline"] = pipe.record()
+        if stages:  # the counts above are this rank's stage; the layout says which layers each rank holds
+            self.record["pipeline"] = stages.record()
         if self.accelerator.log_with:
             # Trackers get the same numbers as metrics.jsonl; their config only takes plain values.
             config = {key: value for key, value in vars(self.args).items()

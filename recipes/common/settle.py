@@ -11,10 +11,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from . import preflight
+from . import launch_config, memory_plan, preflight
 from .batch_size import settle as settle_batch
 from .launch import TENSOR_PARALLEL, Launch, describe
-from .launch_config import adapt_launch
 from .settled import Run
 
 
@@ -29,11 +28,11 @@ def settle_launch(args: Run, recipe: str) -> tuple[Run, Launch]:
     before the model loads."""
     preflight.check_versions()
     # The user's config file: it may translate the launch (FSDP1 -> FSDP2) or settle flags.
-    run, notes = adapt_launch(args)
+    run, notes = launch_config.adapt_launch(args)
     if notes:
         say(f"config: {'; '.join(notes)}")
     launch = describe()
-    preflight.check_process_count(launch)
+    launch_config.check_process_count(launch)
     preflight.check_flags(run, recipe)
     preflight.check_speed_options(run, launch.on_gpu)
     launch = preflight.check_pipeline(run, recipe, launch)
@@ -57,7 +56,7 @@ def settle_launch(args: Run, recipe: str) -> tuple[Run, Launch]:
     if recipe == "qlora":
         run = run.recorded(quantization_plan=preflight.check_quantization(run))
     preflight.check_outputs(run, recipe)
-    preflight.announce_plan(run, recipe, launch)
+    memory_plan.announce_plan(run, recipe, launch)
     return run, launch
 
 

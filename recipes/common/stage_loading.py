@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from .pipeline import PassThrough, PipelineLayout, decoder_of, keep_stage, split_changes_the_forward
+from .pipeline_layout import PassThrough, PipelineLayout, decoder_of, keep_stage, split_changes_the_forward
 from .refusal import refuse
 
 
