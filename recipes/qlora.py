@@ -32,11 +32,14 @@ from accelerate.utils import set_seed
 from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 from transformers import get_cosine_schedule_with_warmup
 
-from common import args as cli
-from common import batch_size, batches, checkpoint, data, deepspeed_config, modeling, pipeline, preflight
-from common import report, runtime, settle
-from common.evaluation import evaluate
-from common.runlog import RunLog
+from common.data import batches, preparation
+from common.launching import args as cli
+from common.launching import batch_size, deepspeed_config, preflight, settle
+from common.model import modeling
+from common.outputs import checkpoint, report
+from common.outputs.runlog import RunLog
+from common.training import pipeline, runtime
+from common.training.evaluation import evaluate
 
 
 def token_losses(logits, targets):
@@ -66,7 +69,7 @@ def main():
     # cannot train are counted and dropped. Prompt tokens are masked: the loss covers the responses only.
     modeling.ensure_default_model(run.model, accelerator)
     tokenizer = modeling.load_tokenizer(run.model, run.trust_remote_code, run.chat_template)
-    train_set, eval_set, data_format = data.prepare(accelerator, tokenizer, run, launch)
+    train_set, eval_set, data_format = preparation.prepare(accelerator, tokenizer, run, launch)
 
     # Model: the frozen base quantised to 4 bits while it loads, trainable adapters on top.
     quantization = modeling.quantization_config(launch, run.bits)

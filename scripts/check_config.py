@@ -27,12 +27,12 @@ from unittest import mock
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT / "recipes"))
 
-from common import launch_config, preflight  # noqa: E402
-from common.deepspeed_config import check_engine_config, deepspeed_source, edit_deepspeed  # noqa: E402
-from common.launch import DEEPSPEED, TENSOR_PARALLEL, describe  # noqa: E402
-from common.args import parse_args as parse_recipe_args  # noqa: E402
-from common.args import recipe_flags  # noqa: E402
-from common.batch_size import settle as settle_batch  # noqa: E402
+from common.launching import launch_config, preflight  # noqa: E402
+from common.launching.deepspeed_config import check_engine_config, deepspeed_source, edit_deepspeed  # noqa: E402
+from common.launching.launch import DEEPSPEED, TENSOR_PARALLEL, describe  # noqa: E402
+from common.launching.args import parse_args as parse_recipe_args  # noqa: E402
+from common.launching.args import recipe_flags  # noqa: E402
+from common.launching.batch_size import settle as settle_batch  # noqa: E402
 
 
 def is_deepspeed_json(path: Path) -> bool:
@@ -40,7 +40,7 @@ def is_deepspeed_json(path: Path) -> bool:
     a .json with DeepSpeed's keys and none of accelerate's."""
     if Path(path).suffix != ".json":
         return False
-    from common.deepspeed_config import READ_BY_RECIPE
+    from common.launching.deepspeed_config import READ_BY_RECIPE
 
     config = launch_config.read_config(path)
     accelerate_keys = {"distributed_type", "compute_environment", "num_processes"}

@@ -20,7 +20,7 @@ They train the same thing:
   the recipe counts the step's target tokens itself, Trainer passes the same count to TRL
   (num_items_in_batch, average_tokens_across_devices);
 - threads: OMP_NUM_THREADS = cores / processes for both launches, and the recipe sets the same
-  (recipes/common/runtime.py); oversubscribed threads would make torch ~100x slower on a small CPU.
+  (recipes/common/training/runtime.py); oversubscribed threads would make torch ~100x slower on a small CPU.
 
 What is timed: the training loop only, from the end of step 1 to the end of the last step (start-up,
 model loading, tokenisation and the first step's warm-up stay outside). Tokens are target tokens

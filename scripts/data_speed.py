@@ -103,7 +103,7 @@ def instruction_file(path: Path, count: int, seed: int = 0) -> Path:
 
 def prompt_completion_file(instructions: Path, path: Path) -> Path:
     """The instruction rows as TRL's prompt/completion rows: the prompt as the recipes render it."""
-    from common.formats import split_prompt
+    from common.data.formats import split_prompt
 
     with path.open("w") as out:
         for line in instructions.read_text().splitlines():
@@ -534,7 +534,7 @@ def parse_args(argv=None):
 
 def ensure_tiny_model() -> None:
     """The bundled tiny Llama, built as the recipes build it on first use: the recipes' launch checks read it."""
-    from common.model_config import default_model_needs_building
+    from common.model.model_config import default_model_needs_building
 
     if default_model_needs_building():
         subprocess.run([sys.executable, str(REPO / "scripts" / "build_tiny_model.py")], cwd=REPO, check=True)

@@ -23,7 +23,7 @@ sys.path.insert(0, str(REPO_ROOT / "recipes"))
 import common.quiet  # noqa: E402,F401  (first: the recipes' filter of library notices)
 import torch  # noqa: E402
 
-from common.formats import PROMPT_TEMPLATE  # noqa: E402
+from common.data.formats import PROMPT_TEMPLATE  # noqa: E402
 
 
 def pick_artifact(output_dir: Path, wanted: str) -> Path:
@@ -47,7 +47,7 @@ def load(output_dir: Path, artifact: Path, device: str):
         return AutoModelForCausalLM.from_pretrained(artifact, dtype=dtype).to(device), tokenizer, run
     from peft import PeftModel
 
-    from common.modeling import bits_config, keep_4bit_weights_unpacked_on_cpu
+    from common.model.modeling import bits_config, keep_4bit_weights_unpacked_on_cpu
 
     bits = run["arguments"].get("bits") if run["recipe"] == "qlora" else None
     kwargs = dict(quantization_config=bits_config(bits, dtype), device_map={"": device}) if bits else {}

@@ -57,7 +57,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "recipes"))
-from common.versions import LOWEST, older_than_lowest  # noqa: E402
+from common.launching.versions import LOWEST, older_than_lowest  # noqa: E402
 
 LIBRARIES = ("transformers", "accelerate", "huggingface_hub", "tokenizers", "peft", "datasets", "bitsandbytes",
              "deepspeed", "trl", "liger-kernel", "flash-attn", "safetensors")

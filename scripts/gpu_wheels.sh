@@ -7,7 +7,7 @@
 # What such a box lacks: datasets (+ dill, multiprocess), bitsandbytes (the CUDA wheel, ~43 MB), trl,
 # liger-kernel, and DeepSpeed (a source archive, built there without its ops) with hjson and pydantic; and
 # peft, in case the box's own is older than the recipes support (gpu_check.py installs a carried wheel only
-# when the box lacks its library or has it below recipes/common/versions.py's lowest version).
+# when the box lacks its library or has it below recipes/common/launching/versions.py's lowest version).
 # The same versions as this machine's, so the box runs what the CPU suite ran. ~51 MB in all: with the
 # repository (~2 MB) under the 64 MiB one device call can carry.
 set -euo pipefail

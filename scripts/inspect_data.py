@@ -34,7 +34,9 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT / "recipes"))
 
 import common.quiet  # noqa: E402,F401  (first: the recipes' filter of library notices)
-from common import checked_rows, data_files, formats, model_config, modeling, preflight, tokens  # noqa: E402
+from common.data import checked_rows, data_files, formats, tokens  # noqa: E402
+from common.launching import preflight  # noqa: E402
+from common.model import model_config, modeling  # noqa: E402
 
 BUNDLED_TOKENIZER = REPO_ROOT / "data" / "tokenizer"  # what the bundled model is built with
 VISIBLE = {" ": "␣", "\n": "↵\n", "\t": "→", "\r": "␍"}

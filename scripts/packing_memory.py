@@ -45,7 +45,8 @@ class MemorySampler:
 
 
 def main(argv=None) -> int:
-    from common import checked_rows, model_config, modeling, packing, tokens
+    from common.data import checked_rows, packing, tokens
+    from common.model import model_config, modeling
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dataset", required=True)

@@ -4,7 +4,7 @@ micro-batches, beside the bubble formula m / (m + p - 1) (interleaved over v par
 v m / (v m + p - 1)) and beside one process running every layer
 (model_parallel.yaml's schedule: one device busy at a time, 1 / p of the devices' time).
 
-Runs the recipes' own pipeline (recipes/common/pipeline.py: the stage split, torch's schedules) on CPU
+Runs the recipes' own pipeline (recipes/common/training/pipeline.py: the stage split, torch's schedules) on CPU
 processes (gloo), one core each, over a Llama built from a config (random weights: only time is
 measured). A stage's busy time is what its `forward_one_chunk` and `backward_one_chunk` take (the
 schedule receives before it computes, so waiting is outside); the step's time is the schedule's
@@ -88,7 +88,8 @@ def stage_worker(rank: int, args, port: int, queue) -> None:
     import torch
     import torch.distributed as dist
 
-    from common import pipeline, pipeline_layout
+    from common.model import pipeline_layout
+    from common.training import pipeline
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

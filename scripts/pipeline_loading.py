@@ -25,9 +25,9 @@ MEASURE = """
 import json, resource, sys, torch
 sys.path.insert(0, {recipes!r})
 from transformers import AutoConfig, AutoModelForCausalLM
-from common.pipeline_layout import PipelineLayout, keep_stage
-from common.model_config import empty_model
-from common.stage_loading import load_stage
+from common.model.pipeline_layout import PipelineLayout, keep_stage
+from common.model.model_config import empty_model
+from common.model.stage_loading import load_stage
 config = AutoConfig.from_pretrained({model!r})
 layout = PipelineLayout({stages}, 1, {stage}, config.num_hidden_layers)
 if {whole}:

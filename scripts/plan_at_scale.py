@@ -20,7 +20,7 @@ the padding mask and `logits_to_keep`, fp32 cross-entropy, backward, gradient cl
 `zero_grad`), so the gradients and the optimizer state are created by the real step.
 
 Measured, per rank:
-- at rest: `common.runlog.held_bytes` after the first optimizer step (what run.json's
+- at rest: `common.outputs.runlog.held_bytes` after the first optimizer step (what run.json's
   `memory_by_rank` records on real launches), against `planner.resident_bytes`;
 - per GPU: torch's `FSDPMemTracker` over the second step (the tracker sees every tensor the
   step creates and frees, sorted into FSDP's categories), against `planner.per_gpu_bytes`:
@@ -61,7 +61,7 @@ PEAK_KINDS = KINDS + ("activations", "total")
 STRATEGIES = ("fsdp_full_shard", "fsdp_grad_op", "zero3")
 # ZeRO-3 allocates each rank's partitions, fp32 master weights and AdamW state as real CPU tensors.
 ZERO3_MODELS = ("tiny-llama", "tinyllama-1.1b")
-LORA = dict(r=16, lora_alpha=32, lora_dropout=0.05)  # the recipes' defaults (recipes/common/args.py)
+LORA = dict(r=16, lora_alpha=32, lora_dropout=0.05)  # the recipes' defaults (recipes/common/launching/args.py)
 MASKED = 5  # the first row's last tokens are padding, so the attention runs the masked path, as in training
 
 # FSDPMemTracker's categories summed into the planner's four parts.
@@ -78,7 +78,7 @@ def build_model(config_path: Path, method: str, gradient_checkpointing: int):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from common.modeling import checkpoint_activations
+    from common.model.modeling import checkpoint_activations
 
     config = AutoConfig.from_pretrained(config_path)
     config._attn_implementation = "sdpa"
@@ -138,8 +138,8 @@ def simulate_rank(config_path: Path, method: str, strategy: str, ranks: int, ran
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from common.modeling import trained_parameter_groups
-    from common.runlog import held_bytes
+    from common.model.modeling import trained_parameter_groups
+    from common.outputs.runlog import held_bytes
 
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=ranks)
     try:
@@ -302,10 +302,10 @@ def simulate_rank_zero3(config_path: Path, method: str, ranks: int, rank: int, b
         from accelerate.state import AcceleratorState
         from transformers import AutoConfig, AutoModelForCausalLM
 
-        from common import runtime
-        from common.launch import DEEPSPEED, Launch
-        from common.modeling import checkpoint_activations, trained_parameter_groups
-        from common.runlog import held_bytes
+        from common.training import runtime
+        from common.launching.launch import DEEPSPEED, Launch
+        from common.model.modeling import checkpoint_activations, trained_parameter_groups
+        from common.outputs.runlog import held_bytes
 
         launch = Launch(DEEPSPEED, processes=ranks, on_gpu=False, visible_gpus=0, precision="bf16", zero_stage=3)
         AcceleratorState._reset_state(True)  # a state left by an earlier Accelerator in this process has no DeepSpeed plugin

@@ -74,7 +74,7 @@ def default_label(metrics: Path) -> str:
 
 
 def read_run(metrics: Path, label: str) -> Run:
-    """Read a metrics.jsonl written by recipes/common/runlog.py.
+    """Read a metrics.jsonl written by recipes/common/outputs/runlog.py.
 
     Every start of the recipe restarts `elapsed_s` and `tokens_seen`, so a record's own seconds
     are its `elapsed_s` minus that of the record before it in the same process. A step logged

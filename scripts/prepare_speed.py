@@ -38,9 +38,9 @@ sys.path.insert(0, sys.argv[1])
 import datasets
 from transformers import AutoTokenizer
 try:
-    from common import tokens as data_path  # since the data path was split into stages
+    from common.data import tokens as data_path  # since the data path was split into stages
 except ImportError:
-    from common import data as data_path
+    from common.data import preparation as data_path
 datasets.disable_caching()
 datasets.disable_progress_bars()
 rows = datasets.load_dataset("json", data_files=sys.argv[2], split="train")
@@ -78,7 +78,7 @@ def tokenizer_folders(root: Path) -> dict[str, Path]:
     import chat_fixtures as fixtures
 
     sys.path.insert(0, str(REPO / "recipes"))
-    from common.formats import DEFAULT_CHAT_TEMPLATE
+    from common.data.formats import DEFAULT_CHAT_TEMPLATE
 
     folders = {}
     for name, family in TOKENIZERS.items():

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The recipes on the lowest library versions they support (recipes/common/versions.py): a virtual
+# The recipes on the lowest library versions they support (recipes/common/launching/versions.py): a virtual
 # environment from requirements-lowest.txt, then the launches that matter most on them, each through the
 # real `accelerate launch`:
 #

@@ -6,7 +6,7 @@ compare_trl.py launches it exactly as it launches the recipe, with the same flag
     accelerate launch --config_file accelerate_configs/ddp.yaml --num_processes 2 --mixed_precision no \\
         scripts/trl_sft_worker.py --output-dir outputs/compare_trl/round1-trl --max-steps 120 --grad-accum 2
 
-It parses the recipe's own flags (recipes/common/args.py), so every default (lr, warm-up, clipping,
+It parses the recipe's own flags (recipes/common/launching/args.py), so every default (lr, warm-up, clipping,
 LoRA r / alpha / dropout / targets, seed, --max-length) is the recipe's, and sets SFTTrainer up to do
 what recipes/lora.py does:
 
@@ -45,9 +45,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "recipes"))  # the recipe's own flags, data loading and rendering
 
-from common import args as cli  # noqa: E402
-from common import batches, checked_rows, data, formats, modeling, runtime, tokens  # noqa: E402
-from common.preflight import refuse  # noqa: E402
+from common.launching import args as cli  # noqa: E402
+from common.data import batches, checked_rows, formats, preparation, tokens  # noqa: E402
+from common.model import modeling  # noqa: E402
+from common.training import runtime  # noqa: E402
+from common.launching.preflight import refuse  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -58,12 +60,12 @@ def parse_args(argv=None):
 
 def recipe_rows(args, tokenizer):
     """(prompt/completion rows, the recipe's tokenised rows), index for index: the rows the recipe
-    trains on (data.tokenize drops those whose targets --max-length cut off)."""
+    trains on (preparation.tokenize drops those whose targets --max-length cut off)."""
     rows, _ = checked_rows.load_splits(args.dataset, args.seed, args.columns)
     fmt = formats.detect_format(rows.column_names)
     if fmt not in ("instruction", "prompt_completion"):
         refuse(f"the TRL comparison takes instruction or prompt/completion data; --dataset is `{fmt}`")
-    expected, _ = data.tokenize(rows, tokenizer, args.max_length)
+    expected, _ = preparation.tokenize(rows, tokenizer, args.max_length)
     prompt_completion = []
     for row in rows:
         labels = tokens.tokenize_row(row, tokenizer, fmt, args.max_length)["labels"]

@@ -102,7 +102,7 @@ def start(recipe: str, output_dir: Path, *recipe_args: str, config: str | None =
 def tiny_model():
     """The bundled tiny Llama, built once (the recipes would build it on first use too)."""
     sys.path.insert(0, str(REPO / "recipes"))
-    from common.model_config import default_model_needs_building
+    from common.model.model_config import default_model_needs_building
 
     if default_model_needs_building():
         subprocess.run([sys.executable, str(REPO / "scripts" / "build_tiny_model.py")], check=True, cwd=REPO)

@@ -17,9 +17,11 @@ import pytest
 from conftest import REPO, TINY_MODEL, assert_no_traceback_of_ours, assert_the_refusal_ends_the_output, launch, long_test
 
 sys.path.insert(0, str(REPO / "recipes"))
-from common import checked_rows, checkpoint, preflight, settle, tokens  # noqa: E402
-from common.args import parse_args, recipe_flags  # noqa: E402
-from common.preflight import Refusal  # noqa: E402
+from common.data import checked_rows, tokens  # noqa: E402
+from common.launching import preflight, settle  # noqa: E402
+from common.outputs import checkpoint  # noqa: E402
+from common.launching.args import parse_args, recipe_flags  # noqa: E402
+from common.launching.preflight import Refusal  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

@@ -1,4 +1,4 @@
-"""--batch-size auto and --global-batch-size (recipes/common/batch_size.py), in-process.
+"""--batch-size auto and --global-batch-size (recipes/common/launching/batch_size.py), in-process.
 
 The real launches of both are in test_equivalence.py (test_accumulation_does_not_change_the_updates).
 """
@@ -13,10 +13,10 @@ from conftest import REPO
 
 sys.path.insert(0, str(REPO / "recipes"))
 import planner  # noqa: E402
-from common import batch_size  # noqa: E402
-from common.args import parse_args, recipe_flags  # noqa: E402
-from common.launch import Launch  # noqa: E402
-from common.preflight import Refusal  # noqa: E402
+from common.launching import batch_size  # noqa: E402
+from common.launching.args import parse_args, recipe_flags  # noqa: E402
+from common.launching.launch import Launch  # noqa: E402
+from common.launching.preflight import Refusal  # noqa: E402
 
 DDP_ON_2_CPUS = Launch("ddp", processes=2, on_gpu=False, visible_gpus=0, precision="no")
 

@@ -72,7 +72,7 @@ def test_both_sides_trained_on_the_same_target_tokens(comparison):
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from common import modeling
+    from common.model import modeling
 
     return modeling.load_tokenizer(str(TINY_MODEL))
 
@@ -97,7 +97,7 @@ def test_training_order_is_the_recipes_loader_order():
     """Over an epoch boundary, each rank reads the micro-batches of recipes/lora.py's prepared loader."""
     from accelerate.data_loader import prepare_data_loader
     from accelerate.utils import set_seed
-    from common import batches
+    from common.data import batches
     from torch.utils.data import DataLoader
 
     rows, batch_size, grad_accum, processes, seed = 203, 4, 3, 2, 42

@@ -15,7 +15,7 @@ from conftest import REPO, assert_no_traceback_of_ours, launch, long_test
 sys.path.insert(0, str(REPO / "scripts"))
 sys.path.insert(0, str(REPO / "recipes"))
 import check_config  # noqa: E402
-from common.preflight import Refusal  # noqa: E402
+from common.launching.preflight import Refusal  # noqa: E402
 
 FSDP1 = {"distributed_type": "FSDP", "num_processes": 2, "fsdp_config": {"fsdp_sharding_strategy": "FULL_SHARD"}}
 FSDP2 = {"distributed_type": "FSDP", "num_processes": 2, "fsdp_config": {"fsdp_version": 2}}
@@ -203,7 +203,7 @@ def test_a_dynamo_config_compiles_the_layers_and_saves(tmp_path):
 ])
 def test_the_launch_reads_a_deepspeed_json_as_strictly_as_check_config(text, message, tmp_path, capsys):
     """The recipe reads --deepspeed_config_file itself (not through check_config): the same refusals."""
-    from common.deepspeed_config import deepspeed_source
+    from common.launching.deepspeed_config import deepspeed_source
 
     path = tmp_path / "user.json"
     path.write_text(text)

@@ -92,7 +92,7 @@ def test_hybrid_shard_refuses_on_cpu_in_one_line(capsys):
     sys.path.insert(0, str(REPO / "scripts"))
     sys.path.insert(0, str(REPO / "recipes"))
     import check_config
-    from common.preflight import Refusal
+    from common.launching.preflight import Refusal
 
     with pytest.raises(Refusal):
         check_config.check(CONFIGS / "fsdp_hybrid.yaml", "lora", num_processes=4, on_gpu=False)

@@ -11,8 +11,8 @@ import torch
 from conftest import REPO, TINY_MODEL
 
 sys.path.insert(0, str(REPO / "recipes"))
-from common import batches, checked_rows, data, formats, tokens  # noqa: E402
-from common.preflight import Refusal  # noqa: E402
+from common.data import batches, checked_rows, formats, preparation, tokens  # noqa: E402
+from common.launching.preflight import Refusal  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +117,7 @@ def test_packing_keeps_attention_inside_each_row(tokenizer):
     model = AutoModelForCausalLM.from_pretrained(TINY_MODEL, use_cache=False).eval()  # as the recipes load it
     rows = [{"instruction": "Sort: 3 1 2", "response": "1 2 3"}, {"instruction": "Copy: 7 7", "response": "7 7"},
             {"instruction": "Reverse: 1 2 3 4", "response": "4 3 2 1"}]
-    packed, _ = data.tokenize(datasets.Dataset.from_list(rows), tokenizer, max_length=512, packing=True)
+    packed, _ = preparation.tokenize(datasets.Dataset.from_list(rows), tokenizer, max_length=512, packing=True)
     assert len(packed) == 1
     batch = batches.PadToLongest(tokenizer.pad_token_id)([packed[0]])
     assert "attention_mask" not in batch
@@ -136,8 +136,8 @@ def test_packing_keeps_attention_inside_each_row(tokenizer):
 def test_packing_respects_max_length_and_keeps_every_target(tokenizer):
     train, _ = checked_rows.load_splits(None, seed=0)
     subset = train.select(range(200))
-    plain, _ = data.tokenize(subset, tokenizer, max_length=128)
-    packed, _ = data.tokenize(subset, tokenizer, max_length=128, packing=True)
+    plain, _ = preparation.tokenize(subset, tokenizer, max_length=128)
+    packed, _ = preparation.tokenize(subset, tokenizer, max_length=128, packing=True)
     assert len(packed) < len(plain) / 3
     assert max(len(ids) for ids in packed["input_ids"]) <= 128
     count = lambda rows: sum(label != batches.IGNORE for labels in rows["labels"] for label in labels)  # noqa: E731
@@ -148,7 +148,7 @@ def test_the_chat_template_travels_with_the_saved_tokenizer(tmp_path):
     """A tokenizer without a chat template gets the one chat rows are trained with, and keeps it when saved."""
     from transformers import AutoTokenizer
 
-    from common import modeling
+    from common.model import modeling
 
     tokenizer = modeling.load_tokenizer(str(TINY_MODEL))
     assert tokenizer.chat_template == formats.DEFAULT_CHAT_TEMPLATE

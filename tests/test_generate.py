@@ -13,7 +13,8 @@ from conftest import REPO, TINY_MODEL
 sys.path.insert(0, str(REPO / "scripts"))
 sys.path.insert(0, str(REPO / "recipes"))
 import generate  # noqa: E402
-from common import formats, modeling, tokens  # noqa: E402
+from common.data import formats, tokens  # noqa: E402
+from common.model import modeling  # noqa: E402
 
 
 @pytest.fixture(scope="module")

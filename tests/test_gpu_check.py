@@ -95,11 +95,12 @@ def test_a_part_past_its_time_is_interrupted_and_keeps_what_it_wrote(tmp_path, m
     """Ctrl-C first (pytest writes its junit XML on it), then the whole process group is killed."""
     monkeypatch.setattr(gpu_check, "STOP_GRACE_S", 2)
     script = tmp_path / "slow.py"
-    script.write_text("import signal, sys, time, subprocess\n"
+    script.write_text("import signal, sys, time, subprocess\n"  # the Ctrl-C handler first: a busy machine may be slow
+                      "def interrupted(*_):\n    open(sys.argv[2], 'w').write('interrupted')\n    time.sleep(600)\n"
+                      "signal.signal(signal.SIGINT, interrupted)\n"
                       "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
                       "open(sys.argv[1], 'w').write(str(child.pid))\n"
-                      "try:\n    time.sleep(600)\nexcept KeyboardInterrupt:\n"
-                      "    open(sys.argv[2], 'w').write('interrupted')\n    time.sleep(600)\n")
+                      "time.sleep(600)\n")
     pid_file, note = tmp_path / "pid", tmp_path / "note"
     with open(tmp_path / "log", "w") as log:  # 15 s: ample time to start, even on a busy machine
         result = gpu_check.run([sys.executable, str(script), str(pid_file), str(note)], log, timeout=15)

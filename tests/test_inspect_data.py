@@ -2,7 +2,7 @@
 
 Run in-process (its `main`) on the bundled data and on a generated multi-turn chat file, with the
 bundled tokenizer and the sentencepiece-style and byte-level fixture tokenizers: the JSON rows are
-the recipes' own tokenisation (`data.tokenize` called directly), dropped rows carry their reason,
+the recipes' own tokenisation (`preparation.tokenize` called directly), dropped rows carry their reason,
 and the printed rows bracket exactly the trained tokens. One launch as a user types it.
 """
 
@@ -19,8 +19,9 @@ import chat_fixtures as fixtures
 from conftest import REPO
 
 sys.path.insert(0, str(REPO / "recipes"))
-from common import batches, data, data_files, modeling  # noqa: E402
-from common.preflight import Refusal  # noqa: E402
+from common.data import batches, data_files, preparation  # noqa: E402
+from common.model import modeling  # noqa: E402
+from common.launching.preflight import Refusal  # noqa: E402
 
 SCRIPT = REPO / "scripts" / "inspect_data.py"
 # (fixture tokenizer, chat template family): None is the tokenizer's own (the bundled one has none,
@@ -70,12 +71,12 @@ def json_rows(capsys, *argv) -> list[dict]:
 
 
 def recipes_rows(dataset, folder, max_length: int) -> list[dict]:
-    """What the recipes train on, split by split in file order: data.tokenize on the rows as read."""
+    """What the recipes train on, split by split in file order: preparation.tokenize on the rows as read."""
     loaded, _ = data_files.read_splits(str(dataset) if dataset else None)
     tokenizer = modeling.load_tokenizer(str(folder))
     rows = []
     for name in sorted(loaded, key=lambda name: (name != "train", name)):
-        kept, _ = data.tokenize(loaded[name], tokenizer, max_length)
+        kept, _ = preparation.tokenize(loaded[name], tokenizer, max_length)
         rows += [{"input_ids": row["input_ids"], "labels": row["labels"]} for row in kept]
     return rows
 

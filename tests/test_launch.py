@@ -1,4 +1,4 @@
-"""The launch object (recipes/common/launch.py) and the loop's one collective per step
+"""The launch object (recipes/common/launching/launch.py) and the loop's one collective per step
 (runtime.StepSync), in-process.
 
 Every shipped config goes through accelerate's own launcher code (as scripts/check_config.py does)
@@ -22,12 +22,12 @@ sys.path.insert(0, str(REPO / "recipes"))
 sys.path.insert(0, str(REPO / "scripts"))
 import check_config  # noqa: E402
 import planner  # noqa: E402
-from common import launch as launch_module  # noqa: E402
-from common import preflight  # noqa: E402
-from common.args import parse_args, recipe_flags  # noqa: E402
-from common.formats import IGNORE  # noqa: E402
-from common.launch_config import adapt_launch  # noqa: E402
-from common.runtime import StepSync  # noqa: E402
+from common.launching import launch as launch_module  # noqa: E402
+from common.launching import preflight  # noqa: E402
+from common.launching.args import parse_args, recipe_flags  # noqa: E402
+from common.data.formats import IGNORE  # noqa: E402
+from common.launching.launch_config import adapt_launch  # noqa: E402
+from common.training.runtime import StepSync  # noqa: E402
 
 CONFIG_OF = {Path(file).name: strategy for strategy, file in planner.STRATEGIES.items()}  # file -> name
 

@@ -1,4 +1,4 @@
-"""The translations and refusals of recipes/common/launch_config.py, one case at a time (in-process).
+"""The translations and refusals of recipes/common/launching/launch_config.py, one case at a time (in-process).
 
 Each case starts from the environment `accelerate launch` would hand a recipe and checks what the
 recipe makes of it; the real launches of users' files are in test_user_configs.py.
@@ -14,9 +14,9 @@ import pytest
 from conftest import REPO
 
 sys.path.insert(0, str(REPO / "recipes"))
-from common import deepspeed_config, launch_config  # noqa: E402
-from common.args import parse_args, recipe_flags  # noqa: E402
-from common.preflight import Refusal  # noqa: E402
+from common.launching import deepspeed_config, launch_config  # noqa: E402
+from common.launching.args import parse_args, recipe_flags  # noqa: E402
+from common.launching.preflight import Refusal  # noqa: E402
 
 FSDP2_DEFAULTS = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_SHARDING_STRATEGY": "FULL_SHARD",
                   "FSDP_RESHARD_AFTER_FORWARD": "true", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4"}
@@ -303,7 +303,7 @@ def test_a_precision_given_as_a_bare_switch_names_the_block_form(tmp_path):
 
 
 def test_a_value_the_file_sets_is_refused_under_the_files_key(tmp_path):
-    from common.preflight import check_ranges
+    from common.launching.preflight import check_ranges
 
     _, args = adapt(deepspeed_env(tmp_path, {"gradient_clipping": 0.0}))
     with pytest.raises(Refusal, match=r"--max-grad-norm \(set by gradient_clipping in .*ds.json\) must be > 0"):

@@ -21,7 +21,7 @@ from conftest import REPO, TINY_MODEL
 from strategies import CPU_STRATEGIES, MERGED_IN, PLANNER_NAME, STEPS, matrix_cases
 
 sys.path.insert(0, str(REPO / "recipes"))
-from common.modeling import keep_4bit_weights_unpacked_on_cpu  # noqa: E402
+from common.model.modeling import keep_4bit_weights_unpacked_on_cpu  # noqa: E402
 
 def reload_logits(recipe: str, output_dir, input_ids, attention_mask) -> dict:
     """Logits of each saved artifact, reloaded the way a user would."""

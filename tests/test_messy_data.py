@@ -12,8 +12,8 @@ import pytest
 from conftest import REPO, TINY_MODEL
 
 sys.path.insert(0, str(REPO / "recipes"))
-from common import batches, checked_rows, data, data_files, formats, tokens  # noqa: E402
-from common.preflight import Refusal  # noqa: E402
+from common.data import batches, checked_rows, data_files, formats, preparation, tokens  # noqa: E402
+from common.launching.preflight import Refusal  # noqa: E402
 
 ROWS = [{"instruction": f"Say {i}", "response": f"ok {i}"} for i in range(20)]
 
@@ -75,7 +75,7 @@ def test_numbers_in_a_csv_answer_column_are_text(tmp_path, tokenizer):
     path = tmp_path / "numeric.CSV"
     path.write_text("question,answer\n" + "".join(f"What is {i}+0?,{i}\n" for i in range(20)))
     train, evaluation = checked_rows.load_splits(str(path), seed=0, columns="instruction=question,response=answer")
-    tokenized, fmt = data.tokenize(train, tokenizer, 64)
+    tokenized, fmt = preparation.tokenize(train, tokenizer, 64)
     assert fmt == "instruction" and len(tokenized) == len(train) == 19  # nothing dropped as "empty target"
     row = next(row for row in train if row["instruction"] == "What is 7+0?")
     assert row["response"] == "7"
@@ -135,7 +135,7 @@ def test_sharegpt_conversations_train_on_the_replies(tmp_path, tokenizer):
     path = tmp_path / "sharegpt.jsonl"
     path.write_text(jsonl(rows))
     train, _ = checked_rows.load_splits(str(path), seed=0)
-    tokenized, fmt = data.tokenize(train, tokenizer, 128)
+    tokenized, fmt = preparation.tokenize(train, tokenizer, 128)
     assert fmt == "messages" and len(tokenized) == len(train)
     reply = train[0]["messages"][-1]["value"]
     assert targets_of(tokenized[0], tokenizer).startswith(reply + tokenizer.eos_token)

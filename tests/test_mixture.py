@@ -15,8 +15,8 @@ import chat_fixtures as fixtures
 from conftest import REPO, assert_no_traceback_of_ours, launch
 
 sys.path.insert(0, str(REPO / "recipes"))
-from common import checked_rows, mixture  # noqa: E402
-from common.args import parse_args, recipe_flags  # noqa: E402
+from common.data import checked_rows, mixture  # noqa: E402
+from common.launching.args import parse_args, recipe_flags  # noqa: E402
 from common.refusal import Refusal  # noqa: E402
 
 

@@ -14,9 +14,9 @@ import torch
 from conftest import REPO, TINY_MODEL, launch, long_test
 
 sys.path.insert(0, str(REPO / "recipes"))
-from common import preflight  # noqa: E402
-from common.args import parse_args, recipe_flags  # noqa: E402
-from common.preflight import Refusal  # noqa: E402
+from common.launching import preflight  # noqa: E402
+from common.launching.args import parse_args, recipe_flags  # noqa: E402
+from common.launching.preflight import Refusal  # noqa: E402
 
 ROUTER_WEIGHT = 0.05
 

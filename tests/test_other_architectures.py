@@ -72,7 +72,7 @@ def test_a_model_without_logits_to_keep_gets_the_logits_asked_for():
     the positions it asks for (computed for every position, then kept)."""
     from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
-    from common import modeling
+    from common.model import modeling
 
     class NoLogitsToKeep(LlamaForCausalLM):
         def forward(self, input_ids=None, attention_mask=None, **kwargs):

@@ -11,7 +11,7 @@ import pytest
 from conftest import REPO
 
 sys.path.insert(0, str(REPO / "recipes"))
-from common import batches, packing  # noqa: E402
+from common.data import batches, packing  # noqa: E402
 
 
 def in_file_order(lengths, capacity: int) -> int:

@@ -16,11 +16,11 @@ import pytest
 from conftest import REPO, assert_the_refusal_ends_the_output, launch, long_test
 
 sys.path.insert(0, str(REPO / "recipes"))
-from common import preflight  # noqa: E402
-from common.args import parse_args, recipe_flags  # noqa: E402
-from common.launch import DDP, FSDP, Launch  # noqa: E402
-from common.pipeline_layout import PipelineLayout  # noqa: E402
-from common.preflight import Refusal  # noqa: E402
+from common.launching import preflight  # noqa: E402
+from common.launching.args import parse_args, recipe_flags  # noqa: E402
+from common.launching.launch import DDP, FSDP, Launch  # noqa: E402
+from common.model.pipeline_layout import PipelineLayout  # noqa: E402
+from common.launching.preflight import Refusal  # noqa: E402
 
 STEPS, GRAD_ACCUM, SAVE_EVERY = 3, 4, 2
 
@@ -143,7 +143,7 @@ def test_a_resumed_pipeline_continues_the_same_curve(runs, tmp_path):
     """Each stage's weights and optimizer state, the schedule and every rank's random state come back."""
     import shutil
 
-    from common import checkpoint
+    from common.outputs import checkpoint
 
     _, piped, common = runs(EVERY_RUN)
     saved = piped.output_dir / "checkpoints" / f"step-{SAVE_EVERY}"
@@ -212,7 +212,7 @@ def test_a_model_the_split_cannot_cut_is_named():
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from common.pipeline_layout import split_changes_the_forward, unstageable
+    from common.model.pipeline_layout import split_changes_the_forward, unstageable
 
     with init_empty_weights():
         gpt2 = AutoModelForCausalLM.from_config(AutoConfig.for_model("gpt2", n_layer=2))
@@ -289,9 +289,9 @@ def test_a_stage_reads_its_own_weights_as_the_whole_model_loads_them(dtype_name,
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from common.pipeline_layout import keep_stage
-    from common.model_config import empty_model
-    from common.stage_loading import load_stage
+    from common.model.pipeline_layout import keep_stage
+    from common.model.model_config import empty_model
+    from common.model.stage_loading import load_stage
 
     name = four_layers
     if shard:  # the same weights in several files named by an index
@@ -320,8 +320,8 @@ def test_a_model_with_tied_weights_loads_whole_then_is_cut(tmp_path):
     import torch
     from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM
 
-    from common.model_config import empty_model
-    from common.stage_loading import load_stage
+    from common.model.model_config import empty_model
+    from common.model.stage_loading import load_stage
 
     LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
                                  num_attention_heads=2, tie_word_embeddings=True)).save_pretrained(tmp_path)
@@ -335,7 +335,7 @@ def _generate_worker(rank: int, port: int, queue) -> None:
     import torch.distributed as dist
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from common.pipeline import Pipeline
+    from common.training.pipeline import Pipeline
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)

@@ -39,7 +39,7 @@ def counted_flops(method: str, checkpointing: int) -> int:
     from torch.utils.flop_counter import FlopCounterMode
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from common.modeling import checkpoint_activations
+    from common.model.modeling import checkpoint_activations
 
     config = json.loads((REPO / "data" / "tiny-llama-config.json").read_text())
     config["num_hidden_layers"] = 8

@@ -28,7 +28,7 @@ from strategies import CPU_STRATEGIES, PLANNER_NAME, matrix_cases
 
 sys.path.insert(0, str(REPO / "recipes"))
 import planner  # noqa: E402
-from common.runlog import MEMORY_KINDS  # noqa: E402
+from common.outputs.runlog import MEMORY_KINDS  # noqa: E402
 
 CONFIGS = ("ddp", "fsdp", "fsdp_grad_op", "fsdp_offload", "zero1", "zero2", "zero3", "zero3_offload")
 SHAPE = planner.load_shape("tiny-llama")

@@ -36,7 +36,7 @@ def load_plot_module():
 
 def write_run(folder: Path, losses: list[float], evals: dict[int, tuple[float, float]],
               run_json: dict | None = None, restart_at: int | None = None) -> Path:
-    """A metrics.jsonl as recipes/common/runlog.py writes it (and run.json when given).
+    """A metrics.jsonl as recipes/common/outputs/runlog.py writes it (and run.json when given).
 
     With `restart_at`, the process stops after the last step and a second one resumes from the
     checkpoint of step `restart_at`: steps after it are logged again, elapsed_s and tokens_seen

@@ -13,10 +13,10 @@ import pytest
 from conftest import CONFIGS, REPO, assert_no_traceback_of_ours, launch
 
 sys.path.insert(0, str(REPO / "recipes"))
-from common import preflight, settle  # noqa: E402
-from common.args import parse_args, recipe_flags  # noqa: E402
-from common.checked_rows import load_splits  # noqa: E402
-from common.preflight import Refusal  # noqa: E402
+from common.launching import preflight, settle  # noqa: E402
+from common.launching.args import parse_args, recipe_flags  # noqa: E402
+from common.data.checked_rows import load_splits  # noqa: E402
+from common.launching.preflight import Refusal  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

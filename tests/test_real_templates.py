@@ -29,7 +29,7 @@ import chat_fixtures as fixtures
 from conftest import REPO
 
 sys.path.insert(0, str(REPO / "recipes"))
-from common import batches, formats, tokens  # noqa: E402
+from common.data import batches, formats, tokens  # noqa: E402
 
 ROWS = 24  # per case; seeded, so every run checks the same rows
 PROPERTIES = ("inference_ids", "replies_trained", "prompts_masked", "stop_signal", "rows_kept")

@@ -14,7 +14,7 @@ from conftest import REPO, launch
 from strategies import CPU_STRATEGIES, STEPS, matrix_args
 
 sys.path.insert(0, str(REPO / "recipes"))
-from common.args import recipe_flags  # noqa: E402
+from common.launching.args import recipe_flags  # noqa: E402
 
 RECIPES = ["full", "lora", "qlora"]
 
@@ -115,7 +115,7 @@ def test_an_edited_loss_trains_under_every_strategy(config, trained, tmp_path):
 def test_evaluation_scores_with_the_recipes_loss():
     """eval_loss is the same quantity as the training loss: the recipe's token_losses, handed in."""
     import torch
-    from common.evaluation import batch_figures
+    from common.training.evaluation import batch_figures
     from lora import token_losses
 
     torch.manual_seed(0)

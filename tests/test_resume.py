@@ -39,7 +39,7 @@ def test_a_fresh_run_does_not_mix_into_an_older_metrics_file(tmp_path):
     """A fresh run starts metrics.jsonl anew; a resumed one keeps the lines up to its checkpoint's step."""
     from types import SimpleNamespace
 
-    from common.runlog import RunLog
+    from common.outputs.runlog import RunLog
 
     older = "".join(json.dumps({"type": "train", "step": step, "loss": 1.0}) + "\n" for step in range(1, 6))
     for first_step, kept in ((0, []), (3, [1, 2, 3])):

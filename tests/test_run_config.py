@@ -9,8 +9,8 @@ import pytest
 from conftest import REPO
 
 sys.path.insert(0, str(REPO / "recipes"))
-from common.args import parse_args, recipe_flags  # noqa: E402
-from common.preflight import Refusal  # noqa: E402
+from common.launching.args import parse_args, recipe_flags  # noqa: E402
+from common.launching.preflight import Refusal  # noqa: E402
 
 
 def parsed(tmp_path, text: str, *argv: str, recipe: str = "lora"):

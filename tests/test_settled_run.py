@@ -12,10 +12,10 @@ import pytest
 from conftest import REPO
 
 sys.path.insert(0, str(REPO / "recipes"))
-from common import batch_size, launch_config  # noqa: E402
-from common.args import parse_args, recipe_flags  # noqa: E402
-from common.launch import Launch  # noqa: E402
-from common.settled import Run  # noqa: E402
+from common.launching import batch_size, launch_config  # noqa: E402
+from common.launching.args import parse_args, recipe_flags  # noqa: E402
+from common.launching.launch import Launch  # noqa: E402
+from common.launching.settled import Run  # noqa: E402
 
 
 def test_a_settled_run_cannot_be_written():

@@ -15,7 +15,7 @@ from strategies import matrix_args
 sys.path.insert(0, str(REPO / "recipes"))
 sys.path.insert(0, str(REPO / "scripts"))
 import planner  # noqa: E402
-from common.args import recipe_parser  # noqa: E402
+from common.launching.args import recipe_parser  # noqa: E402
 
 
 def max_relative_difference(losses, reference) -> float:
@@ -45,7 +45,7 @@ def test_a_speed_option_keeps_the_loss_curve(trained, tmp_path, flags, tolerance
 def test_compile_layers_compiles_every_decoder_layer_in_place():
     from transformers import AutoModelForCausalLM
 
-    from common.modeling import compile_layers
+    from common.model.modeling import compile_layers
 
     model = AutoModelForCausalLM.from_pretrained(TINY_MODEL)
     names_before = [name for name, _ in model.named_parameters()]
@@ -59,7 +59,7 @@ def test_compile_layers_compiles_every_decoder_layer_in_place():
 def test_a_model_without_decoder_layers_is_compiled_whole_and_says_so(capsys):
     import torch
 
-    from common.modeling import compile_layers
+    from common.model.modeling import compile_layers
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
     compile_layers(model)

@@ -13,7 +13,8 @@ import chat_fixtures as fixtures
 from conftest import REPO, assert_no_traceback_of_ours, launch
 
 sys.path.insert(0, str(REPO / "recipes"))
-from common import batches, formats, modeling, tokens  # noqa: E402
+from common.data import batches, formats, tokens  # noqa: E402
+from common.model import modeling  # noqa: E402
 from common.refusal import Refusal  # noqa: E402
 
 
@@ -227,7 +228,7 @@ def test_the_next_role_token_ends_a_reply_and_eos_ends_the_last(tokenizer_name):
 
 
 def test_a_tokenizer_without_offsets_is_refused_in_one_line():
-    from common import targets
+    from common.data import targets
 
     class SlowTokenizer:
         is_fast = False

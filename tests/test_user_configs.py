@@ -24,7 +24,7 @@ from conftest import (REPO, assert_no_traceback_of_ours, assert_the_refusal_ends
 sys.path.insert(0, str(REPO / "scripts"))
 sys.path.insert(0, str(REPO / "recipes"))
 import check_config  # noqa: E402
-from common.preflight import Refusal  # noqa: E402
+from common.launching.preflight import Refusal  # noqa: E402
 
 FIXTURES = REPO / "tests" / "fixtures" / "user_configs"
 FP16_ON_CPU = "trains in fp16, which DeepSpeed cannot do on CPU"

@@ -1,4 +1,4 @@
-"""The supported range of library versions: the lowest ones (recipes/common/versions.py) agree with
+"""The supported range of library versions: the lowest ones (recipes/common/launching/versions.py) agree with
 requirements-lowest.txt, the pinned set is inside the range, and an older library is refused in one line
 before anything loads. (scripts/test_lowest_versions.sh runs the launches on the lowest versions.)"""
 
@@ -15,9 +15,9 @@ from packaging.version import Version
 from conftest import REPO
 
 sys.path.insert(0, str(REPO / "recipes"))
-from common import preflight, settle, versions  # noqa: E402
-from common.args import parse_args, recipe_flags  # noqa: E402
-from common.preflight import Refusal  # noqa: E402
+from common.launching import preflight, settle, versions  # noqa: E402
+from common.launching.args import parse_args, recipe_flags  # noqa: E402
+from common.launching.preflight import Refusal  # noqa: E402
 
 
 def pins(path) -> dict:

@@ -1,6 +1,6 @@
 """The benchmark behind scripts/benchmark.py, one job per module:
 
-- paths: the repository's folders; recipes/ on sys.path (planner's model shapes, common.formats' tokenisation)
+- paths: the repository's folders; recipes/ on sys.path (planner's model shapes, common.data.formats' tokenisation)
 - shapes: a model config's shape (planner.ModelShape)
 - workloads: the strategies and the reference workloads
 - reference: the published reference results, as rows beside ours

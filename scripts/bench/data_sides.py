@@ -11,7 +11,7 @@ the side's alone):
   (one per 20,000 texts, for memory), with character offsets: the least a data path that finds its
   targets by offsets can do.
 - recipes: recipes/lora.py's start-up up to its data (its flags, the launch checks, the
-  Accelerator), then `data.prepare` with the given tokenizer, timed between two barriers: files ->
+  Accelerator), then `preparation.prepare` with the given tokenizer, timed between two barriers: files ->
   checked rows -> tokens and labels -> (with --packing) packed sequences. Alone, or under
   `accelerate launch`. What it kept and packed is in the recipes' own data and packing lines.
 - trl: the file loaded with datasets and an SFTTrainer built on it, without training: TRL's own
@@ -43,7 +43,8 @@ def report(record: dict) -> None:
 
 
 def limit(file: Path, tokenizer_dir: Path) -> None:
-    from common import formats, modeling
+    from common.data import formats
+    from common.model import modeling
 
     tokenizer = modeling.load_tokenizer(str(tokenizer_dir))  # the template and pad token the recipes give it
     started = time.perf_counter()
@@ -69,15 +70,18 @@ def limit(file: Path, tokenizer_dir: Path) -> None:
 
 
 def recipes(tokenizer_dir: Path, recipe_argv: list[str]) -> None:
-    from common import args as cli
-    from common import data, modeling, runtime, settle
+    from common.launching import args as cli
+    from common.data import preparation
+    from common.launching import settle
+    from common.model import modeling
+    from common.training import runtime
 
     args, launch = settle.settle_launch(cli.parse_args(cli.recipe_flags("lora"), recipe_argv), recipe="lora")
     accelerator = runtime.make_accelerator(args, launch)
     tokenizer = modeling.load_tokenizer(str(tokenizer_dir), chat_template=args.chat_template)
     accelerator.wait_for_everyone()  # every rank starts the stage together
     started = time.perf_counter()
-    data.prepare(accelerator, tokenizer, args, launch)
+    preparation.prepare(accelerator, tokenizer, args, launch)
     accelerator.wait_for_everyone()  # the stage ends when the slowest rank is through it
     report({"rank": accelerator.process_index, "processes": accelerator.num_processes,
             "seconds": time.perf_counter() - started})
@@ -87,7 +91,7 @@ def recipes(tokenizer_dir: Path, recipe_argv: list[str]) -> None:
 def trl(file: Path, tokenizer_dir: Path, max_length: int, output_dir: Path) -> None:
     import datasets
     import pyarrow.compute as pc
-    from common import modeling
+    from common.model import modeling
     from transformers import AutoConfig, AutoModelForCausalLM
     from trl import SFTConfig, SFTTrainer
 

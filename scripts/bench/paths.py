@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "recipes"))  # planner (model shapes) and common.formats (tokenisation)
+sys.path.insert(0, str(REPO / "recipes"))  # planner (model shapes) and common.data.formats (tokenisation)
 
 TOKENIZER_DIR = REPO / "data" / "tokenizer"
 TINY_MODEL = REPO / "models" / "tiny-llama"

@@ -33,7 +33,7 @@ def ensure_data(folder: Path, rows: int, length: int, eval_rows: int = 16, seed:
         return folder
     from transformers import AutoTokenizer
 
-    from common.targets import tokenize_row
+    from common.data.targets import tokenize_row
 
     tokenizer = AutoTokenizer.from_pretrained(str(TOKENIZER_DIR))
     rng = random.Random(seed)

@@ -13,11 +13,11 @@ import json
 import os
 from pathlib import Path
 
+from ..refusal import refuse
+from ..strict_reading import DuplicateKey, mapping_without_repeats
 from .formats import TEXT_COLUMNS
-from .refusal import refuse
-from .strict_reading import DuplicateKey, mapping_without_repeats
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 DEFAULT_DATASET = REPO_ROOT / "data"
 
 FILE_LOADERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text", ".csv": "csv", ".tsv": "csv"}

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..refusal import refuse
 from .formats import (
     DEFAULT_CHAT_TEMPLATE,
     IGNORE,
@@ -33,7 +34,6 @@ from .formats import (
     split_prompt,
     tools_of,
 )
-from .refusal import refuse
 
 # Private-use characters: no template writes them and no row is expected to hold them.
 MARK_OPEN, MARK_CLOSE = "\ue000", "\ue001"

@@ -10,7 +10,7 @@ import torch
 
 import planner
 
-from .model_config import is_default_model
+from ..model.model_config import is_default_model
 
 
 def planner_inputs(args, recipe: str, launch) -> tuple:

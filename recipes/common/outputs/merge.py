@@ -1,6 +1,6 @@
 """Merge a LoRA adapter into its base model and save a plain transformers model.
 
-    python recipes/common/merge.py --base BASE --adapter OUT/adapter --output OUT/merged [--base-4bit] [--dtype bf16]
+    python recipes/common/outputs/merge.py --base BASE --adapter OUT/adapter --output OUT/merged [--base-4bit] [--dtype bf16]
 
 The recipes run this in a fresh process after training (a clean process needs no FSDP or
 ZeRO-3 collectives to load a model); it also works on its own, any time after a run. With
@@ -13,13 +13,13 @@ import sys
 from pathlib import Path
 
 if __name__ == "__main__":  # run as a script: the recipes' notice filter first, as in the recipes
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     import common.quiet  # noqa: F401
 
 import torch
 
-from common.args import SAVE_DTYPES
-from common.modeling import bits_config
+from common.launching.args import SAVE_DTYPES
+from common.model.modeling import bits_config
 
 
 def merge(base: str, adapter: str, output: str, base_4bit: bool = False, dtype: str = "auto") -> None:

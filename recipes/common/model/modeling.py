@@ -9,12 +9,11 @@ from pathlib import Path
 
 import torch
 
-from .formats import DEFAULT_CHAT_TEMPLATE
-from .launch import MODEL_PARALLEL, TENSOR_PARALLEL
+from ..data.formats import DEFAULT_CHAT_TEMPLATE
+from ..refusal import refuse
 from .model_config import (DEFAULT_MODEL, REPO_ROOT, default_model_needs_building, empty_model, is_default_model,
                            model_config_object)
 from .pipeline_layout import layout_of
-from .refusal import refuse
 from .stage_loading import load_stage, refuse_a_changed_forward
 
 def ensure_default_model(name: str, accelerator) -> None:
@@ -72,9 +71,9 @@ def load_model(name: str, accelerator, launch, *, frozen: bool, quantization=Non
     kwargs = dict(dtype=launch.float_dtype(frozen), use_safetensors=True, trust_remote_code=trust_remote_code)
     if attention is not None:
         kwargs["attn_implementation"] = attention
-    if launch.kind == MODEL_PARALLEL:
+    if launch.spreads_layers:
         kwargs["device_map"] = "auto"
-    if launch.kind == TENSOR_PARALLEL:
+    if launch.tensor_parallel > 1:
         from transformers.distributed import DistributedConfig
 
         sizes = dict(tp_size=launch.tensor_parallel)
@@ -83,7 +82,7 @@ def load_model(name: str, accelerator, launch, *, frozen: bool, quantization=Non
         kwargs["distributed_config"] = DistributedConfig(**sizes)
     if quantization is not None:
         kwargs["quantization_config"] = quantization
-        if not launch.shards_parameters and launch.kind != MODEL_PARALLEL:
+        if not launch.shards_parameters and not launch.spreads_layers:
             kwargs["device_map"] = {"": accelerator.device}
     model = None
     if launch.pipeline_stages > 1:  # each process reads only its stage's weights where the files allow

@@ -23,9 +23,9 @@ import math
 import torch
 import torch.distributed as dist
 
-from .batches import IGNORE
+from ..data.batches import IGNORE
+from ..model.pipeline_layout import PassThrough, PipelineLayout, decoder_of, keep_stage, layout_of
 from .evaluation import batch_figures
-from .pipeline_layout import PassThrough, PipelineLayout, decoder_of, keep_stage, layout_of
 
 
 class StageModule(torch.nn.Module):

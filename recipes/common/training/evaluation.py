@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from .batches import positions_with_targets
-from .formats import IGNORE
+from ..data.batches import positions_with_targets
+from ..data.formats import IGNORE
 
 
 @torch.no_grad()
@@ -47,12 +47,3 @@ def batch_figures(logits: torch.Tensor, labels: torch.Tensor, token_losses) -> t
     """(loss sum, target tokens, exact rows, rows) of a batch: logits at every position but the last."""
     per_row = row_figures(logits[:, :-1], labels, token_losses)
     return torch.cat([per_row.sum(0), per_row.new_tensor([per_row.shape[0]])]).double()
-
-
-@torch.no_grad()
-def probe_logits(model, batch: dict) -> torch.Tensor:
-    """Logits of the trained model on a fixed batch, to compare with the saved model reloaded."""
-    model.eval()
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.float().cpu()
-    model.train()
-    return logits

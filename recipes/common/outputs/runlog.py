@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from .deepspeed_config import schedule_settings
-from .modeling import parameter_counts
+from ..launching.deepspeed_config import schedule_settings
+from ..model.modeling import parameter_counts
 
 LIBRARIES = ("torch", "transformers", "accelerate", "peft", "datasets", "bitsandbytes", "deepspeed")
 

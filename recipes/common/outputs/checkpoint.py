@@ -20,9 +20,8 @@ from pathlib import Path
 
 import torch
 
-from .args import SAVE_DTYPES
-from .evaluation import probe_logits
-from .refusal import refuse
+from ..launching.args import SAVE_DTYPES
+from ..refusal import refuse
 
 STATE_FILE = "recipe_state.json"
 # What `accelerate launch` puts in the environment; the merge process must not inherit it.
@@ -361,6 +360,15 @@ def merge_adapter(accelerator, base_model: str, adapter, merged, base_4bit: bool
         clean_env = {k: v for k, v in os.environ.items() if not k.startswith(LAUNCH_ENV_PREFIXES)}
         subprocess.run(command + (["--base-4bit"] if base_4bit else []) + ["--dtype", dtype], check=True, env=clean_env)
     accelerator.wait_for_everyone()
+
+
+@torch.no_grad()
+def probe_logits(model, batch: dict) -> torch.Tensor:
+    """Logits of the trained model on a fixed batch, to compare with the saved model reloaded."""
+    model.eval()
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.float().cpu()
+    model.train()
+    return logits
 
 
 def save_probe(accelerator, model, stages, batch: dict, output_dir) -> None:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .refusal import refuse
+from ..refusal import refuse
 
 
 @dataclass(frozen=True)

@@ -20,11 +20,11 @@ import json
 import os
 from pathlib import Path
 
+from ..refusal import refuse
+from ..strict_reading import DuplicateKey, StrictLoader, mapping_without_repeats
 from .deepspeed_config import deepspeed_source, settle_deepspeed
 from .launch import number, tensor_parallel_size
-from .refusal import refuse
 from .settled import Run
-from .strict_reading import DuplicateKey, StrictLoader, mapping_without_repeats
 
 TRUE = ("true", "1", "yes", "on", "y", "t")
 FALSE = ("false", "0", "no", "off", "n", "f")

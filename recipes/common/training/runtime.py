@@ -21,9 +21,9 @@ from accelerate import Accelerator, DataLoaderConfiguration, DeepSpeedPlugin
 from accelerate.utils import (DistributedDataParallelKwargs, DistributedType, GradientAccumulationPlugin,
                                InitProcessGroupKwargs)
 
-from . import deepspeed_config
-from .launch import DEEPSPEED, FSDP, TENSOR_PARALLEL, Launch
-from .batches import target_tokens
+from ..data.batches import target_tokens
+from ..launching import deepspeed_config
+from ..launching.launch import DEEPSPEED, FSDP, TENSOR_PARALLEL, Launch
 
 # A rank that dies must not leave the others waiting forever in a collective.
 COLLECTIVE_TIMEOUT = timedelta(minutes=int(os.environ.get("RECIPES_COLLECTIVE_TIMEOUT_MIN", "30")))

@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .model_config import DEFAULT_MODEL
-from .refusal import refuse
+from ..model.model_config import DEFAULT_MODEL
+from ..refusal import refuse
+from ..strict_reading import DuplicateKey, StrictLoader
 from .settled import Run
-from .strict_reading import DuplicateKey, StrictLoader
 
 AUTO = "auto"
 

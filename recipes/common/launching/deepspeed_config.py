@@ -13,9 +13,9 @@ import difflib
 import json
 from pathlib import Path
 
-from .refusal import refuse
+from ..refusal import refuse
+from ..strict_reading import DuplicateKey, mapping_without_repeats
 from .settled import Run
-from .strict_reading import DuplicateKey, mapping_without_repeats
 
 # accelerate ignores these beside a `deepspeed_config_file` (and refuses with a long message).
 DEEPSPEED_FILE_CONFLICTS = ("gradient_accumulation_steps", "gradient_clipping", "zero_stage",

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch.utils.data import DataLoader
 
+from ..refusal import refuse
 from .formats import IGNORE
-from .refusal import refuse
 
 
 class PadToLongest:

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..refusal import refuse
 from .data_files import EVAL_SPLIT_NAMES, read_splits
 from .formats import FORMAT_KEYS, READ_COLUMNS, TEXT_COLUMNS, detect_format, filled_columns, row_problem
 from .mixture import Source, sources_of
-from .refusal import refuse
 
 
 @dataclass

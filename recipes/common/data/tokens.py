@@ -11,8 +11,8 @@ import os
 
 import numpy as np
 
+from ..refusal import refuse
 from .formats import IGNORE, detect_format, filled_columns
-from .refusal import refuse
 from .targets import NO_TOKENS, tokenize_row, tokenize_rows  # noqa: F401 (tokenize_row: one row, for scripts and tests)
 
 REPORT_COLUMNS = ["dropped", "needs", "cut", "eos_added", "stops", "boundary"]  # what the data line counts

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 
-from .refusal import refuse
+from ..refusal import refuse
 
 IGNORE = -100  # label of a token that is not a target (prompt, padding)
 PROMPT_TEMPLATE = "### Instruction:\n{instruction}\n\n### Response:\n"

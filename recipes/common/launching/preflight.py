@@ -15,13 +15,13 @@ from pathlib import Path
 
 import planner
 
+from ..data.mixture import sources_of
+from ..model.model_config import is_default_model, meta_model, module_kinds, quantizable_weights
+from ..model.pipeline_layout import check_layout, unstageable
+from ..refusal import Refusal, refuse  # noqa: F401  (preflight.refuse and preflight.Refusal, as the recipes and tests use them)
 from .args import lora_targets
 from .launch import DDP, FSDP
 from .memory_plan import size
-from .mixture import sources_of
-from .model_config import is_default_model, meta_model, module_kinds, quantizable_weights
-from .pipeline_layout import check_layout, unstageable
-from .refusal import Refusal, refuse  # noqa: F401  (preflight.refuse and preflight.Refusal, as the recipes and tests use them)
 from .versions import too_old
 
 
@@ -391,7 +391,7 @@ def model_config(model: str) -> dict | None:
 
     path = Path(model) / "config.json"
     if is_default_model(model) and not path.is_file():
-        path = Path(__file__).resolve().parents[2] / "data" / "tiny-llama-config.json"
+        path = Path(__file__).resolve().parents[3] / "data" / "tiny-llama-config.json"
     return json.loads(path.read_text()) if path.is_file() else None
 
 

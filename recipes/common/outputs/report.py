@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from .formats import IGNORE
+from ..data.formats import IGNORE
 
 
 @torch.no_grad()

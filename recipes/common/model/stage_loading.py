@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
+from ..refusal import refuse
 from .pipeline_layout import PassThrough, PipelineLayout, decoder_of, keep_stage, split_changes_the_forward
-from .refusal import refuse
 
 
 def refuse_a_changed_forward(model) -> None:

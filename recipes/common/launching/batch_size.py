@@ -17,10 +17,10 @@ import torch
 
 import planner
 
+from ..refusal import refuse
 from .args import AUTO
 from .launch import DEEPSPEED
 from .memory_plan import planner_inputs
-from .refusal import refuse
 from .settled import Run
 
 

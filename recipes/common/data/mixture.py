@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from .refusal import refuse
+from ..refusal import refuse
 
 
 @dataclass(frozen=True)

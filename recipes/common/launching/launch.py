@@ -18,8 +18,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from ..refusal import refuse
 from .deepspeed_config import deepspeed_source
-from .refusal import refuse
 
 # launch.kind values
 SINGLE = "single"  # one process on one device (CPU, or one GPU)
@@ -45,6 +45,11 @@ class Launch:
     tensor_parallel: int = 1  # ranks that split each layer's weights (and see the same batches)
     pipeline_stages: int = 1  # --pipeline-stages: ranks that each run a part of the layers on the same batches
     pipeline_chunks: int = 1  # parts of the layers each of them runs (the interleaved schedule's --pipeline-chunks)
+
+    @property
+    def spreads_layers(self) -> bool:
+        """Model parallel: one process, the layers spread over the GPUs it sees (the model loads so)."""
+        return self.kind == MODEL_PARALLEL
 
     @property
     def shards_parameters(self) -> bool:
