@@ -131,6 +131,8 @@ def main():
     model.train()
     # The loop's collectives; SIGTERM / Ctrl-C stop it at the end of a step (a pipeline's last stage counts its tokens).
     sync = runtime.StepSync(accelerator, counts_tokens=stages.counts_tokens() if stages else True)
+    # Clipping the norm of the whole model's gradient (under a pipeline: every stage's part of it).
+    clip_grad_norm = stages.clip_grad_norm if stages else accelerator.clip_grad_norm_
     log.start(start_step, total_steps)
     steps = batches.optimizer_steps(train_loader, run.grad_accum, start_step)
     epoch, micro_batches = next(steps)
@@ -169,10 +171,7 @@ def main():
                         objective = objective + router_weight * router_loss
                         step_router_loss += router_loss.detach()
                     accelerator.backward(objective)
-        if stages:  # a pipeline: the norm of the whole model's gradient, every stage's part
-            grad_norm = stages.clip_grad_norm(parameters, run.max_grad_norm)
-        else:
-            grad_norm = accelerator.clip_grad_norm_(parameters, run.max_grad_norm)
+        grad_norm = clip_grad_norm(parameters, run.max_grad_norm)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad()

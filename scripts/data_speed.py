@@ -20,7 +20,7 @@ memory per rank and the largest of its tokenising workers' read from /proc while
   limit              every row rendered once, then one batched call of the fast tokenizer over all
                      texts with offsets (all cores: TOKENIZERS_PARALLELISM=true; a call per 20,000
                      rows past that, or 200,000 character-level rows would take ~30 GB). The floor.
-  recipes-1          recipes/lora.py's data stage (data.prepare) in one process: `cold` with an
+  recipes-1          recipes/lora.py's data stage (preparation.prepare) in one process: `cold` with an
                      empty datasets cache (it tokenises), then `cached` with that cache (a rerun).
   recipes-2          the same under `accelerate launch --num_processes 2` (ddp.yaml, gloo on CPU).
   packed             recipes-2 with --packing (on recipes-2's cache when it ran: it packs, the
@@ -29,7 +29,7 @@ memory per rank and the largest of its tokenising workers' read from /proc while
                      prompt/completion), max_length the same, no training; cold datasets cache. With
                      TRL's defaults a chat row trains on every token (its assistant-only loss needs
                      a template with generation marks): it finds no replies, less work than ours.
-Per side: rows, rows kept, seconds (median of --repeats; the recipes' sides time data.prepare
+Per side: rows, rows kept, seconds (median of --repeats; the recipes' sides time preparation.prepare
 between two barriers, the others from reading the file to the prepared set), rows/s, x the limit,
 peak RSS (MiB) per rank, and the datasets cache files the run wrote (a cached run writes none).
 

@@ -38,9 +38,12 @@ sys.path.insert(0, sys.argv[1])
 import datasets
 from transformers import AutoTokenizer
 try:
-    from common.data import tokens as data_path  # since the data path was split into stages
+    from common.data import tokens as data_path  # since recipes/common/ has packages
 except ImportError:
-    from common.data import preparation as data_path
+    try:
+        from common import tokens as data_path  # since the data path was split into stages
+    except ImportError:
+        from common import data as data_path
 datasets.disable_caching()
 datasets.disable_progress_bars()
 rows = datasets.load_dataset("json", data_files=sys.argv[2], split="train")

@@ -75,7 +75,7 @@ def test_the_draw_is_the_seeds_and_the_sources_place():
 
 def test_the_draw_is_the_same_in_another_process():
     """Every rank draws for itself: a process with another hash seed draws the same rows."""
-    code = ("import sys; sys.path.insert(0, 'recipes'); import datasets; from common import mixture; "
+    code = ("import sys; sys.path.insert(0, 'recipes'); import datasets; from common.data import mixture; "
             "rows = datasets.Dataset.from_dict({'i': list(range(1000))}); "
             "print(list(mixture.draw(rows, mixture.Source('a', 0.3), 2, seed=7)['i']))")
     drawn = [subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True,

@@ -82,7 +82,6 @@ def check_pipeline(args, recipe: str, launch):
         return launch
     from dataclasses import replace
 
-
     if launch.kind != DDP:
         refuse("--pipeline-stages runs on a plain multi-process launch (accelerate_configs/pipeline.yaml), not on "
                f"{launch.name}; FSDP, DeepSpeed or tensor parallel within a stage are not built")
@@ -212,7 +211,6 @@ def check_lora_split(args, plan: dict) -> None:
     (split by the model class's own plan, with its output gathered) fails the same way."""
     from importlib.metadata import version
 
-
     styles = {}
     for name, style in plan.items():
         styles.setdefault(name.rsplit(".", 1)[-1], set()).add(style)
@@ -304,7 +302,6 @@ def adapter_dropout(args) -> float:
 
     from accelerate import init_empty_weights
     from peft import LoraConfig, get_peft_model
-
 
     def build(dropout: float) -> None:
         model = meta_model(args.model, args.trust_remote_code)

@@ -31,7 +31,6 @@ def load_tokenizer(name: str, trust_remote_code: bool = False, chat_template: st
     else its own, else the plain default."""
     from transformers import AutoTokenizer
 
-
     template = None
     if chat_template:
         try:
@@ -107,7 +106,6 @@ def load_pipeline_stage(name: str, accelerator, launch, kwargs: dict, quantized:
     (said once) where the whole model must load first, as for every other strategy, and be cut after.
     Either way the stages' forward is checked first (a refusal before any weight loads)."""
     from transformers import AutoConfig
-
 
     trust, attention = kwargs["trust_remote_code"], kwargs.get("attn_implementation")
     config = model_config_object(name, trust) or AutoConfig.from_pretrained(name, trust_remote_code=trust)
