@@ -1,5 +1,5 @@
 """Peak memory of loading one pipeline stage: the whole model loaded then cut (every other strategy's
-load) against the stage's weights alone read from the files (`common.stage_loading`), each in a fresh
+load) against the stage's weights alone read from the files (`common.model.stage_loading`), each in a fresh
 process, for every stage.
 
     python scripts/pipeline_loading.py --build /tmp/llama-0.8b --layers 16 --hidden 2048 --stages 4
