@@ -45,6 +45,9 @@ class Launch:
     tensor_parallel: int = 1  # ranks that split each layer's weights (and see the same batches)
     pipeline_stages: int = 1  # --pipeline-stages: ranks that each run a part of the layers on the same batches
     pipeline_chunks: int = 1  # parts of the layers each of them runs (the interleaved schedule's --pipeline-chunks)
+    # FSDP's fsdp_cpu_ram_efficient_loading: only the main process reads the weights into host RAM; the
+    # others build the model on the meta device and receive their shards from it in accelerator.prepare
+    main_process_loads: bool = False
 
     @property
     def spreads_layers(self) -> bool:
@@ -140,6 +143,7 @@ def describe(env=None, on_gpu: bool | None = None) -> Launch:
                       offload_optimizer=(zero.get("offload_optimizer") or {}).get("device", "none") != "none")
     if flag(env, "ACCELERATE_USE_FSDP"):
         return Launch(FSDP, **common, offload_parameters=flag(env, "FSDP_OFFLOAD_PARAMS"),
+                      main_process_loads=flag(env, "FSDP_CPU_RAM_EFFICIENT_LOADING"),
                       reshard_after_forward=env.get("FSDP_RESHARD_AFTER_FORWARD", "true").lower() != "false",
                       replicas=int(env.get("PARALLELISM_CONFIG_DP_REPLICATE_SIZE", "1")))
     if common["processes"] > 1:

@@ -44,13 +44,14 @@ def meta_model(name: str, trust_remote_code: bool = False):
         return None
 
 
-def empty_model(config, trust_remote_code: bool = False, attention: str | None = None):
-    """The model of `config` with its parameters on the meta device and its buffers (the rotary
-    frequencies) computed as usual."""
+def empty_model(config, trust_remote_code: bool = False, attention: str | None = None, dtype=None):
+    """The model of `config` with its parameters on the meta device (in `dtype`; default: the config's) and
+    its buffers (the rotary frequencies) computed as usual."""
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
 
     extra = {"attn_implementation": attention} if attention else {}
+    extra.update({"dtype": dtype} if dtype is not None else {})
     with init_empty_weights(include_buffers=False):
         return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code, **extra)
 

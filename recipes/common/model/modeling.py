@@ -63,6 +63,8 @@ def load_model(name: str, accelerator, launch, *, frozen: bool, quantization=Non
     - quantised weights under DDP / ZeRO-1/2: each process loads its own copy on its device;
     - tensor parallel (with FSDP across the groups): transformers splits (and shards) the layers as
       they load, over the launch's processes;
+    - FSDP with `fsdp_cpu_ram_efficient_loading` (fsdp.yaml): the main process alone reads the weights;
+      the others build the model on the meta device, and `accelerator.prepare` sends each its shards;
     - everything else loads on CPU and `accelerator.prepare` places or shards it.
     """
     from transformers import AutoModelForCausalLM
@@ -86,6 +88,9 @@ def load_model(name: str, accelerator, launch, *, frozen: bool, quantization=Non
     model = None
     if launch.pipeline_stages > 1:  # each process reads only its stage's weights where the files allow
         model = load_pipeline_stage(name, accelerator, launch, kwargs, quantized=quantization is not None)
+    if launch.main_process_loads and quantization is None and not accelerator.is_main_process:
+        # one copy of the weights in host RAM, not one per process (4-bit weights are quantized as each loads)
+        model = shape_only(name, kwargs)
     if model is None:
         model = AutoModelForCausalLM.from_pretrained(name, **kwargs)
     if quantization is not None and not quantized_weights(model):  # preflight's check, confirmed on what loaded
@@ -98,6 +103,28 @@ def load_model(name: str, accelerator, launch, *, frozen: bool, quantization=Non
 
         apply_liger_kernel(model, None)
     accept_logits_to_keep(model)
+    return model
+
+
+def shape_only(name: str, kwargs: dict):
+    """Model `name` as from_pretrained with `kwargs` builds it, its weights left unread: each parameter an
+    uninitialised tensor (address space the process never touches, so no memory), which
+    `accelerator.prepare` fills with this process's shards of the main process's weights. Not the meta
+    device: accelerate tells the optimizer's parameters apart by their addresses."""
+    from transformers import AutoConfig
+
+    trust = kwargs["trust_remote_code"]
+    config = model_config_object(name, trust) or AutoConfig.from_pretrained(name, trust_remote_code=trust)
+    model = empty_model(config, trust, kwargs.get("attn_implementation"), dtype=kwargs["dtype"])
+    unread = {}  # one tensor per parameter, tied ones included
+    for module in model.modules():
+        for key, param in module._parameters.items():
+            if param is not None:
+                if id(param) not in unread:
+                    unread[id(param)] = torch.nn.Parameter(torch.empty_like(param, device="cpu"),
+                                                           requires_grad=param.requires_grad)
+                module._parameters[key] = unread[id(param)]
+    model.eval()  # as from_pretrained leaves it
     return model
 
 

@@ -163,6 +163,7 @@ class RunLog:
         ran = what_ran(self.accelerator, model)
         self.model = model
         self.held_parameters = counts["held_by_this_rank"]
+        self.host_peak_at_start = host_peak_bytes()  # loaded and prepared: what loading needed of the host's RAM
         self.held_at_first_step = None
         self.record = {
             "recipe": self.recipe,
@@ -222,12 +223,14 @@ class RunLog:
         """Gather what each rank holds (parameters; bytes of weights, gradients, optimizer state at the
         first optimizer step) into run.json. A collective: every rank must call it, at the same step."""
         held = self.held_at_first_step or held_bytes(self.model, self.inner_optimizer)  # fp16 can skip one
-        local = torch.tensor([[self.held_parameters] + [held[k] for k in MEMORY_KINDS] + [host_peak_bytes()]],
+        local = torch.tensor([[self.held_parameters] + [held[k] for k in MEMORY_KINDS]
+                              + [self.host_peak_at_start, host_peak_bytes()]],
                              dtype=torch.float64, device=self.accelerator.device)
         rows = self.accelerator.gather(local).tolist()
         self.record["parameters"]["held_by_rank"] = [int(row[0]) for row in rows]
-        self.record["memory_by_rank"] = [dict(zip(MEMORY_KINDS, map(int, row[1:-1]))) for row in rows]
-        self.record["host_peak_gib_by_rank"] = [round(row[-1] / 2**30, 3) for row in rows]
+        self.record["memory_by_rank"] = [dict(zip(MEMORY_KINDS, map(int, row[1:-2]))) for row in rows]
+        self.record["host_peak_at_start_gib_by_rank"] = [round(row[-2] / 2**30, 3) for row in rows]  # loading
+        self.record["host_peak_gib_by_rank"] = [round(row[-1] / 2**30, 3) for row in rows]  # and the first step
         if self.main:
             self.save_record()
 

@@ -129,9 +129,6 @@ def enable_fsdp_on_cpu(accelerator: Accelerator) -> None:
     if isinstance(plugin.cpu_offload, CPUOffloadPolicy):
         # Pinned memory needs a GPU.
         plugin.cpu_offload = CPUOffloadPolicy(pin_memory=False)
-    # On CPU every rank loads the weights itself; rank-0 loading relies on GPU broadcasts.
-    plugin.cpu_ram_efficient_loading = False
-    os.environ["FSDP_CPU_RAM_EFFICIENT_LOADING"] = "false"
     if accelerator.mixed_precision != "no":
         plugin.set_mixed_precision(accelerator.mixed_precision)
     state = AcceleratorState()

@@ -1,0 +1,148 @@
+"""Host RAM at load, per rank, under each sharded config against DDP's replica, through the real launcher.
+
+    python scripts/load_memory.py --build /tmp/llama-0.8b --out results/<date>_cpu_load-memory
+    python scripts/load_memory.py --model PATH --out DIR [--launches ddp:2 fsdp:2 fsdp:4 zero3:2 ...]
+
+Each launch runs recipes/lora.py up to the end of its first optimizer step (a micro-batch of one 64-token
+row, fp32 on CPU processes), then is stopped. Each rank's peak resident memory from its start to the
+recipe's start-up line (the model loaded and prepared) is run.json's `host_peak_at_start_gib_by_rank`; the
+peak with the first step too (`host_peak_gib_by_rank`) is kept beside it. The seconds are from the launch to
+that start-up line (reading, loading, preparing).
+`fsdp-every-rank` is fsdp.yaml with fsdp_cpu_ram_efficient_loading off: every process reads the whole
+model, as every FSDP launch did before the main process alone read it; it runs beside `fsdp` in the same
+call. --build writes a random Llama of about 0.78B parameters (bfloat16 safetensors, the bundled
+tokenizer) first.
+Writes results.json and results.md to --out; run it under ../shared/tools/capped where memory is short.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "scripts"))
+from pipeline_loading import build  # noqa: E402  (the same random Llama)
+
+CONFIGS = {"ddp": "ddp.yaml", "fsdp": "fsdp.yaml", "fsdp_grad_op": "fsdp_grad_op.yaml",
+           "fsdp_offload": "fsdp_offload.yaml", "zero3": "zero3.yaml", "zero3_offload": "zero3_offload.yaml",
+           "fsdp-every-rank": "fsdp.yaml"}
+DEFAULT_LAUNCHES = ["ddp:2", "fsdp-every-rank:2", "fsdp:2", "fsdp_grad_op:2", "fsdp_offload:2", "zero3:2",
+                    "fsdp:4", "zero3:4"]
+STARTED = "lora: "  # the recipe's start-up line, once the model is loaded and prepared
+
+
+def config_file(name: str, folder: Path) -> Path:
+    path = REPO / "accelerate_configs" / CONFIGS[name]
+    if name != "fsdp-every-rank":
+        return path
+    copy = folder / "fsdp_every_rank.yaml"
+    copy.write_text(path.read_text().replace("fsdp_cpu_ram_efficient_loading: true",
+                                             "fsdp_cpu_ram_efficient_loading: false"))
+    return copy
+
+
+def recorded(path: Path) -> dict:
+    """run.json as written so far ({} while it is missing or half written)."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def stop(process: subprocess.Popen, output: Path) -> None:
+    """SIGKILL to the launcher and to every rank it started (the ranks run in sessions of their own, so they
+    are found by their --output-dir); not SIGTERM, on which the recipe would save a checkpoint first."""
+    for pid in [int(entry.name) for entry in Path("/proc").iterdir() if entry.name.isdigit()]:
+        try:
+            if str(output) in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace"):
+                os.kill(pid, signal.SIGKILL)
+        except (OSError, ProcessLookupError):
+            pass
+    process.wait()
+
+
+def launch(name: str, processes: int, model: str, dataset: Path, folder: Path) -> dict:
+    output = folder / f"{name}-{processes}"
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config_file(name, folder)),
+               "--num_processes", str(processes), "--mixed_precision", "no", str(REPO / "recipes" / "lora.py"),
+               "--model", model, "--dataset", str(dataset), "--output-dir", str(output), "--max-steps", "1",
+               "--batch-size", "1", "--max-length", "64", "--log-every", "1", "--report-to", "none"]
+    began = time.perf_counter()
+    log = folder / f"{name}-{processes}.log"
+    with open(log, "w") as sink:
+        process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, text=True, cwd=REPO,
+                                   env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
+    started = None
+    while True:  # until run.json holds each rank's peak (after the first step): the rest of the run is not measured
+        time.sleep(0.25)
+        text = log.read_text()
+        if started is None and any(line.startswith(STARTED) for line in text.splitlines()):
+            started = time.perf_counter() - began
+        ran = recorded(output / "run.json")
+        if process.poll() is not None or "host_peak_gib_by_rank" in ran:
+            break
+    stop(process, output)
+    if "host_peak_gib_by_rank" not in ran:
+        raise SystemExit(f"{name} x {processes} failed:\n{text[-3000:]}")
+    return {"launch": name, "processes": processes, "load_peak_gib_by_rank": ran["host_peak_at_start_gib_by_rank"],
+            "with_first_step_gib_by_rank": ran["host_peak_gib_by_rank"],
+            "seconds_to_start": round(started, 1), "main_process_loads": ran["launch"]["main_process_loads"],
+            "distributed_type": ran["distributed_type"]}
+
+
+def table(rows: list[dict]) -> str:
+    replica = max(next(row for row in rows if row["launch"] == "ddp")["load_peak_gib_by_rank"])
+    lines = ["| launch | processes | peak host RAM per rank at load (GiB) | largest / DDP replica | others / DDP replica "
+             "| seconds to start |", "|---|---|---|---|---|---|"]
+    for row in rows:
+        peaks = row["load_peak_gib_by_rank"]
+        largest, others = max(peaks), sorted(peaks)[:-1]
+        lines.append(f"| {row['launch']} | {row['processes']} | {' / '.join(f'{p:.2f}' for p in peaks)} | "
+                     f"{largest / replica:.0%} | {max(others) / replica:.0%} | {row['seconds_to_start']} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="a local model folder")
+    parser.add_argument("--build", type=Path, default=None, help="write a random ~0.78B Llama here first")
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--launches", nargs="+", default=DEFAULT_LAUNCHES, help="CONFIG:PROCESSES (ddp first)")
+    args = parser.parse_args(argv)
+    if args.build:
+        if not (args.build / "config.json").exists():
+            build(args.build, layers=27, hidden=1536)
+        for file in (REPO / "data" / "tokenizer").iterdir():  # the bundled tokenizer (301 tokens of its 32,000)
+            shutil.copy(file, args.build / file.name)
+        args.model = str(args.build)
+    if not args.model:
+        parser.error("give --model or --build")
+    args.out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    with tempfile.TemporaryDirectory() as scratch:
+        folder = Path(scratch)
+        dataset = folder / "rows.jsonl"
+        dataset.write_text("".join(json.dumps({"instruction": f"Say {i}", "response": str(i)}) + "\n"
+                                   for i in range(64)))
+        for spec in args.launches:
+            name, processes = spec.split(":")
+            rows.append(launch(name, int(processes), args.model, dataset, folder))
+            print(json.dumps(rows[-1]), flush=True)
+    (args.out / "results.json").write_text(json.dumps({"model": args.model, "launches": rows}, indent=2) + "\n")
+    (args.out / "results.md").write_text(table(rows) + "\n")
+    print(table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
