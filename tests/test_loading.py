@@ -8,6 +8,7 @@ import pytest
 from safetensors.torch import load_file
 
 from conftest import CONFIGS, launch, long_test
+from test_other_architectures import build
 
 ARGS = ("--max-steps", "3", "--batch-size", "2", "--eval-every", "3", "--log-every", "1")
 
@@ -21,11 +22,16 @@ def every_rank_reads(tmp_path) -> str:
     return str(path)
 
 
-@pytest.mark.parametrize("recipe", ["lora", pytest.param("full", marks=long_test)])
-def test_the_main_process_alone_reads_the_weights_and_the_run_is_the_same(recipe, tmp_path):
-    once = launch(recipe, tmp_path / "once", *ARGS, config="fsdp")
+@pytest.mark.parametrize("recipe, model", [("lora", None), ("lora", "gpt2"), pytest.param("full", None, marks=long_test)])
+def test_the_main_process_alone_reads_the_weights_and_the_run_is_the_same(recipe, model, tmp_path):
+    """The bundled Llama, and GPT-2 (its LM head is its embedding: the tie survives the unread build)."""
+    extra = ()
+    if model:
+        build(model, tmp_path / model)
+        extra = ("--model", str(tmp_path / model))
+    once = launch(recipe, tmp_path / "once", *ARGS, *extra, config="fsdp")
     assert once.returncode == 0, once.output[-3000:]
-    every = launch(recipe, tmp_path / "every", *ARGS, config=every_rank_reads(tmp_path))
+    every = launch(recipe, tmp_path / "every", *ARGS, *extra, config=every_rank_reads(tmp_path))
     assert every.returncode == 0, every.output[-3000:]
     assert once.run_json()["launch"]["main_process_loads"] is True
     assert every.run_json()["launch"]["main_process_loads"] is False

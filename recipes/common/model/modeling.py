@@ -124,6 +124,7 @@ def shape_only(name: str, kwargs: dict):
                     unread[id(param)] = torch.nn.Parameter(torch.empty_like(param, device="cpu"),
                                                            requires_grad=param.requires_grad)
                 module._parameters[key] = unread[id(param)]
+    model.tie_weights()  # as from_pretrained ties them (an LM head that is the embedding, GPT-2's)
     model.eval()  # as from_pretrained leaves it
     return model
 
