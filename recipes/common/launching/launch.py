@@ -46,7 +46,7 @@ class Launch:
     pipeline_stages: int = 1  # --pipeline-stages: ranks that each run a part of the layers on the same batches
     pipeline_chunks: int = 1  # parts of the layers each of them runs (the interleaved schedule's --pipeline-chunks)
     # FSDP's fsdp_cpu_ram_efficient_loading: only the main process reads the weights into host RAM; the
-    # others build the model on the meta device and receive their shards from it in accelerator.prepare
+    # others build the model with unread weights and receive their shards from it in accelerator.prepare
     main_process_loads: bool = False
 
     @property
@@ -121,7 +121,7 @@ def number(env, name: str, default: int = 1) -> int:
 
 
 def tensor_parallel_size(env) -> int:
-    if env.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() != "true":
+    if not flag(env, "ACCELERATE_USE_PARALLELISM_CONFIG"):
         return 1
     return number(env, "PARALLELISM_CONFIG_TP_SIZE")
 

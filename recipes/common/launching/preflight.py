@@ -21,12 +21,9 @@ from ..model.pipeline_layout import check_layout, unstageable
 from ..refusal import Refusal, refuse  # noqa: F401  (preflight.refuse and preflight.Refusal, as the recipes and tests use them)
 from .args import lora_targets
 from .launch import DDP, FSDP
+from .launch import flag as env_flag  # (`flag` names the flags in the checks below)
 from .memory_plan import size
 from .versions import too_old
-
-
-def env_flag(name: str) -> bool:
-    return os.environ.get(name, "false").lower() == "true"
 
 
 def check_versions() -> None:
@@ -126,7 +123,7 @@ def check_strategy(args, recipe: str, launch) -> None:
     if recipe == "qlora" and getattr(args, "bits", 4) == 8 and fsdp:
         refuse("8-bit weights cannot be sharded by FSDP; use --bits 4 (QLoRA) with fsdp.yaml, or "
                "8-bit with accelerate_configs/ddp.yaml or zero3.yaml")
-    if fsdp and env_flag("FSDP_ACTIVATION_CHECKPOINTING") and args.gradient_checkpointing:
+    if fsdp and env_flag(os.environ, "FSDP_ACTIVATION_CHECKPOINTING") and args.gradient_checkpointing:
         refuse("activation checkpointing is asked twice (fsdp_activation_checkpointing in the "
                "accelerate config and --gradient-checkpointing); keep one of them")
     if fsdp:

@@ -11,6 +11,7 @@ source, in `settled_from` (run.json's `arguments` shows it).
 from __future__ import annotations
 
 import argparse
+import copy
 
 # What a run holds besides its flags, each filled by the step named:
 RECORDS = {
@@ -26,7 +27,7 @@ class Run(argparse.Namespace):
     """A launch's settings, read-only: `run.lr` is the learning rate that trains, whatever set it."""
 
     def __init__(self, **values):
-        for name, value in {**RECORDS, **values}.items():
+        for name, value in {**copy.deepcopy(RECORDS), **values}.items():  # no default shared between runs
             object.__setattr__(self, name, value)
 
     @classmethod

@@ -106,16 +106,21 @@ def load_model(name: str, accelerator, launch, *, frozen: bool, quantization=Non
     return model
 
 
+def pretrained_config(name: str, trust_remote_code: bool):
+    """Model `name`'s config as from_pretrained reads it (the checks' cached copy where they read one)."""
+    from transformers import AutoConfig
+
+    return model_config_object(name, trust_remote_code) or AutoConfig.from_pretrained(
+        name, trust_remote_code=trust_remote_code)
+
+
 def shape_only(name: str, kwargs: dict):
     """Model `name` as from_pretrained with `kwargs` builds it, its weights left unread: each parameter an
     uninitialised tensor (address space the process never touches, so no memory), which
     `accelerator.prepare` fills with this process's shards of the main process's weights. Not the meta
     device: accelerate tells the optimizer's parameters apart by their addresses."""
-    from transformers import AutoConfig
-
     trust = kwargs["trust_remote_code"]
-    config = model_config_object(name, trust) or AutoConfig.from_pretrained(name, trust_remote_code=trust)
-    model = empty_model(config, trust, kwargs.get("attn_implementation"), dtype=kwargs["dtype"])
+    model = empty_model(pretrained_config(name, trust), trust, kwargs.get("attn_implementation"), dtype=kwargs["dtype"])
     unread = {}  # one tensor per parameter, tied ones included
     for module in model.modules():
         for key, param in module._parameters.items():
@@ -133,10 +138,8 @@ def load_pipeline_stage(name: str, accelerator, launch, kwargs: dict, quantized:
     """Pipeline parallel: this process's stage of the model, its weights alone read from the files; None
     (said once) where the whole model must load first, as for every other strategy, and be cut after.
     Either way the stages' forward is checked first (a refusal before any weight loads)."""
-    from transformers import AutoConfig
-
     trust, attention = kwargs["trust_remote_code"], kwargs.get("attn_implementation")
-    config = model_config_object(name, trust) or AutoConfig.from_pretrained(name, trust_remote_code=trust)
+    config = pretrained_config(name, trust)
     refuse_a_changed_forward(empty_model(config, trust, attention))
     if quantized:
         why = "bitsandbytes quantizes the weights as the whole model loads"
