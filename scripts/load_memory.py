@@ -1,9 +1,9 @@
 """Host RAM at load, per rank, under each sharded config against DDP's replica, through the real launcher.
 
     python scripts/load_memory.py --build /tmp/llama-0.8b --out results/<date>_cpu_load-memory
-    python scripts/load_memory.py --model PATH --out DIR [--launches ddp:2 fsdp:2 fsdp:4 zero3:2 ...]
+    python scripts/load_memory.py --model PATH --out DIR [--launches ddp:2 fsdp:2 full/tp:2 qlora/fsdp:2 ...]
 
-Each launch runs recipes/lora.py up to the end of its first optimizer step (a micro-batch of one 64-token
+A launch is [RECIPE/]CONFIG:PROCESSES (RECIPE: lora, the default, full or qlora). Each runs the recipe up to the end of its first optimizer step (a micro-batch of one 64-token
 row, fp32 on CPU processes), then is stopped. Each rank's peak resident memory from its start to the
 recipe's start-up line (the model loaded and prepared) is run.json's `host_peak_at_start_gib_by_rank`; the
 peak with the first step too (`host_peak_gib_by_rank`) is kept beside it. The seconds are from the launch to
@@ -34,10 +34,11 @@ from pipeline_loading import build  # noqa: E402  (the same random Llama)
 
 CONFIGS = {"ddp": "ddp.yaml", "fsdp": "fsdp.yaml", "fsdp_grad_op": "fsdp_grad_op.yaml",
            "fsdp_offload": "fsdp_offload.yaml", "zero3": "zero3.yaml", "zero3_offload": "zero3_offload.yaml",
-           "fsdp-every-rank": "fsdp.yaml"}
+           "fsdp-every-rank": "fsdp.yaml", "tp": "tp.yaml"}
 DEFAULT_LAUNCHES = ["ddp:2", "fsdp-every-rank:2", "fsdp:2", "fsdp_grad_op:2", "fsdp_offload:2", "zero3:2",
-                    "fsdp:4", "zero3:4"]
-STARTED = "lora: "  # the recipe's start-up line, once the model is loaded and prepared
+                    "zero3_offload:2", "full/tp:2", "qlora/ddp:2", "qlora/fsdp:2", "qlora/zero3:2", "fsdp:4", "zero3:4"]
+# tensor parallel splits these layers along their output: LoRA on them needs no gathering (tests/test_tensor_parallel.py)
+COLUMN_SPLIT = "q_proj,k_proj,v_proj,gate_proj,up_proj"
 
 
 def config_file(name: str, folder: Path) -> Path:
@@ -70,14 +71,22 @@ def stop(process: subprocess.Popen, output: Path) -> None:
     process.wait()
 
 
-def launch(name: str, processes: int, model: str, dataset: Path, folder: Path) -> dict:
-    output = folder / f"{name}-{processes}"
+def launch(spec: str, model: str, dataset: Path, folder: Path) -> dict:
+    """One launch, `[RECIPE/]CONFIG:PROCESSES`, up to its first step's run.json."""
+    recipe, _, rest = spec.rpartition("/")
+    recipe = recipe or "lora"
+    name, processes = rest.split(":")
+    tensor_parallel = ["--parallelism_config_tp_size", processes] if name == "tp" else []
+    output = folder / f"{recipe}-{name}-{processes}"
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config_file(name, folder)),
-               "--num_processes", str(processes), "--mixed_precision", "no", str(REPO / "recipes" / "lora.py"),
+               "--num_processes", processes, *tensor_parallel, "--mixed_precision", "no",
+               str(REPO / "recipes" / f"{recipe}.py"),
                "--model", model, "--dataset", str(dataset), "--output-dir", str(output), "--max-steps", "1",
                "--batch-size", "1", "--max-length", "64", "--log-every", "1", "--report-to", "none"]
+    if name == "tp" and recipe != "full":
+        command += ["--lora-targets", COLUMN_SPLIT]
     began = time.perf_counter()
-    log = folder / f"{name}-{processes}.log"
+    log = folder / f"{recipe}-{name}-{processes}.log"
     with open(log, "w") as sink:
         process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, text=True, cwd=REPO,
                                    env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
@@ -85,28 +94,28 @@ def launch(name: str, processes: int, model: str, dataset: Path, folder: Path) -
     while True:  # until run.json holds each rank's peak (after the first step): the rest of the run is not measured
         time.sleep(0.25)
         text = log.read_text()
-        if started is None and any(line.startswith(STARTED) for line in text.splitlines()):
+        if started is None and any(line.startswith(f"{recipe}: ") for line in text.splitlines()):
             started = time.perf_counter() - began
         ran = recorded(output / "run.json")
         if process.poll() is not None or "host_peak_gib_by_rank" in ran:
             break
     stop(process, output)
     if "host_peak_gib_by_rank" not in ran:
-        raise SystemExit(f"{name} x {processes} failed:\n{text[-3000:]}")
-    return {"launch": name, "processes": processes, "load_peak_gib_by_rank": ran["host_peak_at_start_gib_by_rank"],
+        raise SystemExit(f"{spec} failed:\n{text[-3000:]}")
+    return {"launch": name, "recipe": recipe, "processes": int(processes), "load_peak_gib_by_rank": ran["host_peak_at_start_gib_by_rank"],
             "with_first_step_gib_by_rank": ran["host_peak_gib_by_rank"],
             "seconds_to_start": round(started, 1), "main_process_loads": ran["launch"]["main_process_loads"],
             "distributed_type": ran["distributed_type"]}
 
 
 def table(rows: list[dict]) -> str:
-    replica = max(next(row for row in rows if row["launch"] == "ddp")["load_peak_gib_by_rank"])
-    lines = ["| launch | processes | peak host RAM per rank at load (GiB) | largest / DDP replica | others / DDP replica "
-             "| seconds to start |", "|---|---|---|---|---|---|"]
+    replica = max(next(row for row in rows if (row["recipe"], row["launch"]) == ("lora", "ddp"))["load_peak_gib_by_rank"])
+    lines = ["| recipe | launch | processes | peak host RAM per rank at load (GiB) | largest / DDP replica | others / DDP replica "
+             "| seconds to start |", "|---|---|---|---|---|---|---|"]
     for row in rows:
         peaks = row["load_peak_gib_by_rank"]
         largest, others = max(peaks), sorted(peaks)[:-1]
-        lines.append(f"| {row['launch']} | {row['processes']} | {' / '.join(f'{p:.2f}' for p in peaks)} | "
+        lines.append(f"| {row['recipe']} | {row['launch']} | {row['processes']} | {' / '.join(f'{p:.2f}' for p in peaks)} | "
                      f"{largest / replica:.0%} | {max(others) / replica:.0%} | {row['seconds_to_start']} |")
     return "\n".join(lines)
 
@@ -117,7 +126,7 @@ def main(argv=None) -> int:
     parser.add_argument("--model", default=None, help="a local model folder")
     parser.add_argument("--build", type=Path, default=None, help="write a random ~0.78B Llama here first")
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--launches", nargs="+", default=DEFAULT_LAUNCHES, help="CONFIG:PROCESSES (ddp first)")
+    parser.add_argument("--launches", nargs="+", default=DEFAULT_LAUNCHES, help="[RECIPE/]CONFIG:PROCESSES (lora on ddp first: the replica the others are held against)")
     args = parser.parse_args(argv)
     if args.build:
         if not (args.build / "config.json").exists():
@@ -135,8 +144,7 @@ def main(argv=None) -> int:
         dataset.write_text("".join(json.dumps({"instruction": f"Say {i}", "response": str(i)}) + "\n"
                                    for i in range(64)))
         for spec in args.launches:
-            name, processes = spec.split(":")
-            rows.append(launch(name, int(processes), args.model, dataset, folder))
+            rows.append(launch(spec, args.model, dataset, folder))
             print(json.dumps(rows[-1]), flush=True)
     (args.out / "results.json").write_text(json.dumps({"model": args.model, "launches": rows}, indent=2) + "\n")
     (args.out / "results.md").write_text(table(rows) + "\n")
