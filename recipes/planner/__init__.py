@@ -36,6 +36,7 @@ One module per job (every public name of each is importable from `planner` itsel
 - `timing`: the estimated seconds of a step per strategy (`step_time`) on a `Machine`: the step's
   FLOPs at an assumed share of the peak, the bytes each strategy moves, what it overlaps, and model
   parallel's idle GPUs;
+- `host_load`: the host RAM the weights take while they load, per machine (`load_bytes_per_machine`);
 - `choose`: the busiest GPU's total, what fits, the largest micro-batch, each strategy's fastest run
   of the asked global batch (`best_run`), and `plan()`.
 
@@ -60,6 +61,7 @@ from .choose import (
     usable_bytes,
 )
 from .dtypes import NF4_BITS_PER_WEIGHT, compute_dtypes, quantized_bytes_per_weight, state_bytes_per_parameter
+from .host_load import ZERO3_READS_ONCE_SINCE, load_bytes_per_machine, model_bytes_as_loaded, processes_per_machine
 from .hardware import (
     DEFAULT_GPU,
     DEFAULT_MFU,
@@ -129,4 +131,5 @@ __all__ = [
     "possible_strategies",
     "quantization_constant_bytes", "quantized_bytes_per_weight", "resident_bytes", "state_bytes_per_parameter",
     "tensor_parallel_size", "usable_bytes", "weight_bytes",
+    "ZERO3_READS_ONCE_SINCE", "load_bytes_per_machine", "model_bytes_as_loaded", "processes_per_machine",
 ]

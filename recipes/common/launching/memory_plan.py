@@ -1,5 +1,6 @@
 """The memory plan of this very run: the planner's inputs read from the run (the same arithmetic as
-`scripts/plan.py`), and the `plan:` line every launch prints before loading.
+`scripts/plan.py`), the `plan:` line every launch prints before loading, and the refusal of a launch
+whose weights cannot pass through this machine's host RAM.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import torch
 import planner
 
 from ..model.model_config import is_default_model
+from ..refusal import refuse
 
 
 def planner_inputs(args, recipe: str, launch) -> tuple:
@@ -26,14 +28,19 @@ def planner_inputs(args, recipe: str, launch) -> tuple:
 
 
 def announce_plan(args, recipe: str, launch) -> None:
-    """Print the memory plan of this very run, and warn before loading when it will not fit."""
-    if int(os.environ.get("RANK", "0")) != 0:
-        return
+    """Print the memory plan of this very run, and warn before loading when it will not fit; refuse
+    (every rank) when the weights cannot load in this machine's host RAM."""
+    main = int(os.environ.get("RANK", "0")) == 0
     try:
         shape, inputs = planner_inputs(args, recipe, launch)
     except Exception as error:  # offline hub id, unknown architecture: a courtesy, never a blocker
         reason = str(error).splitlines()[0] if str(error) else type(error).__name__
-        print(f"plan: skipped ({reason})", flush=True)
+        if main:
+            print(f"plan: skipped ({reason})", flush=True)
+        return
+    load = host_load(shape, recipe, launch, inputs["precision"])
+    check_host_ram(load, machine_ram_bytes(), args.model)
+    if not main:
         return
     strategy, gpus = launch.planner_strategy, launch.gpus
     layout = dict(pipeline_stages=launch.pipeline_stages, pipeline_chunks=launch.pipeline_chunks) \
@@ -46,7 +53,8 @@ def announce_plan(args, recipe: str, launch) -> None:
         return
     parts = ", ".join(f"{key} {size(need[key])}" for key in ("weights", "gradients", "optimizer", "activations"))
     line = (f"plan: {recipe} with {strategy} on {gpus} process(es): {size(need['total'])} per GPU ({parts}) "
-            f"at --max-length {args.max_length}")
+            f"at --max-length {args.max_length}; host RAM to load the weights: {size(load['bytes'])} on this "
+            f"machine ({load['why']})")
     if not launch.on_gpu:
         print(line, flush=True)
         return
@@ -56,6 +64,57 @@ def announce_plan(args, recipe: str, launch) -> None:
         print(f"warning: the plan says this will not fit; see `python scripts/plan.py --model {args.model} "
               f"--method {recipe} --gpus {gpus} --gpu-memory {gpu_gib:.0f} --batch-size {args.batch_size} "
               f"--seq-len {args.max_length}` for a config and micro-batch that fit", flush=True)
+
+
+def zero3_reads_once() -> bool:
+    """Whether the installed transformers reads a ZeRO-3 checkpoint on rank 0 alone (the others build
+    their partitions and receive the values)."""
+    from importlib.metadata import version
+
+    from packaging.version import Version
+
+    return Version(Version(version("transformers")).base_version) >= Version(planner.ZERO3_READS_ONCE_SINCE)
+
+
+def host_load(shape, recipe: str, launch, precision: str) -> dict:
+    """The planner's host RAM at load for this launch, on this machine (LOCAL_WORLD_SIZE processes)."""
+    on_this_machine = int(os.environ.get("LOCAL_WORLD_SIZE", launch.processes))
+    return planner.load_bytes_per_machine(
+        shape, recipe, launch.planner_strategy, launch.gpus, gpus_per_machine=on_this_machine, precision=precision,
+        fsdp_main_process_loads=launch.main_process_loads, zero3_reads_once=zero3_reads_once(),
+        on_gpu=launch.on_gpu)
+
+
+def machine_ram_bytes() -> int | None:
+    """This machine's RAM as this process may use it: the physical memory, or a container's (cgroup)
+    limit when lower; None where neither can be read."""
+    limits = []
+    try:
+        limits.append(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        pass
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            text = open(path).read().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            limits.append(int(text))
+    return min(limits) if limits else None
+
+
+def check_host_ram(load: dict, machine_bytes: int | None, model: str) -> None:
+    """Refuse a launch whose weights alone outgrow this machine's RAM while they load (libraries and
+    the data come on top, so a launch this lets through may still be short)."""
+    if machine_bytes is None or load["bytes"] <= machine_bytes:
+        return
+    if load["copies"] > 1:
+        fix = f"{load['one_copy'] + ', ' if load['one_copy'] else ''}fewer processes per machine, or a machine with more RAM"
+    else:
+        fix = "use a machine with more RAM, or a smaller model"
+    refuse(f"--model {model}: loading its weights needs {size(load['bytes'])} of host RAM on this machine "
+           f"({load['copies']} cop{'y' if load['copies'] == 1 else 'ies'}: {load['why']}), which has "
+           f"{size(machine_bytes)}; {fix}")
 
 
 def size(num_bytes: float) -> str:

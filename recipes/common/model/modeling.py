@@ -65,12 +65,18 @@ def load_model(name: str, accelerator, launch, *, frozen: bool, quantization=Non
     - tensor parallel (with FSDP across the groups): transformers splits (and shards) the layers as
       they load, over the launch's processes;
     - FSDP with `fsdp_cpu_ram_efficient_loading` (fsdp.yaml): the main process alone reads the weights;
-      the others build the model on the meta device, and `accelerator.prepare` sends each its shards;
+      the others build the model with unread weights (`shape_only`), and `accelerator.prepare` sends
+      each its shards;
+    - ZeRO-3 (zero3_init_flag): transformers builds each process's partitions under `zero.Init`; from
+      transformers 5.23 rank 0 alone reads the files (before, every process reads the whole checkpoint:
+      the `plan:` line says so);
     - everything else loads on CPU and `accelerator.prepare` places or shards it.
+    Host RAM per machine at load: planner.load_bytes_per_machine, printed in the `plan:` line.
     """
     from transformers import AutoModelForCausalLM
 
-    hand_freed_tensors_back_to_the_host()
+    if launch.planner_strategy in ("zero3", "zero3_offload"):  # where a holed heap was measured to keep freed layers
+        hand_freed_tensors_back_to_the_host()
     kwargs = dict(dtype=launch.float_dtype(frozen), use_safetensors=True, trust_remote_code=trust_remote_code)
     if attention is not None:
         kwargs["attn_implementation"] = attention
@@ -118,7 +124,9 @@ def hand_freed_tensors_back_to_the_host() -> None:
     otherwise raises its threshold towards 32 MiB as such blocks are freed, serves the next ones from
     its heap, and a heap left holed keeps the freed memory: a ZeRO-3 rank of a 0.78B model measured from
     2.7 to 4.5 GiB from one launch to the next, 2.4 GiB every time with the threshold fixed
-    (results/2026-11-27_cpu_load-memory). A no-op where the C library is not glibc.
+    (results/2026-11-27_cpu_load-memory). The price: the freed layers' pages are faulted in anew (start-up
+    measured ~15% slower there). Tensors above 32 MiB (a large model's) glibc maps alone anyway. A no-op
+    where the C library is not glibc.
     """
     try:
         ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, 1 << 20)

@@ -1,0 +1,76 @@
+"""Host RAM the weights need while they load, per machine (`load_bytes_per_machine`).
+
+Before a GPU holds anything, the weights pass through host RAM. How many copies do depends on the
+strategy (measured on CPU processes, results/2026-11-27_cpu_load-memory):
+
+- one copy a machine: FSDP with `fsdp_cpu_ram_efficient_loading` (every config here sets it: the main
+  process reads, the others receive their shards), ZeRO-3 with transformers >= 5.23 (rank 0 reads, the
+  others get their partitions), tensor parallel (each process reads its slices), pipeline (each stage
+  reads its layers), model parallel (one process), QLoRA on GPUs (each process quantizes on its GPU
+  as the weights load, a tensor at a time; the processes share the file's pages: not yet measured on a GPU);
+- one copy a process: DDP and ZeRO-1/2 (each process loads its replica on the CPU, then moves it),
+  FSDP without that switch, ZeRO-3 under transformers < 5.23 (each process reads the whole checkpoint),
+  and QLoRA on CPU processes (each quantizes its own 4-bit copy in host RAM as the weights load).
+
+The bytes are the weights in the dtype they load in: 2 per parameter for a frozen bf16 base, 4 for
+full fine-tuning's fp32 trained weights (or any fp32 run), NF4 for QLoRA's quantized linears. Each
+process also holds its libraries (about 0.6 GiB on a CPU process, measured), not counted here.
+"""
+
+from __future__ import annotations
+
+from .dtypes import quantized_bytes_per_weight
+from .shapes import ModelShape
+
+ONE_COPY_A_MACHINE = {"fsdp_full_shard", "fsdp_grad_op", "fsdp_offload", "fsdp_hybrid", "zero3", "zero3_offload",
+                      "tp", "fsdp_tp", "pipeline", "model_parallel"}
+FSDP = {"fsdp_full_shard", "fsdp_grad_op", "fsdp_offload", "fsdp_hybrid"}
+ZERO3 = {"zero3", "zero3_offload"}
+ZERO3_READS_ONCE_SINCE = "5.23"  # transformers: from this version ZeRO-3's other ranks read no weights
+
+
+def processes_per_machine(strategy: str, gpus: int, gpus_per_machine: int) -> int:
+    """Processes on the busiest machine: model parallel is one process whatever its GPUs."""
+    return 1 if strategy == "model_parallel" else max(1, min(gpus, gpus_per_machine))
+
+
+def model_bytes_as_loaded(shape: ModelShape, method: str, precision: str = "bf16") -> int:
+    """One copy of the weights as they arrive in host RAM."""
+    float_bytes = 4 if method == "full" or precision == "fp32" else 2
+    if method != "qlora":
+        return shape.parameters * float_bytes
+    counts = shape.parameter_counts()
+    quantized = counts["linear"] - shape.fused_expert_parameters_per_layer() * shape.layers  # bitsandbytes skips fused experts
+    return int(quantized * quantized_bytes_per_weight() + (shape.parameters - quantized) * float_bytes)
+
+
+def load_bytes_per_machine(shape: ModelShape, method: str, strategy: str, gpus: int, gpus_per_machine: int = 8,
+                           precision: str = "bf16", fsdp_main_process_loads: bool = True,
+                           zero3_reads_once: bool = True, on_gpu: bool = True) -> dict:
+    """Host RAM the weights take while they load on the busiest machine: `bytes`, the `copies` of the
+    model that makes, the `processes` there, `why` in words a start-up line can print, and `one_copy`:
+    the change that makes it one copy a machine (None where there is none)."""
+    processes = processes_per_machine(strategy, gpus, gpus_per_machine)
+    copy = model_bytes_as_loaded(shape, method, precision)
+    one_copy = None  # what would make it one copy a machine
+    if method == "qlora" and on_gpu:
+        copy = model_bytes_as_loaded(shape, "lora", precision)  # the files' pages (bf16), shared
+        copies, why = 1, "each process quantizes on its GPU as the weights load"
+    elif method == "qlora":
+        copies, why = processes, "each process quantizes its own copy in host RAM as the weights load"
+    elif strategy in FSDP and not fsdp_main_process_loads:
+        copies, why = processes, "every process reads the whole model"
+        one_copy = "set fsdp_cpu_ram_efficient_loading: true in the config"
+    elif strategy in ZERO3 and not zero3_reads_once:
+        copies, why = processes, f"every process reads the whole checkpoint under transformers < {ZERO3_READS_ONCE_SINCE}"
+        one_copy = f"pip install -U 'transformers>={ZERO3_READS_ONCE_SINCE}'"
+    elif strategy in ONE_COPY_A_MACHINE:
+        copies, why = 1, {"tp": "each process reads its slices", "fsdp_tp": "each process reads its slices",
+                          "pipeline": "each stage reads its layers", "model_parallel": "one process"}.get(
+            strategy, "one process reads, the others receive their shards")
+    else:
+        copies, why = processes, "each process loads its replica on the CPU before moving it"
+        one_copy = "use fsdp.yaml or zero3.yaml (one process reads)"
+    if processes == 1:
+        copies = 1
+    return {"bytes": int(copies * copy), "copies": copies, "processes": processes, "why": why, "one_copy": one_copy}
