@@ -71,13 +71,14 @@ def stop(process: subprocess.Popen, output: Path) -> None:
     process.wait()
 
 
-def launch(spec: str, model: str, dataset: Path, folder: Path) -> dict:
-    """One launch, `[RECIPE/]CONFIG:PROCESSES`, up to its first step's run.json."""
+def launch(spec: str, model: str, dataset: Path, folder: Path, index: int) -> dict:
+    """One launch, `[RECIPE/]CONFIG:PROCESSES`, up to its first step's run.json (`index`: its place in the
+    list, which may name a launch twice to time it again)."""
     recipe, _, rest = spec.rpartition("/")
     recipe = recipe or "lora"
     name, processes = rest.split(":")
     tensor_parallel = ["--parallelism_config_tp_size", processes] if name == "tp" else []
-    output = folder / f"{recipe}-{name}-{processes}"
+    output = folder / f"{index}-{recipe}-{name}-{processes}"
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config_file(name, folder)),
                "--num_processes", processes, *tensor_parallel, "--mixed_precision", "no",
                str(REPO / "recipes" / f"{recipe}.py"),
@@ -86,7 +87,7 @@ def launch(spec: str, model: str, dataset: Path, folder: Path) -> dict:
     if name == "tp" and recipe != "full":
         command += ["--lora-targets", COLUMN_SPLIT]
     began = time.perf_counter()
-    log = folder / f"{recipe}-{name}-{processes}.log"
+    log = folder / f"{index}-{recipe}-{name}-{processes}.log"
     with open(log, "w") as sink:
         process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, text=True, cwd=REPO,
                                    env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
@@ -143,10 +144,11 @@ def main(argv=None) -> int:
         dataset = folder / "rows.jsonl"
         dataset.write_text("".join(json.dumps({"instruction": f"Say {i}", "response": str(i)}) + "\n"
                                    for i in range(64)))
-        for spec in args.launches:
-            rows.append(launch(spec, args.model, dataset, folder))
+        for index, spec in enumerate(args.launches):
+            rows.append(launch(spec, args.model, dataset, folder, index))
             print(json.dumps(rows[-1]), flush=True)
-    (args.out / "results.json").write_text(json.dumps({"model": args.model, "launches": rows}, indent=2) + "\n")
+            # after each launch: a later one that fails keeps the ones before
+            (args.out / "results.json").write_text(json.dumps({"model": args.model, "launches": rows}, indent=2) + "\n")
     (args.out / "results.md").write_text(table(rows) + "\n")
     print(table(rows))
     return 0
