@@ -75,7 +75,7 @@ def load_model(name: str, accelerator, launch, *, frozen: bool, quantization=Non
     """
     from transformers import AutoModelForCausalLM
 
-    if launch.planner_strategy in ("zero3", "zero3_offload"):  # where a holed heap was measured to keep freed layers
+    if launch.main_process_loads or launch.planner_strategy in ("zero3", "zero3_offload"):  # one copy a machine
         hand_freed_tensors_back_to_the_host()
     kwargs = dict(dtype=launch.float_dtype(frozen), use_safetensors=True, trust_remote_code=trust_remote_code)
     if attention is not None:
@@ -124,9 +124,9 @@ def hand_freed_tensors_back_to_the_host() -> None:
     otherwise raises its threshold towards 32 MiB as such blocks are freed, serves the next ones from
     its heap, and a heap left holed keeps the freed memory: a ZeRO-3 rank of a 0.78B model measured from
     2.7 to 4.5 GiB from one launch to the next, 2.4 GiB every time with the threshold fixed
-    (results/2026-11-27_cpu_load-memory). The price: the freed layers' pages are faulted in anew (start-up
-    measured ~15% slower there). Tensors above 32 MiB (a large model's) glibc maps alone anyway. A no-op
-    where the C library is not glibc.
+    (results/2026-11-27_cpu_load-memory); FSDP's other ranks 47% of a DDP replica instead of 61%. The
+    price: freed layers' pages are faulted in anew. Tensors above 32 MiB (a large model's) glibc maps
+    alone anyway. A no-op where the C library is not glibc.
     """
     try:
         ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, 1 << 20)
