@@ -75,7 +75,8 @@ def load_model(name: str, accelerator, launch, *, frozen: bool, quantization=Non
     """
     from transformers import AutoModelForCausalLM
 
-    if launch.main_process_loads or launch.planner_strategy in ("zero3", "zero3_offload"):  # one copy a machine
+    # where loading frees layers as it goes: sent as shards, partitioned, quantized
+    if launch.main_process_loads or launch.planner_strategy in ("zero3", "zero3_offload") or quantization is not None:
         hand_freed_tensors_back_to_the_host()
     kwargs = dict(dtype=launch.float_dtype(frozen), use_safetensors=True, trust_remote_code=trust_remote_code)
     if attention is not None:
