@@ -5,7 +5,7 @@ Prints one row per config in accelerate_configs/ (weights, gradients, optimizer 
 activations on the busiest GPU, in GiB), then each config's estimated time per step and per epoch
 (FLOPs at an assumed share of the GPU's peak plus the bytes the strategy moves over the link),
 then the launch command of the fastest config that fits and the config that needs the fewest
-GPUs. Nothing is downloaded and no GPU is needed: the arithmetic (recipes/planner/) works from
+GPUs, and the host RAM each needs per machine while the weights load. Nothing is downloaded and no GPU is needed: the arithmetic (recipes/planner/) works from
 the model's config.json.
 
 Examples:
@@ -263,7 +263,20 @@ def sentences(shape, plan: dict, args) -> list[str]:
             where = "CPU RAM" if machines == 1 else f"the CPU RAM of each of its {machines} machines"
             lines.append(f"{rec['strategy']} on {plural(rec['gpus'])} keeps about {gib(ram / machines)} GiB of "
                          f"training state in {where}.")
+    loaded = set()
+    for rec in (fastest, fewest):
+        if rec and (rec["strategy"], rec["gpus"]) not in loaded:
+            loaded.add((rec["strategy"], rec["gpus"]))
+            load = host_load(shape, args, rec["strategy"], rec["gpus"])
+            lines.append(f"Host RAM to load the weights, {rec['strategy']} on {plural(rec['gpus'])}: {gib(load['bytes'])} "
+                         f"GiB per machine ({load['why']}).")
     return lines
+
+
+def host_load(shape, args, strategy: str, gpus: int) -> dict:
+    """The host RAM the weights take while they load on the busiest machine (planner.load_bytes_per_machine)."""
+    return planner.load_bytes_per_machine(shape, args.method, strategy, gpus, args.machine.gpus_per_machine,
+                                          args.precision)
 
 
 def main(argv=None) -> int:
@@ -279,6 +292,8 @@ def main(argv=None) -> int:
     plan = planner.plan(shape, args.method, args.gpus, args.gpu_memory, batch_size=args.batch_size,
                         grad_accum=args.grad_accum, machine=args.machine, rows=args.rows, **settings)
     if args.json:
+        plan["host_ram_at_load"] = {entry["strategy"]: host_load(shape, args, entry["strategy"], args.gpus)
+                                    for entry in plan["strategies"]}
         print(json.dumps(plan, indent=2))
         return 0
     layouts = {e["strategy"]: planner.pipeline_layout_of(e["run"]) for e in plan["strategies"] if e["run"]}

@@ -106,3 +106,21 @@ def test_the_plan_line_says_the_host_ram_to_load(tmp_path):
     tiny = planner.model_bytes_as_loaded(planner.load_shape("tiny-llama"), "lora", precision="fp32")
     assert f"host RAM to load the weights: {memory_plan.size(tiny)} on this machine" in line, line
     assert "one process reads" in line, line
+
+
+def test_plan_py_prints_the_host_ram_of_each_recommendation(capsys):
+    sys.path.insert(0, str(REPO / "scripts"))
+    import plan
+
+    assert plan.main(["--model", "codellama-34b", "--gpus", "4", "--batch-size", "4", "--grad-accum", "4"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("Host RAM to load the weights")]
+    shape = planner.load_shape("codellama-34b")
+    assert lines, "no host RAM line"
+    for line in lines:
+        strategy, gpus = line.split(", ")[1].split(":")[0].split(" on ")
+        load = planner.load_bytes_per_machine(shape, "lora", strategy, int(gpus.split()[0]))
+        assert f": {plan.gib(load['bytes'])} GiB per machine ({load['why']})." in line, line
+    assert plan.main(["--model", "codellama-34b", "--gpus", "4", "--json"]) == 0
+    loads = json.loads(capsys.readouterr().out)["host_ram_at_load"]
+    assert loads["ddp"]["copies"] == 4 and loads["fsdp_full_shard"]["copies"] == 1
+    assert loads["ddp"]["bytes"] == 4 * loads["fsdp_full_shard"]["bytes"]

@@ -71,6 +71,6 @@ def load_bytes_per_machine(shape: ModelShape, method: str, strategy: str, gpus: 
     else:
         copies, why = processes, "each process loads its replica on the CPU before moving it"
         one_copy = "use fsdp.yaml or zero3.yaml (one process reads)"
-    if processes == 1:
-        copies = 1
+    if processes == 1 and method != "qlora":
+        copies, why, one_copy = 1, "one process", None
     return {"bytes": int(copies * copy), "copies": copies, "processes": processes, "why": why, "one_copy": one_copy}
