@@ -5,14 +5,16 @@ Prints one row per config in accelerate_configs/ (weights, gradients, optimizer 
 activations on the busiest GPU, in GiB), then each config's estimated time per step and per epoch
 (FLOPs at an assumed share of the GPU's peak plus the bytes the strategy moves over the link),
 then the launch command of the fastest config that fits and the config that needs the fewest
-GPUs, and the host RAM each needs per machine while the weights load. Nothing is downloaded and no GPU is needed: the arithmetic (recipes/planner/) works from
-the model's config.json.
+GPUs: the model's hub id, a --dataset to fill in, and every flag the plan depends on; and the host RAM
+each needs per machine while the weights load. Nothing is downloaded and no GPU is needed: the arithmetic
+(recipes/planner/) works from the model's config.json.
 
 Examples:
     python scripts/plan.py --model tinyllama-1.1b --method lora --gpus 4 --gpu rtx6000-ada \\
         --batch-size 16 --grad-accum 2 --seq-len 1024
     python scripts/plan.py --model codellama-34b --method qlora --gpus 1 --gpu-memory 48 \\
         --batch-size 4 --seq-len 1024 --gradient-checkpointing
+    python scripts/plan.py --model codellama-34b --gpus 4 --batch-size 4 --global-batch-size 64
     python scripts/plan.py --model path/to/model_folder --method full --json
 
 --model takes an offline alias (a config shipped in data/model_configs/: llama-3.1-8b, qwen2.5-72b, mixtral-8x7b, ...), a config .json, a
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 from pathlib import Path
 
@@ -30,6 +33,15 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT / "recipes"))
 
 import planner  # noqa: E402  (recipes/planner/: pure Python, no torch)
+
+# The recipes' defaults of the flags the plan also takes (recipes/common/launching/args.py): a Launch line
+# spells out only those that differ.
+RECIPE_DEFAULTS = {"lora_r": 16, "lora_targets": "all-linear", "lora_dropout": 0.05, "max_length": 512,
+                   "batch_size": 8, "grad_accum": 1}
+# The recipes' default data is the bundled toy task: a Launch line asks for the user's.
+DATASET_PLACEHOLDER = "<your data file, folder or hub id>"
+# --attention as the recipes spell it; sdpa is their default (transformers' choice).
+RECIPE_ATTENTION = {"flash": "flash_attention_2", "eager": "eager"}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -55,23 +67,36 @@ def parse_args(argv=None) -> argparse.Namespace:
         help=f"bus bandwidth between machines in GB/s (default: {planner.NETWORK:g}, 100 Gb/s at ~80%%)")
     add("--mfu", type=float, default=planner.DEFAULT_MFU,
         help=f"share of the GPU's dense peak the matmuls sustain (default: {planner.DEFAULT_MFU})")
-    add("--batch-size", type=int, default=8, help="micro-batch per GPU, the recipes' --batch-size (default: 8)")
-    add("--grad-accum", type=int, default=1, help="micro-batches per optimizer step, the recipes' --grad-accum "
-                                                  "(default: 1)")
+    add("--batch-size", type=int, default=RECIPE_DEFAULTS["batch_size"],
+        help="micro-batch per GPU, the recipes' --batch-size; with --global-batch-size the largest tried "
+             "(default: 8)")
+    add("--grad-accum", type=int, default=None, help="micro-batches per optimizer step, the recipes' --grad-accum "
+                                                     "(default: 1)")
+    add("--global-batch-size", type=int, default=None, metavar="ROWS",
+        help="rows per optimizer step on every config alike, as the recipes' --global-batch-size: each config "
+             "runs micro-batch x accumulation x its data-parallel processes = ROWS (default: --batch-size x "
+             "--grad-accum per GPU, so a pipeline's or model parallel's global batch is smaller)")
     add("--rows", type=int, default=1024, help="sequences in an epoch, for the time per epoch (default: 1024)")
-    add("--seq-len", type=int, default=512, help="tokens per sequence, the recipes' --max-length (default: 512)")
+    add("--seq-len", type=int, default=RECIPE_DEFAULTS["max_length"],
+        help="tokens per sequence, the recipes' --max-length (default: 512)")
     add("--gradient-checkpointing", nargs="?", type=int, const=1, default=0, metavar="EVERY_N",
         help="the recipes' --gradient-checkpointing (bare: every layer, N: every Nth layer)")
-    add("--lora-r", type=int, default=16, help="adapter rank (default: 16, as the recipes)")
-    add("--lora-targets", default="all-linear", help="comma-separated module names, or all-linear (default)")
-    add("--lora-dropout", type=float, default=0.05, help="adapter dropout; its masks cost memory (default: 0.05)")
+    add("--lora-r", type=int, default=RECIPE_DEFAULTS["lora_r"], help="adapter rank (default: 16, as the recipes)")
+    add("--lora-targets", default=RECIPE_DEFAULTS["lora_targets"],
+        help="comma-separated module names, or all-linear (default)")
+    add("--lora-dropout", type=float, default=RECIPE_DEFAULTS["lora_dropout"],
+        help="adapter dropout; its masks cost memory (default: 0.05)")
     add("--precision", choices=("bf16", "fp32"), default="bf16",
         help="bf16 (the configs' mixed precision) or fp32 (--mixed_precision no)")
     add("--attention", choices=planner.ATTENTIONS, default="sdpa", help="attention implementation (default: sdpa)")
     add("--json", action="store_true", help="print the plan as JSON instead of the table")
     args = parser.parse_args(argv)
-    for name in ("gpus", "batch_size", "seq_len", "lora_r", "grad_accum", "rows"):
-        if getattr(args, name) < 1:
+    if args.global_batch_size is not None and args.grad_accum is not None:
+        parser.error("--global-batch-size sets each config's accumulation; drop --grad-accum")
+    if args.grad_accum is None:
+        args.grad_accum = RECIPE_DEFAULTS["grad_accum"]
+    for name in ("gpus", "batch_size", "seq_len", "lora_r", "grad_accum", "rows", "global_batch_size"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     try:
         planner.lora_target_names(args.lora_targets)
@@ -104,10 +129,15 @@ def describe(shape, args) -> list[str]:
     every = args.gradient_checkpointing
     checkpointing = ("no gradient checkpointing" if not every else "gradient checkpointing"
                      + (f" of one layer in {every}" if every > 1 else ""))
+    micro = f"micro-batch {args.batch_size}"
     accum = f", {args.grad_accum} micro-batches per step" if args.grad_accum > 1 else ""
+    if args.global_batch_size:
+        micro = f"micro-batch up to {args.batch_size}"
+        accum = (f", global batch {args.global_batch_size} rows a step on every config (micro-batch x accumulation "
+                 "x data-parallel processes)")
     return [
         f"model: {shape.name} ({count(shape.parameters)} parameters); method: {method}",
-        f"workload: micro-batch {args.batch_size} x {args.seq_len} tokens per GPU{accum}, {args.precision}, "
+        f"workload: {micro} x {args.seq_len} tokens per GPU{accum}, {args.precision}, "
         f"{args.attention} attention, {checkpointing}",
         f"GPUs: {args.gpus} x {args.machine.gpu.name} with {args.gpu_memory:g} GiB; a plan may use "
         f"{gib(planner.usable_bytes(args.gpu_memory))} GiB of each (10% stays free for the CUDA context and "
@@ -125,15 +155,19 @@ def aligned(header: list[str], rows: list[list[str]], left: set[int]) -> list[st
     return [line(header)] + [line(row) for row in rows]
 
 
-def table(plan: dict, batches: dict) -> list[str]:
+def table(plan: dict) -> list[str]:
     header = ["strategy", "config", "weights", "grads", "optimizer", "activations", "total", "fits", "max micro-batch"]
     rows = []
     for entry in plan["strategies"]:
         usage = entry["per_gpu_bytes"]
         rows.append([entry["strategy"], entry["config"], gib(usage["weights"]), gib(usage["gradients"]),
                      gib(usage["optimizer"]), gib(usage["activations"]), gib(usage["total"]),
-                     "yes" if entry["fits"] else "no", str(batches[entry["strategy"]] or "-")])
-    return ["GiB per GPU (the busiest one):"] + aligned(header, rows, {0, 1, 7})
+                     "yes" if entry["fits"] else "no", str(entry["max_micro_batch"] or "-")])
+    title = "GiB per GPU (the busiest one):"
+    if plan["gpus"] == 1:
+        title = ("GiB per GPU (one GPU runs ddp.yaml as a single process, or an offload config: ZeRO, FSDP's "
+                 "sharding and model parallel have nothing to divide on one):")
+    return [title] + aligned(header, rows, {0, 1, 7})
 
 
 def plural(gpus: int) -> str:
@@ -187,7 +221,8 @@ def time_table(plan: dict, args) -> list[str]:
         rows.append([entry["strategy"], runs_as(run, args.gpus), str(run["global_batch"]), seconds(time["compute"]),
                      seconds(time["communication"]), seconds(time["other"]), seconds(time["step"]),
                      seconds(run["seconds_per_epoch"]), "; ".join(note)])
-    rows += [[e["strategy"], "does not fit", "", "", "", "", "", "", ""] for e in plan["strategies"] if not e["run"]]
+    rows += [[e["strategy"], "cannot run it" if e["refusal"] else "does not fit", "", "", "", "", "", "",
+              e["refusal"] or ""] for e in plan["strategies"] if not e["run"]]
     intro = (f"Time per optimizer step and per epoch of {machine['rows']:,} rows, fastest first (an estimate: "
              f"{machine['mfu']:.0%} of {machine['gpu']}'s {machine['peak_tflops']:g} TFLOP/s {args.precision} peak; "
              f"collectives at {machine['bandwidth_gb_s']:g} GB/s over {machine['link']}"
@@ -197,39 +232,72 @@ def time_table(plan: dict, args) -> list[str]:
     return [intro] + aligned(header, rows, {0, 1, 8})
 
 
-def launch_command(config: str, strategy: str, args, batch_size: int, grad_accum: int = 1,
-                   gradient_checkpointing: int = 0, gpus: int | None = None, pipeline_stages: int | None = None,
-                   pipeline_chunks: int = 1) -> str:
-    gpus = gpus or args.gpus
-    processes = "" if strategy == "model_parallel" else f" --num_processes {gpus}"
-    if strategy in planner.TENSOR_PARALLEL:  # the mesh for this many GPUs (the files are written for 4)
-        tp = planner.tensor_parallel_size(strategy, gpus)
-        processes += f" --parallelism_config_tp_size {tp}"
-        processes += f" --parallelism_config_dp_shard_size {gpus // tp}" if strategy == "fsdp_tp" else ""
-    command = (f"accelerate launch --config_file {config}{processes} recipes/{args.method}.py "
-               f"--batch-size {batch_size} --max-length {args.seq_len}")
-    if strategy == "pipeline":  # one stage per GPU, or fewer replicated over the rest
-        command += f" --pipeline-stages {pipeline_stages or gpus}"
-        command += " --pipeline-schedule interleaved" if pipeline_chunks > 1 else ""  # its 2 parts: the default
-    if grad_accum > 1:
-        command += f" --grad-accum {grad_accum}"
-    if gradient_checkpointing:
-        command += " --gradient-checkpointing" + (f" {gradient_checkpointing}" if gradient_checkpointing > 1 else "")
-    return command
+def model_flag(args) -> str:
+    """--model as the recipes take it: an alias's hub id, a folder or hub id as given (quoted for the shell)."""
+    model = planner.launch_model(args.model)
+    return model if model == planner.MODEL_PLACEHOLDER else shlex.quote(model)
 
 
 def recommended_launch(rec: dict, args) -> str:
-    return launch_command(rec["config"], rec["strategy"], args, rec["micro_batch"], rec["grad_accum"],
-                          rec["gradient_checkpointing"], rec["gpus"], rec.get("pipeline_stages"),
-                          rec.get("pipeline_chunks", 1))
+    """The `accelerate launch` line of a recommended run. It names the model and asks for the data (the
+    recipes' defaults are the bundled tiny model and toy data) and spells out every flag the plan
+    depends on that the config file or the recipe's default would not give."""
+    strategy, gpus = rec["strategy"], rec["gpus"]
+    launcher = [f"--config_file {rec['config']}"]
+    if strategy != "model_parallel":  # one process that sees the GPUs
+        launcher.append(f"--num_processes {gpus}")
+    if strategy in planner.TENSOR_PARALLEL:  # the mesh for this many GPUs (the files are written for 4)
+        tp = planner.tensor_parallel_size(strategy, gpus)
+        launcher.append(f"--parallelism_config_tp_size {tp}")
+        if strategy == "fsdp_tp":
+            launcher.append(f"--parallelism_config_dp_shard_size {gpus // tp}")
+    if args.precision == "fp32":  # the configs set mixed_precision: bf16
+        launcher.append("--mixed_precision no")
+    recipe = [f"--model {model_flag(args)}", f"--dataset {DATASET_PLACEHOLDER}", f"--batch-size {rec['micro_batch']}"]
+    if args.global_batch_size:  # the recipe works out the same accumulation from it
+        recipe.append(f"--global-batch-size {args.global_batch_size}")
+    recipe.append(f"--max-length {args.seq_len}")
+    if strategy == "pipeline":  # one stage per GPU, or fewer replicated over the rest
+        recipe.append(f"--pipeline-stages {rec.get('pipeline_stages') or gpus}")
+        if rec.get("pipeline_chunks", 1) > 1:  # its 2 parts: the recipes' --pipeline-chunks default
+            recipe.append("--pipeline-schedule interleaved")
+    if rec["grad_accum"] > 1 and not args.global_batch_size:
+        recipe.append(f"--grad-accum {rec['grad_accum']}")
+    every = rec["gradient_checkpointing"]
+    if every:
+        recipe.append("--gradient-checkpointing" + (f" {every}" if every > 1 else ""))
+    if args.method != "full":
+        if args.lora_r != RECIPE_DEFAULTS["lora_r"]:
+            recipe.append(f"--lora-r {args.lora_r}")
+        if args.lora_targets != RECIPE_DEFAULTS["lora_targets"]:
+            recipe.append(f"--lora-targets {shlex.quote(args.lora_targets)}")
+        if args.lora_dropout != RECIPE_DEFAULTS["lora_dropout"]:
+            recipe.append(f"--lora-dropout {args.lora_dropout:g}")
+    if args.attention in RECIPE_ATTENTION:
+        recipe.append(f"--attention {RECIPE_ATTENTION[args.attention]}")
+    return f"accelerate launch {' '.join(launcher)} recipes/{args.method}.py {' '.join(recipe)}"
 
 
-def what_changed(rec: dict, args) -> str:
+def global_batch(rec: dict) -> str:
+    return f"global batch {rec['global_batch']} rows a step"
+
+
+def what_changed(rec: dict, plan: dict, args) -> str:
     """The flags the recommendation changes, said once."""
     changes = []
-    if rec["micro_batch"] != args.batch_size:
+    if args.global_batch_size:
+        ranks = planner.data_parallel_size(rec["strategy"], rec["gpus"], rec.get("pipeline_stages"))
+        changes.append(f"micro-batch {rec['micro_batch']} x {rec['grad_accum']} accumulation x {ranks} data-parallel "
+                       f"process{'es' if ranks > 1 else ''}")
+    elif rec["micro_batch"] != args.batch_size:
         changes.append(f"micro-batch {rec['micro_batch']} x {rec['grad_accum']} accumulation keeps the asked "
                        f"{args.batch_size} x {args.grad_accum} per GPU")
+    batches = {entry["run"]["global_batch"] for entry in plan["strategies"] if entry["run"]}
+    if len(batches) > 1:  # a pipeline's replicas and model parallel run fewer rows than data parallel does
+        asked = args.batch_size * args.grad_accum * args.gpus
+        changes.append(f"the configs' global batches differ ({min(batches)} to {max(batches)} rows a step): "
+                       f"--global-batch-size {asked} plans them all at the asked {args.batch_size} x "
+                       f"{args.grad_accum} on each of {plural(args.gpus)}")
     if rec["gradient_checkpointing"] and not args.gradient_checkpointing:
         changes.append("gradient checkpointing makes it fit (it recomputes the forward)")
     if rec["tight"]:
@@ -243,13 +311,13 @@ def sentences(shape, plan: dict, args) -> list[str]:
     if fastest is None:
         return [rec["reason"][:1].upper() + rec["reason"][1:] + "."]
     lines = [f"Launch: {recommended_launch(fastest, args)}"]
-    changed = what_changed(fastest, args)
+    changed = what_changed(fastest, plan, args)
     lines.append(f"Fastest that fits on {plural(args.gpus)}: {fastest['strategy']} ({fastest['config']}), "
-                 f"an estimated {seconds(fastest['seconds_per_step'])} per step, "
+                 f"{global_batch(fastest)}, an estimated {seconds(fastest['seconds_per_step'])} per step, "
                  f"{seconds(fastest['seconds_per_epoch'])} per epoch" + (f"; {changed}" if changed else "") + ".")
     if fewest is not None:
         lines.append(f"Fewest GPUs: {plural(fewest['gpus'])} with {fewest['strategy']} ({fewest['config']}), "
-                     f"micro-batch up to {fewest['max_micro_batch']}, an estimated "
+                     f"micro-batch up to {fewest['max_micro_batch']}, {global_batch(fewest)}, an estimated "
                      f"{seconds(fewest['seconds_per_epoch'])} per epoch.")
         if fewest["gpus"] < fastest["gpus"]:
             lines.append(f"    or: {recommended_launch(fewest, args)}")
@@ -290,17 +358,21 @@ def main(argv=None) -> int:
                     lora_targets=args.lora_targets, precision=args.precision, attention=args.attention,
                     lora_dropout=args.lora_dropout)
     plan = planner.plan(shape, args.method, args.gpus, args.gpu_memory, batch_size=args.batch_size,
-                        grad_accum=args.grad_accum, machine=args.machine, rows=args.rows, **settings)
+                        grad_accum=args.grad_accum, machine=args.machine, rows=args.rows,
+                        global_batch=args.global_batch_size, **settings)
+    refusals = [entry["refusal"] for entry in plan["strategies"]]
+    if refusals and all(refusals):  # no config can run this global batch on these GPUs
+        print(f"plan.py: {refusals[0]}", file=sys.stderr)
+        return 2
+    for rec in plan["recommendation"].values():
+        if isinstance(rec, dict):
+            rec["launch"] = recommended_launch(rec, args)
     if args.json:
         plan["host_ram_at_load"] = {entry["strategy"]: host_load(shape, args, entry["strategy"], args.gpus)
                                     for entry in plan["strategies"]}
         print(json.dumps(plan, indent=2))
         return 0
-    layouts = {e["strategy"]: planner.pipeline_layout_of(e["run"]) for e in plan["strategies"] if e["run"]}
-    batches = {s: planner.max_micro_batch(shape, args.method, s, args.gpus, args.gpu_memory, **settings,
-                                          grad_accum=args.grad_accum, **layouts.get(s, {}))
-               for s in planner.possible_strategies(args.method, args.gpus, shape, args.lora_targets)}
-    print("\n".join(describe(shape, args) + [""] + table(plan, batches) + [""] + time_table(plan, args) + [""]
+    print("\n".join(describe(shape, args) + [""] + table(plan) + [""] + time_table(plan, args) + [""]
                     + sentences(shape, plan, args)))
     return 0
 

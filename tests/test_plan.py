@@ -459,14 +459,18 @@ def test_cli_json_has_the_documented_shape(tmp_path):
                     "--batch-size", "2", "--seq-len", "1024", "--gradient-checkpointing", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     plan = json.loads(done.stdout)
-    assert set(plan) == {"model", "method", "gpus", "gpu_memory_gb", "machine", "strategies", "recommendation"}
+    assert set(plan) == {"model", "method", "gpus", "gpu_memory_gb", "global_batch_size", "machine", "strategies",
+                         "recommendation", "host_ram_at_load"}
+    assert set(plan["host_ram_at_load"]) == {e["strategy"] for e in plan["strategies"]}
+    assert plan["global_batch_size"] is None  # not asked: each config keeps --batch-size x --grad-accum per GPU
     assert plan["machine"] == {"gpu": "H100 SXM", "link": "NVLink", "bandwidth_gb_s": 360, "peak_tflops": 989,
                                "mfu": 0.4, "rows": 1024, "gpus_per_machine": 8, "network_gb_s": 10}
     assert (plan["model"], plan["method"], plan["gpus"], plan["gpu_memory_gb"]) == ("codellama-34b", "qlora", 2, 48)
     # every strategy the recipes run for QLoRA: not the tensor parallel ones, which cannot split 4-bit weights
     assert [e["strategy"] for e in plan["strategies"]] == [s for s in planner.SPEED_ORDER if "tp" not in s]
     for entry in plan["strategies"]:
-        assert set(entry) == {"strategy", "config", "per_gpu_bytes", "fits", "run"}
+        assert set(entry) == {"strategy", "config", "per_gpu_bytes", "fits", "max_micro_batch", "run", "refusal"}
+        assert entry["refusal"] is None and entry["max_micro_batch"] >= 2
         run = entry["run"]
         assert run["micro_batch"] * run["grad_accum"] == 2 and run["gradient_checkpointing"] == 1
         assert set(run["time"]) == {"compute", "communication", "other", "step", "idle_share", "global_batch",
@@ -476,9 +480,10 @@ def test_cli_json_has_the_documented_shape(tmp_path):
         assert usage["total"] == usage["weights"] + usage["gradients"] + usage["optimizer"] + usage["activations"]
     rec = plan["recommendation"]
     keys = {"strategy", "config", "gpus", "max_micro_batch", "micro_batch", "grad_accum", "gradient_checkpointing",
-            "global_batch", "tight", "seconds_per_step", "seconds_per_epoch"}
+            "global_batch", "tight", "seconds_per_step", "seconds_per_epoch", "launch"}
     assert set(rec["fewest_gpus"]) == keys and set(rec["fastest"]) == keys
     assert rec["fastest"]["config"].startswith("accelerate_configs/")
+    assert rec["fastest"]["launch"].startswith(f"accelerate launch --config_file {rec['fastest']['config']} ")
 
 
 def test_cli_table_help_and_errors(tmp_path):

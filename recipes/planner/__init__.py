@@ -23,8 +23,10 @@ of them: the fastest one that fits on all the GPUs and the one that needs the fe
 One module per job (every public name of each is importable from `planner` itself):
 
 - `strategies`: the strategies with their config files in the order of expected speed, the
-  methods and attention implementations, and the check of a request against them;
-- `shapes`: `ModelShape`, `load_shape` and its offline `ALIASES`, the LoRA parameter counts;
+  methods and attention implementations, the check of a request against them, those offered on one
+  GPU, and the recipes' rule for splitting a global batch;
+- `shapes`: `ModelShape`, `load_shape` and its offline `ALIASES` (with the `HUB_IDS` a launch loads), the
+  LoRA parameter counts;
 - `dtypes`: bytes per parameter at rest (the table of bytes per parameter is there) and the
   dtypes the forward computes in;
 - `resident`: what each rank keeps at rest (`resident_bytes`): the part of the model a GPU runs,
@@ -54,6 +56,7 @@ from .choose import (
     best_run,
     fastest_of,
     fits,
+    global_batch_refusal,
     max_micro_batch,
     per_gpu_bytes,
     plan,
@@ -94,9 +97,12 @@ from .resident import (
 )
 from .shapes import (
     ALIASES,
+    HUB_IDS,
     LINEAR_NAMES,
+    MODEL_PLACEHOLDER,
     REPO_ROOT,
     ModelShape,
+    launch_model,
     load_shape,
     lora_parameters,
     lora_parameters_per_layer,
@@ -110,10 +116,13 @@ from .strategies import (
     SPEED_ORDER,
     STRATEGIES,
     TENSOR_PARALLEL,
+    ONE_GPU,
     impossible,
+    offered_strategies,
     pipeline_layouts,
     possible_strategies,
     tensor_parallel_size,
+    uneven_global_batch,
 )
 from .timing import Machine, data_parallel_size, epoch_time, flops_per_token, step_time
 
@@ -121,7 +130,9 @@ __all__ = [
     "DEFAULT_GPU", "DEFAULT_MFU", "GPUS", "GPUS_PER_MACHINE", "INTERCONNECTS", "NETWORK", "MARGIN", "Gpu",
     "Machine", "best_run", "fastest_of", "pipeline_layout_of", "pipeline_layouts",
     "collective_bandwidth", "data_parallel_size", "epoch_time", "flops_per_token", "rank_key", "step_time",
-    "ALIASES", "ATTENTIONS", "DEEPSPEED", "DEEPSPEED_REDUCE_BUCKET", "FSDP", "HEADROOM", "LAYERS_IN_FLIGHT",
+    "ALIASES", "HUB_IDS", "MODEL_PLACEHOLDER", "ONE_GPU", "global_batch_refusal", "launch_model",
+    "offered_strategies", "uneven_global_batch",
+    "ATTENTIONS", "DEEPSPEED", "DEEPSPEED_REDUCE_BUCKET", "FSDP", "HEADROOM", "LAYERS_IN_FLIGHT",
     "LINEAR_NAMES", "MAX_MICRO_BATCH", "METHODS", "NF4_BITS_PER_WEIGHT", "OFFLOADED", "REPO_ROOT", "SPEED_ORDER",
     "STRATEGIES", "TENSOR_PARALLEL", "WHERE", "GiB", "ModelShape", "Stage", "activation_bytes", "compute_dtypes",
     "cpu_offload_bytes", "fits", "fsdp_units", "gradient_bytes", "hybrid_shard_size", "impossible",

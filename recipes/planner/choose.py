@@ -18,10 +18,11 @@ from .strategies import (
     _check,
     check_pipeline_layout,
     impossible,
+    offered_strategies,
     pipeline_layouts,
-    possible_strategies,
+    uneven_global_batch,
 )
-from .timing import Machine, epoch_time, step_time
+from .timing import Machine, data_parallel_size, epoch_time, step_time
 
 # Keep 10% of every GPU free: the CUDA context (~0.5-1 GiB), NCCL buffers, the caching
 # allocator's fragmentation and the short-lived temporaries this model does not itemise.
@@ -120,14 +121,16 @@ def _divisors_descending(n: int) -> list[int]:
 
 def best_run(shape: ModelShape, method: str, strategy: str, gpus: int, gpu_memory_gb: float, machine: Machine,
              batch_size: int = 8, grad_accum: int = 1, seq_len: int = 512, gradient_checkpointing: int = 0,
-             **settings) -> dict | None:
+             global_batch: int | None = None, **settings) -> dict | None:
     """The fastest way `strategy` runs the asked step on `gpus` GPUs, or None when nothing fits.
 
-    The global batch stays as asked (batch_size x grad_accum per process): a micro-batch that does not fit
-    becomes a smaller divisor of it with more accumulation, and when the launch asks for no gradient
-    checkpointing, checkpointing every layer is tried as well (it costs a forward, and can buy a
-    micro-batch large enough to hide a sharded strategy's gathers). A run above `MARGIN` of the usable
-    memory is `tight`: any run with margin ranks before it (`rank_key`).
+    The rows per process stay as asked (batch_size x grad_accum), or with `global_batch` (the recipes'
+    --global-batch-size) the rows per step: each data-parallel process takes global_batch / their number,
+    in micro-batches of at most batch_size (`global_batch_refusal` says when that cannot be). A micro-batch
+    that does not fit becomes a smaller divisor of the rows per process with more accumulation, and when
+    the launch asks for no gradient checkpointing, checkpointing every layer is tried as well (it costs a
+    forward, and can buy a micro-batch large enough to hide a sharded strategy's gathers). A run above
+    `MARGIN` of the usable memory is `tight`: any run with margin ranks before it (`rank_key`).
 
     A pipeline also tries its layouts (`pipeline_layouts`: fewer stages replicated, the interleaved
     schedule's 2 parts per stage), each with the micro-batches its schedule takes (1F1B: at least one
@@ -139,9 +142,14 @@ def best_run(shape: ModelShape, method: str, strategy: str, gpus: int, gpu_memor
     layouts = pipeline_layouts(gpus, shape.layers) if strategy == "pipeline" else [(None, 1)]
     for order, (stages, chunks) in enumerate(layouts):
         layout = dict(pipeline_stages=stages, pipeline_chunks=chunks) if stages else {}
+        ranks = data_parallel_size(strategy, gpus, stages)
+        if global_batch and global_batch % ranks:  # as the recipes refuse
+            continue
+        per_rank = global_batch // ranks if global_batch else batch_size * grad_accum
+        micros = [micro for micro in _divisors_descending(per_rank) if micro <= batch_size]
         for every in ([gradient_checkpointing] if gradient_checkpointing else [0, 1]):
-            for micro in _divisors_descending(batch_size):
-                accum = grad_accum * batch_size // micro
+            for micro in micros:
+                accum = per_rank // micro
                 if stages and (accum < stages if chunks == 1 else accum % stages):  # as the recipes refuse
                     continue
                 total = per_gpu_bytes(shape, method, strategy, gpus, micro, seq_len, every, **settings,
@@ -156,6 +164,25 @@ def best_run(shape: ModelShape, method: str, strategy: str, gpus: int, gpu_memor
                                      "tight": total > MARGIN * usable_bytes(gpu_memory_gb), "time": time,
                                      **layout}))
     return simplest_of_the_fastest(runs)[1] if runs else None
+
+
+def global_batch_refusal(strategy: str, gpus: int, global_batch: int, layers: int | None = None) -> str | None:
+    """Why `strategy` on `gpus` GPUs cannot run `global_batch` rows per step, in one line naming the fix,
+    as the recipes would refuse it (None: it can). The rows must split evenly over the data-parallel
+    processes (a pipeline's replicas), and a pipeline needs a micro-batch per stage at least."""
+    layouts = pipeline_layouts(gpus, layers) if strategy == "pipeline" else [(None, 1)]
+    reasons = []
+    for stages, _ in layouts:
+        ranks = data_parallel_size(strategy, gpus, stages)
+        uneven = uneven_global_batch(global_batch, ranks)
+        if uneven:
+            reasons.append(uneven)
+        elif stages and global_batch // ranks < stages:
+            reasons.append(f"--global-batch-size {global_batch} gives each pipeline of {stages} stages "
+                           f"{global_batch // ranks} rows a step, fewer than its stages; use {stages * ranks} or more")
+        else:
+            return None
+    return reasons[0] if reasons else None
 
 
 def pipeline_layout_of(run: dict) -> dict:
@@ -187,25 +214,29 @@ def simplest_of_the_fastest(candidates: list[tuple[int, dict]]) -> tuple[int, di
 def plan(shape: ModelShape, method: str, gpus: int, gpu_memory_gb: float, batch_size: int = 8,
          seq_len: int = 512, gradient_checkpointing: int = 0, lora_rank: int = 16,
          lora_targets="all-linear", precision: str = "bf16", attention: str = "sdpa",
-         lora_dropout: float = 0.05, grad_accum: int = 1, machine: Machine | None = None, rows: int = 1024) -> dict:
+         lora_dropout: float = 0.05, grad_accum: int = 1, machine: Machine | None = None, rows: int = 1024,
+         global_batch: int | None = None) -> dict:
     """Every strategy on `gpus` GPUs of `gpu_memory_gb`, its time on `machine` (default: H100s over
     NVLink), and the two recommendations.
 
-    Each strategy's entry has its memory at the asked micro-batch (`per_gpu_bytes`, `fits`) and `run`:
-    the fastest way it runs the asked global batch (`best_run`), with its estimated seconds per step and
-    per epoch of `rows` sequences (None when nothing fits).
+    Each strategy's entry has its memory at the asked micro-batch (`per_gpu_bytes`, `fits`), the largest
+    micro-batch that fits (`max_micro_batch`) and `run`: the fastest way it runs the asked step
+    (`best_run`: batch_size x grad_accum rows per process, or `global_batch` rows per step on every
+    strategy alike), with its estimated seconds per step and per epoch of `rows` sequences (None when
+    nothing fits, or when `refusal` says why the global batch cannot run on it).
     - fastest: the run with the most tokens per second on all `gpus` GPUs, one with memory margin
       before any tight one;
     - fewest_gpus: the smallest n in 1..gpus on which some strategy runs, and its fastest run there.
-    Only the strategies the recipes run for this method (`possible_strategies`). When nothing fits,
-    both are None and `recommendation["reason"]` says what came closest and what to change.
+    Only the strategies the recipes run for this method, on one GPU only a single process or an offload
+    config (`offered_strategies`). When nothing runs, both are None and `recommendation["reason"]` says
+    what came closest and what to change.
     """
     machine = machine or Machine.of()
     gradient_checkpointing = int(gradient_checkpointing)
     memory = dict(lora_rank=lora_rank, lora_targets=lora_targets, precision=precision, attention=attention,
                   lora_dropout=lora_dropout)
     settings = dict(batch_size=batch_size, seq_len=seq_len, gradient_checkpointing=gradient_checkpointing, **memory)
-    asked = dict(settings, grad_accum=grad_accum)
+    asked = dict(settings, grad_accum=grad_accum, global_batch=global_batch)
 
     def recommend(strategy: str, run: dict, n: int) -> dict:
         layout = pipeline_layout_of(run)
@@ -216,19 +247,27 @@ def plan(shape: ModelShape, method: str, gpus: int, gpu_memory_gb: float, batch_
                 **layout, "seconds_per_step": run["time"]["step"], "seconds_per_epoch": epoch_time(run["time"], rows)}
 
     def runnable(n: int) -> tuple[str, ...]:  # model parallel is one process: its GPUs are one machine's
-        return tuple(s for s in possible_strategies(method, n, shape, lora_targets)
+        return tuple(s for s in offered_strategies(method, n, shape, lora_targets)
                      if s != "model_parallel" or n <= machine.gpus_per_machine)
 
     strategies, runs_on_all = [], {}
     for strategy in runnable(gpus):
         run = runs_on_all[strategy] = best_run(shape, method, strategy, gpus, gpu_memory_gb, machine, **asked)
         # at the asked micro-batch; a pipeline in the layout its run chose (default: one over all the GPUs)
-        usage = per_gpu_bytes(shape, method, strategy, gpus, **settings, grad_accum=grad_accum,
-                              **(pipeline_layout_of(run) if run else {}))
+        layout = pipeline_layout_of(run) if run else {}
+        accum = grad_accum
+        if global_batch:  # the accumulation that makes the global batch at the asked micro-batch
+            ranks = data_parallel_size(strategy, gpus, layout.get("pipeline_stages"))
+            accum = max(1, global_batch // ranks // batch_size)
+        usage = per_gpu_bytes(shape, method, strategy, gpus, **settings, grad_accum=accum, **layout)
+        largest = max_micro_batch(shape, method, strategy, gpus, gpu_memory_gb, seq_len, gradient_checkpointing,
+                                  **memory, grad_accum=accum, **layout)
         if run:
             run = dict(run, seconds_per_epoch=epoch_time(run["time"], rows))
+        refusal = global_batch and global_batch_refusal(strategy, gpus, global_batch, shape.layers)
         strategies.append({"strategy": strategy, "config": STRATEGIES[strategy], "per_gpu_bytes": usage,
-                           "fits": fits(usage["total"], gpu_memory_gb), "run": run})
+                           "fits": fits(usage["total"], gpu_memory_gb), "max_micro_batch": largest, "run": run,
+                           "refusal": refusal or None})
 
     running = [(entry["strategy"], entry["run"]) for entry in strategies if entry["run"]]
     fastest = recommend(*fastest_of(running), gpus) if running else None
@@ -243,7 +282,10 @@ def plan(shape: ModelShape, method: str, gpus: int, gpu_memory_gb: float, batch_
             break
 
     recommendation = {"fewest_gpus": fewest, "fastest": fastest}
-    if fewest is None or fastest is None:
+    refused = [entry["refusal"] for entry in strategies if entry["refusal"]]
+    if fastest is None and refused and len(refused) == len(strategies):
+        recommendation["reason"] = refused[0]
+    elif fewest is None or fastest is None:
         smallest = min(strategies, key=lambda entry: entry["per_gpu_bytes"]["total"])
         recommendation["reason"] = (
             f"nothing fits {gpus} x {gpu_memory_gb:g} GiB at micro-batch {batch_size} x {seq_len} tokens: the "
@@ -255,6 +297,7 @@ def plan(shape: ModelShape, method: str, gpus: int, gpu_memory_gb: float, batch_
             + "or more GPUs"
         )
     return {"model": shape.name, "method": method, "gpus": gpus, "gpu_memory_gb": gpu_memory_gb,
+            "global_batch_size": global_batch,
             "machine": {"gpu": machine.gpu.name, "link": machine.link, "bandwidth_gb_s": machine.bandwidth_gb_s,
                         "peak_tflops": machine.peak_flops(precision) / 1e12, "mfu": machine.mfu, "rows": rows,
                         "gpus_per_machine": machine.gpus_per_machine, "network_gb_s": machine.network_gb_s},

@@ -14,6 +14,27 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 ALIASES = {path.stem: path for path in sorted((REPO_ROOT / "data" / "model_configs").glob("*.json"))}
 ALIASES["tiny-llama"] = REPO_ROOT / "data" / "tiny-llama-config.json"
 
+# What the recipes' --model takes for each alias: the hub id of the model whose config.json it copies, or
+# for tiny-llama the folder scripts/build_tiny_model.py writes (the recipes' default model).
+HUB_IDS = {
+    "codellama-34b": "codellama/CodeLlama-34b-hf",
+    "gemma-2-27b": "google/gemma-2-27b",
+    "gemma-2-9b": "google/gemma-2-9b",
+    "llama-3.1-70b": "meta-llama/Llama-3.1-70B",
+    "llama-3.1-8b": "meta-llama/Llama-3.1-8B",
+    "mistral-7b": "mistralai/Mistral-7B-v0.3",
+    "mixtral-8x7b": "mistralai/Mixtral-8x7B-v0.1",
+    "phi-3-mini": "microsoft/Phi-3-mini-4k-instruct",
+    "qwen2.5-32b": "Qwen/Qwen2.5-32B",
+    "qwen2.5-72b": "Qwen/Qwen2.5-72B",
+    "qwen2.5-7b": "Qwen/Qwen2.5-7B",
+    "qwen3-30b-a3b": "Qwen/Qwen3-30B-A3B",
+    "tinyllama-1.1b": "TinyLlama/TinyLlama-1.1B-Chat-v1.0",
+    "tiny-llama": "models/tiny-llama",
+}
+# A config .json is no model: its Launch line asks for the model it describes.
+MODEL_PLACEHOLDER = "<hub id or folder of this model>"
+
 # The seven linears of a Llama block, as transformers names them (peft's LoRA targets).
 LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # A mixture of experts' SwiGLU linears: one per expert (and one more per shared expert).
@@ -178,6 +199,22 @@ def load_shape(model: str) -> ModelShape:
             f"offline alias ({', '.join(ALIASES)}), a config .json or a local model folder"
         ) from None
     return ModelShape.from_config(config, name=key)
+
+
+def launch_model(model: str) -> str:
+    """What the recipes' --model takes for the planner's `model`: an alias's hub id (`HUB_IDS`, also for
+    the alias's own config file), a folder or a hub id as given, a model folder's config.json its folder,
+    and `MODEL_PLACEHOLDER` for another config .json (it holds no weights)."""
+    key = model.strip()
+    if key.lower() in HUB_IDS:
+        return HUB_IDS[key.lower()]
+    path = Path(key).expanduser()
+    if path.is_file():
+        alias = next((name for name, config in ALIASES.items() if config.resolve() == path.resolve()), None)
+        if alias:
+            return HUB_IDS[alias]
+        return str(path.parent) if path.name == "config.json" else MODEL_PLACEHOLDER
+    return str(path) if path.is_dir() else key  # a folder with ~ expanded: a quoted ~ would not be
 
 
 def hub_reachable(timeout_s: float = 3.0) -> bool:

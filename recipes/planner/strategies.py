@@ -123,3 +123,25 @@ def impossible(method: str, strategy: str, gpus: int, shape=None, lora_targets="
 def possible_strategies(method: str, gpus: int, shape=None, lora_targets="all-linear") -> tuple[str, ...]:
     """The strategies of `SPEED_ORDER` the recipes run for `method` on `gpus` GPUs."""
     return tuple(s for s in SPEED_ORDER if impossible(method, s, gpus, shape, lora_targets) is None)
+
+
+# What one GPU is launched with: ddp.yaml as a single process, or an offload config, which moves the
+# training state to CPU RAM. ZeRO and FSDP's sharding divide the state among the ranks, and one rank
+# divides nothing; model parallel over one GPU is that same single process.
+ONE_GPU = ("ddp", "fsdp_offload", "zero3_offload")
+
+
+def offered_strategies(method: str, gpus: int, shape=None, lora_targets="all-linear") -> tuple[str, ...]:
+    """The strategies the planner weighs for `method` on `gpus` GPUs: those the recipes run
+    (`possible_strategies`), on one GPU only those of `ONE_GPU`."""
+    return tuple(s for s in possible_strategies(method, gpus, shape, lora_targets) if gpus > 1 or s in ONE_GPU)
+
+
+def uneven_global_batch(global_batch: int, ranks: int) -> str | None:
+    """Why `--global-batch-size global_batch` cannot run on `ranks` data-parallel processes, naming the
+    nearest that can (None: each process takes global_batch / ranks rows). The recipes refuse with it."""
+    if global_batch % ranks == 0:
+        return None
+    lower, upper = global_batch // ranks * ranks, (global_batch // ranks + 1) * ranks
+    return (f"--global-batch-size {global_batch} does not split over {ranks} data-parallel processes; use "
+            f"{upper}{f' or {lower}' if lower else ''}")

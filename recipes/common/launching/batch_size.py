@@ -75,10 +75,9 @@ def settle(run: Run, recipe: str, launch) -> tuple[Run, str | None]:
     if not auto and not target:
         return run, None
     ranks = launch.data_parallel_size
-    if target and target % ranks:
-        lower, upper = target // ranks * ranks, (target // ranks + 1) * ranks
-        refuse(f"--global-batch-size {target} does not split over {ranks} data-parallel processes; use "
-               f"{upper}{f' or {lower}' if lower else ''}")
+    uneven = target and planner.uneven_global_batch(target, ranks)  # the rule scripts/plan.py plans with
+    if uneven:
+        refuse(uneven)
     per_rank = target // ranks if target else None
     plan = None
     if auto:

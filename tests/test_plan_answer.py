@@ -1,0 +1,281 @@
+"""scripts/plan.py's answer, read as a user pastes it: each `Launch:` and `or:` line parses with accelerate's
+launcher and the recipe's own flags and trains the named model on the user's data with the plan's micro-batch,
+accumulation and layout; the Fastest line names the global batch of its row; --global-batch-size plans every
+config at it, as the recipes settle it; one GPU is never given a config that only shards. No training runs.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from accelerate.commands.launch import launch_command_parser
+
+from conftest import REPO
+
+sys.path.insert(0, str(REPO / "recipes"))
+sys.path.insert(0, str(REPO / "scripts"))
+import plan as plan_cli  # noqa: E402  (scripts/plan.py)
+import planner  # noqa: E402
+from common.launching import batch_size  # noqa: E402
+from common.launching.args import parse_args, recipe_flags  # noqa: E402
+from common.launching.launch import Launch  # noqa: E402
+from common.model.model_config import DEFAULT_MODEL  # noqa: E402
+from common.refusal import Refusal  # noqa: E402
+
+PLAN = REPO / "scripts" / "plan.py"
+USER_DATA = "my_data.jsonl"  # what a user puts in place of the --dataset placeholder
+
+# The reference workloads, as a new user would try them, and the variants around them.
+WORKLOADS = {
+    "defaults": [],
+    "codellama-34b on 4 GPUs": ["--model", "codellama-34b", "--gpus", "4", "--batch-size", "4", "--grad-accum", "4"],
+    "tinyllama-1.1b on 4 GPUs": ["--model", "tinyllama-1.1b", "--gpus", "4", "--batch-size", "16", "--grad-accum",
+                                 "2", "--rows", "1024", "--seq-len", "1024"],
+    "codellama-34b on 1 GPU": ["--model", "codellama-34b", "--gpus", "1", "--batch-size", "4", "--grad-accum", "4"],
+    "codellama-34b pipeline over PCIe": ["--model", "codellama-34b", "--gpu", "rtx6000-ada", "--batch-size", "4",
+                                         "--grad-accum", "4", "--seq-len", "1024", "--gradient-checkpointing"],
+    "codellama-34b global batch 64": ["--model", "codellama-34b", "--gpus", "4", "--batch-size", "4",
+                                      "--global-batch-size", "64"],
+    "tinyllama-1.1b full on 1 GPU": ["--model", "tinyllama-1.1b", "--method", "full", "--gpus", "1"],
+    "phi-3-mini full on 1 GPU": ["--model", "phi-3-mini", "--method", "full", "--gpus", "1"],
+    "codellama-34b qlora on 1 GPU": ["--model", "codellama-34b", "--method", "qlora", "--gpus", "1"],
+    "llama-3.1-8b full, fp32, eager, on 8 GPUs": ["--model", "llama-3.1-8b", "--method", "full", "--gpus", "8",
+                                                  "--precision", "fp32", "--attention", "eager"],
+    "mistral-7b lora r8 on two targets": ["--model", "mistral-7b", "--lora-r", "8", "--lora-targets", "q_proj,v_proj",
+                                          "--lora-dropout", "0", "--attention", "flash", "--seq-len", "2048"],
+}
+
+
+def run_plan(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(PLAN), *args], capture_output=True, text=True, timeout=60)
+
+
+def answer(argv: list[str]) -> tuple[dict, str]:
+    """(the --json plan, the table's text) of one workload."""
+    as_json, as_text = run_plan("--json", *argv), run_plan(*argv)
+    assert as_json.returncode == 0 and as_text.returncode == 0, as_json.stderr + as_text.stderr
+    return json.loads(as_json.stdout), as_text.stdout
+
+
+def recommendations(plan: dict) -> list[dict]:
+    """The recommended runs that print a launch line: the fastest, and the fewest GPUs' when fewer."""
+    rec = plan["recommendation"]
+    fewer = rec["fewest_gpus"] and rec["fewest_gpus"]["gpus"] < rec["fastest"]["gpus"]
+    return [rec["fastest"]] + ([rec["fewest_gpus"]] if fewer else [])
+
+
+def pasted(line: str):
+    """A launch line as the user runs it, data filled in: accelerate's arguments and the recipe's run."""
+    assert plan_cli.DATASET_PLACEHOLDER in line  # the recipes' default data is the bundled toy task
+    words = shlex.split(line.replace(plan_cli.DATASET_PLACEHOLDER, USER_DATA))
+    assert words[:2] == ["accelerate", "launch"]
+    launcher = launch_command_parser().parse_args(words[2:])
+    recipe = Path(launcher.training_script).stem
+    assert (REPO / launcher.training_script).is_file() and recipe in planner.METHODS
+    return launcher, recipe, parse_args(recipe_flags(recipe), launcher.training_script_args)
+
+
+def recipe_launch(launcher, run) -> Launch:
+    """The recipes' view of the pasted launch: what they count data-parallel processes from."""
+    return Launch("ddp", processes=launcher.num_processes or 1, on_gpu=False, visible_gpus=0, precision="no",
+                  tensor_parallel=launcher.parallelism_config_tp_size or 1, pipeline_stages=run.pipeline_stages)
+
+
+def plan_args(argv: list[str]):
+    return plan_cli.parse_args(argv)
+
+
+@pytest.mark.parametrize("workload", sorted(WORKLOADS))
+def test_each_launch_line_parses_and_runs_the_plan(workload):
+    """Every flag of the printed launch is one the launcher or the recipe takes (a misspelt one is refused by
+    their parsers), and the recipe would run what the plan planned: the model, the user's data, the
+    micro-batch, the accumulation (or the global batch it settles to the same), the layout, the precision."""
+    argv = WORKLOADS[workload]
+    asked = plan_args(argv)
+    plan, text = answer(argv)
+    printed = [line.split(": ", 1)[1] for line in text.splitlines() if line.startswith(("Launch: ", "    or: "))]
+    runs = recommendations(plan)
+    assert printed == [rec["launch"] for rec in runs]  # the table and --json say the same
+    for rec in runs:
+        launcher, recipe, run = pasted(rec["launch"])
+        assert recipe == asked.method and Path(launcher.config_file) == Path(rec["config"])
+        assert run.model == planner.launch_model(asked.model) and run.dataset == [USER_DATA]
+        if rec["strategy"] == "model_parallel":  # one process, as the config file says
+            assert launcher.num_processes is None
+        else:
+            assert launcher.num_processes == rec["gpus"]
+        assert launcher.mixed_precision == ("no" if asked.precision == "fp32" else None)  # else the file's bf16
+        assert (run.batch_size, run.max_length, run.gradient_checkpointing) == (
+            rec["micro_batch"], asked.seq_len, rec["gradient_checkpointing"])
+        assert run.pipeline_stages == rec.get("pipeline_stages", 1)
+        assert (run.pipeline_schedule == "interleaved") == (rec.get("pipeline_chunks", 1) > 1)
+        settled, _ = batch_size.settle(run, recipe, recipe_launch(launcher, run))
+        assert settled.grad_accum == rec["grad_accum"]
+        ranks = recipe_launch(launcher, run).data_parallel_size
+        assert settled.batch_size * settled.grad_accum * ranks == rec["global_batch"]
+        if recipe != "full":
+            assert (run.lora_r, run.lora_dropout) == (asked.lora_r, asked.lora_dropout)
+            assert run.lora_targets == asked.lora_targets
+        assert run.attention == plan_cli.RECIPE_ATTENTION.get(asked.attention)
+
+
+@pytest.mark.parametrize("strategy", planner.SPEED_ORDER)
+def test_every_strategys_launch_line_parses(strategy):
+    """Each config's launch flags (tensor parallel's mesh, a pipeline's stages and schedule, fp32, LoRA's
+    settings, a global batch) are spelt as accelerate and the recipes take them."""
+    method = "lora" if strategy != "fsdp_tp" else "full"
+    args = plan_args(["--method", method, "--gpus", "4", "--precision", "fp32", "--lora-r", "8",
+                      "--lora-targets", "q_proj,k_proj", "--global-batch-size", "32", "--attention", "flash"])
+    rec = {"strategy": strategy, "config": planner.STRATEGIES[strategy], "gpus": 4, "micro_batch": 2,
+           "grad_accum": 4, "gradient_checkpointing": 2, "global_batch": 32}
+    if strategy == "pipeline":
+        rec.update(pipeline_stages=2, pipeline_chunks=2)
+    launcher, recipe, run = pasted(plan_cli.recommended_launch(rec, args))
+    assert recipe == method and run.global_batch_size == 32 and run.gradient_checkpointing == 2
+    assert launcher.mixed_precision == "no" and run.attention == "flash_attention_2"
+    if strategy in planner.TENSOR_PARALLEL:
+        tp = planner.tensor_parallel_size(strategy, 4)
+        assert launcher.parallelism_config_tp_size == tp
+        assert (launcher.parallelism_config_dp_shard_size or 1) * tp == 4
+    if method == "lora":
+        assert (run.lora_r, run.lora_targets) == (8, "q_proj,k_proj")
+
+
+def test_the_launch_spells_out_only_what_differs_from_the_recipes_defaults():
+    """plan.py's defaults are the recipes' own, so a Launch line without --lora-r runs r=16, and the plan's
+    attention names are ones the recipes' --attention takes."""
+    parser = recipe_flags("lora")
+    for name, value in plan_cli.RECIPE_DEFAULTS.items():
+        assert parser.get_default(name) == value, name
+    choices = next(action.choices for action in parser._actions if action.dest == "attention")
+    assert set(plan_cli.RECIPE_ATTENTION.values()) <= set(choices)
+    assert set(plan_cli.RECIPE_ATTENTION) | {"sdpa"} == set(planner.ATTENTIONS)
+    default_line = plan_cli.recommended_launch(
+        {"strategy": "ddp", "config": planner.STRATEGIES["ddp"], "gpus": 2, "micro_batch": 8, "grad_accum": 1,
+         "gradient_checkpointing": 0, "global_batch": 16}, plan_args([]))
+    assert not re.search("--(lora|attention|grad-accum|global-batch-size|mixed_precision)", default_line)
+
+
+def test_an_alias_launches_its_hub_id_and_a_path_as_given(tmp_path):
+    assert set(planner.HUB_IDS) == set(planner.ALIASES)
+    for alias, hub_id in planner.HUB_IDS.items():
+        if alias == "tiny-llama":  # the bundled model the recipes build and load by default
+            assert (REPO / hub_id).resolve() == DEFAULT_MODEL.resolve()
+            continue
+        organisation, name = hub_id.split("/")
+        assert organisation and alias in name.lower(), (alias, hub_id)  # the model the alias names
+        assert planner.launch_model(alias.upper()) == hub_id
+        assert planner.launch_model(str(planner.ALIASES[alias])) == hub_id  # the alias's own config file
+    folder = tmp_path / "my model"
+    folder.mkdir()
+    (folder / "config.json").write_text(planner.ALIASES["tinyllama-1.1b"].read_text())
+    assert planner.launch_model(str(folder)) == str(folder)
+    assert planner.launch_model(str(folder / "config.json")) == str(folder)
+    (tmp_path / "sizes.json").write_text("{}")
+    assert planner.launch_model(str(tmp_path / "sizes.json")) == planner.MODEL_PLACEHOLDER  # no weights there
+    assert planner.launch_model("some-org/some-model") == "some-org/some-model"
+    done = run_plan("--model", str(folder))
+    launch = next(line for line in done.stdout.splitlines() if line.startswith("Launch: "))
+    assert pasted(launch.split(": ", 1)[1])[2].model == str(folder)  # quoted for the shell
+
+
+def test_the_fastest_line_names_the_global_batch_of_its_row():
+    """CodeLlama-34B on 4 GPUs: the pipeline, model parallel and the data-parallel configs run different global
+    batches; the Fastest and Fewest lines name the one of the plan they recommend."""
+    plan, text = answer(WORKLOADS["codellama-34b on 4 GPUs"])
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("strategy") and "global batch" in line)
+    column = lines[start].index("global batch") + len("global batch")
+    table = {}
+    for line in lines[start + 1:lines.index("", start)]:
+        if "does not fit" not in line:
+            table[line.split()[0]] = int(line[:column].split()[-1])
+    assert len(set(table.values())) > 1  # the strategies' global batches do differ here
+    fastest = re.search(r"^Fastest that fits on 4 GPUs: (\S+) .*?, global batch (\d+) rows a step,", text, re.M)
+    assert fastest and int(fastest[2]) == table[fastest[1]] == plan["recommendation"]["fastest"]["global_batch"]
+    fewest = re.search(r"^Fewest GPUs: .*, global batch (\d+) rows a step,", text, re.M)
+    assert int(fewest[1]) == plan["recommendation"]["fewest_gpus"]["global_batch"]
+    asked = 4 * 4 * 4  # --batch-size x --grad-accum on each of 4 GPUs
+    assert f"--global-batch-size {asked} plans them all" in text
+
+
+def test_a_global_batch_plans_every_config_at_it():
+    plan, text = answer(WORKLOADS["codellama-34b global batch 64"])
+    assert plan["global_batch_size"] == 64
+    running = [entry for entry in plan["strategies"] if entry["run"]]
+    assert len(running) >= 5 and all(entry["refusal"] is None for entry in plan["strategies"])
+    for entry in running:
+        run = entry["run"]
+        ranks = planner.data_parallel_size(entry["strategy"], 4, run.get("pipeline_stages"))
+        assert run["global_batch"] == run["micro_batch"] * run["grad_accum"] * ranks == 64, entry["strategy"]
+        assert run["micro_batch"] <= 4  # --batch-size stays the largest micro-batch tried
+    rows = [line.split() for line in text.split("Time per optimizer step")[1].split("\n\n")[0].splitlines()[2:]]
+    assert {row[0] for row in rows if "does not fit" not in " ".join(row)} == {e["strategy"] for e in running}
+    for rec in recommendations(plan):
+        assert rec["global_batch"] == 64
+        assert "--global-batch-size 64" in rec["launch"] and "--grad-accum" not in rec["launch"]
+    assert "global batches differ" not in text
+    # the asked per-GPU batch alone gives the pipeline and model parallel other global batches
+    without = answer(WORKLOADS["codellama-34b on 4 GPUs"])[0]
+    assert len({e["run"]["global_batch"] for e in without["strategies"] if e["run"]}) > 1
+
+
+def test_a_global_batch_a_config_cannot_split_marks_its_row_as_the_recipes_refuse():
+    plan, text = answer(["--model", "codellama-34b", "--gpus", "4", "--batch-size", "4", "--global-batch-size", "6"])
+    refused = {entry["strategy"]: entry["refusal"] for entry in plan["strategies"] if entry["refusal"]}
+    assert "ddp" in refused and "model_parallel" not in refused
+    with pytest.raises(Refusal) as recipes_refusal:  # the recipe's own verdict on 4 data-parallel processes
+        batch_size.settle(parse_args(recipe_flags("lora"), ["--global-batch-size", "6"]), "lora",
+                          Launch("ddp", processes=4, on_gpu=False, visible_gpus=0, precision="no"))
+    assert refused["ddp"] == recipes_refusal.value.message == planner.uneven_global_batch(6, 4)
+    assert "use 8 or 4" in refused["ddp"]
+    for strategy, reason in refused.items():
+        assert re.search(rf"^{strategy} +cannot run it +{re.escape(reason)}$", text, re.M)
+        assert next(e for e in plan["strategies"] if e["strategy"] == strategy)["run"] is None
+    for entry in plan["strategies"]:
+        if entry["run"]:
+            assert entry["run"]["global_batch"] == 6
+    assert "--global-batch-size 6" in plan["recommendation"]["fastest"]["launch"]
+
+
+def test_a_global_batch_no_config_can_run_is_one_line():
+    done = run_plan("--gpus", "16", "--global-batch-size", "6")
+    assert done.returncode == 2 and not done.stdout
+    assert done.stderr.strip() == f"plan.py: {planner.uneven_global_batch(6, 16)}"
+    both = run_plan("--global-batch-size", "64", "--grad-accum", "2")
+    assert both.returncode == 2 and "drop --grad-accum" in both.stderr.strip().splitlines()[-1]
+
+
+ONLY_SHARDING = [planner.STRATEGIES[s] for s in planner.SPEED_ORDER if s not in planner.ONE_GPU]
+
+
+@pytest.mark.parametrize("workload", [w for w in sorted(WORKLOADS) if "1 GPU" in w])
+def test_one_gpu_is_never_given_a_config_that_only_shards(workload):
+    plan, text = answer(WORKLOADS[workload])
+    for config in ONLY_SHARDING:
+        assert config not in text and config not in json.dumps(plan), config
+    assert {entry["strategy"] for entry in plan["strategies"]} <= set(planner.ONE_GPU)
+    fastest = plan["recommendation"]["fastest"]
+    assert fastest["strategy"] in planner.ONE_GPU and "--num_processes 1 " in fastest["launch"]
+
+
+def test_the_one_gpu_answers_that_used_to_name_zero1():
+    """Phi-3-mini full and CodeLlama-34B QLoRA on one H100: among all the configs the recipes run, ZeRO-1 on one
+    process plans fastest (DeepSpeed's bf16 weights leave more room for activations); the answer is ddp.yaml as a
+    single process, and the fewest-GPU answer of a larger ask is one too."""
+    for model, method in (("phi-3-mini", "full"), ("codellama-34b", "qlora")):
+        shape = planner.load_shape(model)
+        machine = planner.Machine.of()
+        runs = [(s, planner.best_run(shape, method, s, 1, 80, machine))
+                for s in planner.possible_strategies(method, 1, shape)]
+        assert planner.fastest_of([(s, run) for s, run in runs if run])[0] == "zero1"
+        plan = planner.plan(shape, method, 1, 80)
+        assert plan["recommendation"]["fastest"]["strategy"] == "ddp"
+        wider = planner.plan(shape, method, 4, 80)["recommendation"]["fewest_gpus"]
+        assert wider["gpus"] > 1 or wider["strategy"] in planner.ONE_GPU
