@@ -20,12 +20,12 @@ process also holds its libraries (about 0.6 GiB on a CPU process, measured), not
 from __future__ import annotations
 
 from .dtypes import quantized_bytes_per_weight
+from .resident import Stage, _stage_parameters
 from .shapes import ModelShape
+from .strategies import FSDP, TENSOR_PARALLEL
 
-ONE_COPY_A_MACHINE = {"fsdp_full_shard", "fsdp_grad_op", "fsdp_offload", "fsdp_hybrid", "zero3", "zero3_offload",
-                      "tp", "fsdp_tp", "pipeline", "model_parallel"}
-FSDP = {"fsdp_full_shard", "fsdp_grad_op", "fsdp_offload", "fsdp_hybrid"}
-ZERO3 = {"zero3", "zero3_offload"}
+ZERO3 = ("zero3", "zero3_offload")
+ONE_COPY_A_MACHINE = (*FSDP, *ZERO3, *TENSOR_PARALLEL, "pipeline", "model_parallel")
 ZERO3_READS_ONCE_SINCE = "5.23"  # transformers: from this version ZeRO-3's other ranks read no weights
 
 
@@ -37,11 +37,10 @@ def processes_per_machine(strategy: str, gpus: int, gpus_per_machine: int) -> in
 def model_bytes_as_loaded(shape: ModelShape, method: str, precision: str = "bf16") -> int:
     """One copy of the weights as they arrive in host RAM."""
     float_bytes = 4 if method == "full" or precision == "fp32" else 2
-    if method != "qlora":
-        return shape.parameters * float_bytes
-    counts = shape.parameter_counts()
-    quantized = counts["linear"] - shape.fused_expert_parameters_per_layer() * shape.layers  # bitsandbytes skips fused experts
-    return int(quantized * quantized_bytes_per_weight() + (shape.parameters - quantized) * float_bytes)
+    # the files hold the base (LoRA's adapters start in memory: the rank and targets do not matter here)
+    held = _stage_parameters(shape, method, Stage(shape.layers), lora_rank=1, lora_targets="all-linear")
+    floats = held["trained"] if method == "full" else held["frozen"]
+    return int(floats * float_bytes + held["quantized"] * quantized_bytes_per_weight())
 
 
 def load_bytes_per_machine(shape: ModelShape, method: str, strategy: str, gpus: int, gpus_per_machine: int = 8,

@@ -6,6 +6,7 @@ whose weights cannot pass through this machine's host RAM.
 from __future__ import annotations
 
 import os
+from importlib.metadata import version
 
 import torch
 
@@ -13,6 +14,7 @@ import planner
 
 from ..model.model_config import is_default_model
 from ..refusal import refuse
+from .versions import older_than
 
 
 def planner_inputs(args, recipe: str, launch) -> tuple:
@@ -69,11 +71,7 @@ def announce_plan(args, recipe: str, launch) -> None:
 def zero3_reads_once() -> bool:
     """Whether the installed transformers reads a ZeRO-3 checkpoint on rank 0 alone (the others build
     their partitions and receive the values)."""
-    from importlib.metadata import version
-
-    from packaging.version import Version
-
-    return Version(Version(version("transformers")).base_version) >= Version(planner.ZERO3_READS_ONCE_SINCE)
+    return not older_than(version("transformers"), planner.ZERO3_READS_ONCE_SINCE)
 
 
 def host_load(shape, recipe: str, launch, precision: str) -> dict:

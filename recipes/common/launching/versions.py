@@ -18,11 +18,16 @@ LOWEST = {
 }
 
 
-def older_than_lowest(name: str, installed: str) -> bool:
-    """Whether `installed` (a version of the library `name` in LOWEST) is older than the lowest supported."""
+def older_than(installed: str, version: str) -> bool:
+    """Whether `installed` is older than `version` (a pre-release or local build counts as its release)."""
     from packaging.version import Version
 
-    return Version(Version(installed).base_version) < Version(LOWEST[name])
+    return Version(Version(installed).base_version) < Version(version)
+
+
+def older_than_lowest(name: str, installed: str) -> bool:
+    """Whether `installed` (a version of the library `name` in LOWEST) is older than the lowest supported."""
+    return older_than(installed, LOWEST[name])
 
 
 def too_old() -> list[str]:
