@@ -9,8 +9,7 @@ recipe's start-up line (the model loaded and prepared) is run.json's `host_peak_
 peak with the first step too (`host_peak_gib_by_rank`) is kept beside it. The seconds are from the launch to
 that start-up line (reading, loading, preparing).
 `fsdp-every-rank` is fsdp.yaml with fsdp_cpu_ram_efficient_loading off: every process reads the whole
-model, as every FSDP launch did before the main process alone read it; it runs beside `fsdp` in the same
-call. --build writes a random Llama of about 0.78B parameters (bfloat16 safetensors, the bundled
+model; it runs beside `fsdp` (each process reads its shards from the files) in the same call. --build writes a random Llama of about 0.78B parameters (bfloat16 safetensors, the bundled
 tokenizer) first.
 Writes results.json and results.md to --out; run it under ../shared/tools/capped where memory is short.
 """
@@ -105,7 +104,7 @@ def launch(spec: str, model: str, dataset: Path, folder: Path, index: int) -> di
         raise SystemExit(f"{spec} failed:\n{text[-3000:]}")
     return {"launch": name, "recipe": recipe, "processes": int(processes), "load_peak_gib_by_rank": ran["host_peak_at_start_gib_by_rank"],
             "with_first_step_gib_by_rank": ran["host_peak_gib_by_rank"],
-            "seconds_to_start": round(started, 1), "main_process_loads": ran["launch"]["main_process_loads"],
+            "seconds_to_start": round(started, 1), "fsdp_loading": ran["launch"].get("fsdp_loading"),
             "distributed_type": ran["distributed_type"]}
 
 

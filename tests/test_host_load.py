@@ -43,7 +43,7 @@ def test_full_fine_tuning_loads_fp32_and_a_machine_holds_only_its_processes(shap
 
 
 def test_switches_that_make_every_process_read_are_named(shape):
-    every = planner.load_bytes_per_machine(shape, "lora", "fsdp_full_shard", gpus=4, fsdp_main_process_loads=False)
+    every = planner.load_bytes_per_machine(shape, "lora", "fsdp_full_shard", gpus=4, fsdp_one_copy=False)
     assert every["copies"] == 4 and "fsdp_cpu_ram_efficient_loading" in every["one_copy"]
     old = planner.load_bytes_per_machine(shape, "lora", "zero3", gpus=4, zero3_reads_once=False)
     assert old["copies"] == 4 and planner.ZERO3_READS_ONCE_SINCE in old["one_copy"]
@@ -105,7 +105,7 @@ def test_the_plan_line_says_the_host_ram_to_load(tmp_path):
     [line] = [line for line in run.output.splitlines() if line.startswith("plan: ")]
     tiny = planner.model_bytes_as_loaded(planner.load_shape("tiny-llama"), "lora", precision="fp32")
     assert f"host RAM to load the weights: {memory_plan.size(tiny)} on this machine" in line, line
-    assert "one process reads" in line, line
+    assert "each process reads its shards from the files" in line, line
 
 
 def test_plan_py_prints_the_host_ram_of_each_recommendation(capsys):

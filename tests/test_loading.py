@@ -1,6 +1,8 @@
-"""One copy of the weights in host RAM: under fsdp.yaml (fsdp_cpu_ram_efficient_loading) the main process alone
-reads them, the others build the model on the meta device and receive their shards in accelerator.prepare. The
-run is the same as when every process reads the weights: the same losses and the same trained logits, exactly."""
+"""One copy of the weights in host RAM under fsdp.yaml (fsdp_cpu_ram_efficient_loading): each process reads its
+shards from the model's files once accelerator.prepare has sharded the model built with unread weights; where the
+files do not allow it (a checkpoint transformers converts while loading), the main process alone reads them and
+accelerate sends each process its shards. Either way the run is the one where every process reads the whole
+model: the same losses and the same trained logits, exactly."""
 
 from __future__ import annotations
 
@@ -11,32 +13,69 @@ from conftest import CONFIGS, launch, long_test
 from test_other_architectures import build
 
 ARGS = ("--max-steps", "3", "--batch-size", "2", "--eval-every", "3", "--log-every", "1")
+READS_SHARDS = "each process reads its shards"
+MAIN_PROCESS_SENDS = "the main process reads and sends the shards"
+EVERY_PROCESS_READS = "every process reads the whole model"
 
 
-def every_rank_reads(tmp_path) -> str:
-    """fsdp.yaml with fsdp_cpu_ram_efficient_loading off: each process reads the whole model (the loading before)."""
-    text = (CONFIGS / "fsdp.yaml").read_text()
+def every_rank_reads(tmp_path, config: str = "fsdp") -> str:
+    """`config` with fsdp_cpu_ram_efficient_loading off: each process reads the whole model."""
+    text = (CONFIGS / f"{config}.yaml").read_text()
     assert "fsdp_cpu_ram_efficient_loading: true" in text
-    path = tmp_path / "fsdp_every_rank.yaml"
+    path = tmp_path / f"{config}_every_rank.yaml"
     path.write_text(text.replace("fsdp_cpu_ram_efficient_loading: true", "fsdp_cpu_ram_efficient_loading: false"))
     return str(path)
 
 
-@pytest.mark.parametrize("recipe, model", [("lora", None), ("lora", "gpt2"), pytest.param("full", None, marks=long_test)])
-def test_the_main_process_alone_reads_the_weights_and_the_run_is_the_same(recipe, model, tmp_path):
-    """The bundled Llama, and GPT-2 (its LM head is its embedding: the tie survives the unread build)."""
+def same_run(one, other) -> None:
+    assert one.losses() == other.losses() and one.losses()  # exactly: the same weights reached every shard
+    evaluated = [[(record["eval_loss"], record["eval_exact_match"]) for record in run.metrics("eval")] for run in (one, other)]
+    assert evaluated[0] == evaluated[1] and evaluated[0]
+    probes = [load_file(str(run.output_dir / "probe_logits.safetensors"))["logits"] for run in (one, other)]
+    assert probes[0].equal(probes[1])
+
+
+@pytest.mark.parametrize("recipe, model, config, expected", [
+    ("lora", None, "fsdp", READS_SHARDS),
+    ("lora", "gpt2", "fsdp", READS_SHARDS),  # its LM head is its embedding: the tie survives the unread build
+    ("lora", "mixtral", "fsdp", MAIN_PROCESS_SENDS),  # its files keep each expert apart: transformers fuses them
+    pytest.param("full", None, "fsdp_offload", READS_SHARDS, marks=long_test),
+])
+def test_the_shards_are_read_once_a_machine_and_the_run_is_the_same(recipe, model, config, expected, tmp_path):
     extra = ()
     if model:
         build(model, tmp_path / model)
         extra = ("--model", str(tmp_path / model))
-    once = launch(recipe, tmp_path / "once", *ARGS, *extra, config="fsdp")
+    once = launch(recipe, tmp_path / "once", *ARGS, *extra, config=config)
     assert once.returncode == 0, once.output[-3000:]
-    every = launch(recipe, tmp_path / "every", *ARGS, *extra, config=every_rank_reads(tmp_path))
+    every = launch(recipe, tmp_path / "every", *ARGS, *extra, config=every_rank_reads(tmp_path, config))
     assert every.returncode == 0, every.output[-3000:]
-    assert once.run_json()["launch"]["main_process_loads"] is True
-    assert every.run_json()["launch"]["main_process_loads"] is False
-    assert once.losses() == every.losses()  # exactly: the same weights reached every shard
-    evaluated = [[(record["eval_loss"], record["eval_exact_match"]) for record in run.metrics("eval")] for run in (once, every)]
-    assert evaluated[0] == evaluated[1] and evaluated[0]
-    probes = [load_file(str(run.output_dir / "probe_logits.safetensors"))["logits"] for run in (once, every)]
-    assert probes[0].equal(probes[1])
+    assert once.run_json()["launch"]["fsdp_loading"] == expected
+    assert every.run_json()["launch"]["fsdp_loading"] == EVERY_PROCESS_READS
+    said = "loading: the main process reads the weights and sends each process its shards, since its files name"
+    assert (said in once.output) == (expected == MAIN_PROCESS_SENDS)
+    same_run(once, every)
+
+
+def test_the_files_decide_whether_each_process_can_read_its_shards(tmp_path):
+    """Checked before the model loads, on every rank alike, from the files' names and the config alone."""
+    import json
+    import shutil
+
+    from common.model.shard_loading import why_not_read_shards
+
+    for kind in ("gpt2", "mixtral"):
+        build(kind, tmp_path / kind)
+    assert why_not_read_shards(str(tmp_path / "gpt2"), False) is None  # tied: the head is read as the embedding
+    assert why_not_read_shards(str(tmp_path / "mixtral"), False) == (
+        "its files name the weights otherwise than the model (no model.layers.0.mlp.gate.weight)")  # its router, under another name
+    config_only = tmp_path / "config-only"
+    config_only.mkdir()
+    shutil.copy(tmp_path / "gpt2" / "config.json", config_only)
+    assert why_not_read_shards(str(config_only), False) == "it has no safetensors files"
+    quantized = tmp_path / "quantized"
+    shutil.copytree(tmp_path / "gpt2", quantized)
+    config = json.loads((quantized / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    (quantized / "config.json").write_text(json.dumps(config))
+    assert why_not_read_shards(str(quantized), False) == "its weights are stored quantized"

@@ -3,8 +3,8 @@
 Before a GPU holds anything, the weights pass through host RAM. How many copies do depends on the
 strategy (measured on CPU processes, results/2026-11-27_cpu_load-memory):
 
-- one copy a machine: FSDP with `fsdp_cpu_ram_efficient_loading` (every config here sets it: the main
-  process reads, the others receive their shards), ZeRO-3 with transformers >= 5.23 (rank 0 reads, the
+- one copy a machine: FSDP with `fsdp_cpu_ram_efficient_loading` (every config here sets it: each process
+  reads its shards from the files, or where they do not allow it the main process reads and sends them), ZeRO-3 with transformers >= 5.23 (rank 0 reads, the
   others get their partitions), tensor parallel (each process reads its slices), pipeline (each stage
   reads its layers), model parallel (one process), QLoRA on GPUs (each process quantizes on its GPU
   as the weights load, a tensor at a time; the processes share the file's pages: not yet measured on a GPU);
@@ -44,8 +44,8 @@ def model_bytes_as_loaded(shape: ModelShape, method: str, precision: str = "bf16
 
 
 def load_bytes_per_machine(shape: ModelShape, method: str, strategy: str, gpus: int, gpus_per_machine: int = 8,
-                           precision: str = "bf16", fsdp_main_process_loads: bool = True,
-                           zero3_reads_once: bool = True, on_gpu: bool = True) -> dict:
+                           precision: str = "bf16", fsdp_one_copy: bool = True,
+                           fsdp_reads_shards: bool = True, zero3_reads_once: bool = True, on_gpu: bool = True) -> dict:
     """Host RAM the weights take while they load on the busiest machine: `bytes`, the `copies` of the
     model that makes, the `processes` there, `why` in words a start-up line can print, and `one_copy`:
     the change that makes it one copy a machine (None where there is none)."""
@@ -57,7 +57,7 @@ def load_bytes_per_machine(shape: ModelShape, method: str, strategy: str, gpus: 
         copies, why = 1, "each process quantizes on its GPU as the weights load"
     elif method == "qlora":
         copies, why = processes, "each process quantizes its own copy in host RAM as the weights load"
-    elif strategy in FSDP and not fsdp_main_process_loads:
+    elif strategy in FSDP and not fsdp_one_copy:
         copies, why = processes, "every process reads the whole model"
         one_copy = "set fsdp_cpu_ram_efficient_loading: true in the config"
     elif strategy in ZERO3 and not zero3_reads_once:
@@ -66,7 +66,8 @@ def load_bytes_per_machine(shape: ModelShape, method: str, strategy: str, gpus: 
     elif strategy in ONE_COPY_A_MACHINE:
         copies, why = 1, {"tp": "each process reads its slices", "fsdp_tp": "each process reads its slices",
                           "pipeline": "each stage reads its layers", "model_parallel": "one process"}.get(
-            strategy, "one process reads, the others receive their shards")
+            strategy, "each process reads its shards from the files" if strategy in FSDP and fsdp_reads_shards
+            else "one process reads, the others receive their shards")
     else:
         copies, why = processes, "each process loads its replica on the CPU before moving it"
         one_copy = "use fsdp.yaml or zero3.yaml (one process reads)"

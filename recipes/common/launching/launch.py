@@ -29,6 +29,11 @@ FSDP = "fsdp"
 DEEPSPEED = "deepspeed"
 TENSOR_PARALLEL = "tensor_parallel"  # layers split across a group of GPUs; with FSDP over the groups when there are several
 
+# launch.fsdp_loading values: how FSDP's shards get their weights
+READS_SHARDS = "each process reads its shards"  # from the files, after accelerator.prepare (model.shard_loading)
+MAIN_PROCESS_SENDS = "the main process reads and sends the shards"  # accelerate's fsdp_cpu_ram_efficient_loading
+EVERY_PROCESS_READS = "every process reads the whole model"  # fsdp_cpu_ram_efficient_loading off
+
 
 @dataclass(frozen=True)
 class Launch:
@@ -45,9 +50,18 @@ class Launch:
     tensor_parallel: int = 1  # ranks that split each layer's weights (and see the same batches)
     pipeline_stages: int = 1  # --pipeline-stages: ranks that each run a part of the layers on the same batches
     pipeline_chunks: int = 1  # parts of the layers each of them runs (the interleaved schedule's --pipeline-chunks)
-    # FSDP's fsdp_cpu_ram_efficient_loading: only the main process reads the weights into host RAM; the
-    # others build the model with unread weights and receive their shards from it in accelerator.prepare
-    main_process_loads: bool = False
+    # FSDP: one of the loadings above. fsdp_cpu_ram_efficient_loading asks for one copy of the weights in host
+    # RAM: each process reads its shards where the model's files allow it (settle.settle_fsdp_loading), else
+    # the main process reads them and sends each its shards in accelerator.prepare
+    fsdp_loading: str | None = None
+
+    @property
+    def reads_shards(self) -> bool:
+        return self.fsdp_loading == READS_SHARDS
+
+    @property
+    def main_process_loads(self) -> bool:
+        return self.fsdp_loading == MAIN_PROCESS_SENDS
 
     @property
     def spreads_layers(self) -> bool:
@@ -106,7 +120,8 @@ class Launch:
         return self.planner_strategy
 
     def as_record(self) -> dict:
-        return {**asdict(self), "shards_parameters": self.shards_parameters, "name": self.name}
+        return {**asdict(self), "shards_parameters": self.shards_parameters, "name": self.name,
+                "main_process_loads": self.main_process_loads}
 
 
 def flag(env, name: str) -> bool:
@@ -143,7 +158,7 @@ def describe(env=None, on_gpu: bool | None = None) -> Launch:
                       offload_optimizer=(zero.get("offload_optimizer") or {}).get("device", "none") != "none")
     if flag(env, "ACCELERATE_USE_FSDP"):
         return Launch(FSDP, **common, offload_parameters=flag(env, "FSDP_OFFLOAD_PARAMS"),
-                      main_process_loads=flag(env, "FSDP_CPU_RAM_EFFICIENT_LOADING"),
+                      fsdp_loading=MAIN_PROCESS_SENDS if flag(env, "FSDP_CPU_RAM_EFFICIENT_LOADING") else EVERY_PROCESS_READS,
                       reshard_after_forward=env.get("FSDP_RESHARD_AFTER_FORWARD", "true").lower() != "false",
                       replicas=int(env.get("PARALLELISM_CONFIG_DP_REPLICATE_SIZE", "1")))
     if common["processes"] > 1:

@@ -79,7 +79,8 @@ def host_load(shape, recipe: str, launch, precision: str) -> dict:
     on_this_machine = int(os.environ.get("LOCAL_WORLD_SIZE", launch.processes))
     return planner.load_bytes_per_machine(
         shape, recipe, launch.planner_strategy, launch.gpus, gpus_per_machine=on_this_machine, precision=precision,
-        fsdp_main_process_loads=launch.main_process_loads, zero3_reads_once=zero3_reads_once(),
+        fsdp_one_copy=launch.main_process_loads or launch.reads_shards, fsdp_reads_shards=launch.reads_shards,
+        zero3_reads_once=zero3_reads_once(),
         on_gpu=launch.on_gpu)
 
 

@@ -8,12 +8,14 @@ later step reads, and the launch: what accelerate launch asked for.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
+from ..model.shard_loading import why_not_read_shards
 from . import launch_config, memory_plan, preflight
 from .batch_size import settle as settle_batch
-from .launch import TENSOR_PARALLEL, Launch, describe
+from .launch import READS_SHARDS, TENSOR_PARALLEL, Launch, describe
 from .settled import Run
 
 
@@ -56,8 +58,22 @@ def settle_launch(args: Run, recipe: str) -> tuple[Run, Launch]:
     if recipe == "qlora":
         run = run.recorded(quantization_plan=preflight.check_quantization(run))
     preflight.check_outputs(run, recipe)
+    launch = settle_fsdp_loading(run, recipe, launch)
     memory_plan.announce_plan(run, recipe, launch)
     return run, launch
+
+
+def settle_fsdp_loading(run: Run, recipe: str, launch: Launch) -> Launch:
+    """FSDP with fsdp_cpu_ram_efficient_loading (one copy of the weights in host RAM): each process reads its
+    shards from the model's files where they allow it, else the main process reads and sends them (said why).
+    4-bit weights are quantized as each process loads (bitsandbytes), and a pipeline stage reads its layers."""
+    if not launch.main_process_loads or recipe == "qlora" or launch.pipeline_stages > 1:
+        return launch
+    why_not = why_not_read_shards(run.model, run.trust_remote_code)
+    if why_not:
+        say(f"loading: the main process reads the weights and sends each process its shards, since {why_not}")
+        return launch
+    return dataclasses.replace(launch, fsdp_loading=READS_SHARDS)
 
 
 def settle_paths(run: Run) -> Run:

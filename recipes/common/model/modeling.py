@@ -15,6 +15,7 @@ from ..refusal import refuse
 from .model_config import (DEFAULT_MODEL, REPO_ROOT, default_model_needs_building, empty_model, is_default_model,
                            model_config_object)
 from .pipeline_layout import layout_of
+from .shard_loading import unread_model
 from .stage_loading import load_stage, refuse_a_changed_forward
 
 def ensure_default_model(name: str, accelerator) -> None:
@@ -64,9 +65,10 @@ def load_model(name: str, accelerator, launch, *, frozen: bool, quantization=Non
     - quantised weights under DDP / ZeRO-1/2: each process loads its own copy on its device;
     - tensor parallel (with FSDP across the groups): transformers splits (and shards) the layers as
       they load, over the launch's processes;
-    - FSDP with `fsdp_cpu_ram_efficient_loading` (fsdp.yaml): the main process alone reads the weights;
-      the others build the model with unread weights (`shape_only`), and `accelerator.prepare` sends
-      each its shards;
+    - FSDP with `fsdp_cpu_ram_efficient_loading` (fsdp.yaml): every process builds the model with unread
+      weights (`shape_only`) and reads its shards from the files once `accelerator.prepare` has sharded it
+      (shard_loading); where the files do not allow it, the main process alone reads the weights and
+      `accelerator.prepare` sends each process its shards;
     - ZeRO-3 (zero3_init_flag): transformers builds each process's partitions under `zero.Init`; from
       transformers 5.23 rank 0 alone reads the files (before, every process reads the whole checkpoint:
       the `plan:` line says so);
@@ -75,8 +77,10 @@ def load_model(name: str, accelerator, launch, *, frozen: bool, quantization=Non
     """
     from transformers import AutoModelForCausalLM
 
-    # where loading frees layers as it goes: sent as shards, partitioned, quantized
-    if launch.main_process_loads or launch.planner_strategy in ("zero3", "zero3_offload") or quantization is not None:
+    # where loading frees layers as it goes (read or sent as shards, partitioned, quantized) or leaves unread
+    # weights behind: their memory is given back rather than reused, page by page, by later steps
+    if (launch.reads_shards or launch.main_process_loads or launch.planner_strategy in ("zero3", "zero3_offload")
+            or quantization is not None):
         hand_freed_tensors_back_to_the_host()
     kwargs = dict(dtype=launch.float_dtype(frozen), use_safetensors=True, trust_remote_code=trust_remote_code)
     if attention is not None:
@@ -97,7 +101,9 @@ def load_model(name: str, accelerator, launch, *, frozen: bool, quantization=Non
     model = None
     if launch.pipeline_stages > 1:  # each process reads only its stage's weights where the files allow
         model = load_pipeline_stage(name, accelerator, launch, kwargs, quantized=quantization is not None)
-    if launch.main_process_loads and quantization is None and not accelerator.is_main_process:
+    if launch.reads_shards:  # each process reads its rows of the weights after accelerator.prepare
+        model = unread_model(name, lambda: shape_only(name, kwargs))
+    elif launch.main_process_loads and quantization is None and not accelerator.is_main_process:
         # one copy of the weights in host RAM, not one per process (4-bit weights are quantized as each loads)
         model = shape_only(name, kwargs)
     if model is None:
@@ -121,13 +127,15 @@ M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 def hand_freed_tensors_back_to_the_host() -> None:
     """Tensors of 1 MiB and more get memory maps of their own, returned to the system when freed.
 
-    Loading frees tensors as it goes (each whole layer once sharded, partitioned or converted). glibc
-    otherwise raises its threshold towards 32 MiB as such blocks are freed, serves the next ones from
-    its heap, and a heap left holed keeps the freed memory: a ZeRO-3 rank of a 0.78B model measured from
-    2.7 to 4.5 GiB from one launch to the next, 2.4 GiB every time with the threshold fixed
-    (results/2026-11-27_cpu_load-memory); FSDP's other ranks 47% of a DDP replica instead of 61%. The
-    price: freed layers' pages are faulted in anew. Tensors above 32 MiB (a large model's) glibc maps
-    alone anyway. A no-op where the C library is not glibc.
+    Loading frees tensors as it goes (each whole layer once sharded, partitioned or converted, or the
+    unread weights FSDP's shards were read beside). glibc otherwise raises its threshold towards 32 MiB
+    as such blocks are freed, serves the next ones from its heap, and a heap left holed keeps the freed
+    memory, or touches the unread holes page by page as later steps reuse them: a ZeRO-3 rank of a 0.78B
+    model measured from 2.7 to 4.5 GiB from one launch to the next, 2.4 GiB every time with the threshold
+    fixed (results/2026-11-27_cpu_load-memory); FSDP's ranks reading their shards 2.3 GiB at start-up either
+    way but 5.0-5.4 GiB after the first step without it, 2.7 with it. The price: freed layers' pages are
+    faulted in anew. Tensors above 32 MiB (a large model's) glibc maps alone anyway. A no-op where the C
+    library is not glibc.
     """
     try:
         ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, 1 << 20)
@@ -145,9 +153,9 @@ def pretrained_config(name: str, trust_remote_code: bool):
 
 def shape_only(name: str, kwargs: dict):
     """Model `name` as from_pretrained with `kwargs` builds it, its weights left unread: each parameter an
-    uninitialised tensor (address space the process never touches, so no memory), which
-    `accelerator.prepare` fills with this process's shards of the main process's weights. Not the meta
-    device: accelerate tells the optimizer's parameters apart by their addresses."""
+    uninitialised tensor (address space the process never touches, so no memory), whose shards
+    `accelerator.prepare` fills (shard_loading, or the main process's weights). Not the meta device:
+    accelerate tells the optimizer's parameters apart by their addresses."""
     trust = kwargs["trust_remote_code"]
     model = empty_model(pretrained_config(name, trust), trust, kwargs.get("attn_implementation"), dtype=kwargs["dtype"])
     unread = {}  # one tensor per parameter, tied ones included

@@ -4,7 +4,8 @@
 On a machine with no GPU the same command should still exercise the same strategy, so a user
 can try a config on a laptop and the tests can run everywhere. Stock accelerate does not do
 that by itself (see `enable_fsdp_on_cpu`), so this module adapts the launch on CPU only;
-on GPUs it builds a plain `Accelerator` and changes nothing.
+on GPUs it builds a plain `Accelerator`, or under FSDP where each process reads its shards from the
+model's files, an Accelerator whose `prepare` reads them (`ShardReadingAccelerator`).
 """
 
 from __future__ import annotations
@@ -18,11 +19,12 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator, DataLoaderConfiguration, DeepSpeedPlugin
-from accelerate.utils import (DistributedDataParallelKwargs, DistributedType, GradientAccumulationPlugin,
-                               InitProcessGroupKwargs)
+from accelerate.utils import (DistributedDataParallelKwargs, DistributedType, FullyShardedDataParallelPlugin,
+                               GradientAccumulationPlugin, InitProcessGroupKwargs)
 
 from ..data.batches import target_tokens
 from ..launching import deepspeed_config
+from ..model.shard_loading import read_shards, unread_weights
 from ..launching.launch import DEEPSPEED, FSDP, TENSOR_PARALLEL, Launch
 
 # A rank that dies must not leave the others waiting forever in a collective.
@@ -67,10 +69,14 @@ def make_accelerator(args, launch: Launch) -> Accelerator:
         with parallelism_config_hidden():  # accelerate refuses it on CPU processes: added after
             accelerator = Accelerator(**kwargs)
         enable_tensor_parallel_on_cpu(accelerator)
+    elif launch.reads_shards:
+        if not on_cpu:
+            kwargs["fsdp_plugin"] = FullyShardedDataParallelPlugin(cpu_ram_efficient_loading=False)
+        accelerator = ShardReadingAccelerator(**kwargs)
     else:
         accelerator = Accelerator(**kwargs)
     if on_cpu and launch.kind == FSDP:
-        enable_fsdp_on_cpu(accelerator)
+        enable_fsdp_on_cpu(accelerator, main_process_sends=launch.main_process_loads)
     if launch.kind == DEEPSPEED:
         align_deepspeed_with_recipe(accelerator, args, launch, Path(source).name)
     return accelerator
@@ -113,17 +119,33 @@ def cpu_process_group(launch: Launch) -> dict:
     return {"backend": "gloo"} if not launch.on_gpu and launch.kind == DEEPSPEED else {}
 
 
-def enable_fsdp_on_cpu(accelerator: Accelerator) -> None:
+class ShardReadingAccelerator(Accelerator):
+    """accelerate's Accelerator whose `prepare` fills the shards of a model built with unread weights
+    (`shard_loading.unread_model`) from the model's files, each process its own rows, once FSDP has sharded
+    it: the loading `fsdp_cpu_ram_efficient_loading` asks for, without a whole copy in the main process
+    or the weights sent between processes. Its FSDP plugin has that switch off (nothing to send)."""
+
+    def prepare(self, *objects, **kwargs):
+        unread = [unread_weights(thing) if isinstance(thing, torch.nn.Module) else {} for thing in objects]
+        prepared = super().prepare(*objects, **kwargs)
+        for thing, weights in zip(prepared if len(objects) > 1 else (prepared,), unread):
+            if weights:
+                read_shards(thing, weights)
+        return prepared
+
+
+def enable_fsdp_on_cpu(accelerator: Accelerator, main_process_sends: bool) -> None:
     """Turn the CPU process group into a real FSDP run.
 
     accelerate only selects FSDP for GPU-like devices and falls back to plain DDP on CPU
     (silently). torch's FSDP2 itself shards on CPU with gloo, so hand it the plugin that the
-    launcher's environment describes.
+    launcher's environment describes (`main_process_sends`: its fsdp_cpu_ram_efficient_loading, off
+    where each process reads its shards).
     """
     from accelerate.state import AcceleratorState, PartialState
-    from accelerate.utils import FullyShardedDataParallelPlugin
 
-    plugin = FullyShardedDataParallelPlugin()  # FSDP2: launch_config translates FSDP1 files
+    # FSDP2: launch_config translates FSDP1 files
+    plugin = FullyShardedDataParallelPlugin(cpu_ram_efficient_loading=main_process_sends)
     from torch.distributed.fsdp import CPUOffloadPolicy
 
     if isinstance(plugin.cpu_offload, CPUOffloadPolicy):
