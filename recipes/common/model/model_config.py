@@ -26,6 +26,28 @@ def default_model_needs_building() -> bool:
     return not (DEFAULT_MODEL / "config.json").exists() or not saved.exists() or saved.read_bytes() != bundled.read_bytes()
 
 
+def weight_files(name: str) -> dict[str, str] | None:
+    """{weight name: the safetensors file holding it} of model `name` (a folder, or a hub id, fetched into
+    the cache as `from_pretrained` fetches it); None without safetensors files."""
+    from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
+    from transformers.utils.hub import cached_file
+
+    def find(filename: str) -> str | None:
+        return cached_file(name, filename, _raise_exceptions_for_missing_entries=False)
+
+    index = find(SAFE_WEIGHTS_INDEX_NAME)
+    if index:
+        weight_map = json.loads(Path(index).read_text())["weight_map"]
+        files = {shard: find(shard) for shard in set(weight_map.values())}
+        return {key: files[shard] for key, shard in weight_map.items()}
+    single = find(SAFE_WEIGHTS_NAME)
+    if not single:
+        return None
+    from safetensors import safe_open
+
+    with safe_open(single, framework="pt") as handle:
+        return dict.fromkeys(handle.keys(), single)
+
 
 # peft's LoRA adapts these layer kinds (and Conv1D, transformers' GPT-2 linear)
 LINEAR_KINDS = (torch.nn.Linear,)

@@ -15,7 +15,6 @@ from ..refusal import refuse
 from .model_config import (DEFAULT_MODEL, REPO_ROOT, default_model_needs_building, empty_model, is_default_model,
                            model_config_object)
 from .pipeline_layout import layout_of
-from .shard_loading import unread_model
 from .stage_loading import load_stage, refuse_a_changed_forward
 
 def ensure_default_model(name: str, accelerator) -> None:
@@ -101,10 +100,10 @@ def load_model(name: str, accelerator, launch, *, frozen: bool, quantization=Non
     model = None
     if launch.pipeline_stages > 1:  # each process reads only its stage's weights where the files allow
         model = load_pipeline_stage(name, accelerator, launch, kwargs, quantized=quantization is not None)
-    if launch.reads_shards:  # each process reads its rows of the weights after accelerator.prepare
-        model = unread_model(name, lambda: shape_only(name, kwargs))
-    elif launch.main_process_loads and quantization is None and not accelerator.is_main_process:
-        # one copy of the weights in host RAM, not one per process (4-bit weights are quantized as each loads)
+    if launch.reads_shards or (launch.main_process_loads and quantization is None and not accelerator.is_main_process):
+        # one copy of the weights in host RAM, not one per process: each process reads its rows of the weights
+        # once accelerator.prepare has sharded the model, or receives them from the main process there (4-bit
+        # weights are quantized as each process loads)
         model = shape_only(name, kwargs)
     if model is None:
         model = AutoModelForCausalLM.from_pretrained(name, **kwargs)

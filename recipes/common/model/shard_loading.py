@@ -2,23 +2,34 @@
 shards keep (a quarter of the model each on 4 processes; no process holds the whole of it, nothing is sent
 between them).
 
-Every process builds the model with unread weights (`unread_model`: address space, no memory), each weight
-marked with the file and the name that hold it. `accelerator.prepare` shards that model as it comes (FSDP's
-`fsdp_cpu_ram_efficient_loading` off for it: no process has weights to send) and `read_shards` then fills each
-process's rows from the files. Where the files cannot be read so (`why_not_read_shards`: a checkpoint that
-transformers converts while loading, weights kept in float32 or stored quantized, buffers in the files), the
-main process reads the weights and accelerate sends each process its shards, as `fsdp_cpu_ram_efficient_loading`
-asks.
+Every process builds the model with unread weights (`modeling.shape_only`: address space, no memory).
+`accelerator.prepare` shards that model as it comes (FSDP's `fsdp_cpu_ram_efficient_loading` off for it: no
+process has weights to send) and `read_shards` then fills each process's rows from the files
+(`runtime.ShardReadingAccelerator`). Where the files cannot be read so (`why_not_read_shards`: a checkpoint
+that transformers converts while loading, weights kept in float32 or stored quantized, buffers in the files),
+the main process reads the weights and accelerate sends each process its shards, as
+`fsdp_cpu_ram_efficient_loading` asks.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .model_config import default_model_needs_building, empty_model, is_default_model, model_config_object
-from .stage_loading import weight_files
+from .model_config import (default_model_needs_building, empty_model, is_default_model, model_config_object,
+                           weight_files)
 
-FILES_SLOT = "_weight_in_files"  # on each unread parameter: (its safetensors file, its name there)
+PEFT_PREFIX = "base_model.model."  # peft's wrapper around the model; its LoRA layers hold the weight in `base_layer`
+
+
+def weights_of(name: str, trust_remote_code: bool) -> list[str] | None:
+    """The names of model `name`'s parameters, as its files should hold them (a tied weight once, under the
+    name from_pretrained reads it by); None when its config cannot be read here."""
+    config = model_config_object(name, trust_remote_code)
+    if config is None:
+        return None
+    model = empty_model(config, trust_remote_code)
+    model.tie_weights()  # as from_pretrained ties them: a tied LM head is read as the embedding
+    return [key for key, _ in model.named_parameters()]
 
 
 def why_not_read_shards(name: str, trust_remote_code: bool) -> str | None:
@@ -36,57 +47,51 @@ def why_not_read_shards(name: str, trust_remote_code: bool) -> str | None:
     if getattr(config, "quantization_config", None):
         return "its weights are stored quantized"
     model = empty_model(config, trust_remote_code)
-    model.tie_weights()  # as from_pretrained ties them: a tied LM head is read as the embedding
     if getattr(model, "_keep_in_fp32_modules", None) or getattr(model, "_keep_in_fp32_modules_strict", None):
         return "it keeps some weights in float32"
     parameters = dict(model.named_parameters(remove_duplicate=False))
     if any(key not in parameters for key in model.state_dict()):
         return "it keeps buffers in its files"
-    missing = [key for key, _ in model.named_parameters() if key not in files]
+    missing = [key for key in weights_of(name, trust_remote_code) if key not in files]
     if missing:
         return f"its files name the weights otherwise than the model (no {missing[0]})"
     return None
 
 
-def unread_model(name: str, build) -> torch.nn.Module:
-    """The model `build()` returns (its weights unread: `modeling.shape_only`), each parameter marked with the
-    safetensors file and name its values are in, for `read_shards` once accelerate has sharded it."""
-    files = weight_files(name)
-    model = build()
-    for key, parameter in model.named_parameters():  # a tied weight once, under its first name
-        setattr(parameter, FILES_SLOT, (files[key], key))
-    return model
+def name_in_files(parameter_name: str) -> str:
+    """The name the files give a parameter of the model as the recipe prepares it: peft's wrapper and
+    torch.compile's add to the names from_pretrained reads."""
+    name = parameter_name.replace("_orig_mod.", "")
+    name = name[len(PEFT_PREFIX):] if name.startswith(PEFT_PREFIX) else name
+    return name.replace(".base_layer.", ".")
 
 
-def unread_weights(model: torch.nn.Module) -> dict[str, tuple[str, str]]:
-    """{parameter name in `model` as it is now (peft's wrapping included): (file, name in the file)} of the
-    parameters `unread_model` left unread."""
-    return {name: getattr(parameter, FILES_SLOT) for name, parameter in model.named_parameters()
-            if hasattr(parameter, FILES_SLOT)}
-
-
-def read_shards(model: torch.nn.Module, unread: dict[str, tuple[str, str]]) -> None:
-    """Fill, in place, this process's part of each parameter in `unread` (`unread_weights`, taken before
-    `accelerator.prepare`) from the files: the rows its FSDP shard keeps (a DTensor's local part), or the
-    whole tensor where FSDP left it whole. The values are the files' in the parameter's dtype, as
-    from_pretrained converts them."""
+def read_shards(model: torch.nn.Module, name: str, trust_remote_code: bool) -> None:
+    """Fill, in place, this process's part of each of `model`'s weights from model `name`'s files, once
+    accelerate has sharded it: the rows its FSDP shard keeps (a DTensor's local part), or the whole tensor
+    where FSDP left it whole. The values are the files' in the parameter's dtype, as from_pretrained converts
+    them; parameters the files do not hold (LoRA's adapters) keep theirs. Every weight of the model must be
+    found, or the run would train on unread memory."""
     from safetensors import safe_open
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    model = getattr(model, "_orig_mod", model)  # torch.compile's wrapper keeps the names under it
-    parameters = dict(model.named_parameters())
-    by_file: dict[str, list[tuple[str, str]]] = {}
-    for name, (file, key) in unread.items():
-        if name not in parameters:
-            raise RuntimeError(f"FSDP loading: {name} is no longer in the prepared model, so its weights would stay "
-                               "unread; set fsdp_cpu_ram_efficient_loading: false in the accelerate config")
-        by_file.setdefault(file, []).append((name, key))
+    files = weight_files(name)
+    by_file: dict[str, list[tuple[torch.Tensor, str]]] = {}
+    for parameter_name, parameter in model.named_parameters():
+        key = name_in_files(parameter_name)
+        if key in files:
+            by_file.setdefault(files[key], []).append((parameter, key))
+    found = {key for weights in by_file.values() for _, key in weights}
+    unread = [key for key in weights_of(name, trust_remote_code) if key not in found]
+    if unread:
+        raise RuntimeError(f"FSDP loading: the prepared model has no weight named {unread[0]} (of {name}'s files), "
+                           "so it would stay unread; set fsdp_cpu_ram_efficient_loading: false in the accelerate "
+                           "config")
     with torch.no_grad():
         for file, weights in by_file.items():
             with safe_open(file, framework="pt") as handle:
-                for name, key in weights:
-                    parameter = parameters[name]
+                for parameter, key in weights:
                     stored = handle.get_slice(key)
                     if list(stored.get_shape()) != list(parameter.shape):
                         raise RuntimeError(f"{key} in {file} has shape {stored.get_shape()}, the model's "

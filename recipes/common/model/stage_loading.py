@@ -11,12 +11,10 @@ then cut: the same result, with the whole model in memory for a while.
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import torch
 
 from ..refusal import refuse
+from .model_config import weight_files
 from .pipeline_layout import PassThrough, PipelineLayout, decoder_of, keep_stage, split_changes_the_forward
 
 
@@ -37,29 +35,6 @@ def refuse_a_changed_forward(model) -> None:
     if problem:
         refuse(f"pipeline parallel cannot cut {type(base).__name__} into stages: {problem}; use "
                "accelerate_configs/fsdp.yaml")
-
-
-def weight_files(name: str) -> dict[str, str] | None:
-    """{weight name: the safetensors file holding it} of model `name` (a folder, or a hub id, fetched into
-    the cache as `from_pretrained` fetches it); None without safetensors files."""
-    from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
-    from transformers.utils.hub import cached_file
-
-    def find(filename: str) -> str | None:
-        return cached_file(name, filename, _raise_exceptions_for_missing_entries=False)
-
-    index = find(SAFE_WEIGHTS_INDEX_NAME)
-    if index:
-        weight_map = json.loads(Path(index).read_text())["weight_map"]
-        files = {shard: find(shard) for shard in set(weight_map.values())}
-        return {key: files[shard] for key, shard in weight_map.items()}
-    single = find(SAFE_WEIGHTS_NAME)
-    if not single:
-        return None
-    from safetensors import safe_open
-
-    with safe_open(single, framework="pt") as handle:
-        return dict.fromkeys(handle.keys(), single)
 
 
 def load_stage(name: str, model, layout: PipelineLayout, dtype: torch.dtype):

@@ -24,7 +24,7 @@ from accelerate.utils import (DistributedDataParallelKwargs, DistributedType, Fu
 
 from ..data.batches import target_tokens
 from ..launching import deepspeed_config
-from ..model.shard_loading import read_shards, unread_weights
+from ..model.shard_loading import read_shards
 from ..launching.launch import DEEPSPEED, FSDP, TENSOR_PARALLEL, Launch
 
 # A rank that dies must not leave the others waiting forever in a collective.
@@ -72,7 +72,7 @@ def make_accelerator(args, launch: Launch) -> Accelerator:
     elif launch.reads_shards:
         if not on_cpu:
             kwargs["fsdp_plugin"] = FullyShardedDataParallelPlugin(cpu_ram_efficient_loading=False)
-        accelerator = ShardReadingAccelerator(**kwargs)
+        accelerator = ShardReadingAccelerator(args.model, args.trust_remote_code, **kwargs)
     else:
         accelerator = Accelerator(**kwargs)
     if on_cpu and launch.kind == FSDP:
@@ -120,17 +120,21 @@ def cpu_process_group(launch: Launch) -> dict:
 
 
 class ShardReadingAccelerator(Accelerator):
-    """accelerate's Accelerator whose `prepare` fills the shards of a model built with unread weights
-    (`shard_loading.unread_model`) from the model's files, each process its own rows, once FSDP has sharded
-    it: the loading `fsdp_cpu_ram_efficient_loading` asks for, without a whole copy in the main process
-    or the weights sent between processes. Its FSDP plugin has that switch off (nothing to send)."""
+    """accelerate's Accelerator whose `prepare` fills each FSDP shard of model `model_name`, built with unread
+    weights (`modeling.shape_only`), from the model's files, each process its own rows
+    (`shard_loading.read_shards`): the loading `fsdp_cpu_ram_efficient_loading` asks for, without a whole
+    copy in the main process or the weights sent between processes. Its FSDP plugin has that switch off
+    (nothing to send)."""
+
+    def __init__(self, model_name: str, trust_remote_code: bool, **kwargs):
+        super().__init__(**kwargs)
+        self.model_name, self.trust_remote_code = model_name, trust_remote_code
 
     def prepare(self, *objects, **kwargs):
-        unread = [unread_weights(thing) if isinstance(thing, torch.nn.Module) else {} for thing in objects]
         prepared = super().prepare(*objects, **kwargs)
-        for thing, weights in zip(prepared if len(objects) > 1 else (prepared,), unread):
-            if weights:
-                read_shards(thing, weights)
+        for thing in prepared if len(objects) > 1 else (prepared,):
+            if isinstance(thing, torch.nn.Module):
+                read_shards(thing, self.model_name, self.trust_remote_code)
         return prepared
 
 
