@@ -89,12 +89,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     add("--precision", choices=("bf16", "fp32"), default="bf16",
         help="bf16 (the configs' mixed precision) or fp32 (--mixed_precision no)")
     add("--attention", choices=planner.ATTENTIONS, default="sdpa", help="attention implementation (default: sdpa)")
+    add("--host-ram", type=float, default=None, metavar="GIB",
+        help="RAM of each machine in GiB: no config whose weights outgrow it while they load is recommended "
+             "(default: not weighed; every recipe checks its own machine at start-up)")
     add("--json", action="store_true", help="print the plan as JSON instead of the table")
     args = parser.parse_args(argv)
     if args.global_batch_size is not None and args.grad_accum is not None:
         parser.error("--global-batch-size sets each config's accumulation; drop --grad-accum")
     if args.grad_accum is None:
         args.grad_accum = RECIPE_DEFAULTS["grad_accum"]
+    if args.host_ram is not None and args.host_ram <= 0:
+        parser.error("--host-ram must be > 0")
     for name in ("gpus", "batch_size", "seq_len", "lora_r", "grad_accum", "rows", "global_batch_size"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
@@ -331,6 +336,11 @@ def sentences(shape, plan: dict, args) -> list[str]:
             where = "CPU RAM" if machines == 1 else f"the CPU RAM of each of its {machines} machines"
             lines.append(f"{rec['strategy']} on {plural(rec['gpus'])} keeps about {gib(ram / machines)} GiB of "
                          f"training state in {where}.")
+    cannot_load = plan["cannot_load"]
+    if cannot_load:
+        lines.append(f"Not recommended, their weights outgrow --host-ram {args.host_ram:g} GiB while they load: "
+                     + ", ".join(f"{strategy} ({gib(size)} GiB per machine)" for strategy, size in cannot_load.items())
+                     + ".")
     loaded = set()
     for rec in (fastest, fewest):
         if rec and (rec["strategy"], rec["gpus"]) not in loaded:
@@ -359,7 +369,7 @@ def main(argv=None) -> int:
                     lora_dropout=args.lora_dropout)
     plan = planner.plan(shape, args.method, args.gpus, args.gpu_memory, batch_size=args.batch_size,
                         grad_accum=args.grad_accum, machine=args.machine, rows=args.rows,
-                        global_batch=args.global_batch_size, **settings)
+                        global_batch=args.global_batch_size, host_ram_gb=args.host_ram, **settings)
     refusals = [entry["refusal"] for entry in plan["strategies"]]
     if refusals and all(refusals):  # no config can run this global batch on these GPUs
         print(f"plan.py: {refusals[0]}", file=sys.stderr)

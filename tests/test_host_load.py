@@ -124,3 +124,25 @@ def test_plan_py_prints_the_host_ram_of_each_recommendation(capsys):
     loads = json.loads(capsys.readouterr().out)["host_ram_at_load"]
     assert loads["ddp"]["copies"] == 4 and loads["fsdp_full_shard"]["copies"] == 1
     assert loads["ddp"]["bytes"] == 4 * loads["fsdp_full_shard"]["bytes"]
+
+
+def test_plan_py_recommends_no_config_whose_weights_outgrow_the_host_ram(capsys):
+    """TinyLlama LoRA on 4 GPUs: DDP (a replica per process, 8.2 GiB a machine) is the fastest until --host-ram
+    leaves it out; below every config's need the answer says what the least needs."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    import plan
+
+    asked = ["--model", "tinyllama-1.1b", "--gpus", "4", "--gpu", "rtx6000-ada", "--batch-size", "16",
+             "--grad-accum", "2", "--seq-len", "1024"]
+    assert plan.main(asked) == 0
+    [launch_line] = [line for line in capsys.readouterr().out.splitlines() if line.startswith("Launch: ")]
+    assert "accelerate_configs/ddp.yaml --num_processes 4" in launch_line
+    assert plan.main([*asked, "--host-ram", "6"]) == 0
+    out = capsys.readouterr().out
+    [launch_line] = [line for line in out.splitlines() if line.startswith("Launch: ")]
+    assert not any(f"accelerate_configs/{name}.yaml" in launch_line for name in ("ddp", "zero1", "zero2")), launch_line
+    assert "Not recommended, their weights outgrow --host-ram 6 GiB while they load: ddp (8.20 GiB per machine)" in out
+    assert plan.main([*asked, "--host-ram", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "Every config that fits needs more than 1 GiB of host RAM per machine to load the weights" in out
+    assert "Launch: " not in out

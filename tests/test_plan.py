@@ -460,8 +460,9 @@ def test_cli_json_has_the_documented_shape(tmp_path):
     assert done.returncode == 0, done.stderr
     plan = json.loads(done.stdout)
     assert set(plan) == {"model", "method", "gpus", "gpu_memory_gb", "global_batch_size", "machine", "strategies",
-                         "recommendation", "host_ram_at_load"}
+                         "recommendation", "host_ram_at_load", "cannot_load"}
     assert set(plan["host_ram_at_load"]) == {e["strategy"] for e in plan["strategies"]}
+    assert plan["cannot_load"] == {}  # no --host-ram: not weighed
     assert plan["global_batch_size"] is None  # not asked: each config keeps --batch-size x --grad-accum per GPU
     assert plan["machine"] == {"gpu": "H100 SXM", "link": "NVLink", "bandwidth_gb_s": 360, "peak_tflops": 989,
                                "mfu": 0.4, "rows": 1024, "gpus_per_machine": 8, "network_gb_s": 10}

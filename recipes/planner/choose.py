@@ -9,6 +9,7 @@ as ("a 48 GB L40S", "an 80 GB H100"), which is GiB in practice.
 from __future__ import annotations
 
 from .activations import activation_bytes
+from .host_load import load_bytes_per_machine
 from .peak import gradient_bytes, optimizer_bytes, weight_bytes
 from .resident import Stage, model_parallel_stages
 from .shapes import ModelShape
@@ -215,7 +216,7 @@ def plan(shape: ModelShape, method: str, gpus: int, gpu_memory_gb: float, batch_
          seq_len: int = 512, gradient_checkpointing: int = 0, lora_rank: int = 16,
          lora_targets="all-linear", precision: str = "bf16", attention: str = "sdpa",
          lora_dropout: float = 0.05, grad_accum: int = 1, machine: Machine | None = None, rows: int = 1024,
-         global_batch: int | None = None) -> dict:
+         global_batch: int | None = None, host_ram_gb: float | None = None) -> dict:
     """Every strategy on `gpus` GPUs of `gpu_memory_gb`, its time on `machine` (default: H100s over
     NVLink), and the two recommendations.
 
@@ -228,8 +229,9 @@ def plan(shape: ModelShape, method: str, gpus: int, gpu_memory_gb: float, batch_
       before any tight one;
     - fewest_gpus: the smallest n in 1..gpus on which some strategy runs, and its fastest run there.
     Only the strategies the recipes run for this method, on one GPU only a single process or an offload
-    config (`offered_strategies`). When nothing runs, both are None and `recommendation["reason"]` says
-    what came closest and what to change.
+    config (`offered_strategies`). With `host_ram_gb` (each machine's RAM), neither is a config whose
+    weights outgrow it while they load (`load_bytes_per_machine`; `cannot_load`: {strategy: bytes per machine}).
+    When nothing runs, both are None and `recommendation["reason"]` says what came closest and what to change.
     """
     machine = machine or Machine.of()
     gradient_checkpointing = int(gradient_checkpointing)
@@ -249,6 +251,12 @@ def plan(shape: ModelShape, method: str, gpus: int, gpu_memory_gb: float, batch_
     def runnable(n: int) -> tuple[str, ...]:  # model parallel is one process: its GPUs are one machine's
         return tuple(s for s in offered_strategies(method, n, shape, lora_targets)
                      if s != "model_parallel" or n <= machine.gpus_per_machine)
+
+    def host_bytes(strategy: str, n: int) -> int:
+        return load_bytes_per_machine(shape, method, strategy, n, machine.gpus_per_machine, precision)["bytes"]
+
+    def loads(strategy: str, n: int) -> bool:  # its weights fit the machine's RAM while they load
+        return host_ram_gb is None or host_bytes(strategy, n) <= host_ram_gb * GiB
 
     strategies, runs_on_all = [], {}
     for strategy in runnable(gpus):
@@ -270,13 +278,15 @@ def plan(shape: ModelShape, method: str, gpus: int, gpu_memory_gb: float, batch_
                            "refusal": refusal or None})
 
     running = [(entry["strategy"], entry["run"]) for entry in strategies if entry["run"]]
+    cannot_load = {strategy: host_bytes(strategy, gpus) for strategy, _ in running if not loads(strategy, gpus)}
+    running = [(strategy, run) for strategy, run in running if strategy not in cannot_load]
     fastest = recommend(*fastest_of(running), gpus) if running else None
 
     fewest = None
     for n in range(1, gpus + 1):
         runs = [(s, runs_on_all[s] if n == gpus else best_run(shape, method, s, n, gpu_memory_gb, machine, **asked))
                 for s in runnable(n)]
-        runs = [(s, run) for s, run in runs if run]
+        runs = [(s, run) for s, run in runs if run and loads(s, n)]
         if runs:
             fewest = recommend(*fastest_of(runs), n)
             break
@@ -285,6 +295,12 @@ def plan(shape: ModelShape, method: str, gpus: int, gpu_memory_gb: float, batch_
     refused = [entry["refusal"] for entry in strategies if entry["refusal"]]
     if fastest is None and refused and len(refused) == len(strategies):
         recommendation["reason"] = refused[0]
+    elif fastest is None and cannot_load:
+        least = min(cannot_load, key=cannot_load.get)
+        recommendation["reason"] = (
+            f"every config that fits needs more than {host_ram_gb:g} GiB of host RAM per machine to load the "
+            f"weights: the least, {least}, {cannot_load[least] / GiB:.1f} GiB; use machines with more RAM, or a "
+            "smaller model")
     elif fewest is None or fastest is None:
         smallest = min(strategies, key=lambda entry: entry["per_gpu_bytes"]["total"])
         recommendation["reason"] = (
@@ -301,4 +317,4 @@ def plan(shape: ModelShape, method: str, gpus: int, gpu_memory_gb: float, batch_
             "machine": {"gpu": machine.gpu.name, "link": machine.link, "bandwidth_gb_s": machine.bandwidth_gb_s,
                         "peak_tflops": machine.peak_flops(precision) / 1e12, "mfu": machine.mfu, "rows": rows,
                         "gpus_per_machine": machine.gpus_per_machine, "network_gb_s": machine.network_gb_s},
-            "strategies": strategies, "recommendation": recommendation}
+            "strategies": strategies, "recommendation": recommendation, "cannot_load": cannot_load}
