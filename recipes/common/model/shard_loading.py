@@ -104,4 +104,4 @@ def read_shards(model: torch.nn.Module, name: str, trust_remote_code: bool) -> N
                         local, offsets = parameter, [0] * parameter.dim()
                     if local.numel():
                         rows = tuple(slice(start, start + length) for start, length in zip(offsets, local.shape))
-                        local.copy_(stored[rows] if rows else stored[:])
+                        local.copy_(stored[rows] if rows else handle.get_tensor(key))  # () : a scalar

@@ -24,8 +24,8 @@ from accelerate.utils import (DistributedDataParallelKwargs, DistributedType, Fu
 
 from ..data.batches import target_tokens
 from ..launching import deepspeed_config
-from ..model.shard_loading import read_shards
 from ..launching.launch import DEEPSPEED, FSDP, TENSOR_PARALLEL, Launch
+from ..model.shard_loading import read_shards
 
 # A rank that dies must not leave the others waiting forever in a collective.
 COLLECTIVE_TIMEOUT = timedelta(minutes=int(os.environ.get("RECIPES_COLLECTIVE_TIMEOUT_MIN", "30")))
