@@ -49,6 +49,12 @@ def weight_files(name: str) -> dict[str, str] | None:
         return dict.fromkeys(handle.keys(), single)
 
 
+def keeps_float32_weights(model) -> bool:
+    """Whether `model`'s class keeps some weights in float32 whatever the dtype asked (from_pretrained
+    upcasts them as it loads, so reading its files tensor by tensor would differ)."""
+    return bool(getattr(model, "_keep_in_fp32_modules", None) or getattr(model, "_keep_in_fp32_modules_strict", None))
+
+
 # peft's LoRA adapts these layer kinds (and Conv1D, transformers' GPT-2 linear)
 LINEAR_KINDS = (torch.nn.Linear,)
 ADAPTABLE_KINDS = (torch.nn.Linear, torch.nn.Embedding, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)

@@ -15,20 +15,23 @@ from __future__ import annotations
 
 import torch
 
-from .model_config import (default_model_needs_building, empty_model, is_default_model, model_config_object,
-                           weight_files)
+from .model_config import (default_model_needs_building, empty_model, is_default_model, keeps_float32_weights,
+                           model_config_object, weight_files)
 
 PEFT_PREFIX = "base_model.model."  # peft's wrapper around the model; its LoRA layers hold the weight in `base_layer`
 
 
 def weights_of(name: str, trust_remote_code: bool) -> list[str] | None:
-    """The names of model `name`'s parameters, as its files should hold them (a tied weight once, under the
-    name from_pretrained reads it by); None when its config cannot be read here."""
+    """The names of model `name`'s parameters, as its files should hold them (`names_in_files`); None when
+    its config cannot be read here."""
     config = model_config_object(name, trust_remote_code)
-    if config is None:
-        return None
-    model = empty_model(config, trust_remote_code)
-    model.tie_weights()  # as from_pretrained ties them: a tied LM head is read as the embedding
+    return None if config is None else names_in_files(empty_model(config, trust_remote_code))
+
+
+def names_in_files(model: torch.nn.Module) -> list[str]:
+    """The names of `model`'s parameters as its files hold them: a tied weight once, under the name
+    from_pretrained reads it by (ties `model`'s weights, as from_pretrained does)."""
+    model.tie_weights()  # a tied LM head is read as the embedding
     return [key for key, _ in model.named_parameters()]
 
 
@@ -47,12 +50,12 @@ def why_not_read_shards(name: str, trust_remote_code: bool) -> str | None:
     if getattr(config, "quantization_config", None):
         return "its weights are stored quantized"
     model = empty_model(config, trust_remote_code)
-    if getattr(model, "_keep_in_fp32_modules", None) or getattr(model, "_keep_in_fp32_modules_strict", None):
+    if keeps_float32_weights(model):
         return "it keeps some weights in float32"
     parameters = dict(model.named_parameters(remove_duplicate=False))
     if any(key not in parameters for key in model.state_dict()):
         return "it keeps buffers in its files"
-    missing = [key for key in weights_of(name, trust_remote_code) if key not in files]
+    missing = [key for key in names_in_files(model) if key not in files]
     if missing:
         return f"its files name the weights otherwise than the model (no {missing[0]})"
     return None

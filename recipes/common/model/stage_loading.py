@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from ..refusal import refuse
-from .model_config import weight_files
+from .model_config import keeps_float32_weights, weight_files
 from .pipeline_layout import PassThrough, PipelineLayout, decoder_of, keep_stage, split_changes_the_forward
 
 
@@ -47,7 +47,7 @@ def load_stage(name: str, model, layout: PipelineLayout, dtype: torch.dtype):
 
     if model.config.get_text_config().tie_word_embeddings:
         return None, "its LM head is its embedding (tied)"
-    if getattr(model, "_keep_in_fp32_modules", None) or getattr(model, "_keep_in_fp32_modules_strict", None):
+    if keeps_float32_weights(model):
         return None, "it keeps some weights in float32"
     files = weight_files(name)
     if files is None:
