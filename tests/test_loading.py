@@ -83,3 +83,20 @@ def test_the_files_decide_whether_each_process_can_read_its_shards(tmp_path):
     config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
     (quantized / "config.json").write_text(json.dumps(config))
     assert why_not_read_shards(str(quantized), False) == "its weights are stored quantized"
+
+
+def test_a_weight_the_prepared_model_renamed_is_refused_not_left_unread():
+    """A wrapper the name mapping does not know (a user's edit of the recipe) hides the weights from the files:
+    one line naming the switch, not a run on unread memory."""
+    import torch
+
+    from common.model.model_config import DEFAULT_MODEL
+    from common.model.shard_loading import read_shards
+    from common.refusal import Refusal
+    from transformers import AutoModelForCausalLM
+
+    wrapped = torch.nn.ModuleDict({"edited": AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL)})
+    with pytest.raises(Refusal) as refused:
+        read_shards(wrapped, str(DEFAULT_MODEL), False)
+    assert "has no weight named model.embed_tokens.weight" in str(refused.value)
+    assert "fsdp_cpu_ram_efficient_loading: false" in str(refused.value)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from ..refusal import refuse
 from .model_config import (default_model_needs_building, empty_model, is_default_model, keeps_float32_weights,
                            model_config_object, weight_files)
 
@@ -74,7 +75,8 @@ def read_shards(model: torch.nn.Module, name: str, trust_remote_code: bool) -> N
     accelerate has sharded it: the rows its FSDP shard keeps (a DTensor's local part), or the whole tensor
     where FSDP left it whole. The values are the files' in the parameter's dtype, as from_pretrained converts
     them; parameters the files do not hold (LoRA's adapters) keep theirs. Every weight of the model must be
-    found, or the run would train on unread memory."""
+    found, or the run would train on unread memory: refused in one line otherwise (after loading: the
+    names are known once the recipe has wrapped the model)."""
     from safetensors import safe_open
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
@@ -87,18 +89,17 @@ def read_shards(model: torch.nn.Module, name: str, trust_remote_code: bool) -> N
             by_file.setdefault(files[key], []).append((parameter, key))
     found = {key for weights in by_file.values() for _, key in weights}
     unread = [key for key in weights_of(name, trust_remote_code) if key not in found]
-    if unread:
-        raise RuntimeError(f"FSDP loading: the prepared model has no weight named {unread[0]} (of {name}'s files), "
-                           "so it would stay unread; set fsdp_cpu_ram_efficient_loading: false in the accelerate "
-                           "config")
+    if unread:  # the same names on every rank: the same line
+        refuse(f"FSDP loading: the prepared model has no weight named {unread[0]} (of {name}'s files), so it "
+               "would stay unread; set fsdp_cpu_ram_efficient_loading: false in the accelerate config")
     with torch.no_grad():
         for file, weights in by_file.items():
             with safe_open(file, framework="pt") as handle:
                 for parameter, key in weights:
                     stored = handle.get_slice(key)
                     if list(stored.get_shape()) != list(parameter.shape):
-                        raise RuntimeError(f"{key} in {file} has shape {stored.get_shape()}, the model's "
-                                           f"{list(parameter.shape)}: the files do not match the model's config")
+                        refuse(f"--model {name}: {key} in {file} has shape {stored.get_shape()}, the model's "
+                               f"{list(parameter.shape)}: its files do not match its config.json")
                     if isinstance(parameter, DTensor):
                         local = parameter.to_local()
                         _, offsets = compute_local_shape_and_global_offset(parameter.shape, parameter.device_mesh,
