@@ -83,7 +83,7 @@ def tokenised_splits(args, tokenizer, log=sys.stdout):
     order = sorted(loaded, key=lambda name: (name != "train", name))
     splits = [(name, tokens.tokenize_counted(loaded[name], tokenizer, args.max_length)[0]) for name in order]
     line = f"data ({fmt}): " + "; ".join(f"{name} {tokens.counted(rows)}" for name, rows in splits)
-    return splits, fmt, line + checked_rows.unread_columns(first.column_names, fmt)
+    return splits, fmt, line + formats.unread_columns(first.column_names, fmt)
 
 
 def token_texts(tokenizer, ids: list[int]) -> list[str]:

@@ -224,9 +224,9 @@ def test_columns_the_format_does_not_read_are_named(tmp_path):
     rows = [{"instruction": "Summarise.", "context": f"Passage {i}", "response": f"r {i}", "category": "qa"}
             for i in range(20)]
     train, _ = checked_rows.load_splits(folder(tmp_path, {"dolly.jsonl": jsonl(rows)}), seed=0)
-    assert checked_rows.unread_columns(train.column_names, "instruction") == (
+    assert formats.unread_columns(train.column_names, "instruction") == (
         "; columns not read: category, context (--columns input=context reads `context` as the input)")
-    assert checked_rows.unread_columns(["text"], "text") == ""
+    assert formats.unread_columns(["text"], "text") == ""
 
 
 def test_rows_of_two_formats_are_refused_naming_the_first_other_row(tmp_path):

@@ -127,14 +127,3 @@ def feature_name(feature) -> str:
     from datasets import Value
 
     return f"{feature.dtype} values" if isinstance(feature, Value) else f"{type(feature).__name__.lower()} values"
-
-
-def unread_columns(columns, fmt: str) -> str:
-    """`; not read: category, context (...)` for the data line: columns the format leaves out, so that a
-    column that matters (Dolly's `context`) does not vanish without a word."""
-    unread = sorted(set(columns) - set(READ_COLUMNS[fmt]))
-    if not unread:
-        return ""
-    hint = " (--columns input=context reads `context` as the input)" if (
-        fmt == "instruction" and "context" in unread and "input" not in columns) else ""
-    return f"; columns not read: {', '.join(unread)}{hint}"

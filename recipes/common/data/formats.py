@@ -182,3 +182,14 @@ def filled_columns(dataset) -> list[str]:
         return column.take(rows.column(0)).null_count < len(dataset)
 
     return [name for name in dataset.column_names if filled(name)] or dataset.column_names
+
+
+def unread_columns(columns, fmt: str) -> str:
+    """`; not read: category, context (...)` for the data line: columns the format leaves out, so that a
+    column that matters (Dolly's `context`) does not vanish without a word."""
+    unread = sorted(set(columns) - set(READ_COLUMNS[fmt]))
+    if not unread:
+        return ""
+    hint = " (--columns input=context reads `context` as the input)" if (
+        fmt == "instruction" and "context" in unread and "input" not in columns) else ""
+    return f"; columns not read: {', '.join(unread)}{hint}"

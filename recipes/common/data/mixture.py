@@ -78,3 +78,10 @@ def shares(names: list[str], counts: list[int]) -> str:
     """`a.jsonl 78%, b.jsonl 22%`: each source's share of the training rows."""
     total = sum(counts) or 1
     return ", ".join(f"{name} {count / total:.0%}" for name, count in zip(names, counts))
+
+
+def joined(parts: list):
+    """The sources' drawn rows as one set."""
+    import datasets
+
+    return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)

@@ -12,22 +12,24 @@ import os
 import numpy as np
 
 from ..refusal import refuse
-from .formats import IGNORE, detect_format, filled_columns
+from .formats import IGNORE, detect_format, filled_columns, unread_columns
+from .mixture import draw, drawn_words, joined, shares
 from .targets import NO_TOKENS, tokenize_row, tokenize_rows  # noqa: F401 (tokenize_row: one row, for scripts and tests)
 
 REPORT_COLUMNS = ["dropped", "needs", "cut", "eos_added", "stops", "boundary"]  # what the data line counts
 
 
-def counted(tokenized) -> str:
+def counted(tokenized, unit: str = "row") -> str:
     """`1,000 rows: 960 used (12 of them cut to --max-length), 40 dropped (too long: 30, empty target: 10)`,
-    then the stop signal replies end with and any prompt/target boundary inside a token."""
+    then the stop signal replies end with and any prompt/target boundary inside a token (`unit`: what a
+    row is, "pair" for preference pairs)."""
     from collections import Counter
 
     tokenized = report_columns(tokenized)
     rows = len(tokenized["dropped"])
     reasons = Counter(reason for reason in tokenized["dropped"] if reason)
     dropped = sum(reasons.values())
-    line = f"{rows:,} rows: {rows - dropped:,} used"
+    line = f"{rows:,} {unit}s: {rows - dropped:,} used"
     cut = sum(tokenized["cut"])
     if cut:
         line += f" ({cut:,} of them cut to --max-length)"
@@ -41,18 +43,18 @@ def counted(tokenized) -> str:
         line += f"; replies end with {' / '.join(stop for stop, _ in stops.most_common(2))}"
     boundary = sum(tokenized["boundary"])
     if boundary:
-        line += (f"; in {boundary:,} rows one token holds the prompt's end and the target's start "
+        line += (f"; in {boundary:,} {unit}s one token holds the prompt's end and the target's start "
                  "(trained as target, as the whole text tokenises)")
     return line
 
 
-def usable(tokenized, split: str, args, source: str = ""):
+def usable(tokenized, split: str, args, source: str = "", unit: str = "row"):
     """The rows that can train; none at all is a refusal that names what to change for each cause found
     (and the source, in a mixture of several)."""
     kept = kept_rows(tokenized)
     if len(kept):
         return kept
-    refuse(f"no {split} row{f' of {source}' if source else ''} can be used: {counted(tokenized)}; "
+    refuse(f"no {split} {unit}{f' of {source}' if source else ''} can be used: {counted(tokenized, unit)}; "
            f"{'; '.join(fixes(tokenized))}")
 
 
@@ -101,14 +103,14 @@ def preparing_processes(rows: int) -> int | None:
     return processes if processes > 1 else None
 
 
-def data_path_code() -> str:
-    """A hash of the modules that turn rows into tokens and targets."""
+def data_path_code(*more: str) -> str:
+    """A hash of the modules that turn rows into tokens and targets (and of `more` modules of this package)."""
     import hashlib
     from pathlib import Path
 
     here = Path(__file__).parent
-    return hashlib.sha256(b"".join((here / name).read_bytes() for name in ("formats.py", "targets.py", "tokens.py")))\
-        .hexdigest()[:16]
+    names = ("formats.py", "targets.py", "tokens.py", *more)
+    return hashlib.sha256(b"".join((here / name).read_bytes() for name in names)).hexdigest()[:16]
 
 
 def tokenize_counted(dataset, tokenizer, max_length: int):
@@ -118,43 +120,106 @@ def tokenize_counted(dataset, tokenizer, max_length: int):
     (`eos_added`, `stops`, `boundary`: see targets.tokenize_rows)."""
     fmt = detect_format(filled_columns(dataset))
 
-    def batch_of_rows(columns: dict, code: str) -> dict:  # `code` only keys datasets' cache (see below)
+    def batch_of_rows(columns: dict, code: str) -> dict:  # `code` only keys datasets' cache (see mapped)
         rows = [dict(zip(columns, values)) for values in zip(*columns.values())]
         out = {key: [] for key in ["input_ids", "labels", *REPORT_COLUMNS]}
         for row in tokenize_rows(rows, tokenizer, fmt):
-            labels = row["labels"]
-            # The label of token i is predicted from token i - 1: the first target at i needs i + 1 tokens.
-            targets = np.flatnonzero(labels[1:] != IGNORE)
-            needs = int(targets[0]) + 2 if len(targets) else 0
-            # A row whose targets were all cut off by --max-length teaches nothing.
-            dropped = row["problem"] or (f"too long for --max-length {max_length}" if needs > max_length else "")
-            keep = not dropped
-            out["input_ids"].append(row["input_ids"][:max_length] if keep else NO_TOKENS)
-            out["labels"].append(labels[:max_length] if keep else NO_TOKENS)
-            out["dropped"].append(dropped)
-            out["needs"].append(needs)
-            out["cut"].append(keep and len(row["input_ids"]) > max_length)
-            for key in ("eos_added", "stops", "boundary"):
-                out[key].append(row[key] if keep else type(row[key])())
+            needs = needed_length(row["labels"])
+            dropped = dropped_reason(row["problem"], needs, max_length)
+            for key, value in {**kept_tokens(row, max_length, keep=not dropped), "dropped": dropped,
+                               "needs": needs}.items():
+                out[key].append(value)
         return out
 
-    # datasets keys its cache by the rows, this function and its arguments (the tokenizer and its template
-    # included), but not by the code this function calls: the hash of that code is an argument too, so a
-    # changed data path never reuses rows tokenised by an older one
+    return mapped(dataset, batch_of_rows, tokenised_features(), data_path_code()), fmt
+
+
+def needed_length(labels: np.ndarray) -> int:
+    """The --max-length that keeps one target: the label of token i is predicted from token i - 1, so the
+    first target at i needs i + 1 tokens (0: no target)."""
+    targets = np.flatnonzero(labels[1:] != IGNORE)
+    return int(targets[0]) + 2 if len(targets) else 0
+
+
+def dropped_reason(problem: str, needs: int, max_length: int) -> str:
+    """Why a row cannot train ("" when it can): its problem, or all its targets cut off by --max-length."""
+    return problem or (f"too long for --max-length {max_length}" if needs > max_length else "")
+
+
+def kept_tokens(row: dict, max_length: int, keep: bool) -> dict:
+    """A tokenised row (targets.tokenize_rows) cut to `max_length`, with what the data line counts of it;
+    empty where it is not kept."""
+    return {"input_ids": row["input_ids"][:max_length] if keep else NO_TOKENS,
+            "labels": row["labels"][:max_length] if keep else NO_TOKENS,
+            "cut": keep and len(row["input_ids"]) > max_length,
+            **{key: row[key] if keep else type(row[key])() for key in ("eos_added", "stops", "boundary")}}
+
+
+def mapped(dataset, batch_function, features, code: str):
+    """`batch_function` over the dataset in batches of 512 rows, in every core's process for a large set,
+    cached by datasets.
+
+    datasets keys its cache by the rows, the function and its arguments (the tokenizer and its template
+    included), but not by the code the function calls: `code`, a hash of that code, is an argument too, so
+    a changed data path never reuses rows tokenised by an older one."""
     processes = preparing_processes(len(dataset))
     threads = os.environ.get("TOKENIZERS_PARALLELISM")
     if processes:  # the work is split over processes: the tokenizer's own threads would only compete (and warn)
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
     try:
-        tokenized = dataset.map(batch_of_rows, batched=True, batch_size=512, remove_columns=dataset.column_names,
-                                fn_kwargs={"code": data_path_code()}, num_proc=processes, desc="tokenising",
-                                features=tokenised_features())
+        return dataset.map(batch_function, batched=True, batch_size=512, remove_columns=dataset.column_names,
+                           fn_kwargs={"code": code}, num_proc=processes, desc="tokenising", features=features)
     finally:  # a smaller set tokenised next (the evaluation rows) has the tokenizer's threads again
         if threads is None:
             os.environ.pop("TOKENIZERS_PARALLELISM", None)
         else:
             os.environ["TOKENIZERS_PARALLELISM"] = threads
-    return tokenized, fmt
+
+
+def training_sets(accelerator, args, train_parts, train_tokens, eval_parts, eval_tokens, unit: str = "row"):
+    """(train set, eval set): each source's usable rows, drawn by its weight, joined; the data lines and
+    the cache's folders printed by the main process."""
+    mixed = len(train_parts) > 1
+    kept = [usable(tokens, "training", args, part.name if mixed else "", unit)
+            for part, tokens in zip(train_parts, train_tokens)]
+    drawn = [draw(rows, part.source, position, args.seed) for position, (part, rows) in enumerate(zip(train_parts, kept))]
+    evaluation = [usable(tokens, "evaluation", args, part.name if mixed else "", unit)
+                  for part, tokens in zip(eval_parts, eval_tokens)]
+    train_set, eval_set = joined(drawn), joined(evaluation)
+    if accelerator.is_main_process:
+        for line in data_lines(train_parts, train_tokens, drawn, eval_parts, eval_tokens, len(eval_set), unit):
+            print(line, flush=True)
+        # where a rerun (or a resume) with the same rows, tokenizer and flags reads them: a folder per source
+        folders = dict.fromkeys(os.path.dirname(tokens.cache_files[0]["filename"]) for tokens in train_tokens
+                                if tokens.cache_files)
+        if folders:
+            print(f"data cache: {', '.join(folders)}", flush=True)
+    return train_set, eval_set
+
+
+def data_lines(train_parts, train_tokens, drawn, eval_parts, eval_tokens, eval_rows: int, unit: str = "row") -> list[str]:
+    """What each source gave: `data (messages): training 1,000 rows: 990 used ...; evaluation ...` for one
+    source; a line per source and one for the mixture for several."""
+    if len(train_parts) == 1:
+        part, rows = train_parts[0], drawn[0]
+        drew = f"; {drawn_words(part.source, len(rows))}" if part.source.weight != 1 else ""
+        return [f"data ({part.fmt}): training {counted(train_tokens[0], unit)}{drew}; evaluation "
+                f"{counted(eval_tokens[0], unit)}{unread_columns(part.rows.column_names, part.fmt)}"]
+    held = {id(part.source): tokens for part, tokens in zip(eval_parts, eval_tokens)}
+    lines = []
+    for part, tokens, rows in zip(train_parts, train_tokens, drawn):
+        evaluation = f"; evaluation {counted(held[id(part.source)], unit)}" if id(part.source) in held else ""
+        lines.append(f"data: {part.name} ({part.fmt}): training {counted(tokens, unit)}; "
+                     f"{drawn_words(part.source, len(rows))}{evaluation}"
+                     f"{unread_columns(part.rows.column_names, part.fmt)}")
+    trained = {id(part.source) for part in train_parts}
+    for part, tokens in zip(eval_parts, eval_tokens):
+        if id(part.source) not in trained:  # --eval-dataset
+            lines.append(f"data: evaluation {part.name} ({part.fmt}): {counted(tokens, unit)}")
+    lines.append(f"data: {len(train_parts)} sources: {sum(map(len, drawn)):,} training {unit}s "
+                 f"({shares([part.name for part in train_parts], list(map(len, drawn)))}), "
+                 f"{eval_rows:,} evaluation {unit}s")
+    return lines
 
 
 def tokenised_features():
