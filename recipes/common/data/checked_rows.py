@@ -8,8 +8,18 @@ from dataclasses import dataclass
 
 from ..refusal import refuse
 from .data_files import EVAL_SPLIT_NAMES, read_splits
-from .formats import FORMAT_KEYS, READ_COLUMNS, TEXT_COLUMNS, detect_format, filled_columns, row_problem
+from .formats import (
+    FORMAT_KEYS,
+    READ_COLUMNS,
+    TEXT_COLUMNS,
+    detect_format,
+    feature_name,
+    filled_columns,
+    first_row_lacking,
+    row_problem,
+)
 from .mixture import Source, sources_of
+from .pairs import PAIR_FORMATS, pair_format_of, pair_problem
 
 
 @dataclass
@@ -22,7 +32,7 @@ class SourceRows:
     source: Source
 
 
-def load_sources(given, seed: int, columns: str | None = None, eval_spec: str | None = None):
+def load_sources(given, seed: int, columns: str | None = None, eval_spec: str | None = None, pairs: bool = False):
     """(training rows, evaluation rows), each a list of SourceRows: one per --dataset source, read
     and checked on every rank. A source's evaluation rows are its eval / validation / test split, else
     a share of its rows held out (before its weight draws from the rest, so a changed weight never
@@ -30,13 +40,14 @@ def load_sources(given, seed: int, columns: str | None = None, eval_spec: str | 
     every source's rows then train.
 
     `columns` renames every source's columns to the ones a format expects, e.g.
-    "instruction=question,response=answer".
+    "instruction=question,response=answer". With `pairs`, the rows are preference pairs (pairs.py).
     """
+    found_format = pair_format_of if pairs else format_of
     train, evaluation = [], []
     for source in sources_of(given):
         loaded, name = read_splits(source.spec, columns)
         rows = loaded["train"] if "train" in loaded else next(iter(loaded.values()))
-        fmt = format_of(rows, name)  # no known columns, or rows of two formats: refused here, on every rank
+        fmt = found_format(rows, name)  # no known columns, or rows of two formats: refused here, on every rank
         eval_name = next((split for split in EVAL_SPLIT_NAMES if split in loaded), None)
         if eval_spec:
             held = None
@@ -51,7 +62,7 @@ def load_sources(given, seed: int, columns: str | None = None, eval_spec: str | 
         loaded, name = read_splits(eval_spec, columns)
         split = next((split for split in EVAL_SPLIT_NAMES if split in loaded),
                      "train" if "train" in loaded else next(iter(loaded)))
-        fmt = format_of(loaded[split], name)
+        fmt = found_format(loaded[split], name)
         trained = sorted({part.fmt for part in train})
         if fmt not in trained:
             trains = f"--dataset {train[0].name}" if len(train) == 1 else "the --dataset sources"
@@ -77,11 +88,12 @@ def held_out(train, fmt: str, name: str, seed: int):
         refuse(f"--dataset {name} has {len(train)} rows; it needs at least 2 (some are held out for evaluation)")
     held = max(1, min(256, len(train) // 20))
     split = train.train_test_split(test_size=held, seed=seed)
-    if all(row_problem(row, fmt) is None for row in split["test"]):
+    problem = pair_problem if fmt in PAIR_FORMATS else row_problem
+    if all(problem(row, fmt) is None for row in split["test"]):
         return split["train"], split["test"]
     # Hold out rows that can train instead: an unusable row there could leave evaluation empty while
     # training has rows (it stays in training, where it is dropped and counted).
-    good = [i for i, row in enumerate(train) if row_problem(row, fmt) is None]
+    good = [i for i, row in enumerate(train) if problem(row, fmt) is None]
     if len(good) <= held:
         return split["train"], split["test"]  # too few good rows: the tokenised counts name the problem
     import datasets
@@ -105,12 +117,8 @@ def format_of(train, spec: str) -> str:
     key = FORMAT_KEYS[fmt]
     others = [other for other in FORMAT_KEYS.values() if other != key and other in filled]
     if others and table.column(key).null_count:
-        import pyarrow.compute as pc
-
-        keys = table.column(key)
         for other in others:
-            mixed = pc.and_(pc.is_null(keys), pc.is_valid(table.column(other)))
-            row = pc.index(mixed, True).as_py()
+            row = first_row_lacking(table, key, other)
             if row >= 0:
                 refuse(f"--dataset {spec} mixes formats: its rows are `{key}` rows ({fmt}), but row {row + 1} has "
                        f"`{other}` and no `{key}`; keep one format per dataset (convert or remove those rows)")
@@ -121,9 +129,3 @@ def format_of(train, spec: str) -> str:
             refuse(f"--dataset {spec}: column `{name}` holds {feature_name(feature)}, not text; store it as text "
                    "(or map another column onto it with --columns)")
     return fmt
-
-
-def feature_name(feature) -> str:
-    from datasets import Value
-
-    return f"{feature.dtype} values" if isinstance(feature, Value) else f"{type(feature).__name__.lower()} values"

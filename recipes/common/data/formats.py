@@ -50,8 +50,14 @@ ROLES = ("system", "user", "assistant")
 # columns that must hold text (or be empty) in each format
 TEXT_COLUMNS = ("instruction", "input", "output", "response", "prompt", "completion", "text")
 # the columns each format reads, and the one every row of the format has
+# Preference pairs (pairs.py reads them), for DPO: TRL's explicit prompt (`prompt`, `chosen`, `rejected`) or
+# implicit one (the start `chosen` and `rejected` share), each as text or as chat messages
+PAIRS_TEXT, PAIRS_CONVERSATIONAL = "preference pairs, text", "preference pairs, conversational"
+PAIRS_IMPLICIT_TEXT, PAIRS_IMPLICIT_CONVERSATIONAL = f"{PAIRS_TEXT}, implicit prompt", f"{PAIRS_CONVERSATIONAL}, implicit prompt"
 READ_COLUMNS = {"messages": ("messages", "tools"), "instruction": ("instruction", "input", "output", "response"),
-                "prompt_completion": ("prompt", "completion"), "text": ("text",)}
+                "prompt_completion": ("prompt", "completion"), "text": ("text",),
+                PAIRS_TEXT: ("prompt", "chosen", "rejected"), PAIRS_CONVERSATIONAL: ("prompt", "chosen", "rejected", "tools"),
+                PAIRS_IMPLICIT_TEXT: ("chosen", "rejected"), PAIRS_IMPLICIT_CONVERSATIONAL: ("chosen", "rejected", "tools")}
 FORMAT_KEYS = {"messages": "messages", "instruction": "instruction", "prompt_completion": "prompt", "text": "text"}
 
 
@@ -193,3 +199,17 @@ def unread_columns(columns, fmt: str) -> str:
     hint = " (--columns input=context reads `context` as the input)" if (
         fmt == "instruction" and "context" in unread and "input" not in columns) else ""
     return f"; columns not read: {', '.join(unread)}{hint}"
+
+
+def feature_name(feature) -> str:
+    """What a column holds, for a refusal: `int64 values`, `list values`."""
+    from datasets import Value
+
+    return f"{feature.dtype} values" if isinstance(feature, Value) else f"{type(feature).__name__.lower()} values"
+
+
+def first_row_lacking(table, key: str, other: str) -> int:
+    """The first row (from 0) of a pyarrow table with no `key` but an `other`, or -1: a row of another format."""
+    import pyarrow.compute as pc
+
+    return pc.index(pc.and_(pc.is_null(table.column(key)), pc.is_valid(table.column(other))), True).as_py()
