@@ -12,6 +12,10 @@ whitespace made visible (a space is "␣", a newline "↵"), tokens separated by
 tokens (the targets) are coloured on a terminal and inside [[ ]] otherwise. Then each dropped row
 with its reason, and the `data:` line a recipe prints.
 
+Preference pairs (`chosen` and `rejected` columns: the DPO recipe's data, preferences.py) are shown
+side by side: each pair's chosen and rejected rows as the recipe tokenises them, with --json
+{"chosen_input_ids", "chosen_labels", "rejected_input_ids", "rejected_labels", "dropped"}.
+
 --json prints one JSON object a row instead, in file order (a folder's train split first, then its
 evaluation split): {"input_ids": [...], "labels": [...], "dropped": ""} where labels are -100 on the
 tokens not trained; a dropped row has empty lists and its reason.
@@ -34,7 +38,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT / "recipes"))
 
 import common.quiet  # noqa: E402,F401  (first: the recipes' filter of library notices)
-from common.data import checked_rows, data_files, formats, tokens  # noqa: E402
+from common.data import checked_rows, data_files, formats, pairs, preferences, tokens  # noqa: E402
 from common.launching import preflight  # noqa: E402
 from common.model import model_config, modeling  # noqa: E402
 
@@ -79,10 +83,15 @@ def tokenised_splits(args, tokenizer, log=sys.stdout):
     with contextlib.redirect_stdout(log):  # the `files:` line of a folder
         loaded, spec = data_files.read_splits(args.dataset, args.columns)
     first = next(iter(loaded.values()))
-    fmt = checked_rows.format_of(first, spec)
+    paired = pairs.holds_pairs(first)  # preference pairs first: UltraFeedback also has SFT's `messages`
+    fmt = pairs.pair_format_of(first, spec) if paired else checked_rows.format_of(first, spec)
     order = sorted(loaded, key=lambda name: (name != "train", name))
-    splits = [(name, tokens.tokenize_counted(loaded[name], tokenizer, args.max_length)[0]) for name in order]
-    line = f"data ({fmt}): " + "; ".join(f"{name} {tokens.counted(rows)}" for name, rows in splits)
+    if paired:
+        splits = [(name, preferences.tokenize_pairs(loaded[name], fmt, tokenizer, args.max_length)) for name in order]
+    else:
+        splits = [(name, tokens.tokenize_counted(loaded[name], tokenizer, args.max_length)[0]) for name in order]
+    unit = "pair" if paired else "row"
+    line = f"data ({fmt}): " + "; ".join(f"{name} {tokens.counted(rows, unit)}" for name, rows in splits)
     return splits, fmt, line + formats.unread_columns(first.column_names, fmt)
 
 
@@ -115,6 +124,14 @@ def marked(tokenizer, row: dict, colour: bool) -> str:
     return "".join(out)
 
 
+def sides_of(row: dict, paired: bool) -> list[tuple[str, dict]]:
+    """(label, {input_ids, labels}) of each row to print: the row itself, or a pair's chosen and rejected."""
+    if not paired:
+        return [("", row)]
+    return [(f", {side}", {"input_ids": row[f"{side}_input_ids"], "labels": row[f"{side}_labels"]})
+            for side in pairs.SIDES]
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     tokenizer = tokenizer_of(args.model, args.trust_remote_code, args.chat_template)
@@ -123,13 +140,15 @@ def main(argv=None) -> int:
     datasets.disable_progress_bars()
     splits, fmt, line = tokenised_splits(args, tokenizer, log=sys.stderr if args.json else sys.stdout)
     limit = args.rows if args.rows is not None else (None if args.json else 5)
+    paired = "chosen_input_ids" in splits[0][1].column_names
+    shown_columns = preferences.PAIR_COLUMNS if paired else ["input_ids", "labels"]
     if args.json:
         shown = 0
         for _, rows in splits:
             for row in rows:
                 if limit is not None and shown >= limit:
                     break
-                print(json.dumps({"input_ids": row["input_ids"], "labels": row["labels"], "dropped": row["dropped"]}))
+                print(json.dumps({**{column: row[column] for column in shown_columns}, "dropped": row["dropped"]}))
                 shown += 1
         print(line, file=sys.stderr)
         return 0
@@ -142,10 +161,11 @@ def main(argv=None) -> int:
                 continue
             if limit is not None and shown >= limit:
                 continue
-            trained = sum(label != formats.IGNORE for label in row["labels"])
             cut = ", cut to --max-length" if row["cut"] else ""
-            print(f"--- {name} row {number}: {len(row['input_ids'])} tokens, {trained} trained{cut}")
-            print(marked(tokenizer, row, colour))
+            for side, side_row in sides_of(row, paired):
+                trained = sum(label != formats.IGNORE for label in side_row["labels"])
+                print(f"--- {name} row {number}{side}: {len(side_row['input_ids'])} tokens, {trained} trained{cut}")
+                print(marked(tokenizer, side_row, colour))
             shown += 1
     if dropped:
         print(f"--- dropped ({len(dropped)}):")

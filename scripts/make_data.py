@@ -8,6 +8,11 @@ Writes, relative to the repository root:
   ``{"instruction": "...", "response": "..."}``.
 * ``data/tokenizer/``: a byte-level BPE tokenizer (vocabulary <= 512) trained
   on the training rows, saved with ``PreTrainedTokenizerFast.save_pretrained``.
+* ``data/preferences/train.jsonl`` and ``eval.jsonl``: the same rows as
+  preference pairs for DPO, ``{"prompt": ..., "chosen": ..., "rejected": ...}``
+  (TRL's explicit-prompt text layout): the prompt is the recipes' prompt
+  template around the instruction, chosen the correct response, rejected a
+  plausible wrong one (another operation's answer).
 
 The task is a small mix of deterministic list operations over short digit
 sequences written with spaces (one correct response per instruction)::
@@ -91,6 +96,25 @@ def make_splits(seed: int = 0) -> tuple[list[dict[str, str]], list[dict[str, str
     return train_rows, eval_rows
 
 
+# The wrong answer a pair rejects: the operation a model confuses with the asked one (then any other).
+CONFUSED_WITH = {"Copy": "Reverse", "Reverse": "Copy", "Sort": "Copy"}
+
+
+def preference_pair(row: dict[str, str]) -> dict[str, str]:
+    """The row as a preference pair: its response chosen, a plausible wrong answer rejected (another
+    operation's answer; where every operation gives the same, the last item changed)."""
+    op, items = row["instruction"].split(": ")
+    items = items.split(" ")
+    others = [CONFUSED_WITH[op]] + [other for other in sorted(OPERATIONS) if other not in (op, CONFUSED_WITH[op])]
+    wrong = next((" ".join(OPERATIONS[other](items)) for other in others
+                  if " ".join(OPERATIONS[other](items)) != row["response"]), None)
+    if wrong is None:
+        answer = row["response"].split(" ")
+        wrong = " ".join(answer[:-1] + [ALPHABET[(ALPHABET.index(answer[-1]) + 1) % len(ALPHABET)]])
+    return {"prompt": PROMPT_TEMPLATE.format(instruction=row["instruction"]), "chosen": row["response"],
+            "rejected": wrong}
+
+
 def write_jsonl(path: Path, rows: list[dict[str, str]]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w", encoding="utf-8", newline="\n") as f:
@@ -166,12 +190,15 @@ def main(argv: list[str] | None = None) -> None:
     train_rows, eval_rows = make_splits(args.seed)
     write_jsonl(data_dir / "train.jsonl", train_rows)
     write_jsonl(data_dir / "eval.jsonl", eval_rows)
+    write_jsonl(data_dir / "preferences" / "train.jsonl", [preference_pair(row) for row in train_rows])
+    write_jsonl(data_dir / "preferences" / "eval.jsonl", [preference_pair(row) for row in eval_rows])
 
     tok_dir = data_dir / "tokenizer"
     build_tokenizer(train_rows, tok_dir)
     check_tokenizer(tok_dir, train_rows + eval_rows)
 
-    print(f"wrote {len(train_rows)} train rows, {len(eval_rows)} eval rows and a tokenizer to {data_dir}")
+    print(f"wrote {len(train_rows)} train rows, {len(eval_rows)} eval rows, their preference pairs and a tokenizer "
+          f"to {data_dir}")
 
 
 if __name__ == "__main__":

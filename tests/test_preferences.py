@@ -4,6 +4,7 @@ reply with its stop signal trained; bad files refused in one line, bad pairs dro
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import sys
 from contextlib import nullcontext
@@ -238,3 +239,34 @@ def test_no_pair_left_is_one_line_naming_the_fix(tok, tmp_path):
     line = str(refused.value)
     assert line.startswith("no training pair can be used: 3 pairs: 0 used, 3 dropped (too long for --max-length 4: 3)")
     assert "pass --max-length" in line and "\n" not in line
+
+
+def test_the_bundled_pairs_train_the_toy_task(tok):
+    train, evaluation = checked_rows.load_sources(str(REPO / "data" / "preferences"), 0, pairs=True)
+    assert train[0].fmt == formats.PAIRS_TEXT and (len(train[0].rows), len(evaluation[0].rows)) == (2048, 128)
+    supervised = [json.loads(line) for line in (REPO / "data" / "train.jsonl").read_text().splitlines()]
+    for row, pair in zip(supervised, train[0].rows):
+        assert pair["prompt"] == formats.PROMPT_TEMPLATE.format(instruction=row["instruction"])
+        assert pair["chosen"] == row["response"] and pair["rejected"] != row["response"]
+    out = preferences.tokenize_pairs(train[0].rows, train[0].fmt, tok, 64)
+    assert not [pair["dropped"] for pair in out if pair["dropped"]]
+    first = next(iter(out))
+    assert side(first, "chosen") == targets.tokenize_row(
+        {"instruction": supervised[0]["instruction"], "response": supervised[0]["response"]}, tok, "instruction")
+
+
+def test_inspect_data_shows_both_sides_of_each_pair(tok, capsys):
+    spec = importlib.util.spec_from_file_location("inspect_data", REPO / "scripts" / "inspect_data.py")
+    inspect_data = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(inspect_data)
+    hh = FIXTURES / "hh_rlhf.jsonl"
+    assert inspect_data.main(["--model", str(REPO / "data" / "tokenizer"), "--dataset", str(hh), "--json"]) == 0
+    out = capsys.readouterr()
+    shown = [json.loads(line) for line in out.out.splitlines()]
+    rows = [json.loads(line) for line in hh.read_text().splitlines()]
+    assert shown == [{**{column: pair[column] for column in preferences.PAIR_COLUMNS}, "dropped": ""}
+                     for pair in tokenised(rows, tok)[1]]
+    assert out.err.strip().splitlines()[-1].startswith(f"data ({formats.PAIRS_IMPLICIT_TEXT}): train 2 pairs")
+    assert inspect_data.main(["--model", str(REPO / "data" / "tokenizer"), "--dataset", str(hh)]) == 0
+    printed = capsys.readouterr().out
+    assert "row 1, chosen:" in printed and "row 1, rejected:" in printed and printed.count("[[") == 4

@@ -41,6 +41,11 @@ SUPERVISED_ROWS = ("messages", "instruction", "text", "completion")  # a row of 
 HH_REPLY_START = "\n\nAssistant:"
 
 
+def holds_pairs(rows) -> bool:
+    """Whether the rows are preference pairs (a `chosen` and a `rejected` column that hold something)."""
+    return set(SIDES) <= set(filled_columns(rows))
+
+
 def pair_format_of(rows, spec: str) -> str:
     """The pairs' format, from the columns that hold something. Refused: rows that are no pairs (the
     supervised formats), a column holding neither text nor messages, chosen and rejected of two kinds,
