@@ -179,7 +179,8 @@ def main():
         # The step's one collective (every rank takes part): the loss summed over all ranks, the stop
         # flag, and the next step's target tokens: its micro-batches are fetched now to travel along.
         next_epoch, next_batches = next(steps) if step < total_steps else (epoch, [])
-        summed_loss, next_tokens, stopping, router_sum = sync.end_of_step(step_loss, next_batches, step_router_loss)
+        summed_loss, next_tokens, stopping, (router_sum,) = sync.end_of_step(step_loss, next_batches,
+                                                                               [step_router_loss])
         loss = summed_loss / int(step_tokens)  # the mean over the global batch's target tokens
         if step == start_step + 1:  # a gather (every rank takes part): what each rank holds, into run.json
             log.record_ranks()

@@ -106,9 +106,9 @@ def test_a_step_ends_with_one_all_reduce_of_loss_next_tokens_and_stop(handlers_r
     accelerator = TwoRanks([2.5, 5, 0.25, 0, 0])  # the other rank: loss sum 2.5, 5 next tokens, router loss, no signal
     sync = StepSync(accelerator)
     summed_loss, next_tokens, stopping, router = sync.end_of_step(torch.tensor(1.5), [batch_with_targets(3),
-                                                                                      batch_with_targets(4)], 0.5)
+                                                                                      batch_with_targets(4)], [0.5])
     assert accelerator.reduces == 1
-    assert (summed_loss, int(next_tokens), stopping, router) == (4.0, 12, False, 0.75)
+    assert (summed_loss, int(next_tokens), stopping, router) == (4.0, 12, False, [0.75])
     assert next_tokens.dtype == torch.int64  # it divides the next step's loss
 
 
@@ -120,7 +120,7 @@ def test_a_signal_on_any_rank_stops_every_rank_at_the_same_step(handlers_restore
     sync = StepSync(TwoRanks(other))
     if where == "here":
         signal.raise_signal(signum)  # the handler StepSync installed takes it
-    assert sync.end_of_step(torch.tensor(0.0), [])[2] is True
+    assert sync.end_of_step(torch.tensor(0.0), [], [0.0])[2] is True
     assert sync.signal_name == name
 
 

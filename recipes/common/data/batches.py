@@ -35,6 +35,21 @@ class PadToLongest:
         return {key: torch.tensor(value) for key, value in batch.items()}
 
 
+class PadPairs:
+    """A micro-batch of preference pairs as one batch of rows: the pairs' chosen sides, then their
+    rejected sides in the same order, all padded to the longest (one forward runs both)."""
+
+    def __init__(self, pad_token_id: int):
+        self.pad_rows = PadToLongest(pad_token_id)
+
+    def __call__(self, pairs: list[dict]) -> dict:
+        batch = self.pad_rows([{"input_ids": pair[f"{side}_input_ids"], "labels": pair[f"{side}_labels"]}
+                               for side in ("chosen", "rejected") for pair in pairs])
+        if "pair_index" in pairs[0]:  # which pairs these are: where their reference scores are kept
+            batch["pair_index"] = torch.tensor([pair["pair_index"] for pair in pairs])
+        return batch
+
+
 def make_loaders(train, evaluation, collate, batch_size: int, workers: int | None = None):
     """Shuffled training batches (the ragged last batch dropped) and ordered evaluation batches,
     each micro-batch made by `collate` (a list of rows -> a dict of tensors).

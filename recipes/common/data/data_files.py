@@ -19,6 +19,7 @@ from .formats import TEXT_COLUMNS
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 DEFAULT_DATASET = REPO_ROOT / "data"
+DEFAULT_PAIRS = DEFAULT_DATASET / "preferences"  # what the preference recipes train on by default
 
 FILE_LOADERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text", ".csv": "csv", ".tsv": "csv"}
 DELIMITERS = {".csv": ",", ".tsv": "\t"}

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from . import batches
 from .checked_rows import load_sources
+from .data_files import DEFAULT_PAIRS
 from .pairs import SIDES, pair_sides, side_format
 from .targets import NO_TOKENS, require_offsets, tokenize_rows
 from .tokens import (
@@ -33,7 +34,8 @@ def prepare_pairs(accelerator, tokenizer, args, launch):
     supervised rows: every rank reads and checks the files, rank 0 tokenises first and the others reuse
     its cache, pairs that cannot train are dropped and counted in the `data (...)` line, none left is a
     refusal naming the fix. No packing: a pair's two sides are one example."""
-    train_parts, eval_parts = load_sources(args.dataset, args.seed, args.columns, getattr(args, "eval_dataset", None),
+    given = args.dataset or [str(DEFAULT_PAIRS)]  # the bundled pairs by default
+    train_parts, eval_parts = load_sources(given, args.seed, args.columns, getattr(args, "eval_dataset", None),
                                            pairs=True)
     require_offsets(tokenizer)  # on every rank, before rank 0 tokenises
     with accelerator.main_process_first():
@@ -85,3 +87,9 @@ def pair_features():
     row = tokenised_features()
     return Features({**{column: row[column.partition("_")[2]] for column in PAIR_COLUMNS},
                      **{column: row[column] for column in REPORT_COLUMNS}})
+
+
+def chosen_rows(pairs):
+    """The pairs' chosen sides as supervised rows (`input_ids`, `labels`): what a trained model should answer."""
+    return pairs.select_columns(["chosen_input_ids", "chosen_labels"]).rename_columns(
+        {"chosen_input_ids": "input_ids", "chosen_labels": "labels"})

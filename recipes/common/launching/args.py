@@ -144,6 +144,18 @@ def add_qlora_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bits", type=int, choices=(4, 8), default=4, help="4 = NF4 (QLoRA), 8 = LLM.int8()")
 
 
+PREFERENCE_LOSSES = ("sigmoid", "ipo", "simpo")
+
+
+def add_preference_args(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument
+    add("--loss", choices=PREFERENCE_LOSSES, default="sigmoid",
+        help="sigmoid: DPO; ipo: IPO (per-token log-ratios, squared); simpo: SimPO (no reference model)")
+    add("--beta", type=float, default=0.1,
+        help="how far from the reference the policy may move: the scale of the log-ratios in the loss")
+    add("--simpo-gamma", type=float, default=0.5, help="SimPO's target margin between chosen and rejected")
+
+
 def recipe_flags(recipe: str, doc: str = "recipe\n") -> argparse.ArgumentParser:
     """The flags of `recipes/<recipe>.py` (`doc` is its --help text); tools that check a launch
     without running it use the same parser."""
@@ -153,6 +165,15 @@ def recipe_flags(recipe: str, doc: str = "recipe\n") -> argparse.ArgumentParser:
         parser.set_defaults(lr=2e-5)  # every weight moves: a LoRA-sized step would wreck the model
     elif recipe == "lora":
         add_lora_args(parser)
+    elif recipe == "dpo_full":  # preference tuning of every weight
+        add_preference_args(parser)
+        parser.set_defaults(lr=1e-6)  # every weight moves, and the policy must stay near its reference
+    elif recipe == "dpo":  # preference tuning of LoRA adapters on a frozen base, 16-bit or quantized
+        add_lora_args(parser)
+        add_preference_args(parser)
+        parser.add_argument("--bits", type=int, choices=(4, 8), default=None,
+                            help="quantize the frozen base: 4 = NF4 (QLoRA), 8 = LLM.int8() (default: not quantized)")
+        parser.set_defaults(lr=5e-5)
     else:
         add_qlora_args(parser)
     return parser

@@ -48,14 +48,16 @@ def announce_plan(args, recipe: str, launch) -> None:
     layout = dict(pipeline_stages=launch.pipeline_stages, pipeline_chunks=launch.pipeline_chunks) \
         if launch.pipeline_stages > 1 else {}
     try:
-        need = planner.per_gpu_bytes(shape, recipe, strategy, gpus, batch_size=args.batch_size, **inputs,
+        # a preference pair is two rows in one forward (chosen and rejected); the reference's forward keeps nothing
+        rows = args.batch_size * (2 if getattr(args, "recipe", None) in ("dpo", "dpo_full") else 1)
+        need = planner.per_gpu_bytes(shape, recipe, strategy, gpus, batch_size=rows, **inputs,
                                      grad_accum=args.grad_accum, **layout)
     except ValueError as error:  # e.g. LoRA targets the planner does not know
         print(f"plan: skipped ({str(error).splitlines()[0]})", flush=True)
         return
     parts = ", ".join(f"{key} {size(need[key])}" for key in ("weights", "gradients", "optimizer", "activations"))
     line = (f"plan: {recipe} with {strategy} on {gpus} process(es): {size(need['total'])} per GPU ({parts}) "
-            f"at --max-length {args.max_length}; host RAM to load the weights: {size(load['bytes'])} on this "
+            f"at --max-length {args.max_length}{' (two rows a pair)' if rows != args.batch_size else ''}; host RAM to load the weights: {size(load['bytes'])} on this "
             f"machine ({load['why']})")
     if not launch.on_gpu:
         print(line, flush=True)

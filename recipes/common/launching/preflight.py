@@ -138,10 +138,25 @@ RANGES = {
     "max_grad_norm": "(0, None)", "eval_every": "[0, None)", "save_every": "[0, None)",
     "save_total_limit": "[0, None)", "log_every": "[0, None)", "gradient_checkpointing": "[0, None)",
     "dataloader_workers": "[0, None)", "lora_r": "[1, None)", "lora_alpha": "(0, None)", "lora_dropout": "[0, 1)",
-    "seed": "[0, 4294967295]",
+    "seed": "[0, 4294967295]", "beta": "(0, None)", "simpo_gamma": "[0, None)",
 }
 HINTS = {"max_grad_norm": " (clipping cannot be switched off, only raised: e.g. 1e9)",
          "save_every": " (0: none)"}
+
+
+def check_preference_run(args, launch) -> None:
+    """What a preference recipe does not run: rows packed together (a pair's two sides are scored as
+    whole rows), pipeline stages, Liger's fused loss (it returns a loss, not each row's log-probability)."""
+    if args.packing:
+        refuse("--packing joins rows into one sequence, but a preference pair is scored as two whole rows; "
+               "drop --packing")
+    if launch.pipeline_stages > 1:
+        refuse(f"{args.recipe}.py does not run pipeline stages yet; launch with fsdp.yaml or a zero*.yaml config instead")
+    if args.batch_size == "auto":
+        refuse("--batch-size auto is planned for rows, and a preference pair is two rows in one forward; give --batch-size N")
+    if args.liger:
+        refuse("--liger fuses the cross-entropy into the model, which gives no per-row log-probabilities for the "
+               "preference loss; drop --liger")
 
 
 def check_ranges(args) -> None:

@@ -40,6 +40,8 @@ def settle_launch(args: Run, recipe: str) -> tuple[Run, Launch]:
     launch = preflight.check_pipeline(run, recipe, launch)
     if launch.kind == TENSOR_PARALLEL:
         preflight.check_tensor_parallel(run, recipe, launch)
+    if run.recipe in ("dpo", "dpo_full"):
+        preflight.check_preference_run(run, launch)
     run, batch_line = settle_batch(run, recipe, launch)  # --batch-size auto, --global-batch-size
     preflight.check_pipeline_micro_batches(run, launch)  # (after --global-batch-size has set --grad-accum)
     if batch_line:

@@ -254,7 +254,9 @@ class RunLog:
             self.log_every = 0 if not self.bar.disable else 1
 
     def log_step(self, step: int, epoch: int, loss: float, lr: float, grad_norm, tokens: int,
-                 router_loss: float | None = None) -> None:
+                 router_loss: float | None = None, figures: dict | None = None) -> None:
+        """One metrics.jsonl line; `figures`: the recipe's own, under the names it gives them (a preference
+        recipe's rewards and log-probabilities)."""
         self.tokens_seen += tokens
         elapsed = time.perf_counter() - self.started
         record = {
@@ -265,6 +267,7 @@ class RunLog:
         }
         if router_loss is not None:  # a mixture of experts' load-balancing loss (mean over micro-batches)
             record["router_loss"] = router_loss
+        record.update(figures or {})
         if torch.cuda.is_available():  # this rank's peak since the start, for benchmarks and the planner
             record["peak_allocated_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 3)
             record["peak_reserved_gib"] = round(torch.cuda.max_memory_reserved() / 2**30, 3)

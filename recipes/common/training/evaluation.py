@@ -1,4 +1,5 @@
-"""Evaluation on the held-out rows: token-mean loss and exact match of the whole target."""
+"""Evaluation on the held-out rows: token-mean loss and exact match of the whole target; for preference
+pairs, the pair-mean loss and how often and by how much the chosen side wins."""
 
 from __future__ import annotations
 
@@ -47,3 +48,16 @@ def batch_figures(logits: torch.Tensor, labels: torch.Tensor, token_losses) -> t
     """(loss sum, target tokens, exact rows, rows) of a batch: logits at every position but the last."""
     per_row = row_figures(logits[:, :-1], labels, token_losses)
     return torch.cat([per_row.sum(0), per_row.new_tensor([per_row.shape[0]])]).double()
+
+
+@torch.no_grad()
+def evaluate_pairs(accelerator, model, eval_loader, pair_figures) -> dict:
+    """The held-out pairs under the recipe's own loss. `pair_figures(batch)` gives, per pair, its loss and
+    the rewards of its chosen and rejected sides (a tensor of pairs x 3). Every rank runs every batch;
+    `gather_for_metrics` drops the pairs accelerate repeated to even out the last batch."""
+    model.eval()
+    gathered = [accelerator.gather_for_metrics(pair_figures(batch)[:, :3].double()) for batch in eval_loader]
+    model.train()
+    losses, chosen, rejected = torch.cat(gathered).T
+    return {"eval_loss": losses.mean().item(), "eval_rewards/accuracies": (chosen > rejected).double().mean().item(),
+            "eval_rewards/margins": (chosen - rejected).mean().item()}

@@ -249,21 +249,22 @@ class StepSync:
         """The target tokens of these micro-batches on all ranks (an all-reduce: every rank calls it)."""
         return self.accelerator.reduce(self.local_tokens(micro_batches), "sum")
 
-    def end_of_step(self, loss_sum, next_micro_batches, router_loss_sum=0.0) -> tuple[float, torch.Tensor, bool, float]:
-        """One all-reduce (every rank calls it): the step's loss summed over all ranks' tokens, the
-        target tokens of the next step on all ranks, whether any rank was asked to stop, and the
-        router's load-balancing losses (a mixture of experts) summed over all ranks' micro-batches."""
+    def end_of_step(self, loss_sum, next_micro_batches, other_sums=()) -> tuple[float, torch.Tensor, bool, list]:
+        """One all-reduce (every rank calls it): the step's loss summed over all ranks, the target tokens
+        of the next step on all ranks, whether any rank was asked to stop, and `other_sums` summed over all
+        ranks (a mixture of experts' router losses; a preference step's rewards and log-probabilities)."""
         device = self.accelerator.device
         signals = [float(self.received == signum) for signum in self.SIGNALS]
+        others = [torch.as_tensor(value, device=device, dtype=torch.float64).reshape(1) for value in other_sums]
         local = torch.cat([torch.as_tensor(loss_sum, device=device, dtype=torch.float64).reshape(1),
                            self.local_tokens(next_micro_batches).to(device, torch.float64).reshape(1),
-                           torch.as_tensor(router_loss_sum, device=device, dtype=torch.float64).reshape(1),
-                           torch.tensor(signals, device=device, dtype=torch.float64)])
+                           *others, torch.tensor(signals, device=device, dtype=torch.float64)])
         total = self.accelerator.reduce(local, "sum")
-        loss, next_tokens, router_loss, *stops = total.tolist()  # the step's one wait for the device
+        values = total.tolist()  # the step's one wait for the device
+        stops = values[2 + len(others):]
         if any(stops):
             self.signal_name = "SIGTERM" if stops[0] else "Ctrl-C"
-        return loss, total[1].round().long(), any(stops), router_loss
+        return values[0], total[1].round().long(), any(stops), values[2:2 + len(others)]
 
 
 def say_once(message: str) -> None:

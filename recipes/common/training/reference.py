@@ -1,0 +1,82 @@
+"""The reference log-probabilities of full-weight preference tuning: the model as loaded scores every pair once,
+before its first update, and the scores are kept beside the tokenised pairs.
+
+Training every weight leaves no frozen base to switch back to (as LoRA's disabled adapters are), and a second,
+frozen copy would cost another model's memory on every GPU. One pass over the pairs instead costs one forward
+a pair, once: the scores are saved in the data cache, keyed by the tokenised pairs, the model's files and the
+precision, so a rerun and a resume (whose model has already moved) read them instead of recomputing them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader
+from tqdm.auto import tqdm
+
+from ..model.model_config import weight_files
+
+def indexed(pairs):
+    """`pairs` with a `pair_index` column: where each pair's reference scores are in the table."""
+    return pairs.add_column("pair_index", np.arange(len(pairs), dtype=np.int64))
+
+
+def reference_logps(accelerator, model, pairs, collate, batch_size: int, sequence_logps, key: str) -> torch.Tensor:
+    """(pairs x 2) float32 on the CPU: each pair's chosen and rejected log-probabilities under `model` as it is
+    now (`sequence_logps(model, batch)`: the recipe's own), read from the cache where an earlier run wrote them
+    under `key` (reference_key). `pairs` are `indexed`. Every rank takes part (sharded forwards are collective)."""
+    cache = cache_file(pairs, key)
+    if cache is not None and cache.exists():
+        scores = np.load(cache)
+        if scores.shape == (len(pairs), 2):
+            if accelerator.is_main_process:
+                print(f"reference: {len(pairs):,} pairs' scores read from {cache} (the model as loaded scored "
+                      "them in an earlier run)", flush=True)
+            return torch.from_numpy(scores).float()
+    # every pair once, in order: the training loader's shuffle drops a ragged tail
+    loader = accelerator.prepare_data_loader(DataLoader(pairs, batch_size=batch_size, shuffle=False, collate_fn=collate))
+    scores = np.zeros((len(pairs), 2), dtype=np.float64)
+    was_training = model.training
+    model.eval()  # no dropout: the reference is the model itself, not a noisy draw of it
+    with torch.no_grad():
+        for batch in tqdm(loader, desc="reference log-probabilities", disable=not accelerator.is_main_process or None):
+            chosen, rejected = sequence_logps(model, batch)[0].double().chunk(2)
+            # gather_for_metrics drops the pairs accelerate repeated to even out the last batch
+            index, chosen, rejected = accelerator.gather_for_metrics((batch["pair_index"].to(chosen.device), chosen,
+                                                                      rejected))
+            scores[index.cpu().numpy()] = torch.stack([chosen, rejected], 1).cpu().numpy()
+    model.train(was_training)
+    if cache is not None and accelerator.is_main_process:
+        partial = cache.with_suffix(".partial.npy")
+        np.save(partial, scores)
+        partial.replace(cache)  # whole or absent: a crash never leaves part of the scores to be read as all
+    if accelerator.is_main_process:
+        kept = f"; kept in {cache}" if cache is not None else ""
+        print(f"reference: {len(pairs):,} pairs scored by the model as loaded, before training{kept}", flush=True)
+    return torch.from_numpy(scores).float()
+
+
+def of_batch(scores: torch.Tensor, batch: dict) -> torch.Tensor:
+    """The reference log-probabilities of a micro-batch's rows (its chosen sides, then its rejected sides)."""
+    rows = scores[batch["pair_index"].cpu()]
+    return torch.cat([rows[:, 0], rows[:, 1]]).to(batch["input_ids"].device)
+
+
+def cache_file(pairs, key: str) -> Path | None:
+    """Beside the tokenised pairs' own cache file (None when they have none: rows made in memory)."""
+    if not pairs.cache_files:
+        return None
+    name = hashlib.sha256(f"{pairs._fingerprint}:{key}".encode()).hexdigest()[:20]
+    return Path(pairs.cache_files[0]["filename"]).parent / f"reference-logps-{name}.npy"
+
+
+def reference_key(model_name: str, precision: str, max_length: int) -> str:
+    """What the scores depend on besides the pairs: the model's weight files (path, size, time: a model saved
+    again at the same path is another model) and how it computes (precision; --max-length cuts the sides)."""
+    files = sorted(set((weight_files(model_name) or {}).values()))
+    stats = [(file, Path(file).stat().st_size, Path(file).stat().st_mtime_ns) for file in files]
+    return json.dumps({"model": model_name, "files": stats, "precision": precision, "max_length": max_length})

@@ -1,0 +1,217 @@
+"""Preference tuning (DPO, IPO, SimPO) of every weight of a causal language model, under any accelerate strategy.
+
+Launch (pick any file in accelerate_configs/, or your own `accelerate config` file):
+
+    accelerate launch --config_file accelerate_configs/fsdp.yaml recipes/dpo_full.py \\
+        --model my-sft-model --dataset pairs.jsonl --output-dir outputs/dpo-full
+
+Each row of --dataset is a preference pair: a prompt, the reply to prefer (`chosen`) and the one to avoid
+(`rejected`), as text or chat messages (docs/data.md, "Preference pairs"). The reference model is the model
+as loaded: before the first update it scores every pair once (a forward a pair), and the scores are kept
+with the tokenised pairs in the data cache, so a rerun or a resume reads them; no second copy of the model.
+With no --model / --dataset it trains the bundled tiny model on the bundled pairs, also on a machine
+without GPUs (add `--num_processes 2 --mixed_precision no` to the launcher).
+
+Writes to --output-dir: run.json (what ran), metrics.jsonl (one line per step and per evaluation, with
+TRL's names: loss, rewards/chosen, rewards/rejected, rewards/accuracies, rewards/margins, logps/chosen,
+logps/rejected), checkpoints/step-N/ (resumable) and model/ (AutoModelForCausalLM.from_pretrained).
+
+Flags: --model --dataset --eval-dataset --columns --chat-template --output-dir --epochs --max-steps --batch-size
+       --global-batch-size --grad-accum --lr --warmup-ratio --weight-decay --max-grad-norm --max-length --seed
+       --eval-every --save-every --save-total-limit --resume --gradient-checkpointing --log-every --report-to
+       --save-dtype --trust-remote-code
+       --config (a YAML file of any of these flags)
+Speed: --compile --attention --dataloader-workers
+Preference: --loss (sigmoid, ipo, simpo) --beta --simpo-gamma
+Refused here (not for pairs yet): --packing --liger --pipeline-stages --pipeline-schedule --pipeline-chunks
+"""
+
+import math
+
+import common.quiet  # noqa: F401  (first: silences library notices nobody can act on)
+import torch
+import torch.nn.functional as F
+from accelerate.utils import set_seed
+from transformers import get_cosine_schedule_with_warmup
+
+from common.data import batches, preferences
+from common.data.formats import IGNORE
+from common.launching import args as cli
+from common.launching import deepspeed_config, preflight, settle
+from common.model import modeling
+from common.outputs import checkpoint, report
+from common.outputs.runlog import RunLog
+from common.training import reference, runtime
+from common.training.evaluation import evaluate_pairs
+
+
+def sequence_logps(model, batch):
+    """Each row's log-probability of its target tokens (their sum: the probability of the whole reply),
+    and how many target tokens it has. Rows are a micro-batch's chosen sides, then its rejected sides."""
+    targets = batch["labels"][:, 1:]  # position t predicts token t + 1
+    positions = batches.positions_with_targets(targets)  # the LM head runs only where some row has a target
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False,
+                   logits_to_keep=positions).logits
+    targets = targets[:, positions].to(logits.device)
+    token_logps = -F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE,
+                                   reduction="none").view_as(targets)  # 0 on prompt and padding
+    return token_logps.sum(1), (targets != IGNORE).sum(1)
+
+
+def pair_losses(logps, reference_logps, tokens, run):
+    """The loss of each pair, and the reward of each side (what the logs call rewards/chosen and
+    rewards/rejected). Every path that trains or evaluates computes its loss here: edit it here.
+
+    sigmoid (DPO): -log sigmoid(beta x how much more the policy raised the chosen reply's log-probability
+    over the reference's than the rejected one's). ipo: the same log-ratios per target token, pulled to a
+    margin of 1 / (2 beta) by a squared loss. simpo: no reference; per-token log-probabilities, a margin of
+    --simpo-gamma."""
+    chosen, rejected = logps.chunk(2)
+    chosen_tokens, rejected_tokens = tokens.chunk(2)
+    if run.loss == "simpo":
+        chosen_score, rejected_score = chosen / chosen_tokens, rejected / rejected_tokens
+        losses = -F.logsigmoid(run.beta * (chosen_score - rejected_score) - run.simpo_gamma)
+        return losses, run.beta * chosen_score.detach(), run.beta * rejected_score.detach()
+    reference_chosen, reference_rejected = reference_logps.chunk(2)
+    chosen_ratio, rejected_ratio = chosen - reference_chosen, rejected - reference_rejected
+    if run.loss == "sigmoid":
+        losses = -F.logsigmoid(run.beta * (chosen_ratio - rejected_ratio))
+    else:  # ipo
+        losses = (chosen_ratio / chosen_tokens - rejected_ratio / rejected_tokens - 1 / (2 * run.beta)) ** 2
+    return losses, run.beta * chosen_ratio.detach(), run.beta * rejected_ratio.detach()
+
+
+def score_pairs(accelerator, model, batch, run, reference_scores):
+    """Per pair: its loss (with its graph), and its detached figures: [loss, chosen reward, rejected
+    reward, chosen log-probability, rejected log-probability, 1 where the chosen side's reward is higher]."""
+    reference_logps = None
+    if run.loss != "simpo":  # the reference: the model as loaded, which scored every pair before training
+        reference_logps = reference.of_batch(reference_scores, batch)
+    logps, tokens = sequence_logps(model, batch)
+    losses, chosen_rewards, rejected_rewards = pair_losses(logps, reference_logps, tokens, run)
+    chosen_logps, rejected_logps = logps.detach().chunk(2)
+    won = (chosen_rewards > rejected_rewards).to(chosen_rewards.dtype)
+    figures = torch.stack([losses.detach(), chosen_rewards, rejected_rewards, chosen_logps, rejected_logps, won], 1)
+    return losses, figures
+
+
+def parse_args():
+    return cli.parse_args(cli.recipe_flags("dpo_full", __doc__))
+
+
+def main():
+    # The run's settings, settled once (read-only from here); a launch that cannot work is refused here, in one
+    # line, before the model loads. Settled as full fine-tuning: every weight trains.
+    run, launch = settle.settle_launch(parse_args(), recipe="full")
+    accelerator = runtime.make_accelerator(run, launch)
+    resume = checkpoint.resume_point(accelerator, run)  # the checkpoint to continue, checked before loading
+    set_seed(run.seed)
+
+    # Pairs, before the model: each side rendered and tokenised as the SFT recipes tokenise a row, its
+    # reply (through its stop signal) the only target. Pairs that cannot train are counted and dropped.
+    modeling.ensure_default_model(run.model, accelerator)
+    tokenizer = modeling.load_tokenizer(run.model, run.trust_remote_code, run.chat_template)
+    train_set, eval_set, data_format = preferences.prepare_pairs(accelerator, tokenizer, run, launch)
+    train_set, eval_set = reference.indexed(train_set), reference.indexed(eval_set)  # where each pair's reference is
+
+    # Model: every weight trained, in float32 (mixed precision computes in 16 bits).
+    model = modeling.load_model(run.model, accelerator, launch, frozen=False, attention=run.attention,
+                                liger=False, trust_remote_code=run.trust_remote_code)
+    if run.gradient_checkpointing:  # recompute every Nth layer's activations in the backward instead of keeping them
+        modeling.checkpoint_activations(model, every_n_layers=run.gradient_checkpointing)
+    if run.compile:
+        modeling.compile_layers(model)  # the first steps are slower while each shape compiles
+
+    # Batches: shuffled micro-batches of pairs, each one batch of rows (chosen sides, then rejected sides).
+    collate = batches.PadPairs(tokenizer.pad_token_id)
+    train_loader, eval_loader = batches.make_loaders(train_set, eval_set, collate, run.batch_size,
+                                                  run.dataloader_workers)
+    probe = next(iter(eval_loader))
+
+    optimizer = torch.optim.AdamW(
+        modeling.trained_parameter_groups(model), lr=run.lr, weight_decay=run.weight_decay, fused=True
+    )
+    steps_per_epoch = batches.steps_per_epoch(len(train_loader) // launch.data_parallel_size, run.grad_accum)
+    total_steps = run.max_steps or math.ceil(run.epochs * steps_per_epoch)
+    if run.deepspeed_scheduler:
+        scheduler = deepspeed_config.deepspeed_schedule(optimizer, run.deepspeed_scheduler, run, total_steps)
+    else:
+        scheduler = get_cosine_schedule_with_warmup(optimizer, int(run.warmup_ratio * total_steps), total_steps)
+    model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
+        model, optimizer, train_loader, eval_loader, scheduler
+    )
+    parameters = list(model.parameters())  # after prepare (FSDP's shards); listed once, not walked each step
+    train_reference = eval_reference = None
+    if run.loss != "simpo":  # the reference: the model as loaded scores every pair once, before any update
+        key = reference.reference_key(run.model, launch.precision, run.max_length)
+        train_reference, eval_reference = (reference.reference_logps(
+            accelerator, model, pairs, collate, run.batch_size, sequence_logps, key) for pairs in (train_set, eval_set))
+
+    log = RunLog(accelerator, run, recipe="dpo_full", launch=launch)
+    start_step = checkpoint.resume_from(accelerator, resume, None)
+    log.write_run_json(model, None, data_format, optimizer, total_steps)  # after the resume: a failed load changes nothing
+
+    # The loop: one iteration = one optimizer step over grad_accum micro-batches on every rank.
+    model.train()
+    sync = runtime.StepSync(accelerator)  # the step's one all-reduce; SIGTERM / Ctrl-C stop at the end of a step
+    log.start(start_step, total_steps)
+    steps = batches.optimizer_steps(train_loader, run.grad_accum, start_step)
+    epoch, micro_batches = next(steps)
+    step_tokens = sync.count_tokens(micro_batches)  # the target tokens of both sides, for the logs
+    # A step's loss is the mean over the pairs of the global batch: every micro-batch holds --batch-size
+    # pairs, on every rank (a tensor-parallel group's ranks each count the group's pairs).
+    step_pairs = run.batch_size * run.grad_accum * accelerator.num_processes
+    for step in range(start_step + 1, total_steps + 1):
+        step_loss, step_figures = 0.0, 0.0
+        for batch in micro_batches:
+            with accelerator.accumulate(model):
+                losses, figures = score_pairs(accelerator, model, batch, run, train_reference)
+                step_loss += losses.sum().detach()
+                step_figures += figures[:, 1:].sum(0)  # summed over pairs: rewards, log-probabilities, wins
+                # The gradient of the global pair mean: / step_pairs, and undo accelerate's division by
+                # grad_accum and the gradient all-reduce's mean over ranks.
+                accelerator.backward(losses.sum() / step_pairs * run.grad_accum * accelerator.num_processes)
+        grad_norm = accelerator.clip_grad_norm_(parameters, run.max_grad_norm)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+
+        # The step's one collective: the loss and the pairs' figures summed over all ranks, the stop flag,
+        # and the next step's target tokens (its micro-batches are fetched now to travel along).
+        next_epoch, next_batches = next(steps) if step < total_steps else (epoch, [])
+        summed_loss, next_tokens, stopping, summed = sync.end_of_step(step_loss, next_batches, list(step_figures))
+        chosen_reward, rejected_reward, chosen_logps, rejected_logps, won = (value / step_pairs for value in summed)
+        loss = summed_loss / step_pairs  # the mean over the global batch's pairs
+        if step == start_step + 1:  # a gather (every rank takes part): what each rank holds, into run.json
+            log.record_ranks()
+        log.log_step(step, epoch, loss, scheduler.get_last_lr()[0], grad_norm, int(step_tokens), figures={
+            "rewards/chosen": chosen_reward, "rewards/rejected": rejected_reward, "rewards/accuracies": won,
+            "rewards/margins": chosen_reward - rejected_reward, "logps/chosen": chosen_logps,
+            "logps/rejected": rejected_logps})
+        if not math.isfinite(loss):  # stop before saving anything from a diverged model
+            preflight.refuse(f"the loss became {loss} at step {step}; lower --lr or --beta, or check the data, and "
+                             "start in a new --output-dir (a checkpoint here may already hold the update that diverged)")
+        if step == total_steps or (run.eval_every and step % run.eval_every == 0):
+            log.log_eval(step, evaluate_pairs(accelerator, model, eval_loader,
+                                              lambda batch: score_pairs(accelerator, model, batch, run, eval_reference)[1]))
+        if stopping or (run.save_every and step % run.save_every == 0):
+            checkpoint.save_checkpoint(accelerator, run, step, None)
+        if stopping:
+            log.close(f"stopped by {sync.signal_name} after step {step}; continue with --resume auto")
+            return
+        epoch, micro_batches, step_tokens = next_epoch, next_batches, next_tokens
+
+    # Export: what the trained model computes, then the files that reproduce it.
+    checkpoint.save_probe(accelerator, model, None, probe, run.output_dir)
+    samples = report.sample_generations(accelerator, launch, model, None, tokenizer,
+                                        preferences.chosen_rows(eval_set), run.output_dir)
+    model_dir = f"{run.output_dir}/model"
+    checkpoint.save_full_model(accelerator, model, None, tokenizer, model_dir, run.save_dtype)
+    report.write_model_card(accelerator, run, "dpo_full", "model", samples)
+    log.close(f"done: {total_steps} steps; model saved to {model_dir}")
+    accelerator.end_training()
+
+
+if __name__ == "__main__":
+    main()
+    runtime.exit_after_a_finished_run()  # a native thread can abort the interpreter's teardown (runtime.py)

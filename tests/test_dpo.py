@@ -1,0 +1,179 @@
+"""recipes/dpo.py through the real `accelerate launch`: it trains (the chosen side's reward rises above the
+rejected one's), the same seed and global batch of pairs give the same curve on one process and every
+strategy, accumulation leaves the updates alone, a resume continues exactly, the adapter reloads with plain
+peft, and what it cannot run is refused in one line before the model loads."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import pytest
+import torch
+
+from conftest import TINY_MODEL, assert_no_traceback_of_ours, assert_the_refusal_ends_the_output, launch, long_test
+
+STEPS = 8
+PAIRS_PER_STEP = 8
+# config -> processes; the one-process launch is the reference every other must match
+PROCESSES = {"model_parallel": 1, "ddp": 2, "fsdp": 2, "fsdp_offload": 2, "zero2": 2, "zero3": 2, "zero3_offload": 2}
+# (recipe, config, flags): each suite run launches these; RECIPES_LONG_TESTS=1 the rest
+EVERY_RUN = {("dpo", "ddp", ()), ("dpo", "fsdp", ()), ("dpo", "zero3", ()), ("dpo_full", "zero3", ())}
+CASES = [("dpo", "ddp", ()), ("dpo", "fsdp", ()), ("dpo", "zero2", ()), ("dpo", "zero3", ()),
+         ("dpo", "ddp", ("--bits", "4")), ("dpo", "fsdp_offload", ("--bits", "4")),
+         ("dpo", "zero3_offload", ("--bits", "4")), ("dpo_full", "ddp", ()), ("dpo_full", "fsdp", ()),
+         ("dpo_full", "zero3", ())]
+
+
+def run_args(recipe: str, processes: int, *extra: str) -> list[str]:
+    args = ["--max-steps", str(STEPS), "--grad-accum", "2", "--batch-size", str(PAIRS_PER_STEP // 2 // processes),
+            "--log-every", "4", "--save-every", "4", *extra]
+    # dropout draws differ between one process and several; without it the curves must agree
+    return args + (["--lr", "1e-3"] if recipe == "dpo_full" else ["--lr", "5e-3", "--lora-dropout", "0"])
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    runs = {}
+
+    def run(recipe: str, config: str, *flags: str):
+        if (recipe, config, flags) not in runs:
+            processes = PROCESSES[config]
+            output_dir = tmp_path_factory.mktemp(f"{recipe}-{config}") / "out"
+            runs[recipe, config, flags] = launch(recipe, output_dir, *run_args(recipe, processes, *flags),
+                                                 config=config, processes=processes)
+        return runs[recipe, config, flags]
+
+    return run
+
+
+def relative_difference(a: list[float], b: list[float]) -> float:
+    assert len(a) == len(b) > 0
+    return max(abs(x - y) / max(abs(x), 1e-8) for x, y in zip(a, b))
+
+
+def curve(run, name: str) -> list[float]:
+    return [record[name] for record in run.metrics()]
+
+
+@pytest.mark.parametrize("recipe", ["dpo", "dpo_full"])
+def test_it_trains_the_chosen_reply_above_the_rejected_one(trained, recipe):
+    run = trained(recipe, "ddp" if recipe == "dpo" else "zero3")
+    assert run.returncode == 0, run.output[-3000:]
+    records = run.metrics()
+    assert len(records) == STEPS
+    # The first step's policy is the reference (adapters start at zero; full tuning's reference is the model
+    # as loaded): every reward 0 and the loss log 2.
+    assert records[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
+    assert records[0]["rewards/chosen"] == pytest.approx(0, abs=1e-5) and records[0]["rewards/margins"] == pytest.approx(0, abs=1e-5)
+    assert all(record["rewards/margins"] != 0 for record in records[1:])  # it moved (a step's 8 pairs are noisy)
+    assert records[-1]["rewards/margins"] == pytest.approx(records[-1]["rewards/chosen"]
+                                                           - records[-1]["rewards/rejected"], abs=1e-9)
+    assert 0 <= records[-1]["rewards/accuracies"] <= 1 and records[-1]["logps/chosen"] < 0
+    (evaluation,) = run.metrics("eval")
+    # the 128 held-out pairs: the chosen answers gained on the rejected ones
+    assert evaluation["eval_rewards/margins"] > 0 and evaluation["eval_loss"] < math.log(2)
+    assert evaluation["eval_rewards/accuracies"] >= 0.5
+    assert f"{recipe}: " in run.output and "(two rows a pair)" in run.output
+    # full tuning's reference: scored here, or by an earlier launch on the same pairs and model (the cache)
+    assert ("adapters switched off" in run.output if recipe == "dpo"
+            else re.search(r"^reference: [\d,]+ pairs", run.output, re.MULTILINE)), run.output[-3000:]
+
+
+@pytest.mark.parametrize("recipe, config, flags", [
+    pytest.param(*case, marks=() if case in EVERY_RUN else long_test) for case in CASES])
+def test_same_curve_as_one_process(trained, recipe, config, flags):
+    reference, other = trained(recipe, "model_parallel", *flags), trained(recipe, config, *flags)
+    assert reference.returncode == other.returncode == 0, other.output[-3000:]
+    for name in ("loss", "logps/chosen", "logps/rejected"):
+        assert relative_difference(curve(reference, name)[1:], curve(other, name)[1:]) <= 1e-5, name
+    # a reward is a difference of two log-probabilities of ~-20 (in float32), near 0 itself: compared absolutely
+    for name in ("rewards/chosen", "rewards/rejected", "rewards/margins"):
+        assert curve(reference, name) == pytest.approx(curve(other, name), abs=1e-6, rel=0), name
+    # (the first step's rewards are 0 up to float noise, whose signs decide its accuracies)
+    assert curve(reference, "rewards/accuracies")[1:] == curve(other, "rewards/accuracies")[1:]
+
+
+@long_test
+@pytest.mark.parametrize("loss", ["ipo", "simpo"])
+def test_other_losses_train_alike_on_one_process_and_two(trained, loss):
+    one, two = trained("dpo", "model_parallel", "--loss", loss), trained("dpo", "ddp", "--loss", loss)
+    assert one.returncode == two.returncode == 0, two.output[-3000:]
+    assert relative_difference(curve(one, "loss"), curve(two, "loss")) <= 1e-5
+    assert curve(two, "rewards/margins")[-1] > curve(two, "rewards/margins")[0]
+
+
+def test_accumulation_does_not_change_the_updates(tmp_path):
+    """8 pairs a step as 1 x 4 micro-batches x 2 processes and as 8 x 1 on one process."""
+    common = ["--max-steps", "4", "--lr", "5e-3", "--lora-dropout", "0"]
+    accumulated = launch("dpo", tmp_path / "accumulated", *common, "--batch-size", "1", "--grad-accum", "4",
+                         config="ddp")
+    whole = launch("dpo", tmp_path / "whole", *common, "--batch-size", "8", "--grad-accum", "1", processes=1)
+    assert accumulated.returncode == whole.returncode == 0, accumulated.output[-2000:] + whole.output[-2000:]
+    assert relative_difference(curve(whole, "loss")[1:], curve(accumulated, "loss")[1:]) <= 1e-5
+    assert relative_difference(curve(whole, "grad_norm"), curve(accumulated, "grad_norm")) <= 1e-4
+
+
+def test_a_resumed_run_continues_the_same_curve(trained, tmp_path):
+    first = trained("dpo", "ddp")
+    assert first.returncode == 0
+    import shutil
+
+    resumed_dir = tmp_path / "resumed"
+    shutil.copytree(first.output_dir, resumed_dir)
+    shutil.rmtree(resumed_dir / "checkpoints" / "step-8")
+    resumed = launch("dpo", resumed_dir, *run_args("dpo", 2, "--resume", "auto"), config="ddp")
+    assert resumed.returncode == 0, resumed.output[-3000:]
+    assert curve(resumed, "loss") == curve(first, "loss")
+
+
+def test_the_adapter_reloads_with_plain_peft(trained):
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    run = trained("dpo", "fsdp")
+    assert run.returncode == 0, run.output[-3000:]
+    probe = load_file(str(run.output_dir / "probe_logits.safetensors"))
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(TINY_MODEL), run.output_dir / "adapter")
+    with torch.no_grad():
+        logits = model(input_ids=probe["input_ids"], attention_mask=probe["attention_mask"]).logits
+    mask = probe["attention_mask"].bool()
+    assert torch.allclose(logits[mask], probe["logits"][mask], atol=1e-4)
+
+
+@pytest.mark.parametrize("flags, refusal", [
+    (["--packing"], "--packing joins rows into one sequence"),
+    (["--batch-size", "auto"], "--batch-size auto is planned for rows"),
+    (["--beta", "0"], "--beta must be > 0"),
+])
+def test_what_it_cannot_run_is_refused_before_loading(tmp_path, flags, refusal):
+    run = launch("dpo", tmp_path / "out", "--max-steps", "1", *flags, config="ddp")
+    errors = [line for line in run.output.splitlines() if line.startswith("error: ")]
+    assert run.returncode != 0 and len(errors) == 1 and refusal in errors[0], run.output[-3000:]
+    assert "Loading weights" not in run.output and not (tmp_path / "out" / "run.json").exists()
+    assert_no_traceback_of_ours(run.output)
+    assert_the_refusal_ends_the_output(run.output, errors[0])
+
+
+def test_full_tuning_reads_its_reference_scores_back_on_a_rerun(trained, tmp_path):
+    first = trained("dpo_full", "zero3")
+    assert first.returncode == 0, first.output[-3000:]
+    again = launch("dpo_full", tmp_path / "again", *run_args("dpo_full", 2), config="zero3")
+    assert again.returncode == 0, again.output[-3000:]
+    assert "pairs' scores read from" in again.output and "scored by the model as loaded, before training" not in again.output
+    assert curve(again, "loss") == curve(first, "loss")
+
+
+def test_the_fully_tuned_model_reloads_with_plain_transformers(trained):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    run = trained("dpo_full", "zero3")
+    assert run.returncode == 0, run.output[-3000:]
+    probe = load_file(str(run.output_dir / "probe_logits.safetensors"))
+    model = AutoModelForCausalLM.from_pretrained(run.output_dir / "model")
+    with torch.no_grad():
+        logits = model(input_ids=probe["input_ids"], attention_mask=probe["attention_mask"]).logits
+    mask = probe["attention_mask"].bool()
+    assert torch.allclose(logits[mask], probe["logits"][mask], atol=1e-4)
