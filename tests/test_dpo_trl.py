@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, launch
+from conftest import REPO, launch, long_test
 
 PAIRS = 8
 STEPS = 3
@@ -29,7 +29,7 @@ def standard_pairs(path) -> None:
                                    "rejected": " " + " ".join(reversed(digits))}) + "\n")
 
 
-@pytest.mark.parametrize("loss", ["sigmoid", "ipo"])
+@pytest.mark.parametrize("loss", ["sigmoid", pytest.param("ipo", marks=long_test)])
 def test_the_first_steps_equal_trls(tmp_path, loss):
     pairs = tmp_path / "pairs.jsonl"
     standard_pairs(pairs)
@@ -47,3 +47,14 @@ def test_the_first_steps_equal_trls(tmp_path, loss):
                      "logps/chosen", "logps/rejected"):
             assert mine[name] == pytest.approx(trl[name], abs=1e-4, rel=1e-4), (step, name, mine, trl)
     assert theirs[-1]["loss"] < theirs[0]["loss"]  # both trained: the comparison is not of two untrained models
+
+
+@long_test  # ~25 s: the benchmark's plumbing (the figures are in results/, never asserted)
+def test_the_speed_comparison_prints_both_sides_and_the_ratio(tmp_path):
+    done = subprocess.run([sys.executable, str(REPO / "scripts" / "compare_trl_dpo.py"), "--steps", "3", "--rounds", "1",
+                           "--output-dir", str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    lines = done.stdout.strip().splitlines()
+    assert [line.split()[2] for line in lines if line.startswith("round ")] == ["ours", "TRL"]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert lines[-1] == f"ratio: {summary['ratio']:.2f}" and summary["ratio"] > 0
