@@ -102,7 +102,7 @@ def test_other_losses_train_alike_on_one_process_and_two(trained, loss):
     one, two = trained("dpo", "model_parallel", "--loss", loss), trained("dpo", "ddp", "--loss", loss)
     assert one.returncode == two.returncode == 0, two.output[-3000:]
     assert relative_difference(curve(one, "loss"), curve(two, "loss")) <= 1e-5
-    assert curve(two, "rewards/margins")[-1] > curve(two, "rewards/margins")[0]
+    assert two.metrics("eval")[-1]["eval_rewards/margins"] > 0  # the held-out chosen replies gained
 
 
 def test_accumulation_does_not_change_the_updates(tmp_path):
