@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from conftest import TINY_MODEL, assert_no_traceback_of_ours, assert_the_refusal_ends_the_output, launch, long_test
+from test_equivalence import max_relative_difference
 
 STEPS = 8
 PAIRS_PER_STEP = 8
@@ -47,11 +48,6 @@ def trained(tmp_path_factory):
         return runs[recipe, config, flags]
 
     return run
-
-
-def relative_difference(a: list[float], b: list[float]) -> float:
-    assert len(a) == len(b) > 0
-    return max(abs(x - y) / max(abs(x), 1e-8) for x, y in zip(a, b))
 
 
 def curve(run, name: str) -> list[float]:
@@ -88,7 +84,7 @@ def test_same_curve_as_one_process(trained, recipe, config, flags):
     reference, other = trained(recipe, "model_parallel", *flags), trained(recipe, config, *flags)
     assert reference.returncode == other.returncode == 0, other.output[-3000:]
     for name in ("loss", "logps/chosen", "logps/rejected"):
-        assert relative_difference(curve(reference, name)[1:], curve(other, name)[1:]) <= 1e-5, name
+        assert max_relative_difference(curve(reference, name)[1:], curve(other, name)[1:]) <= 1e-5, name
     # a reward is a difference of two log-probabilities of ~-20 (in float32), near 0 itself: compared absolutely
     for name in ("rewards/chosen", "rewards/rejected", "rewards/margins"):
         assert curve(reference, name) == pytest.approx(curve(other, name), abs=1e-6, rel=0), name
@@ -101,7 +97,7 @@ def test_same_curve_as_one_process(trained, recipe, config, flags):
 def test_other_losses_train_alike_on_one_process_and_two(trained, loss):
     one, two = trained("dpo", "model_parallel", "--loss", loss), trained("dpo", "ddp", "--loss", loss)
     assert one.returncode == two.returncode == 0, two.output[-3000:]
-    assert relative_difference(curve(one, "loss"), curve(two, "loss")) <= 1e-5
+    assert max_relative_difference(curve(one, "loss"), curve(two, "loss")) <= 1e-5
     assert two.metrics("eval")[-1]["eval_rewards/margins"] > 0  # the held-out chosen replies gained
 
 
@@ -112,8 +108,8 @@ def test_accumulation_does_not_change_the_updates(tmp_path):
                          config="ddp")
     whole = launch("dpo", tmp_path / "whole", *common, "--batch-size", "8", "--grad-accum", "1", processes=1)
     assert accumulated.returncode == whole.returncode == 0, accumulated.output[-2000:] + whole.output[-2000:]
-    assert relative_difference(curve(whole, "loss")[1:], curve(accumulated, "loss")[1:]) <= 1e-5
-    assert relative_difference(curve(whole, "grad_norm"), curve(accumulated, "grad_norm")) <= 1e-4
+    assert max_relative_difference(curve(whole, "loss")[1:], curve(accumulated, "loss")[1:]) <= 1e-5
+    assert max_relative_difference(curve(whole, "grad_norm"), curve(accumulated, "grad_norm")) <= 1e-4
 
 
 @pytest.mark.parametrize("recipe, config", [("dpo", "ddp"), ("dpo_full", "zero3")])
@@ -193,4 +189,4 @@ def test_tensor_parallel_gives_the_one_process_curve(recipe, tmp_path):
                    launcher_args=("--parallelism_config_tp_size", "2"))
     one = launch(recipe, tmp_path / "one", *flags, processes=1)
     assert split.returncode == one.returncode == 0, split.output[-3000:]
-    assert relative_difference(curve(one, "loss"), curve(split, "loss")) <= 1e-5
+    assert max_relative_difference(curve(one, "loss"), curve(split, "loss")) <= 1e-5

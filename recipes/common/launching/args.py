@@ -144,6 +144,7 @@ def add_qlora_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bits", type=int, choices=(4, 8), default=4, help="4 = NF4 (QLoRA), 8 = LLM.int8()")
 
 
+PREFERENCE_RECIPES = ("dpo", "dpo_full")  # recipes that train on pairs: two rows in one forward
 PREFERENCE_LOSSES = ("sigmoid", "ipo", "simpo")
 
 

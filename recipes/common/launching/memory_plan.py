@@ -14,6 +14,7 @@ import planner
 
 from ..model.model_config import is_default_model
 from ..refusal import refuse
+from .args import PREFERENCE_RECIPES
 from .versions import older_than
 
 
@@ -49,7 +50,7 @@ def announce_plan(args, recipe: str, launch) -> None:
         if launch.pipeline_stages > 1 else {}
     try:
         # a preference pair is two rows in one forward (chosen and rejected); the reference's forward keeps nothing
-        rows = args.batch_size * (2 if getattr(args, "recipe", None) in ("dpo", "dpo_full") else 1)
+        rows = args.batch_size * (2 if getattr(args, "recipe", None) in PREFERENCE_RECIPES else 1)
         need = planner.per_gpu_bytes(shape, recipe, strategy, gpus, batch_size=rows, **inputs,
                                      grad_accum=args.grad_accum, **layout)
     except ValueError as error:  # e.g. LoRA targets the planner does not know

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from ..model.shard_loading import why_not_read_shards
 from . import launch_config, memory_plan, preflight
+from .args import PREFERENCE_RECIPES
 from .batch_size import settle as settle_batch
 from .launch import READS_SHARDS, TENSOR_PARALLEL, Launch, describe
 from .settled import Run
@@ -40,7 +41,7 @@ def settle_launch(args: Run, recipe: str) -> tuple[Run, Launch]:
     launch = preflight.check_pipeline(run, recipe, launch)
     if launch.kind == TENSOR_PARALLEL:
         preflight.check_tensor_parallel(run, recipe, launch)
-    if run.recipe in ("dpo", "dpo_full"):
+    if run.recipe in PREFERENCE_RECIPES:
         preflight.check_preference_run(run, launch)
     run, batch_line = settle_batch(run, recipe, launch)  # --batch-size auto, --global-batch-size
     preflight.check_pipeline_micro_batches(run, launch)  # (after --global-batch-size has set --grad-accum)
