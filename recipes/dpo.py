@@ -50,15 +50,17 @@ from common.training.evaluation import evaluate_pairs
 
 def sequence_logps(model, batch):
     """Each row's log-probability of its target tokens (their sum: the probability of the whole reply),
-    and how many target tokens it has. Rows are a micro-batch's chosen sides, then its rejected sides."""
+    how many target tokens it has, and a mixture of experts' router loss (None for other models). Rows are a
+    micro-batch's chosen sides, then its rejected sides."""
     targets = batch["labels"][:, 1:]  # position t predicts token t + 1
     positions = batches.positions_with_targets(targets)  # the LM head runs only where some row has a target
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False,
-                   logits_to_keep=positions).logits
+    outputs = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False,
+                    logits_to_keep=positions)
+    logits, router_loss = outputs.logits, outputs.get("aux_loss")  # aux_loss: a mixture of experts'
     targets = targets[:, positions].to(logits.device)
     token_logps = -F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE,
                                    reduction="none").view_as(targets)  # 0 on prompt and padding
-    return token_logps.sum(1), (targets != IGNORE).sum(1)
+    return token_logps.sum(1), (targets != IGNORE).sum(1), router_loss
 
 
 def pair_losses(logps, reference_logps, tokens, run):
@@ -86,17 +88,18 @@ def pair_losses(logps, reference_logps, tokens, run):
 
 def score_pairs(accelerator, model, batch, run):
     """Per pair: its loss (with its graph), and its detached figures: [loss, chosen reward, rejected
-    reward, chosen log-probability, rejected log-probability, 1 where the chosen side's reward is higher]."""
+    reward, chosen log-probability, rejected log-probability, 1 where the chosen side's reward is higher];
+    and the micro-batch's router loss (a mixture of experts'; else None)."""
     reference_logps = None
     if run.loss != "simpo":  # the reference: the base, i.e. this model with its adapters switched off
         with torch.no_grad(), accelerator.unwrap_model(model).disable_adapter():
             reference_logps = sequence_logps(model, batch)[0]
-    logps, tokens = sequence_logps(model, batch)
+    logps, tokens, router_loss = sequence_logps(model, batch)
     losses, chosen_rewards, rejected_rewards = pair_losses(logps, reference_logps, tokens, run)
     chosen_logps, rejected_logps = logps.detach().chunk(2)
     won = (chosen_rewards > rejected_rewards).to(chosen_rewards.dtype)
     figures = torch.stack([losses.detach(), chosen_rewards, rejected_rewards, chosen_logps, rejected_logps, won], 1)
-    return losses, figures
+    return losses, figures, router_loss
 
 
 def parse_args():
@@ -123,6 +126,9 @@ def main():
     quantization = modeling.quantization_config(launch, run.bits) if run.bits else None
     model = modeling.load_model(run.model, accelerator, launch, frozen=True, quantization=quantization,
                                 attention=run.attention, liger=False, trust_remote_code=run.trust_remote_code)
+    # A mixture of experts whose config asks for it (output_router_logits) also trains its router to spread
+    # the tokens over the experts: transformers' load-balancing loss with this weight (0 for other models).
+    router_weight = modeling.router_loss_weight(model)
     if quantization and not launch.shards_parameters:
         # Upcasts norms for stability; FSDP / ZeRO-3 need one dtype throughout, so they skip it.
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
@@ -177,15 +183,19 @@ def main():
     # pairs, on every rank (a tensor-parallel group's ranks each count the group's pairs).
     step_pairs = run.batch_size * run.grad_accum * accelerator.num_processes
     for step in range(start_step + 1, total_steps + 1):
-        step_loss, step_figures = 0.0, 0.0
+        step_loss, step_figures, step_router_loss = 0.0, 0.0, 0.0
         for batch in micro_batches:
             with accelerator.accumulate(model):
-                losses, figures = score_pairs(accelerator, model, batch, run)
+                losses, figures, router_loss = score_pairs(accelerator, model, batch, run)
                 step_loss += losses.sum().detach()
                 step_figures += figures[:, 1:].sum(0)  # summed over pairs: rewards, log-probabilities, wins
                 # The gradient of the global pair mean: / step_pairs, and undo accelerate's division by
                 # grad_accum and the gradient all-reduce's mean over ranks.
-                accelerator.backward(losses.sum() / step_pairs * run.grad_accum * accelerator.num_processes)
+                objective = losses.sum() / step_pairs * run.grad_accum * accelerator.num_processes
+                if router_weight:  # the router's loss: its mean over micro-batches and ranks, as the backward scales it
+                    objective = objective + router_weight * router_loss
+                    step_router_loss += router_loss.detach()
+                accelerator.backward(objective)
         grad_norm = accelerator.clip_grad_norm_(parameters, run.max_grad_norm)
         optimizer.step()
         scheduler.step()
@@ -194,12 +204,14 @@ def main():
         # The step's one collective: the loss and the pairs' figures summed over all ranks, the stop flag,
         # and the next step's target tokens (its micro-batches are fetched now to travel along).
         next_epoch, next_batches = next(steps) if step < total_steps else (epoch, [])
-        summed_loss, next_tokens, stopping, summed = sync.end_of_step(step_loss, next_batches, list(step_figures))
-        chosen_reward, rejected_reward, chosen_logps, rejected_logps, won = (value / step_pairs for value in summed)
+        summed_loss, next_tokens, stopping, summed = sync.end_of_step(step_loss, next_batches,
+                                                                      [*step_figures, step_router_loss])
+        chosen_reward, rejected_reward, chosen_logps, rejected_logps, won = (value / step_pairs for value in summed[:5])
+        router_mean = summed[5] / (run.grad_accum * accelerator.num_processes) if router_weight else None
         loss = summed_loss / step_pairs  # the mean over the global batch's pairs
         if step == start_step + 1:  # a gather (every rank takes part): what each rank holds, into run.json
             log.record_ranks()
-        log.log_step(step, epoch, loss, scheduler.get_last_lr()[0], grad_norm, int(step_tokens), figures={
+        log.log_step(step, epoch, loss, scheduler.get_last_lr()[0], grad_norm, int(step_tokens), router_mean, figures={
             "rewards/chosen": chosen_reward, "rewards/rejected": rejected_reward, "rewards/accuracies": won,
             "rewards/margins": chosen_reward - rejected_reward, "logps/chosen": chosen_logps,
             "logps/rejected": rejected_logps})

@@ -11,7 +11,9 @@ left; a part cut short is rerun with --parts NAME, never by hand (the wheels are
 Each call reinstalls the wheels (skipped when the box still has them) and starts no part it has no time
 left for (--budget-s).
 
-Parts, in order of importance (the first three are the default call):
+Parts (the default call: preference, core, headline; then the others in the order listed):
+  preference tests/gpu/test_gpu_preferences.py: dpo.py (LoRA, QLoRA) and dpo_full.py under fsdp, zero3 and ddp
+             (6 launches): the reference's first step, the held-out margin, the reload; never run on a GPU before
   headline   the TinyLlama-1.1B LoRA reference epoch under ddp.yaml (scripts/benchmark.py --workload tinyllama
              --strategies ddp --measure-peak): wall time, tokens/s, MFU against the GPU's peak and a bf16
              matmul measured in the same call, peak memory beside the planner's for the same launch
@@ -66,6 +68,7 @@ SITE = Path(os.environ.get("GPU_CHECK_SITE", "/tmp/gpu-site"))  # where carried 
 PYTEST = ["-m", "pytest", "-q", "-o", "junit_family=legacy"]
 RECIPE_TESTS = "tests/gpu/test_gpu_recipes.py"
 PLANNER_TESTS = "tests/gpu/test_gpu_planner.py"
+PREFERENCE_TESTS = "tests/gpu/test_gpu_preferences.py"
 # The order is the order of importance: pytest runs listed cases in the order given, and a part stopped by the
 # budget keeps the cases it finished. The 4-bit path first (bitsandbytes' CUDA kernels: no CPU run checks them).
 MEMORY_CASES = [f"{PLANNER_TESTS}::test_planned_peak_matches_the_measured_one[{case}]"
@@ -81,7 +84,8 @@ TINYLLAMA = ["scripts/benchmark.py", "--workload", "tinyllama", "--measure-peak"
 # the headline 93 s (its epoch 29 s), a 1.1B-shaped launch 35-66 s, a 2-layer recipe case 25-50 s (imports,
 # loading, saving and the reload dominate); the first call's wheels 20 s.
 PARTS = {
-    # call 1 (the default): the headline, the 4-bit path and the planner's peak, the sharded configs
+    # call 1 (the default): the preference recipes (6 launches like the core's), the core, the headline
+    "preference": ([*PYTEST, PREFERENCE_TESTS], 300, 45),
     "headline": ([*TINYLLAMA, "--strategies", "ddp"], 300, 150),
     "memory": ([*PYTEST, *MEMORY_CASES], 240, 60),
     "core": ([*PYTEST, *CORE_CASES], 420, 45),
@@ -102,9 +106,10 @@ PARTS = {
              "models/tinyllama-1.1b-22-layers", "--batch-size", "16", "--grad-accum", "2", "--max-length", "1024",
              "--steps", "40", "--rounds", "1"], 420, 300),
 }
-# The recipe cases before the memory part: the two GPUs run so far gave the memory part's figures alike, while
-# neither call-1 budget reached the end of the recipe cases (results/2026-11-27_h200_call1).
-FIRST_CALL = ("headline", "core", "memory")
+# What no GPU has run first (the preference recipes), then the recipe cases, which the last call-1 budget did not
+# reach the end of (results/2026-11-27_h200_call1); the headline's and the memory part's figures are known from
+# two GPUs (H100, H200): the headline last, the memory part in the second call.
+FIRST_CALL = ("preference", "core", "headline")
 DEFAULT_BUDGET_S = 450
 BENCHMARKS = ("headline", "reference", "reference34b")
 # What a part runs instead on the CPU stand-in: the benchmark's smoke path (2 CPU processes, the tiny model).

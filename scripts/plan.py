@@ -16,6 +16,10 @@ Examples:
         --batch-size 4 --seq-len 1024 --gradient-checkpointing
     python scripts/plan.py --model codellama-34b --gpus 4 --batch-size 4 --global-batch-size 64
     python scripts/plan.py --model path/to/model_folder --method full --json
+    python scripts/plan.py --model llama-3.1-8b --gpus 8 --pairs --batch-size 4 --seq-len 2048
+
+--pairs plans preference tuning (recipes/dpo.py; with --method full, dpo_full.py): --batch-size,
+--global-batch-size and --rows count pairs, each two rows (chosen and rejected) in one forward.
 
 --model takes an offline alias (a config shipped in data/model_configs/: llama-3.1-8b, qwen2.5-72b, mixtral-8x7b, ...), a config .json, a
 local model folder, or a hub id (read with transformers.AutoConfig: needs the network or the cache).
@@ -92,6 +96,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     add("--host-ram", type=float, default=None, metavar="GIB",
         help="RAM of each machine in GiB: no config whose weights outgrow it while they load is recommended "
              "(default: not weighed; every recipe checks its own machine at start-up)")
+    add("--pairs", action="store_true",
+        help="preference tuning (recipes/dpo.py, dpo_full.py): batches and --rows count pairs of two rows, "
+             "and LoRA / QLoRA run the reference's forward in each step")
     add("--json", action="store_true", help="print the plan as JSON instead of the table")
     args = parser.parse_args(argv)
     if args.global_batch_size is not None and args.grad_accum is not None:
@@ -118,6 +125,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def examples(args) -> str:
+    """What a batch counts: rows, or the preference recipes' pairs."""
+    return "pairs" if args.pairs else "rows"
+
+
+def recipe_file(args) -> str:
+    """The recipe a Launch line runs (with the flags that pick its variant)."""
+    if not args.pairs:
+        return f"recipes/{args.method}.py"
+    return {"full": "recipes/dpo_full.py", "lora": "recipes/dpo.py", "qlora": "recipes/dpo.py --bits 4"}[args.method]
+
+
 def gib(value: float) -> str:
     return f"{value / planner.GiB:.2f}"
 
@@ -134,12 +153,17 @@ def describe(shape, args) -> list[str]:
     every = args.gradient_checkpointing
     checkpointing = ("no gradient checkpointing" if not every else "gradient checkpointing"
                      + (f" of one layer in {every}" if every > 1 else ""))
-    micro = f"micro-batch {args.batch_size}"
+    unit = " pairs" if args.pairs else ""
+    micro = f"micro-batch {args.batch_size}{unit}"
     accum = f", {args.grad_accum} micro-batches per step" if args.grad_accum > 1 else ""
     if args.global_batch_size:
-        micro = f"micro-batch up to {args.batch_size}"
-        accum = (f", global batch {args.global_batch_size} rows a step on every config (micro-batch x accumulation "
-                 "x data-parallel processes)")
+        micro = f"micro-batch up to {args.batch_size}{unit}"
+        accum = (f", global batch {args.global_batch_size} {examples(args)} a step on every config (micro-batch x "
+                 "accumulation x data-parallel processes)")
+    if args.pairs:
+        method += ("; preference pairs, two rows each in one forward" +
+                   (", the reference scored once before training" if args.method == "full" else
+                    ", the reference's forward (adapters off) in every micro-batch"))
     return [
         f"model: {shape.name} ({count(shape.parameters)} parameters); method: {method}",
         f"workload: {micro} x {args.seq_len} tokens per GPU{accum}, {args.precision}, "
@@ -228,7 +252,7 @@ def time_table(plan: dict, args) -> list[str]:
                      seconds(run["seconds_per_epoch"]), "; ".join(note)])
     rows += [[e["strategy"], "cannot run it" if e["refusal"] else "does not fit", "", "", "", "", "", "",
               e["refusal"] or ""] for e in plan["strategies"] if not e["run"]]
-    intro = (f"Time per optimizer step and per epoch of {machine['rows']:,} rows, fastest first (an estimate: "
+    intro = (f"Time per optimizer step and per epoch of {machine['rows']:,} {examples(args)}, fastest first (an estimate: "
              f"{machine['mfu']:.0%} of {machine['gpu']}'s {machine['peak_tflops']:g} TFLOP/s {args.precision} peak; "
              f"collectives at {machine['bandwidth_gb_s']:g} GB/s over {machine['link']}"
              + (f", at {machine['network_gb_s']:g} GB/s over the network beyond {machine['gpus_per_machine']} GPUs"
@@ -280,11 +304,11 @@ def recommended_launch(rec: dict, args) -> str:
             recipe.append(f"--lora-dropout {args.lora_dropout:g}")
     if args.attention in RECIPE_ATTENTION:
         recipe.append(f"--attention {RECIPE_ATTENTION[args.attention]}")
-    return f"accelerate launch {' '.join(launcher)} recipes/{args.method}.py {' '.join(recipe)}"
+    return f"accelerate launch {' '.join(launcher)} {recipe_file(args)} {' '.join(recipe)}"
 
 
-def global_batch(rec: dict) -> str:
-    return f"global batch {rec['global_batch']} rows a step"
+def global_batch(rec: dict, args) -> str:
+    return f"global batch {rec['global_batch']} {examples(args)} a step"
 
 
 def what_changed(rec: dict, plan: dict, args) -> str:
@@ -300,7 +324,7 @@ def what_changed(rec: dict, plan: dict, args) -> str:
     batches = {entry["run"]["global_batch"] for entry in plan["strategies"] if entry["run"]}
     if len(batches) > 1:  # a pipeline's replicas and model parallel run fewer rows than data parallel does
         asked = args.batch_size * args.grad_accum * args.gpus
-        changes.append(f"the configs' global batches differ ({min(batches)} to {max(batches)} rows a step): "
+        changes.append(f"the configs' global batches differ ({min(batches)} to {max(batches)} {examples(args)} a step): "
                        f"--global-batch-size {asked} plans them all at the asked {args.batch_size} x "
                        f"{args.grad_accum} on each of {plural(args.gpus)}")
     if rec["gradient_checkpointing"] and not args.gradient_checkpointing:
@@ -318,11 +342,14 @@ def sentences(shape, plan: dict, args) -> list[str]:
     lines = [f"Launch: {recommended_launch(fastest, args)}"]
     changed = what_changed(fastest, plan, args)
     lines.append(f"Fastest that fits on {plural(args.gpus)}: {fastest['strategy']} ({fastest['config']}), "
-                 f"{global_batch(fastest)}, an estimated {seconds(fastest['seconds_per_step'])} per step, "
+                 f"{global_batch(fastest, args)}, an estimated {seconds(fastest['seconds_per_step'])} per step, "
                  f"{seconds(fastest['seconds_per_epoch'])} per epoch" + (f"; {changed}" if changed else "") + ".")
+    if "reference_pass_seconds" in fastest:
+        lines.append(f"Before its first step dpo_full.py scores the {args.rows:,} pairs with the model as loaded: about "
+                     f"{seconds(fastest['reference_pass_seconds'])} (once; a rerun or resume reads the scores back).")
     if fewest is not None:
         lines.append(f"Fewest GPUs: {plural(fewest['gpus'])} with {fewest['strategy']} ({fewest['config']}), "
-                     f"micro-batch up to {fewest['max_micro_batch']}, {global_batch(fewest)}, an estimated "
+                     f"micro-batch up to {fewest['max_micro_batch']}, {global_batch(fewest, args)}, an estimated "
                      f"{seconds(fewest['seconds_per_epoch'])} per epoch.")
         if fewest["gpus"] < fastest["gpus"]:
             lines.append(f"    or: {recommended_launch(fewest, args)}")
@@ -369,7 +396,7 @@ def main(argv=None) -> int:
                     lora_dropout=args.lora_dropout)
     plan = planner.plan(shape, args.method, args.gpus, args.gpu_memory, batch_size=args.batch_size,
                         grad_accum=args.grad_accum, machine=args.machine, rows=args.rows,
-                        global_batch=args.global_batch_size, host_ram_gb=args.host_ram, **settings)
+                        global_batch=args.global_batch_size, host_ram_gb=args.host_ram, pairs=args.pairs, **settings)
     refusals = [entry["refusal"] for entry in plan["strategies"]]
     if refusals and all(refusals):  # no config can run this global batch on these GPUs
         print(f"plan.py: {refusals[0]}", file=sys.stderr)

@@ -13,7 +13,7 @@ import shutil
 import pytest
 import torch
 
-from conftest import TINY_MODEL, assert_no_traceback_of_ours, assert_the_refusal_ends_the_output, launch, long_test
+from conftest import REPO, TINY_MODEL, assert_no_traceback_of_ours, assert_the_refusal_ends_the_output, launch, long_test
 from test_equivalence import max_relative_difference
 
 STEPS = 8
@@ -73,6 +73,7 @@ def test_it_trains_the_chosen_reply_above_the_rejected_one(trained, recipe):
     assert evaluation["eval_rewards/margins"] > 0 and evaluation["eval_loss"] < math.log(2)
     assert evaluation["eval_rewards/accuracies"] >= 0.5
     assert f"{recipe}: " in run.output and "(two rows a pair)" in run.output
+    assert "- data: `bundled data/preferences/`" in (run.output_dir / "README.md").read_text()  # the model card
     # full tuning's reference: scored here, or by an earlier launch on the same pairs and model (the cache)
     assert ("adapters switched off" in run.output if recipe == "dpo"
             else re.search(r"^reference: [\d,]+ pairs", run.output, re.MULTILINE)), run.output[-3000:]
@@ -99,6 +100,35 @@ def test_other_losses_train_alike_on_one_process_and_two(trained, loss):
     assert one.returncode == two.returncode == 0, two.output[-3000:]
     assert max_relative_difference(curve(one, "loss"), curve(two, "loss")) <= 1e-5
     assert two.metrics("eval")[-1]["eval_rewards/margins"] > 0  # the held-out chosen replies gained
+
+
+# doubled in a copy of the recipe, the loss of every pair (the DPO line both recipes share)
+DOUBLED_PAIR_LOSS = ("    return losses, run.beta * chosen_ratio.detach(), run.beta * rejected_ratio.detach()",
+                     "    return 2.0 * losses, run.beta * chosen_ratio.detach(), run.beta * rejected_ratio.detach()")
+
+
+@pytest.mark.parametrize("recipe, config", [
+    ("dpo", "ddp"), *(pytest.param("dpo", config, marks=long_test) for config in ("fsdp", "zero3", "fsdp_offload")),
+    *(pytest.param("dpo_full", config, marks=long_test) for config in ("ddp", "fsdp", "zero3"))])
+def test_an_edited_pair_loss_trains_under_every_strategy(trained, tmp_path, recipe, config):
+    """The loss is written once, in the recipe's pair_losses, and both the logged loss and the backward use
+    it under every strategy: doubled in a copy, step 1 (before any update) logs twice the recipe's loss and
+    twice its gradient norm on the same pairs."""
+    old, new = DOUBLED_PAIR_LOSS
+    source = (REPO / "recipes" / f"{recipe}.py").read_text()
+    assert source.count(old) == 1, old
+    copy = REPO / "recipes" / f"my_edited_{recipe}_{tmp_path.name}.py"
+    copy.write_text(source.replace(old, new))
+    try:
+        edited = launch(copy.stem, tmp_path / "out", *run_args(recipe, PROCESSES[config]), "--max-steps", "1",
+                        config=config, processes=PROCESSES[config])
+    finally:
+        copy.unlink()
+    untouched = trained(recipe, config)
+    assert edited.returncode == untouched.returncode == 0, edited.output[-3000:]
+    (first,) = edited.metrics()
+    assert first["loss"] == pytest.approx(2 * untouched.metrics()[0]["loss"], rel=1e-6)
+    assert first["grad_norm"] == pytest.approx(2 * untouched.metrics()[0]["grad_norm"], rel=1e-4)
 
 
 def test_accumulation_does_not_change_the_updates(tmp_path):
@@ -179,14 +209,17 @@ def test_the_fully_tuned_model_reloads_with_plain_transformers(trained):
 
 
 @long_test
-@pytest.mark.parametrize("recipe", ["dpo", "dpo_full"])
-def test_tensor_parallel_gives_the_one_process_curve(recipe, tmp_path):
-    """tp.yaml on 2 processes (one tensor-parallel group: the whole batch on each) against one process."""
-    flags = ["--max-steps", "3", "--batch-size", "4", "--grad-accum", "1"]
+@pytest.mark.parametrize("recipe, config", [("dpo", "tp"), ("dpo_full", "tp"), ("dpo_full", "fsdp_tp")])
+def test_tensor_parallel_gives_the_one_process_curve(recipe, config, tmp_path):
+    """tp.yaml on 2 processes (one tensor-parallel group: the whole batch on each), and fsdp_tp.yaml on 4 (2 FSDP
+    shards x 2-way tensor parallel: 2 pairs a group), against one process with 4 pairs a step."""
+    flags = ["--max-steps", "3", "--grad-accum", "1"]
     flags += ["--lr", "1e-3"] if recipe == "dpo_full" else ["--lr", "5e-3", "--lora-dropout", "0", "--lora-targets",
                                                            "q_proj,k_proj,v_proj,gate_proj,up_proj"]
-    split = launch(recipe, tmp_path / "tp", *flags, config="tp", processes=2,
-                   launcher_args=("--parallelism_config_tp_size", "2"))
-    one = launch(recipe, tmp_path / "one", *flags, processes=1)
+    mesh = (("--parallelism_config_tp_size", "2") if config == "tp" else
+            ("--parallelism_config_tp_size", "2", "--parallelism_config_dp_shard_size", "2"))
+    split = launch(recipe, tmp_path / config, *flags, "--batch-size", "4" if config == "tp" else "2", config=config,
+                   processes=2 if config == "tp" else 4, launcher_args=mesh)
+    one = launch(recipe, tmp_path / "one", *flags, "--batch-size", "4", processes=1)
     assert split.returncode == one.returncode == 0, split.output[-3000:]
     assert max_relative_difference(curve(one, "loss"), curve(split, "loss")) <= 1e-5

@@ -66,6 +66,17 @@ def test_the_core_part_is_the_three_recipes_under_ddp_fsdp_and_zero3(tmp_path):
     assert {"test_recipe_on_gpu[qlora-zero3]", "test_recipe_on_gpu[full-ddp]"} <= CORE_NAMES
 
 
+def test_the_preference_part_runs_each_preference_recipe_under_sharding_and_ddp(tmp_path):
+    done = subprocess.run([sys.executable, "scripts/gpu_check.py", "--parts", "preference", "--results", str(tmp_path)],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    cases = json.loads((tmp_path / "results.json").read_text())["results"]["preference"]["cases"]
+    names = [case["name"] for case in cases]
+    assert names[:3] == ["test_preference_recipe_on_gpu[dpo-fsdp]", "test_preference_recipe_on_gpu[dpo_full-zero3]",
+                         "test_preference_recipe_on_gpu[dpo-qlora-zero3]"] and len(names) == 6
+    assert all("needs a CUDA GPU" in case["outcome"] for case in cases)
+
+
 def test_a_part_the_budget_has_no_time_for_is_not_started_and_says_why(tmp_path):
     done = subprocess.run([sys.executable, "scripts/gpu_check.py", "--parts", "headline,core", "--budget-s", "40",
                            "--results", str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=300)
@@ -128,7 +139,7 @@ def test_the_commit_comes_from_the_file_written_beside_the_wheels(tmp_path):
 
 def test_the_default_call_is_the_first_calls_parts_within_the_budget_and_the_files_brought_back():
     args = gpu_check.parse_args([])
-    assert args.parts.split(",") == ["headline", "core", "memory"] and args.budget_s == 450
+    assert args.parts.split(",") == ["preference", "core", "headline"] and args.budget_s == 450
     benchmark_files = 2 * sum(part in gpu_check.BENCHMARKS for part in args.parts.split(","))
     assert 3 + benchmark_files <= 8  # summary.md, results.json, log.txt and each benchmark's .json / .png
 
@@ -141,7 +152,7 @@ def test_the_default_call_rehearsed_on_cpu_writes_every_part_in_at_most_eight_fi
                           cwd=REPO, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout + done.stderr
     results = json.loads((tmp_path / "results.json").read_text())["results"]
-    assert list(results) == ["headline", "memory", "core"]
+    assert list(results) == list(gpu_check.FIRST_CALL)
     assert all(result["returncode"] == 0 for result in results.values()), results
     core = {case["name"]: case["outcome"] for case in results["core"]["cases"]}
     assert core and all(outcome == "passed" for outcome in core.values()), core

@@ -5,6 +5,7 @@ loss and logged, the same on one process and every strategy (tiny Mixtral- and Q
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 
@@ -79,6 +80,26 @@ def test_lora_on_a_mixture_of_experts_trains_its_router_loss_alike_on_every_stra
         for field in ("loss", "router_loss"):
             assert [r[field] for r in other] == pytest.approx([r[field] for r in reference], rel=1e-5), (config, field)
     assert "router_loss" in runs["ddp"].output  # the step lines show it
+
+
+@pytest.mark.parametrize("recipe", ["dpo", pytest.param("dpo_full", marks=long_test)])
+def test_preference_tuning_a_mixture_of_experts_trains_its_router_loss_alike_on_one_process_and_two(recipe, tmp_path):
+    """dpo.py / dpo_full.py add the router's loss as the SFT recipes do: logged, and (long) the same on one process
+    as on two, micro-batches of 2 pairs (4 rows) alike."""
+    model = build("mixtral", tmp_path / "mixtral")
+    strategies = [("ddp", 2)] + ([("model_parallel", 1)] if os.environ.get("RECIPES_LONG_TESTS") else [])
+    runs = {}
+    for config, processes in strategies:
+        runs[config] = launch(recipe, tmp_path / config, "--model", model, "--max-steps", "3", "--batch-size", "2",
+                              "--grad-accum", str(2 // processes), "--lr", "5e-3" if recipe == "dpo" else "1e-3",
+                              config=config, processes=processes)
+        assert runs[config].returncode == 0, runs[config].output[-3000:]
+    records = runs["ddp"].metrics()
+    assert all(record["router_loss"] > 0 for record in records) and records[0]["loss"] == pytest.approx(math.log(2))
+    if "model_parallel" in runs:
+        for field in ("loss", "router_loss", "rewards/margins"):
+            assert [r[field] for r in records] == pytest.approx([r[field] for r in runs["model_parallel"].metrics()],
+                                                                rel=1e-5, abs=1e-7), field
 
 
 def test_the_router_loss_moves_the_updates_and_only_when_the_config_asks(tmp_path):

@@ -460,7 +460,7 @@ def test_cli_json_has_the_documented_shape(tmp_path):
     assert done.returncode == 0, done.stderr
     plan = json.loads(done.stdout)
     assert set(plan) == {"model", "method", "gpus", "gpu_memory_gb", "global_batch_size", "machine", "strategies",
-                         "recommendation", "host_ram_at_load", "cannot_load"}
+                         "recommendation", "host_ram_at_load", "cannot_load", "pairs"}
     assert set(plan["host_ram_at_load"]) == {e["strategy"] for e in plan["strategies"]}
     assert plan["cannot_load"] == {}  # no --host-ram: not weighed
     assert plan["global_batch_size"] is None  # not asked: each config keeps --batch-size x --grad-accum per GPU

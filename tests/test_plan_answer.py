@@ -77,7 +77,7 @@ def pasted(line: str):
     assert words[:2] == ["accelerate", "launch"]
     launcher = launch_command_parser().parse_args(words[2:])
     recipe = Path(launcher.training_script).stem
-    assert (REPO / launcher.training_script).is_file() and recipe in planner.METHODS
+    assert (REPO / launcher.training_script).is_file() and recipe in (*planner.METHODS, "dpo", "dpo_full")
     return launcher, recipe, parse_args(recipe_flags(recipe), launcher.training_script_args)
 
 
@@ -123,6 +123,26 @@ def test_each_launch_line_parses_and_runs_the_plan(workload):
             assert (run.lora_r, run.lora_dropout) == (asked.lora_r, asked.lora_dropout)
             assert run.lora_targets == asked.lora_targets
         assert run.attention == plan_cli.RECIPE_ATTENTION.get(asked.attention)
+
+
+@pytest.mark.parametrize("method, recipe", [("lora", "dpo"), ("qlora", "dpo"), ("full", "dpo_full")])
+def test_a_preference_plan_launches_the_preference_recipe_in_pairs(method, recipe):
+    """--pairs: the launch lines run dpo.py (--bits 4 for QLoRA) or dpo_full.py with the plan's micro-batch of
+    pairs, the global batch counts pairs as the recipes settle it, no pipeline is offered (the preference
+    recipes refuse it), and full tuning's answer says what its reference's pass before training costs."""
+    argv = ["--pairs", "--method", method, "--model", "llama-3.1-8b", "--gpus", "4", "--batch-size", "4",
+            "--global-batch-size", "32", "--rows", "50000"]
+    plan, text = answer(argv)
+    assert plan["pairs"] and "pipeline" not in {entry["strategy"] for entry in plan["strategies"]}
+    for rec in recommendations(plan):
+        launcher, script, run = pasted(rec["launch"])
+        assert script == recipe and getattr(run, "bits", None) == (4 if method == "qlora" else None)
+        assert run.batch_size == rec["micro_batch"] and run.global_batch_size == 32
+        settled, _ = batch_size.settle(run, recipe, recipe_launch(launcher, run))
+        assert settled.batch_size * settled.grad_accum * recipe_launch(launcher, run).data_parallel_size == 32
+        assert ("reference_pass_seconds" in rec) == (method == "full")
+    assert "global batch 32 pairs a step" in text and "Time per optimizer step and per epoch of 50,000 pairs" in text
+    assert ("scores the 50,000 pairs with the model as loaded" in text) == (method == "full")
 
 
 @pytest.mark.parametrize("strategy", planner.SPEED_ORDER)

@@ -117,6 +117,32 @@ def test_fsdp_gathers_the_model_twice_per_micro_batch(codellama):
     assert bigger["communication"] == pytest.approx(step["communication"], rel=0.01)
 
 
+def test_a_pair_is_two_rows_and_a_lora_reference_one_more_forward(tinyllama, codellama):
+    """The preference recipes run a micro-batch of B pairs as one forward and backward of 2B rows: the memory
+    of 2B rows; the time of 2B rows, plus under LoRA the reference's forward (the base, adapters off) and,
+    fully sharded, its gathers; dpo_full.py's reference is one pass before training instead."""
+    assert (planner.per_gpu_bytes(tinyllama, "lora", "fsdp_full_shard", 4, 4, 1024, pairs=True)
+            == planner.per_gpu_bytes(tinyllama, "lora", "fsdp_full_shard", 4, 8, 1024))
+    for method in ("lora", "full"):
+        pairs = planner.step_time(tinyllama, method, "ddp", 4, REFERENCE, 4, 2, 1024, pairs=True)
+        rows = planner.step_time(tinyllama, method, "ddp", 4, REFERENCE, 8, 2, 1024)
+        flops = planner.flops_per_token(tinyllama, method, 1024)
+        reference = flops["base_forward"] if method == "lora" else 0
+        assert pairs["compute"] == pytest.approx(rows["compute"] * (flops["total"] + reference) / flops["total"])
+        assert (pairs["global_batch"], rows["global_batch"]) == (32, 64)  # pairs and rows: the same tokens
+    lora = planner.flops_per_token(tinyllama, "lora", 1024)
+    assert lora["base_forward"] < lora["forward"] and flops["base_forward"] == flops["forward"]  # adapters: none in full
+    slow = planner.Machine(REFERENCE.gpu, bandwidth_gb_s=1e-3)  # communication is the whole step
+    sft = planner.step_time(codellama, "lora", "fsdp_full_shard", 4, slow, 1, 1, 1024)
+    dpo = planner.step_time(codellama, "lora", "fsdp_full_shard", 4, slow, 1, 1, 1024, pairs=True)
+    assert dpo["communication"] == pytest.approx(1.5 * sft["communication"], rel=0.02)  # three gathers, not two
+    with pytest.raises(ValueError, match="pipeline"):
+        planner.step_time(tinyllama, "lora", "pipeline", 4, REFERENCE, 4, 4, 1024, pairs=True)
+    one_pass = planner.reference_pass_time(tinyllama, "fsdp_full_shard", 4, REFERENCE, 1000, 1024, "bf16")
+    forward = planner.flops_per_token(tinyllama, "full", 1024)["base_forward"]
+    assert one_pass == pytest.approx(2 * 1000 * 1024 * forward / 4 / (REFERENCE.peak_flops("bf16") * REFERENCE.mfu))
+
+
 def test_ddp_hides_lora_gradients_behind_the_backward(tinyllama):
     step = planner.step_time(tinyllama, "lora", "ddp", 4, REFERENCE, 8, 4, 1024)
     assert step["communication"] == 0 and step["step"] == pytest.approx(step["compute"], rel=0.01)

@@ -124,12 +124,13 @@ from .strategies import (
     tensor_parallel_size,
     uneven_global_batch,
 )
-from .timing import Machine, data_parallel_size, epoch_time, flops_per_token, step_time
+from .timing import Machine, data_parallel_size, epoch_time, flops_per_token, reference_pass_time, step_time
 
 __all__ = [
     "DEFAULT_GPU", "DEFAULT_MFU", "GPUS", "GPUS_PER_MACHINE", "INTERCONNECTS", "NETWORK", "MARGIN", "Gpu",
     "Machine", "best_run", "fastest_of", "pipeline_layout_of", "pipeline_layouts",
     "collective_bandwidth", "data_parallel_size", "epoch_time", "flops_per_token", "rank_key", "step_time",
+    "reference_pass_time",
     "ALIASES", "HUB_IDS", "MODEL_PLACEHOLDER", "ONE_GPU", "global_batch_refusal", "launch_model",
     "offered_strategies", "uneven_global_batch",
     "ATTENTIONS", "DEEPSPEED", "DEEPSPEED_REDUCE_BUCKET", "FSDP", "HEADROOM", "LAYERS_IN_FLIGHT",

@@ -23,7 +23,7 @@ from .strategies import (
     pipeline_layouts,
     uneven_global_batch,
 )
-from .timing import Machine, data_parallel_size, epoch_time, step_time
+from .timing import Machine, data_parallel_size, epoch_time, reference_pass_time, step_time
 
 # Keep 10% of every GPU free: the CUDA context (~0.5-1 GiB), NCCL buffers, the caching
 # allocator's fragmentation and the short-lived temporaries this model does not itemise.
@@ -41,7 +41,7 @@ def per_gpu_bytes(shape: ModelShape, method: str, strategy: str, gpus: int, batc
                   seq_len: int = 512, gradient_checkpointing: int = 0, lora_rank: int = 16,
                   lora_targets="all-linear", precision: str = "bf16", attention: str = "sdpa",
                   lora_dropout: float = 0.05, grad_accum: int = 1, pipeline_stages: int | None = None,
-                  pipeline_chunks: int = 1) -> dict:
+                  pipeline_chunks: int = 1, pairs: bool = False) -> dict:
     """Memory of the busiest GPU: {"weights", "gradients", "optimizer", "activations", "total"} in
     bytes. `batch_size` is the micro-batch per GPU (the recipes' --batch-size), `seq_len` the
     padded length (--max-length is the worst case). Model parallel and pipeline: the heavier of the
@@ -49,7 +49,9 @@ def per_gpu_bytes(shape: ModelShape, method: str, strategy: str, gpus: int, batc
     rest, each replica the same) of `pipeline_chunks` parts each: under 1F1B stage k of p holds the
     activations of up to min(p - k, grad_accum) micro-batches at once (a micro-batch's backward starts
     once it has passed every later stage); under the interleaved schedule up to min(v m, (v - 1) p +
-    2 (p - 1 - k) + 1) parts of 1/v of its layers each, torch's warm-up plus one."""
+    2 (p - 1 - k) + 1) parts of 1/v of its layers each, torch's warm-up plus one. With `pairs`, `batch_size`
+    counts preference pairs: two rows each in one forward (a LoRA reference's forward, without gradients,
+    keeps less than the training forward does)."""
     _check(method, strategy, precision, attention)
     if gpus < 1 or batch_size < 1 or seq_len < 1:
         raise ValueError("gpus, batch_size and seq_len must be >= 1")
@@ -72,7 +74,7 @@ def per_gpu_bytes(shape: ModelShape, method: str, strategy: str, gpus: int, batc
             "weights": weight_bytes(shape, method, strategy, gpus, **common),
             "gradients": gradient_bytes(shape, method, strategy, gpus, **common),
             "optimizer": optimizer_bytes(shape, method, strategy, gpus, **common),
-            "activations": activation_bytes(shape, method, strategy, batch_size * in_flight, seq_len,
+            "activations": activation_bytes(shape, method, strategy, batch_size * (2 if pairs else 1) * in_flight, seq_len,
                                             gradient_checkpointing,
                                             attention=attention, lora_dropout=lora_dropout, gpus=gpus, **common),
         }
@@ -95,14 +97,14 @@ def fits(total_bytes: int, gpu_memory_gb: float) -> bool:
 def max_micro_batch(shape: ModelShape, method: str, strategy: str, gpus: int, gpu_memory_gb: float,
                     seq_len: int = 512, gradient_checkpointing: int = 0, lora_rank: int = 16,
                     lora_targets="all-linear", precision: str = "bf16", attention: str = "sdpa",
-                    lora_dropout: float = 0.05, grad_accum: int = 1, **pipeline_layout) -> int:
+                    lora_dropout: float = 0.05, grad_accum: int = 1, pairs: bool = False, **pipeline_layout) -> int:
     """The largest micro-batch (1..256) that fits, by bisection (memory grows with the batch);
     0 when not even one sequence fits. `pipeline_layout`: `per_gpu_bytes`'s pipeline_stages and
     pipeline_chunks."""
     def ok(batch: int) -> bool:
         total = per_gpu_bytes(shape, method, strategy, gpus, batch, seq_len, gradient_checkpointing, lora_rank,
                               lora_targets, precision, attention, lora_dropout, grad_accum,
-                              **pipeline_layout)["total"]
+                              **pipeline_layout, pairs=pairs)["total"]
         return fits(total, gpu_memory_gb)
 
     if not ok(1):
@@ -159,7 +161,7 @@ def best_run(shape: ModelShape, method: str, strategy: str, gpus: int, gpu_memor
                     continue
                 time = step_time(shape, method, strategy, gpus, machine, micro, accum, seq_len, every,
                                  settings.get("lora_rank", 16), settings.get("lora_targets", "all-linear"),
-                                 settings.get("precision", "bf16"), **layout)
+                                 settings.get("precision", "bf16"), **layout, pairs=settings.get("pairs", False))
                 runs.append((order, {"micro_batch": micro, "grad_accum": accum, "gradient_checkpointing": every,
                                      "global_batch": time["global_batch"], "total_bytes": total,
                                      "tight": total > MARGIN * usable_bytes(gpu_memory_gb), "time": time,
@@ -216,7 +218,7 @@ def plan(shape: ModelShape, method: str, gpus: int, gpu_memory_gb: float, batch_
          seq_len: int = 512, gradient_checkpointing: int = 0, lora_rank: int = 16,
          lora_targets="all-linear", precision: str = "bf16", attention: str = "sdpa",
          lora_dropout: float = 0.05, grad_accum: int = 1, machine: Machine | None = None, rows: int = 1024,
-         global_batch: int | None = None, host_ram_gb: float | None = None) -> dict:
+         global_batch: int | None = None, host_ram_gb: float | None = None, pairs: bool = False) -> dict:
     """Every strategy on `gpus` GPUs of `gpu_memory_gb`, its time on `machine` (default: H100s over
     NVLink), and the two recommendations.
 
@@ -232,11 +234,14 @@ def plan(shape: ModelShape, method: str, gpus: int, gpu_memory_gb: float, batch_
     config (`offered_strategies`). With `host_ram_gb` (each machine's RAM), neither is a config whose
     weights outgrow it while they load (`load_bytes_per_machine`; `cannot_load`: {strategy: bytes per machine}).
     When nothing runs, both are None and `recommendation["reason"]` says what came closest and what to change.
+    With `pairs` (the preference recipes) batches and `rows` count pairs (`per_gpu_bytes`, `step_time`), pipeline
+    parallel is left out (they do not run it), and under full fine-tuning each recommendation has
+    `reference_pass_seconds`: the reference's scoring of the `rows` pairs before training.
     """
     machine = machine or Machine.of()
     gradient_checkpointing = int(gradient_checkpointing)
     memory = dict(lora_rank=lora_rank, lora_targets=lora_targets, precision=precision, attention=attention,
-                  lora_dropout=lora_dropout)
+                  lora_dropout=lora_dropout, pairs=pairs)
     settings = dict(batch_size=batch_size, seq_len=seq_len, gradient_checkpointing=gradient_checkpointing, **memory)
     asked = dict(settings, grad_accum=grad_accum, global_batch=global_batch)
 
@@ -244,13 +249,16 @@ def plan(shape: ModelShape, method: str, gpus: int, gpu_memory_gb: float, batch_
         layout = pipeline_layout_of(run)
         batch = max_micro_batch(shape, method, strategy, n, gpu_memory_gb, seq_len, run["gradient_checkpointing"],
                                 **memory, grad_accum=run["grad_accum"], **layout)
+        reference = ({"reference_pass_seconds": reference_pass_time(shape, strategy, n, machine, rows, seq_len, precision)}
+                     if pairs and method == "full" else {})
         return {"strategy": strategy, "config": STRATEGIES[strategy], "gpus": n, "max_micro_batch": batch,
                 **{k: run[k] for k in ("micro_batch", "grad_accum", "gradient_checkpointing", "global_batch", "tight")},
-                **layout, "seconds_per_step": run["time"]["step"], "seconds_per_epoch": epoch_time(run["time"], rows)}
+                **layout, "seconds_per_step": run["time"]["step"], "seconds_per_epoch": epoch_time(run["time"], rows),
+                **reference}
 
     def runnable(n: int) -> tuple[str, ...]:  # model parallel is one process: its GPUs are one machine's
         return tuple(s for s in offered_strategies(method, n, shape, lora_targets)
-                     if s != "model_parallel" or n <= machine.gpus_per_machine)
+                     if (s != "model_parallel" or n <= machine.gpus_per_machine) and not (pairs and s == "pipeline"))
 
     def host_bytes(strategy: str, n: int) -> int:
         return load_bytes_per_machine(shape, method, strategy, n, machine.gpus_per_machine, precision)["bytes"]
@@ -304,7 +312,7 @@ def plan(shape: ModelShape, method: str, gpus: int, gpu_memory_gb: float, batch_
     elif fewest is None or fastest is None:
         smallest = min(strategies, key=lambda entry: entry["per_gpu_bytes"]["total"])
         recommendation["reason"] = (
-            f"nothing fits {gpus} x {gpu_memory_gb:g} GiB at micro-batch {batch_size} x {seq_len} tokens: the "
+            f"nothing fits {gpus} x {gpu_memory_gb:g} GiB at micro-batch {batch_size}{' pairs' if pairs else ''} x {seq_len} tokens: the "
             f"smallest need is {smallest['per_gpu_bytes']['total'] / GiB:.1f} GiB per GPU ({smallest['strategy']}) "
             f"for {usable_bytes(gpu_memory_gb) / GiB:.1f} GiB usable, and no smaller micro-batch"
             + ("" if gradient_checkpointing else " or gradient checkpointing") + " fits either; try "
@@ -313,7 +321,7 @@ def plan(shape: ModelShape, method: str, gpus: int, gpu_memory_gb: float, batch_
             + "or more GPUs"
         )
     return {"model": shape.name, "method": method, "gpus": gpus, "gpu_memory_gb": gpu_memory_gb,
-            "global_batch_size": global_batch,
+            "global_batch_size": global_batch, "pairs": pairs,
             "machine": {"gpu": machine.gpu.name, "link": machine.link, "bandwidth_gb_s": machine.bandwidth_gb_s,
                         "peak_tflops": machine.peak_flops(precision) / 1e12, "mfu": machine.mfu, "rows": rows,
                         "gpus_per_machine": machine.gpus_per_machine, "network_gb_s": machine.network_gb_s},

@@ -28,6 +28,12 @@ The model, per micro-batch on each GPU:
 
 Per step: grad_accum micro-batches + the per-step collectives + the optimizer step; per epoch:
 ceil(rows / global batch) steps.
+
+Preference pairs (`pairs`: recipes/dpo.py, dpo_full.py): a micro-batch of B pairs is one forward and
+backward of 2B rows (chosen and rejected); under LoRA / QLoRA each micro-batch also runs the reference's
+forward (the base, adapters off, no gradient: its FLOPs, its gathers under full sharding, its all-reduces
+under tensor parallel); under full fine-tuning the reference scores every pair once before training
+(`reference_pass_time`).
 """
 
 from __future__ import annotations
@@ -125,7 +131,8 @@ def recomputed_share(shape: ModelShape, gradient_checkpointing: int) -> float:
 
 def flops_per_token(shape: ModelShape, method: str, seq_len: int, gradient_checkpointing: int = 0,
                     lora_rank: int = 16, lora_targets="all-linear") -> dict:
-    """{"forward", "backward", "recompute", "total"} FLOPs for one token of a training step."""
+    """{"forward", "backward", "recompute", "total"} FLOPs for one token of a training step, and
+    "base_forward": the forward of the model without adapters (a preference reference's)."""
     blocks, head = active_matmul_parameters(shape)
     attention = 4 * shape.layers * seq_len * shape.heads * shape.head_dim
     forward = 2 * (blocks + head) + attention
@@ -145,7 +152,7 @@ def flops_per_token(shape: ModelShape, method: str, seq_len: int, gradient_check
                                                       + math.prod(shape.shared_shapes().get("down_proj", (0, 0))))
     recompute = recomputed_share(shape, gradient_checkpointing) * (2 * (blocks - down) + attention + adapter_forward)
     return {"forward": forward, "backward": backward, "recompute": recompute,
-            "total": forward + backward + recompute}
+            "total": forward + backward + recompute, "base_forward": 2 * (blocks + head) + attention}
 
 
 def all_reduce(size: float, ranks: int) -> float:
@@ -191,10 +198,11 @@ class Traffic:
 
 def traffic(shape: ModelShape, method: str, strategy: str, gpus: int, machine: Machine, tokens: int,
             gradient_checkpointing: int = 0, lora_rank: int = 16, lora_targets="all-linear",
-            precision: str = "bf16", pipeline_stages: int | None = None) -> Traffic:
+            precision: str = "bf16", pipeline_stages: int | None = None, reference_forward: bool = False) -> Traffic:
     """What `strategy` moves between the GPUs in a step whose micro-batches hold `tokens` tokens each
     (the module's docstring lists it per strategy; a pipeline has `pipeline_stages` stages, default one per
-    GPU, replicated over the rest)."""
+    GPU, replicated over the rest). `reference_forward`: each micro-batch runs one more forward, without
+    gradients (a preference reference's), gathering the layers again where they are fully sharded."""
     params = _stage_parameters(shape, method, Stage(shape.layers), lora_rank, lora_targets)
     gradients = _gradient_bytes_reduced(method, strategy, precision, params["trained"])
     gathered = _unsharded_bytes(shape, method, precision, shape.layers, True, True, lora_rank, lora_targets)
@@ -204,6 +212,7 @@ def traffic(shape: ModelShape, method: str, strategy: str, gpus: int, machine: M
                       for embedding in (True, False))
     c = 2 if precision == "bf16" else 4
     activation = tokens * shape.hidden * c  # one hidden state of the micro-batch
+    forwards = 2 if reference_forward else 1  # (grad-op keeps the forward's gathered layers until the backward)
     seconds = machine.seconds
     if strategy == "ddp":
         return Traffic(hidden_per_step=seconds(all_reduce(gradients, gpus), gpus))
@@ -215,30 +224,30 @@ def traffic(shape: ModelShape, method: str, strategy: str, gpus: int, machine: M
             return Traffic(hidden_per_micro=reduce, exposed_per_step=gather_weights)
         return Traffic(hidden_per_step=reduce, exposed_per_step=gather_weights)
     if OFFLOADED.get(strategy, strategy) in ("fsdp_full_shard", "zero3"):
-        return Traffic(hidden_per_micro=seconds(gather(2 * gathered + gradients, gpus), gpus),
-                       exposed_per_micro=seconds(gather(first_units, gpus), gpus))
+        return Traffic(hidden_per_micro=seconds(gather((forwards + 1) * gathered + gradients, gpus), gpus),
+                       exposed_per_micro=seconds(gather(forwards * first_units, gpus), gpus))
     if strategy == "fsdp_grad_op":  # one gather per micro-batch: the backward's units are still gathered
         return Traffic(hidden_per_micro=seconds(gather(gathered + gradients, gpus), gpus),
                        exposed_per_micro=seconds(gather(first_units, gpus) / 2, gpus))
     if strategy == "fsdp_hybrid":
         group = hybrid_shard_size(gpus)
-        return Traffic(hidden_per_micro=seconds(gather(2 * gathered + gradients, group), group),
-                       exposed_per_micro=seconds(gather(first_units, group), group),
+        return Traffic(hidden_per_micro=seconds(gather((forwards + 1) * gathered + gradients, group), group),
+                       exposed_per_micro=seconds(gather(forwards * first_units, group), group),
                        hidden_per_step=seconds(all_reduce(gradients / group, gpus // group), gpus))
     if strategy in ("tp", "fsdp_tp"):
         # two all-reduces of the hidden state per block in the forward, two in the backward, two more per
         # recomputed block; lm_head's split logits gathered whole
         tp = tensor_parallel_size(strategy, gpus)
-        reductions = shape.layers * (4 + 2 * recomputed_share(shape, gradient_checkpointing))
-        logits = tokens * shape.vocab * c
+        reductions = shape.layers * (2 * forwards + 2 + 2 * recomputed_share(shape, gradient_checkpointing))
+        logits = forwards * tokens * shape.vocab * c
         moved = Traffic(exposed_per_micro=seconds(reductions * all_reduce(activation, tp) + gather(logits, tp), tp))
         if strategy == "fsdp_tp":  # full shard's gathers of each rank's tensor parallel part, across the groups
             groups = gpus // tp
-            moved.hidden_per_micro = seconds(gather((2 * gathered + gradients) / tp, groups), gpus)
-            moved.exposed_per_micro += seconds(gather(first_units / tp, groups), gpus)
+            moved.hidden_per_micro = seconds(gather(((forwards + 1) * gathered + gradients) / tp, groups), gpus)
+            moved.exposed_per_micro += seconds(gather(forwards * first_units / tp, groups), gpus)
         return moved
     if strategy == "model_parallel":  # the hidden state to the next GPU, its gradient back
-        return Traffic(exposed_per_micro=seconds(2 * (gpus - 1) * activation, gpus))
+        return Traffic(exposed_per_micro=seconds((forwards + 1) * (gpus - 1) * activation, gpus))
     if strategy == "pipeline":  # each stage: a micro-batch's hidden state out, its gradient back, per time slot;
         # the replicas then sum each stage's gradients, after the schedule
         stages = pipeline_stages or gpus
@@ -250,26 +259,32 @@ def traffic(shape: ModelShape, method: str, strategy: str, gpus: int, machine: M
 def step_time(shape: ModelShape, method: str, strategy: str, gpus: int, machine: Machine, batch_size: int = 8,
               grad_accum: int = 1, seq_len: int = 512, gradient_checkpointing: int = 0, lora_rank: int = 16,
               lora_targets="all-linear", precision: str = "bf16", pipeline_stages: int | None = None,
-              pipeline_chunks: int = 1) -> dict:
+              pipeline_chunks: int = 1, pairs: bool = False) -> dict:
     """Seconds of one optimizer step, estimated (see the module's docstring), split into
     {"compute", "communication", "other", "step"} plus "idle_share" (the share of GPU time no GPU
     computes: model parallel's (n-1)/n, a pipeline's bubble), "global_batch" (sequences per step) and
     "tokens_per_s". A pipeline: `pipeline_stages` stages (default: one per GPU) of `pipeline_chunks`
-    parts each (the interleaved schedule's), replicated over the rest of the GPUs."""
+    parts each (the interleaved schedule's), replicated over the rest of the GPUs. With `pairs`,
+    `batch_size` counts preference pairs (the module's docstring says what they add); "global_batch" too."""
     _check(method, strategy, precision)
+    if pairs and strategy == "pipeline":
+        raise ValueError("the preference recipes do not run pipeline parallel")
     stages = (pipeline_stages or gpus) if strategy == "pipeline" else None
-    tokens = batch_size * seq_len
+    rows_per_example = 2 if pairs else 1
+    reference_forward = pairs and method != "full"
+    tokens = batch_size * rows_per_example * seq_len
     flops = flops_per_token(shape, method, seq_len, gradient_checkpointing, lora_rank, lora_targets)
-    flops_per_gpu = tokens * flops["total"] / tensor_parallel_size(strategy, gpus)
+    total = flops["total"] + (flops["base_forward"] if reference_forward else 0)
+    flops_per_gpu = tokens * total / tensor_parallel_size(strategy, gpus)
     compute = flops_per_gpu / (machine.peak_flops(precision) * machine.mfu)
-    backward = compute * (flops["backward"] + flops["recompute"]) / flops["total"]
+    backward = compute * (flops["backward"] + flops["recompute"]) / total
     moved = traffic(shape, method, strategy, gpus, machine, tokens, gradient_checkpointing, lora_rank, lora_targets,
-                    precision, stages)
+                    precision, stages, reference_forward)
 
     other_per_micro = 0.0
     if method == "qlora":
         quantized = _stage_parameters(shape, method, Stage(shape.layers), lora_rank, lora_targets)["quantized"]
-        passes = 2 + recomputed_share(shape, gradient_checkpointing)
+        passes = 2 + recomputed_share(shape, gradient_checkpointing) + reference_forward
         other_per_micro += quantized * DEQUANTISE_BYTES * passes / (machine.gpu.memory_gb_s * 1e9)
     at_rest = resident_bytes(shape, method, strategy, stages or gpus, lora_rank, lora_targets, precision,
                              where="anywhere")
@@ -290,7 +305,7 @@ def step_time(shape: ModelShape, method: str, strategy: str, gpus: int, machine:
                 "communication": slots * moved.exposed_per_micro + moved.exposed_per_step,
                 "other": slots * other_per_micro / parts + optimizer / stages, "step": step,
                 "idle_share": (stages - 1) / slots, "global_batch": global_batch,
-                "tokens_per_s": global_batch * seq_len / step}
+                "tokens_per_s": global_batch * seq_len / step}  # (no pairs: refused above)
     micro = max(compute, moved.hidden_per_micro) + moved.exposed_per_micro + other_per_micro
     last_backward_slack = max(0.0, moved.hidden_per_step - backward)
     step = grad_accum * micro + last_backward_slack + moved.exposed_per_step + optimizer
@@ -303,8 +318,17 @@ def step_time(shape: ModelShape, method: str, strategy: str, gpus: int, machine:
         "step": step,
         "idle_share": (gpus - 1) / gpus if strategy == "model_parallel" else 0.0,
         "global_batch": global_batch,
-        "tokens_per_s": global_batch * seq_len / step,
+        "tokens_per_s": global_batch * rows_per_example * seq_len / step,
     }
+
+
+def reference_pass_time(shape: ModelShape, strategy: str, gpus: int, machine: Machine, pairs: int,
+                        seq_len: int = 512, precision: str = "bf16") -> float:
+    """Seconds dpo_full.py's reference takes to score `pairs` pairs once before training: the forward of
+    both rows of each, spread over the data-parallel processes (tensor parallel's groups split theirs)."""
+    forward = flops_per_token(shape, "full", seq_len)["base_forward"]
+    flops_per_gpu = 2 * pairs * seq_len * forward / data_parallel_size(strategy, gpus) / tensor_parallel_size(strategy, gpus)
+    return flops_per_gpu / (machine.peak_flops(precision) * machine.mfu)
 
 
 def epoch_time(step: dict, rows: int) -> float:

@@ -49,16 +49,15 @@ def announce_plan(args, recipe: str, launch) -> None:
     layout = dict(pipeline_stages=launch.pipeline_stages, pipeline_chunks=launch.pipeline_chunks) \
         if launch.pipeline_stages > 1 else {}
     try:
-        # a preference pair is two rows in one forward (chosen and rejected); the reference's forward keeps nothing
-        rows = args.batch_size * (2 if getattr(args, "recipe", None) in PREFERENCE_RECIPES else 1)
-        need = planner.per_gpu_bytes(shape, recipe, strategy, gpus, batch_size=rows, **inputs,
-                                     grad_accum=args.grad_accum, **layout)
+        pairs = getattr(args, "recipe", None) in PREFERENCE_RECIPES  # two rows a pair in one forward
+        need = planner.per_gpu_bytes(shape, recipe, strategy, gpus, batch_size=args.batch_size, **inputs,
+                                     grad_accum=args.grad_accum, **layout, pairs=pairs)
     except ValueError as error:  # e.g. LoRA targets the planner does not know
         print(f"plan: skipped ({str(error).splitlines()[0]})", flush=True)
         return
     parts = ", ".join(f"{key} {size(need[key])}" for key in ("weights", "gradients", "optimizer", "activations"))
     line = (f"plan: {recipe} with {strategy} on {gpus} process(es): {size(need['total'])} per GPU ({parts}) "
-            f"at --max-length {args.max_length}{' (two rows a pair)' if rows != args.batch_size else ''}; host RAM to load the weights: {size(load['bytes'])} on this "
+            f"at --max-length {args.max_length}{' (two rows a pair)' if pairs else ''}; host RAM to load the weights: {size(load['bytes'])} on this "
             f"machine ({load['why']})")
     if not launch.on_gpu:
         print(line, flush=True)
@@ -68,7 +67,7 @@ def announce_plan(args, recipe: str, launch) -> None:
     if not planner.fits(need["total"], gpu_gib):
         print(f"warning: the plan says this will not fit; see `python scripts/plan.py --model {args.model} "
               f"--method {recipe} --gpus {gpus} --gpu-memory {gpu_gib:.0f} --batch-size {args.batch_size} "
-              f"--seq-len {args.max_length}` for a config and micro-batch that fit", flush=True)
+              f"--seq-len {args.max_length}{' --pairs' if pairs else ''}` for a config and micro-batch that fit", flush=True)
 
 
 def zero3_reads_once() -> bool:

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from ..data.formats import IGNORE
+from ..launching.args import PREFERENCE_RECIPES
 
 
 @torch.no_grad()
@@ -70,11 +71,12 @@ def write_model_card(accelerator, args, recipe: str, artifact: str, samples: lis
         "adapter": (f'PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained("{args.model}"), '
                     f'"{output_dir / "adapter"}")'),
     }[artifact]
+    bundled = "bundled data/preferences/" if recipe in PREFERENCE_RECIPES else "bundled data/"  # the default --dataset
     card = [
         f"# {Path(args.model).name} fine-tuned with {recipe}.py",
         "",
         f"- base model: `{args.model}`",
-        f"- data: {', '.join(f'`{spec}`' for spec in args.dataset or ['bundled data/'])} "
+        f"- data: {', '.join(f'`{spec}`' for spec in args.dataset or [bundled])} "
         f"({run['data_format']} format{', packed' if args.packing else ''})",
         f"- strategy: {run['distributed_type']} x {run['num_processes']} process(es) ({run['launch']['name']}), "
         f"{'fp32' if run['mixed_precision'] == 'no' else run['mixed_precision']} precision",

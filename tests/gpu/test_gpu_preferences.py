@@ -1,0 +1,67 @@
+"""The preference recipes on the GPUs, in bf16, on a model of TinyLlama-1.1B's shape cut to 2 layers, on the
+bundled pairs: dpo.py (LoRA, and QLoRA with --bits 4) and dpo_full.py under the sharded configs and DDP. The
+first step's policy is its reference (loss log 2), the held-out chosen replies gain on the rejected ones, and
+what was saved reloads in plain peft / transformers to the trained model's logits.
+
+Runs where CUDA is available (scripts/gpu_check.py, part `preference`); skipped elsewhere, with the reason.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_support import HAS_GPU, PRECISION, gpu_launch, gpu_suite, shaped_model  # noqa: E402
+from test_gpu_recipes import BF16_LOGIT_TOLERANCE, CONFIGS, reload_logits  # noqa: E402
+
+pytestmark = gpu_suite
+
+STEPS = 8
+# (recipe, config, flags), in order of importance: each recipe under full sharding first, then the rest
+CASES = [("dpo", "fsdp", ()), ("dpo_full", "zero3", ()), ("dpo", "zero3", ("--bits", "4")), ("dpo", "ddp", ()),
+         ("dpo_full", "fsdp", ()), ("dpo", "fsdp", ("--bits", "4"))]
+
+
+def case_id(recipe: str, config: str, flags: tuple) -> str:
+    return f"{recipe}{'-qlora' if flags else ''}-{config}"
+
+
+@pytest.mark.parametrize("recipe, config, flags", [pytest.param(*case, id=case_id(*case)) for case in CASES])
+def test_preference_recipe_on_gpu(recipe, config, flags, tmp_path, record_property):
+    base = shaped_model()
+    lr = "1e-5" if recipe == "dpo_full" else "2e-3"
+    run = gpu_launch(recipe, tmp_path / "out", "--max-steps", str(STEPS), "--batch-size", "4", "--lr", lr,
+                     "--max-length", "256", *flags, config=config, model=base)
+    assert run.returncode == 0, run.output[-4000:]
+    record_property("launch_seconds", round(run.seconds, 1))
+
+    ran = run.run_json()
+    assert ran["launch"]["kind"] == CONFIGS[config][0]
+    assert ran["strategy"]["precision"] == ("bf16" if PRECISION == "bf16" else "no")
+    assert ran["device"] == ("cuda" if HAS_GPU else "cpu")
+    record_property("host_peak_gib_by_rank", json.dumps(ran["host_peak_gib_by_rank"]))
+
+    records = run.metrics()
+    assert len(records) == STEPS
+    # the first step's policy is the reference: both sides' rewards 0, the loss log 2 (bf16's rounding aside)
+    assert records[0]["loss"] == pytest.approx(math.log(2), abs=1e-2)
+    record_property("losses", json.dumps([round(record["loss"], 4) for record in records]))
+    (evaluation,) = run.metrics("eval")
+    record_property("eval_margin", round(evaluation["eval_rewards/margins"], 4))
+    assert evaluation["eval_rewards/margins"] > 0, evaluation  # the held-out chosen replies gained
+    if HAS_GPU:
+        record_property("peak_allocated_gib", max(record.get("peak_allocated_gib") or 0 for record in records))
+
+    probe = load_file(str(run.output_dir / "probe_logits.safetensors"))
+    mask = probe["attention_mask"].bool()
+    trained_as = "full" if recipe == "dpo_full" else "qlora" if flags else "lora"
+    for artifact, logits in reload_logits(trained_as, run.output_dir, base, probe).items():
+        difference = (logits - probe["logits"].float())[mask].abs().max().item()
+        record_property(f"{artifact}_max_logit_difference", round(difference, 5))
+        assert difference <= BF16_LOGIT_TOLERANCE, f"{artifact}: max logit difference {difference}"
