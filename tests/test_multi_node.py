@@ -32,3 +32,33 @@ def test_two_machines_train_like_one(config, trained, tmp_path):
               if '"train"' in line]
     assert losses == pytest.approx(one_machine.losses(), rel=1e-5)
     assert not (tmp_path / "machine1" / "run.json").exists()  # only the main process writes
+
+
+@long_test
+def test_machines_with_their_own_data_caches_each_keep_full_tunings_reference_scores(tmp_path):
+    """dpo_full.py on two "machines", each with its own datasets cache (machines without a shared disk): each
+    keeps the reference scores the first run computed, and a rerun reads them on both, the same curve. (Were
+    the scores kept on the main machine alone, its rerun would read them while the other machine scored the
+    pairs again, in collectives only one side joins: a hang.)"""
+    def two_machines(name: str) -> list[str]:
+        port, machines = str(free_port()), []
+        for rank in ("0", "1"):
+            machine = ("--num_machines", "2", "--machine_rank", rank, "--main_process_ip", "127.0.0.1",
+                       "--main_process_port", port)
+            machines.append(start("dpo_full", tmp_path / f"{name}{rank}", "--max-steps", "2", "--batch-size", "2",
+                                  "--lr", "1e-3", config="zero3", launcher_args=machine,
+                                  env={"HF_DATASETS_CACHE": str(tmp_path / f"datasets-cache{rank}")}))
+        outputs = [machine.communicate(timeout=300)[0] for machine in machines]
+        assert [machine.returncode for machine in machines] == [0, 0], outputs[0][-2000:] + outputs[1][-2000:]
+        return outputs
+
+    first, again = two_machines("first"), two_machines("again")
+    assert "scored by the model as loaded, before training" in first[0] and "scores read from" in again[0]
+    for rank in ("0", "1"):  # the training and evaluation pairs' scores, in each machine's own cache
+        assert len(list((tmp_path / f"datasets-cache{rank}").rglob("reference-logps-*.npy"))) == 2
+
+    def losses(folder: str) -> list[float]:
+        return [json.loads(line)["loss"] for line in (tmp_path / folder / "metrics.jsonl").read_text().splitlines()
+                if '"train"' in line]
+
+    assert losses("again0") == losses("first0") and len(losses("first0")) == 2

@@ -28,15 +28,16 @@ def indexed(pairs):
 def reference_logps(accelerator, model, pairs, collate, batch_size: int, sequence_logps, key: str) -> torch.Tensor:
     """(pairs x 2) float32 on the CPU: each pair's chosen and rejected log-probabilities under `model` as it is
     now (`sequence_logps(model, batch)`: the recipe's own), read from the cache where an earlier run wrote them
-    under `key` (reference_key). `pairs` are `indexed`. Every rank takes part (sharded forwards are collective)."""
+    under `key` (reference_key). `pairs` are `indexed`. Every rank takes part (sharded forwards are collective),
+    so the ranks read the cache only when every one of them has it (machines may each keep their own)."""
     cache = cache_file(pairs, key)
-    if cache is not None and cache.exists():
-        scores = np.load(cache)
-        if scores.shape == (len(pairs), 2):
-            if accelerator.is_main_process:
-                print(f"reference: {len(pairs):,} pairs' scores read from {cache} (the model as loaded scored "
-                      "them in an earlier run)", flush=True)
-            return torch.from_numpy(scores).float()
+    scores = read_cache(cache, len(pairs))
+    everyone_has_it = bool(accelerator.gather(torch.tensor([int(scores is not None)], device=accelerator.device)).all())
+    if everyone_has_it:
+        if accelerator.is_main_process:
+            print(f"reference: {len(pairs):,} pairs' scores read from {cache} (the model as loaded scored "
+                  "them in an earlier run)", flush=True)
+        return torch.from_numpy(scores).float()
     # every pair once, in order: the training loader's shuffle drops a ragged tail
     loader = accelerator.prepare_data_loader(DataLoader(pairs, batch_size=batch_size, shuffle=False, collate_fn=collate))
     scores = np.zeros((len(pairs), 2), dtype=np.float64)
@@ -50,8 +51,8 @@ def reference_logps(accelerator, model, pairs, collate, batch_size: int, sequenc
                                                                       rejected))
             scores[index.cpu().numpy()] = torch.stack([chosen, rejected], 1).cpu().numpy()
     model.train(was_training)
-    if cache is not None and accelerator.is_main_process:
-        partial = cache.with_suffix(".partial.npy")
+    if cache is not None and accelerator.is_local_main_process:  # each machine's own data cache
+        partial = cache.with_suffix(f".partial-{accelerator.process_index}.npy")
         np.save(partial, scores)
         partial.replace(cache)  # whole or absent: a crash never leaves part of the scores to be read as all
     if accelerator.is_main_process:
@@ -64,6 +65,14 @@ def of_batch(scores: torch.Tensor, batch: dict) -> torch.Tensor:
     """The reference log-probabilities of a micro-batch's rows (its chosen sides, then its rejected sides)."""
     rows = scores[batch["pair_index"].cpu()]
     return torch.cat([rows[:, 0], rows[:, 1]]).to(batch["input_ids"].device)
+
+
+def read_cache(cache: Path | None, pairs: int) -> np.ndarray | None:
+    """The cached scores of `pairs` pairs, or None where this process finds none (or a file of another shape)."""
+    if cache is None or not cache.exists():
+        return None
+    scores = np.load(cache)
+    return scores if scores.shape == (pairs, 2) else None
 
 
 def cache_file(pairs, key: str) -> Path | None:
