@@ -204,10 +204,10 @@ def main():
         # The step's one collective: the loss and the pairs' figures summed over all ranks, the stop flag,
         # and the next step's target tokens (its micro-batches are fetched now to travel along).
         next_epoch, next_batches = next(steps) if step < total_steps else (epoch, [])
-        summed_loss, next_tokens, stopping, summed = sync.end_of_step(step_loss, next_batches,
-                                                                      [*step_figures, step_router_loss])
-        chosen_reward, rejected_reward, chosen_logps, rejected_logps, won = (value / step_pairs for value in summed[:5])
-        router_mean = summed[5] / (run.grad_accum * accelerator.num_processes) if router_weight else None
+        summed_loss, next_tokens, stopping, (*pair_sums, router_sum) = sync.end_of_step(
+            step_loss, next_batches, [*step_figures, step_router_loss])
+        chosen_reward, rejected_reward, chosen_logps, rejected_logps, won = (value / step_pairs for value in pair_sums)
+        router_mean = router_sum / (run.grad_accum * accelerator.num_processes) if router_weight else None
         loss = summed_loss / step_pairs  # the mean over the global batch's pairs
         if step == start_step + 1:  # a gather (every rank takes part): what each rank holds, into run.json
             log.record_ranks()

@@ -13,8 +13,9 @@ import shutil
 import pytest
 import torch
 
-from conftest import REPO, TINY_MODEL, assert_no_traceback_of_ours, assert_the_refusal_ends_the_output, launch, long_test
+from conftest import TINY_MODEL, assert_no_traceback_of_ours, assert_the_refusal_ends_the_output, launch, long_test
 from test_equivalence import max_relative_difference
+from test_recipes_read_well import launch_edited_copy
 
 STEPS = 8
 PAIRS_PER_STEP = 8
@@ -114,18 +115,10 @@ def test_an_edited_pair_loss_trains_under_every_strategy(trained, tmp_path, reci
     """The loss is written once, in the recipe's pair_losses, and both the logged loss and the backward use
     it under every strategy: doubled in a copy, step 1 (before any update) logs twice the recipe's loss and
     twice its gradient norm on the same pairs."""
-    old, new = DOUBLED_PAIR_LOSS
-    source = (REPO / "recipes" / f"{recipe}.py").read_text()
-    assert source.count(old) == 1, old
-    copy = REPO / "recipes" / f"my_edited_{recipe}_{tmp_path.name}.py"
-    copy.write_text(source.replace(old, new))
-    try:
-        edited = launch(copy.stem, tmp_path / "out", *run_args(recipe, PROCESSES[config]), "--max-steps", "1",
-                        config=config, processes=PROCESSES[config])
-    finally:
-        copy.unlink()
+    edited = launch_edited_copy([DOUBLED_PAIR_LOSS], tmp_path / "out", steps=1, config=config, recipe=recipe,
+                                flags=run_args(recipe, PROCESSES[config]), processes=PROCESSES[config])
     untouched = trained(recipe, config)
-    assert edited.returncode == untouched.returncode == 0, edited.output[-3000:]
+    assert untouched.returncode == 0, untouched.output[-3000:]
     (first,) = edited.metrics()
     assert first["loss"] == pytest.approx(2 * untouched.metrics()[0]["loss"], rel=1e-6)
     assert first["grad_norm"] == pytest.approx(2 * untouched.metrics()[0]["grad_norm"], rel=1e-4)

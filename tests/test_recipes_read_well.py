@@ -62,20 +62,23 @@ def test_lora_differs_from_full_by_the_lora_lines_only():
     assert len(changed) <= 60, "\n".join(changed)
 
 
-def launch_edited_copy(edits: list[tuple[str, str]], output_dir, steps: int, config: str = "model_parallel"):
-    """Copy lora.py with `edits` (old, new) applied to the copy alone, and launch it as the matrix does
-    (`config` "pipeline": the one-process batch through 2 stages)."""
-    source = (REPO / "recipes" / "lora.py").read_text()
+def launch_edited_copy(edits: list[tuple[str, str]], output_dir, steps: int, config: str = "model_parallel",
+                       recipe: str = "lora", flags: list[str] | None = None, processes: int | None = None):
+    """Copy `recipe` with `edits` (old, new) applied to the copy alone, and launch it with `flags` on `processes`
+    (default: lora.py as the matrix launches it; `config` "pipeline": the one-process batch through 2 stages)."""
+    source = (REPO / "recipes" / f"{recipe}.py").read_text()
     for old, new in edits:
         assert source.count(old) == 1, old
         source = source.replace(old, new)
-    copy = REPO / "recipes" / f"my_edited_lora_{output_dir.parent.name}.py"
+    copy = REPO / "recipes" / f"my_edited_{recipe}_{output_dir.parent.name}.py"
     copy.write_text(source)
     try:
-        flags = (matrix_args("lora", "model_parallel") + ["--pipeline-stages", "2"] if config == "pipeline"
-                 else matrix_args("lora", config))
-        run = launch(copy.stem, output_dir, *flags, "--max-steps", str(steps), config=config,
-                     processes=2 if config == "pipeline" else CPU_STRATEGIES[config][1])
+        if flags is None:
+            flags = (matrix_args("lora", "model_parallel") + ["--pipeline-stages", "2"] if config == "pipeline"
+                     else matrix_args("lora", config))
+        if processes is None:
+            processes = 2 if config == "pipeline" else CPU_STRATEGIES[config][1]
+        run = launch(copy.stem, output_dir, *flags, "--max-steps", str(steps), config=config, processes=processes)
     finally:
         copy.unlink()
     assert run.returncode == 0, run.output[-3000:]

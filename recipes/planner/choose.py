@@ -257,8 +257,8 @@ def plan(shape: ModelShape, method: str, gpus: int, gpu_memory_gb: float, batch_
                 **reference}
 
     def runnable(n: int) -> tuple[str, ...]:  # model parallel is one process: its GPUs are one machine's
-        return tuple(s for s in offered_strategies(method, n, shape, lora_targets)
-                     if (s != "model_parallel" or n <= machine.gpus_per_machine) and not (pairs and s == "pipeline"))
+        return tuple(s for s in offered_strategies(method, n, shape, lora_targets, pairs)
+                     if s != "model_parallel" or n <= machine.gpus_per_machine)
 
     def host_bytes(strategy: str, n: int) -> int:
         return load_bytes_per_machine(shape, method, strategy, n, machine.gpus_per_machine, precision)["bytes"]

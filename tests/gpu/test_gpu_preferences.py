@@ -14,11 +14,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from safetensors.torch import load_file
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_support import HAS_GPU, PRECISION, gpu_launch, gpu_suite, shaped_model  # noqa: E402
-from test_gpu_recipes import BF16_LOGIT_TOLERANCE, CONFIGS, reload_logits  # noqa: E402
+from gpu_support import HAS_GPU, gpu_launch, gpu_suite, shaped_model  # noqa: E402
+from test_gpu_recipes import check_reloads, check_what_ran  # noqa: E402
 
 pytestmark = gpu_suite
 
@@ -41,11 +39,7 @@ def test_preference_recipe_on_gpu(recipe, config, flags, tmp_path, record_proper
     assert run.returncode == 0, run.output[-4000:]
     record_property("launch_seconds", round(run.seconds, 1))
 
-    ran = run.run_json()
-    assert ran["launch"]["kind"] == CONFIGS[config][0]
-    assert ran["strategy"]["precision"] == ("bf16" if PRECISION == "bf16" else "no")
-    assert ran["device"] == ("cuda" if HAS_GPU else "cpu")
-    record_property("host_peak_gib_by_rank", json.dumps(ran["host_peak_gib_by_rank"]))
+    check_what_ran(run, config, record_property)
 
     records = run.metrics()
     assert len(records) == STEPS
@@ -58,10 +52,4 @@ def test_preference_recipe_on_gpu(recipe, config, flags, tmp_path, record_proper
     if HAS_GPU:
         record_property("peak_allocated_gib", max(record.get("peak_allocated_gib") or 0 for record in records))
 
-    probe = load_file(str(run.output_dir / "probe_logits.safetensors"))
-    mask = probe["attention_mask"].bool()
-    trained_as = "full" if recipe == "dpo_full" else "qlora" if flags else "lora"
-    for artifact, logits in reload_logits(trained_as, run.output_dir, base, probe).items():
-        difference = (logits - probe["logits"].float())[mask].abs().max().item()
-        record_property(f"{artifact}_max_logit_difference", round(difference, 5))
-        assert difference <= BF16_LOGIT_TOLERANCE, f"{artifact}: max logit difference {difference}"
+    check_reloads("full" if recipe == "dpo_full" else "qlora" if flags else "lora", run, base, record_property)

@@ -82,6 +82,25 @@ def reload_logits(recipe: str, output_dir: Path, base: Path, probe: dict) -> dic
     return found
 
 
+def check_what_ran(run, config: str, record_property) -> None:
+    """run.json names the config's launch, the suite's precision and this machine's device; each rank's host RAM."""
+    ran = run.run_json()
+    assert ran["launch"]["kind"] == CONFIGS[config][0]
+    assert ran["strategy"]["precision"] == ("bf16" if PRECISION == "bf16" else "no")
+    assert ran["device"] == ("cuda" if HAS_GPU else "cpu")
+    record_property("host_peak_gib_by_rank", json.dumps(ran["host_peak_gib_by_rank"]))
+
+
+def check_reloads(recipe: str, run, base: Path, record_property) -> None:
+    """Each saved artifact of a `recipe` ("full", "lora", "qlora") run, reloaded, gives the trained logits."""
+    probe = load_file(str(run.output_dir / "probe_logits.safetensors"))
+    mask = probe["attention_mask"].bool()
+    for artifact, logits in reload_logits(recipe, run.output_dir, base, probe).items():
+        difference = (logits - probe["logits"].float())[mask].abs().max().item()
+        record_property(f"{artifact}_max_logit_difference", round(difference, 5))
+        assert difference <= BF16_LOGIT_TOLERANCE, f"{artifact}: max logit difference {difference}"
+
+
 @pytest.mark.parametrize("recipe, config", cases())
 def test_recipe_on_gpu(recipe, config, tmp_path, record_property):
     base = shaped_model()
@@ -92,11 +111,7 @@ def test_recipe_on_gpu(recipe, config, tmp_path, record_property):
     assert run.returncode == 0, run.output[-4000:]
     record_property("launch_seconds", round(run.seconds, 1))
 
-    ran = run.run_json()
-    assert ran["launch"]["kind"] == CONFIGS[config][0]
-    assert ran["strategy"]["precision"] == ("bf16" if PRECISION == "bf16" else "no")
-    assert ran["device"] == ("cuda" if HAS_GPU else "cpu")
-    record_property("host_peak_gib_by_rank", json.dumps(ran["host_peak_gib_by_rank"]))
+    check_what_ran(run, config, record_property)
 
     losses = run.losses()
     assert len(losses) == STEPS and sum(losses[-2:]) < sum(losses[:2]), losses
@@ -105,9 +120,4 @@ def test_recipe_on_gpu(recipe, config, tmp_path, record_property):
     if HAS_GPU:
         record_property("peak_allocated_gib", max(peaks))
 
-    probe = load_file(str(run.output_dir / "probe_logits.safetensors"))
-    mask = probe["attention_mask"].bool()
-    for artifact, logits in reload_logits(recipe, run.output_dir, base, probe).items():
-        difference = (logits - probe["logits"].float())[mask].abs().max().item()
-        record_property(f"{artifact}_max_logit_difference", round(difference, 5))
-        assert difference <= BF16_LOGIT_TOLERANCE, f"{artifact}: max logit difference {difference}"
+    check_reloads(recipe, run, base, record_property)

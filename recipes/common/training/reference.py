@@ -20,6 +20,7 @@ from tqdm.auto import tqdm
 
 from ..model.model_config import weight_files
 
+
 def indexed(pairs):
     """`pairs` with a `pair_index` column: where each pair's reference scores are in the table."""
     return pairs.add_column("pair_index", np.arange(len(pairs), dtype=np.int64))
