@@ -104,7 +104,7 @@ def launch(spec: str, model: str, dataset: Path, folder: Path, index: int) -> di
         raise SystemExit(f"{spec} failed:\n{text[-3000:]}")
     return {"launch": name, "recipe": recipe, "processes": int(processes), "load_peak_gib_by_rank": ran["host_peak_at_start_gib_by_rank"],
             "with_first_step_gib_by_rank": ran["host_peak_gib_by_rank"],
-            "seconds_to_start": round(started, 1), "fsdp_loading": ran["launch"].get("fsdp_loading"),
+            "seconds_to_start": round(started, 1), "loading": ran["launch"].get("loading"),
             "distributed_type": ran["distributed_type"]}
 
 

@@ -43,10 +43,10 @@ def test_full_fine_tuning_loads_fp32_and_a_machine_holds_only_its_processes(shap
 
 
 def test_switches_that_make_every_process_read_are_named(shape):
-    every = planner.load_bytes_per_machine(shape, "lora", "fsdp_full_shard", gpus=4, fsdp_one_copy=False)
-    assert every["copies"] == 4 and "fsdp_cpu_ram_efficient_loading" in every["one_copy"]
-    old = planner.load_bytes_per_machine(shape, "lora", "zero3", gpus=4, zero3_reads_once=False)
-    assert old["copies"] == 4 and planner.ZERO3_READS_ONCE_SINCE in old["one_copy"]
+    every = planner.load_bytes_per_machine(shape, "lora", "fsdp_full_shard", gpus=4, every_process_reads=True)
+    assert every["copies"] == 4 and "fsdp_cpu_ram_efficient_loading: true" in every["one_copy"]
+    every = planner.load_bytes_per_machine(shape, "lora", "zero3", gpus=4, every_process_reads=True)
+    assert every["copies"] == 4 and "zero3_init_flag: true" in every["one_copy"]
 
 
 def test_qlora_is_a_4_bit_copy_per_cpu_process_and_the_files_on_gpus(shape):

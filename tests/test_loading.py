@@ -1,8 +1,9 @@
 """One copy of the weights in host RAM under fsdp.yaml (fsdp_cpu_ram_efficient_loading): each process reads its
 shards from the model's files once accelerator.prepare has sharded the model built with unread weights; where the
 files do not allow it (a checkpoint transformers converts while loading), the main process alone reads them and
-accelerate sends each process its shards. Either way the run is the one where every process reads the whole
-model: the same losses and the same trained logits, exactly."""
+accelerate sends each process its shards. Under zero3.yaml (zero3_init_flag) the main process reads them and
+DeepSpeed hands each process its partitions from them. Either way the run is the one where every process reads
+the whole model: the same losses and the same trained logits, exactly."""
 
 from __future__ import annotations
 
@@ -19,9 +20,11 @@ EVERY_PROCESS_READS = "every process reads the whole model"
 
 
 def every_rank_reads(tmp_path, config: str = "fsdp") -> str:
-    """`config` with fsdp_cpu_ram_efficient_loading off: each process reads the whole model."""
+    """`config` with fsdp_cpu_ram_efficient_loading (zero3_init_flag) off: each process reads the whole model."""
     text = (CONFIGS / f"{config}.yaml").read_text()
-    if "fsdp_cpu_ram_efficient_loading: true" in text:
+    if "zero3_init_flag: true" in text:
+        text = text.replace("zero3_init_flag: true", "zero3_init_flag: false")
+    elif "fsdp_cpu_ram_efficient_loading: true" in text:
         text = text.replace("fsdp_cpu_ram_efficient_loading: true", "fsdp_cpu_ram_efficient_loading: false")
     else:  # accelerate's launcher turns it on where a file leaves it out
         text = text.replace("fsdp_config:\n", "fsdp_config:\n  fsdp_cpu_ram_efficient_loading: false\n")
@@ -42,8 +45,11 @@ def same_run(one, other) -> None:
     ("lora", None, "fsdp", READS_SHARDS),
     ("lora", "gpt2", "fsdp", READS_SHARDS),  # its LM head is its embedding: the tie survives the unread build
     ("lora", "mixtral", "fsdp", MAIN_PROCESS_SENDS),  # its files keep each expert apart: transformers fuses them
-    ("lora", None, "fsdp_grad_op", READS_SHARDS),
+    pytest.param("lora", None, "fsdp_grad_op", READS_SHARDS, marks=long_test),  # fsdp's loading, every run
     pytest.param("full", None, "fsdp_offload", READS_SHARDS, marks=long_test),
+    ("lora", None, "zero3", MAIN_PROCESS_SENDS),  # the others' partitions come from the main process's weights
+    pytest.param("lora", "gpt2", "zero3", MAIN_PROCESS_SENDS, marks=long_test),
+    pytest.param("full", None, "zero3_offload", MAIN_PROCESS_SENDS, marks=long_test),
 ])
 def test_the_shards_are_read_once_a_machine_and_the_run_is_the_same(recipe, model, config, expected, tmp_path):
     extra = ()
@@ -54,10 +60,10 @@ def test_the_shards_are_read_once_a_machine_and_the_run_is_the_same(recipe, mode
     assert once.returncode == 0, once.output[-3000:]
     every = launch(recipe, tmp_path / "every", *ARGS, *extra, config=every_rank_reads(tmp_path, config))
     assert every.returncode == 0, every.output[-3000:]
-    assert once.run_json()["launch"]["fsdp_loading"] == expected
-    assert every.run_json()["launch"]["fsdp_loading"] == EVERY_PROCESS_READS
+    assert once.run_json()["launch"]["loading"] == expected
+    assert every.run_json()["launch"]["loading"] == EVERY_PROCESS_READS
     said = "loading: the main process reads the weights and sends each process its shards, since its files name"
-    assert (said in once.output) == (expected == MAIN_PROCESS_SENDS)
+    assert (said in once.output) == (expected == MAIN_PROCESS_SENDS and config.startswith("fsdp"))
     same_run(once, every)
 
 

@@ -64,7 +64,7 @@ from .choose import (
     usable_bytes,
 )
 from .dtypes import NF4_BITS_PER_WEIGHT, compute_dtypes, quantized_bytes_per_weight, state_bytes_per_parameter
-from .host_load import ZERO3_READS_ONCE_SINCE, load_bytes_per_machine, model_bytes_as_loaded, processes_per_machine
+from .host_load import load_bytes_per_machine, model_bytes_as_loaded, processes_per_machine
 from .hardware import (
     DEFAULT_GPU,
     DEFAULT_MFU,
@@ -143,5 +143,5 @@ __all__ = [
     "possible_strategies",
     "quantization_constant_bytes", "quantized_bytes_per_weight", "resident_bytes", "state_bytes_per_parameter",
     "tensor_parallel_size", "usable_bytes", "weight_bytes",
-    "ZERO3_READS_ONCE_SINCE", "load_bytes_per_machine", "model_bytes_as_loaded", "processes_per_machine",
+    "load_bytes_per_machine", "model_bytes_as_loaded", "processes_per_machine",
 ]

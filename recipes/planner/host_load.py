@@ -4,13 +4,13 @@ Before a GPU holds anything, the weights pass through host RAM. How many copies 
 strategy (measured on CPU processes, results/2026-11-27_cpu_load-memory):
 
 - one copy a machine: FSDP with `fsdp_cpu_ram_efficient_loading` (every config here sets it: each process
-  reads its shards from the files, or where they do not allow it the main process reads and sends them), ZeRO-3 with transformers >= 5.23 (rank 0 reads, the
-  others get their partitions), tensor parallel (each process reads its slices), pipeline (each stage
+  reads its shards from the files, or where they do not allow it the main process reads and sends them), ZeRO-3
+  with `zero3_init_flag` (on unless a config turns it off: the main process reads, the others get their
+  partitions), tensor parallel (each process reads its slices), pipeline (each stage
   reads its layers), model parallel (one process), QLoRA on GPUs (each process quantizes on its GPU
   as the weights load, a tensor at a time; the processes share the file's pages: not yet measured on a GPU);
 - one copy a process: DDP and ZeRO-1/2 (each process loads its replica on the CPU, then moves it),
-  FSDP without that switch, ZeRO-3 under transformers < 5.23 (each process reads the whole checkpoint),
-  and QLoRA on CPU processes (each quantizes its own 4-bit copy in host RAM as the weights load).
+  FSDP or ZeRO-3 with its switch off, and QLoRA on CPU processes (each quantizes its own 4-bit copy in host RAM as the weights load).
 
 The bytes are the weights in the dtype they load in: 2 per parameter for a frozen bf16 base, 4 for
 full fine-tuning's fp32 trained weights (or any fp32 run), NF4 for QLoRA's quantized linears. Each
@@ -26,7 +26,6 @@ from .strategies import FSDP, TENSOR_PARALLEL
 
 ZERO3 = ("zero3", "zero3_offload")
 ONE_COPY_A_MACHINE = (*FSDP, *ZERO3, *TENSOR_PARALLEL, "pipeline", "model_parallel")
-ZERO3_READS_ONCE_SINCE = "5.23"  # transformers: from this version ZeRO-3's other ranks read no weights
 
 
 def processes_per_machine(strategy: str, gpus: int, gpus_per_machine: int) -> int:
@@ -44,11 +43,12 @@ def model_bytes_as_loaded(shape: ModelShape, method: str, precision: str = "bf16
 
 
 def load_bytes_per_machine(shape: ModelShape, method: str, strategy: str, gpus: int, gpus_per_machine: int = 8,
-                           precision: str = "bf16", fsdp_one_copy: bool = True,
-                           fsdp_reads_shards: bool = True, zero3_reads_once: bool = True, on_gpu: bool = True) -> dict:
+                           precision: str = "bf16", every_process_reads: bool = False,
+                           fsdp_reads_shards: bool = True, on_gpu: bool = True) -> dict:
     """Host RAM the weights take while they load on the busiest machine: `bytes`, the `copies` of the
     model that makes, the `processes` there, `why` in words a start-up line can print, and `one_copy`:
-    the change that makes it one copy a machine (None where there is none)."""
+    the change that makes it one copy a machine (None where there is none). `every_process_reads`: the
+    config turned FSDP's or ZeRO-3's one-copy loading off."""
     processes = processes_per_machine(strategy, gpus, gpus_per_machine)
     copy = model_bytes_as_loaded(shape, method, precision)
     one_copy = None  # what would make it one copy a machine
@@ -57,12 +57,10 @@ def load_bytes_per_machine(shape: ModelShape, method: str, strategy: str, gpus: 
         copies, why = 1, "each process quantizes on its GPU as the weights load"
     elif method == "qlora":
         copies, why = processes, "each process quantizes its own copy in host RAM as the weights load"
-    elif strategy in FSDP and not fsdp_one_copy:
+    elif strategy in (*FSDP, *ZERO3) and every_process_reads:
         copies, why = processes, "every process reads the whole model"
-        one_copy = "set fsdp_cpu_ram_efficient_loading: true in the config"
-    elif strategy in ZERO3 and not zero3_reads_once:
-        copies, why = processes, f"every process reads the whole checkpoint under transformers < {ZERO3_READS_ONCE_SINCE}"
-        one_copy = f"pip install -U 'transformers>={ZERO3_READS_ONCE_SINCE}'"
+        one_copy = "set {} in the config".format("fsdp_cpu_ram_efficient_loading: true" if strategy in FSDP
+                                                 else "zero3_init_flag: true")
     elif strategy in ONE_COPY_A_MACHINE:
         copies, why = 1, {"tp": "each process reads its slices", "fsdp_tp": "each process reads its slices",
                           "pipeline": "each stage reads its layers", "model_parallel": "one process"}.get(

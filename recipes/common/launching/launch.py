@@ -29,10 +29,12 @@ FSDP = "fsdp"
 DEEPSPEED = "deepspeed"
 TENSOR_PARALLEL = "tensor_parallel"  # layers split across a group of GPUs; with FSDP over the groups when there are several
 
-# launch.fsdp_loading values: how FSDP's shards get their weights
+# launch.loading values: how FSDP's shards and ZeRO-3's partitions get their weights
 READS_SHARDS = "each process reads its shards"  # from the files, after accelerator.prepare (model.shard_loading)
-MAIN_PROCESS_SENDS = "the main process reads and sends the shards"  # accelerate's fsdp_cpu_ram_efficient_loading
-EVERY_PROCESS_READS = "every process reads the whole model"  # fsdp_cpu_ram_efficient_loading off
+# fsdp_cpu_ram_efficient_loading / zero3_init_flag (on unless a config turns it off): FSDP's through accelerate
+# in accelerator.prepare, ZeRO-3's as the model loads (modeling.partition_for_zero3)
+MAIN_PROCESS_SENDS = "the main process reads and sends the shards"
+EVERY_PROCESS_READS = "every process reads the whole model"  # either switch off
 
 
 @dataclass(frozen=True)
@@ -50,18 +52,23 @@ class Launch:
     tensor_parallel: int = 1  # ranks that split each layer's weights (and see the same batches)
     pipeline_stages: int = 1  # --pipeline-stages: ranks that each run a part of the layers on the same batches
     pipeline_chunks: int = 1  # parts of the layers each of them runs (the interleaved schedule's --pipeline-chunks)
-    # FSDP: one of the loadings above. fsdp_cpu_ram_efficient_loading asks for one copy of the weights in host
-    # RAM: each process reads its shards where the model's files allow it (settle.settle_fsdp_loading), else
-    # the main process reads them and sends each its shards in accelerator.prepare
-    fsdp_loading: str | None = None
+    # FSDP and ZeRO-3: one of the loadings above (None: transformers' own, ZeRO-3's 4-bit weights).
+    # fsdp_cpu_ram_efficient_loading asks for one copy of the weights in host RAM: each process reads its
+    # shards where the model's files allow it (settle.settle_loading), else the main process reads them and
+    # sends each its shards in accelerator.prepare; zero3_init_flag asks the same of ZeRO-3
+    loading: str | None = None
 
     @property
     def reads_shards(self) -> bool:
-        return self.fsdp_loading == READS_SHARDS
+        return self.loading == READS_SHARDS
 
     @property
     def main_process_loads(self) -> bool:
-        return self.fsdp_loading == MAIN_PROCESS_SENDS
+        return self.loading == MAIN_PROCESS_SENDS
+
+    @property
+    def every_process_reads(self) -> bool:
+        return self.loading == EVERY_PROCESS_READS
 
     @property
     def spreads_layers(self) -> bool:
@@ -153,12 +160,15 @@ def describe(env=None, on_gpu: bool | None = None) -> Launch:
         return Launch(TENSOR_PARALLEL, **common, tensor_parallel=tensor_parallel)
     if flag(env, "ACCELERATE_USE_DEEPSPEED"):
         zero = deepspeed_source(env)[1]["zero_optimization"]
-        return Launch(DEEPSPEED, **common, zero_stage=int(zero.get("stage", 0)),
+        stage = int(zero.get("stage", 0))
+        one_copy = env.get("ACCELERATE_DEEPSPEED_ZERO3_INIT", "true").lower() in ("true", "1", "yes")  # absent: on
+        return Launch(DEEPSPEED, **common, zero_stage=stage,
+                      loading=(MAIN_PROCESS_SENDS if one_copy else EVERY_PROCESS_READS) if stage == 3 else None,
                       offload_parameters=(zero.get("offload_param") or {}).get("device", "none") != "none",
                       offload_optimizer=(zero.get("offload_optimizer") or {}).get("device", "none") != "none")
     if flag(env, "ACCELERATE_USE_FSDP"):
         return Launch(FSDP, **common, offload_parameters=flag(env, "FSDP_OFFLOAD_PARAMS"),
-                      fsdp_loading=MAIN_PROCESS_SENDS if flag(env, "FSDP_CPU_RAM_EFFICIENT_LOADING") else EVERY_PROCESS_READS,
+                      loading=MAIN_PROCESS_SENDS if flag(env, "FSDP_CPU_RAM_EFFICIENT_LOADING") else EVERY_PROCESS_READS,
                       reshard_after_forward=env.get("FSDP_RESHARD_AFTER_FORWARD", "true").lower() != "false",
                       replicas=int(env.get("PARALLELISM_CONFIG_DP_REPLICATE_SIZE", "1")))
     if common["processes"] > 1:

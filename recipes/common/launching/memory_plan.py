@@ -6,7 +6,6 @@ whose weights cannot pass through this machine's host RAM.
 from __future__ import annotations
 
 import os
-from importlib.metadata import version
 
 import torch
 
@@ -15,7 +14,6 @@ import planner
 from ..model.model_config import is_default_model
 from ..refusal import refuse
 from .args import PREFERENCE_RECIPES
-from .versions import older_than
 
 
 def planner_inputs(args, recipe: str, launch) -> tuple:
@@ -70,19 +68,12 @@ def announce_plan(args, recipe: str, launch) -> None:
               f"--seq-len {args.max_length}{' --pairs' if pairs else ''}` for a config and micro-batch that fit", flush=True)
 
 
-def zero3_reads_once() -> bool:
-    """Whether the installed transformers reads a ZeRO-3 checkpoint on rank 0 alone (the others build
-    their partitions and receive the values)."""
-    return not older_than(version("transformers"), planner.ZERO3_READS_ONCE_SINCE)
-
-
 def host_load(shape, recipe: str, launch, precision: str) -> dict:
     """The planner's host RAM at load for this launch, on this machine (LOCAL_WORLD_SIZE processes)."""
     on_this_machine = int(os.environ.get("LOCAL_WORLD_SIZE", launch.processes))
     return planner.load_bytes_per_machine(
         shape, recipe, launch.planner_strategy, launch.gpus, gpus_per_machine=on_this_machine, precision=precision,
-        fsdp_one_copy=launch.main_process_loads or launch.reads_shards, fsdp_reads_shards=launch.reads_shards,
-        zero3_reads_once=zero3_reads_once(),
+        every_process_reads=launch.every_process_reads, fsdp_reads_shards=launch.reads_shards,
         on_gpu=launch.on_gpu)
 
 

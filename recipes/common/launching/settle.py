@@ -16,7 +16,7 @@ from ..model.shard_loading import why_not_read_shards
 from . import launch_config, memory_plan, preflight
 from .args import PREFERENCE_RECIPES
 from .batch_size import settle as settle_batch
-from .launch import READS_SHARDS, TENSOR_PARALLEL, Launch, describe
+from .launch import FSDP, READS_SHARDS, TENSOR_PARALLEL, Launch, describe
 from .settled import Run
 
 
@@ -61,22 +61,25 @@ def settle_launch(args: Run, recipe: str) -> tuple[Run, Launch]:
     if recipe == "qlora":
         run = run.recorded(quantization_plan=preflight.check_quantization(run))
     preflight.check_outputs(run, recipe)
-    launch = settle_fsdp_loading(run, recipe, launch)
+    launch = settle_loading(run, recipe, launch)
     memory_plan.announce_plan(run, recipe, launch)
     return run, launch
 
 
-def settle_fsdp_loading(run: Run, recipe: str, launch: Launch) -> Launch:
+def settle_loading(run: Run, recipe: str, launch: Launch) -> Launch:
     """FSDP with fsdp_cpu_ram_efficient_loading (one copy of the weights in host RAM): each process reads its
     shards from the model's files where they allow it, else the main process reads and sends them (said why).
-    4-bit weights are quantized as each process loads (bitsandbytes), and a pipeline stage reads its layers."""
-    if not launch.main_process_loads or recipe == "qlora" or launch.pipeline_stages > 1:
+    4-bit weights are quantized as each process loads (bitsandbytes), and a pipeline stage reads its layers;
+    ZeRO-3's 4-bit weights load as transformers loads them (its zero.Init, bitsandbytes on each process)."""
+    if recipe == "qlora" and launch.zero_stage == 3:
+        return dataclasses.replace(launch, loading=None)
+    if launch.kind != FSDP or not launch.main_process_loads or recipe == "qlora" or launch.pipeline_stages > 1:
         return launch
     why_not = why_not_read_shards(run.model, run.trust_remote_code)
     if why_not:
         say(f"loading: the main process reads the weights and sends each process its shards, since {why_not}")
         return launch
-    return dataclasses.replace(launch, fsdp_loading=READS_SHARDS)
+    return dataclasses.replace(launch, loading=READS_SHARDS)
 
 
 def settle_paths(run: Run) -> Run:

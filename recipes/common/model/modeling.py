@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import inspect
 import subprocess
@@ -68,9 +69,10 @@ def load_model(name: str, accelerator, launch, *, frozen: bool, quantization=Non
       weights (`shape_only`) and reads its shards from the files once `accelerator.prepare` has sharded it
       (shard_loading); where the files do not allow it, the main process alone reads the weights and
       `accelerator.prepare` sends each process its shards;
-    - ZeRO-3 (zero3_init_flag): transformers builds each process's partitions under `zero.Init`; from
-      transformers 5.23 rank 0 alone reads the files (before, every process reads the whole checkpoint:
-      the `plan:` line says so);
+    - ZeRO-3 with zero3_init_flag (on unless a config turns it off): the main process alone reads the
+      weights, the others build the model with unread weights, and `partition_for_zero3` hands each
+      process its partitions from the main one's, a tensor at a time (with it off, every process reads the
+      whole model, then partitions it); 4-bit weights load under transformers' own `zero.Init`;
     - everything else loads on CPU and `accelerator.prepare` places or shards it.
     Host RAM per machine at load: planner.load_bytes_per_machine, printed in the `plan:` line.
     """
@@ -98,15 +100,19 @@ def load_model(name: str, accelerator, launch, *, frozen: bool, quantization=Non
         if not launch.shards_parameters and not launch.spreads_layers:
             kwargs["device_map"] = {"": accelerator.device}
     model = None
-    if launch.pipeline_stages > 1:  # each process reads only its stage's weights where the files allow
-        model = load_pipeline_stage(name, accelerator, launch, kwargs, quantized=quantization is not None)
-    if launch.reads_shards or (launch.main_process_loads and quantization is None and not accelerator.is_main_process):
-        # one copy of the weights in host RAM, not one per process: each process reads its rows of the weights
-        # once accelerator.prepare has sharded the model, or receives them from the main process there (4-bit
-        # weights are quantized as each process loads)
-        model = shape_only(name, kwargs)
-    if model is None:
-        model = AutoModelForCausalLM.from_pretrained(name, **kwargs)
+    zero3_partitions_here = launch.zero_stage == 3 and launch.loading is not None
+    with built_whole(accelerator) if zero3_partitions_here else contextlib.nullcontext():
+        if launch.pipeline_stages > 1:  # each process reads only its stage's weights where the files allow
+            model = load_pipeline_stage(name, accelerator, launch, kwargs, quantized=quantization is not None)
+        if launch.reads_shards or (launch.main_process_loads and quantization is None and not accelerator.is_main_process):
+            # one copy of the weights in host RAM, not one per process: each process reads its rows of the
+            # weights once accelerator.prepare has sharded the model, or receives them from the main process
+            # (there, or for ZeRO-3 just below; 4-bit weights are quantized as each process loads)
+            model = shape_only(name, kwargs)
+        if model is None:
+            model = AutoModelForCausalLM.from_pretrained(name, **kwargs)
+    if zero3_partitions_here:
+        partition_for_zero3(model)
     if quantization is not None and not quantized_weights(model):  # preflight's check, confirmed on what loaded
         refuse(f"bitsandbytes quantized none of {name}'s layers while it loaded, so qlora.py would train plain "
                "LoRA on a full-precision base; use recipes/lora.py")
@@ -118,6 +124,31 @@ def load_model(name: str, accelerator, launch, *, frozen: bool, quantization=Non
         apply_liger_kernel(model, None)
     accept_logits_to_keep(model)
     return model
+
+
+@contextlib.contextmanager
+def built_whole(accelerator):
+    """transformers builds and loads the model whole while this lasts, not partitioned under DeepSpeed's
+    zero.Init: accelerate (1.15) hands transformers the ZeRO-3 config whatever zero3_init_flag says, and that
+    path gathers and re-partitions every layer to load it, after broadcasting its random start."""
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        accelerator.state.deepspeed_plugin.set_deepspeed_weakref()  # as accelerate left it
+
+
+def partition_for_zero3(model) -> None:
+    """ZeRO-3's partitions of `model`, a parameter at a time: DeepSpeed broadcasts each from the main process
+    (the others hold unread weights, or the same ones) and keeps this process's part, freeing the whole
+    tensor before the next. Done here, not in accelerator.prepare: DeepSpeed's engine would broadcast every
+    whole parameter first, all of them held at once."""
+    import deepspeed
+    from transformers.integrations.deepspeed import deepspeed_config
+
+    deepspeed.zero.Init(module=model, config_dict_or_path=deepspeed_config())
 
 
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
