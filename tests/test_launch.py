@@ -32,10 +32,11 @@ from common.training.runtime import StepSync  # noqa: E402
 CONFIG_OF = {Path(file).name: strategy for strategy, file in planner.STRATEGIES.items()}  # file -> name
 
 
-def described(config_name: str, on_gpu: bool, processes: int | None = None, visible_gpus: int = 0):
+def described(config_name: str, on_gpu: bool, processes: int | None = None, visible_gpus: int = 0, **changed_env):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the launcher's notes about ports in use
         env = check_config.launcher_environment(REPO / "accelerate_configs" / config_name, processes)
+    env = {key: value for key, value in {**env, **changed_env}.items() if value is not None}
     args = parse_args(recipe_flags("lora"), [])
     with mock.patch.dict("os.environ", env, clear=True), mock.patch("torch.cuda.device_count",
                                                                     return_value=visible_gpus):
@@ -58,6 +59,16 @@ def test_every_shipped_config_describes_itself_as_the_planner_names_it(config_na
         assert (launch.kind, launch.tensor_parallel, launch.data_parallel_size) == ("tensor_parallel", *mesh)
     if config_name == "model_parallel.yaml":
         assert (launch.kind, launch.processes, launch.gpus) == ("model_parallel", 1, 4)
+
+
+@pytest.mark.parametrize("zero3_init, loading", [
+    ("true", launch_module.MAIN_PROCESS_SENDS), (None, launch_module.MAIN_PROCESS_SENDS),  # absent: on, as accelerate has it
+    ("on", launch_module.MAIN_PROCESS_SENDS), ("false", launch_module.EVERY_PROCESS_READS),
+    ("0", launch_module.EVERY_PROCESS_READS)])
+def test_zero3_init_flag_is_read_as_accelerate_reads_it(zero3_init, loading):
+    launch = described("zero3.yaml", on_gpu=False, ACCELERATE_DEEPSPEED_ZERO3_INIT=zero3_init)
+    assert (launch.zero_stage, launch.loading) == (3, loading)
+    assert described("zero2.yaml", on_gpu=False).loading is None
 
 
 def test_one_process_on_one_device_is_not_model_parallel():

@@ -17,6 +17,7 @@ import os
 from dataclasses import asdict, dataclass
 
 import torch
+from accelerate.utils import str_to_bool
 
 from ..refusal import refuse
 from .deepspeed_config import deepspeed_source
@@ -161,7 +162,8 @@ def describe(env=None, on_gpu: bool | None = None) -> Launch:
     if flag(env, "ACCELERATE_USE_DEEPSPEED"):
         zero = deepspeed_source(env)[1]["zero_optimization"]
         stage = int(zero.get("stage", 0))
-        one_copy = env.get("ACCELERATE_DEEPSPEED_ZERO3_INIT", "true").lower() in ("true", "1", "yes")  # absent: on
+        # read as accelerate's DeepSpeedPlugin reads it (absent: on for stage 3)
+        one_copy = str_to_bool(env.get("ACCELERATE_DEEPSPEED_ZERO3_INIT", "true")) == 1
         return Launch(DEEPSPEED, **common, zero_stage=stage,
                       loading=(MAIN_PROCESS_SENDS if one_copy else EVERY_PROCESS_READS) if stage == 3 else None,
                       offload_parameters=(zero.get("offload_param") or {}).get("device", "none") != "none",
