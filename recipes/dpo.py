@@ -22,10 +22,10 @@ Flags: --model --dataset --eval-dataset --columns --chat-template --output-dir -
        --eval-every --save-every --save-total-limit --resume --gradient-checkpointing --log-every --report-to
        --save-dtype --trust-remote-code
        --config (a YAML file of any of these flags)
-Speed: --compile --attention --dataloader-workers
+Speed: --compile --liger --attention --dataloader-workers
 LoRA:  --lora-r --lora-alpha --lora-dropout --lora-targets --merge --bits
 Preference: --loss (sigmoid, ipo, simpo) --beta --simpo-gamma
-Refused here (not for pairs yet): --packing --liger --pipeline-stages --pipeline-schedule --pipeline-chunks
+Refused here (not for pairs yet): --packing --pipeline-stages --pipeline-schedule --pipeline-chunks
 """
 
 import math
@@ -44,23 +44,26 @@ from common.launching import deepspeed_config, preflight, settle
 from common.model import modeling
 from common.outputs import checkpoint, report
 from common.outputs.runlog import RunLog
-from common.training import runtime
+from common.training import loss_head, runtime
 from common.training.evaluation import evaluate_pairs
 
 
-def sequence_logps(model, batch):
+def sequence_logps(model, batch, head):
     """Each row's log-probability of its target tokens (their sum: the probability of the whole reply),
     how many target tokens it has, and a mixture of experts' router loss (None for other models). Rows are a
-    micro-batch's chosen sides, then its rejected sides."""
-    targets = batch["labels"][:, 1:]  # position t predicts token t + 1
-    positions = batches.positions_with_targets(targets)  # the LM head runs only where some row has a target
-    outputs = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False,
-                    logits_to_keep=positions)
-    logits, router_loss = outputs.logits, outputs.get("aux_loss")  # aux_loss: a mixture of experts'
-    targets = targets[:, positions].to(logits.device)
-    token_logps = -F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE,
-                                   reduction="none").view_as(targets)  # 0 on prompt and padding
-    return token_logps.sum(1), (targets != IGNORE).sum(1), router_loss
+    micro-batch's chosen sides, then its rejected sides. `head`: the run's way to the logits (loss_head.py),
+    only where some row has a target and a chunk of positions at a time."""
+    targets, positions = batch["labels"][:, 1:], batch["target_positions"]  # position t predicts token t + 1
+    outputs = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"), use_cache=False,
+                    **head.forward_arguments(positions))
+    token_logps = head.apply(target_logps, outputs, targets, positions)
+    return token_logps.sum(1), (targets != IGNORE).sum(1).to(token_logps.device), outputs.get("aux_loss")
+
+
+def target_logps(logits, targets):
+    """Each position's log-probability of its target token (0 on prompt and padding), laid out like `targets`."""
+    return -F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE,
+                            reduction="none").view_as(targets)
 
 
 def pair_losses(logps, reference_logps, tokens, run):
@@ -86,15 +89,15 @@ def pair_losses(logps, reference_logps, tokens, run):
     return losses, run.beta * chosen_ratio.detach(), run.beta * rejected_ratio.detach()
 
 
-def score_pairs(accelerator, model, batch, run):
+def score_pairs(accelerator, model, batch, run, head):
     """Per pair: its loss (with its graph), and its detached figures: [loss, chosen reward, rejected
     reward, chosen log-probability, rejected log-probability, 1 where the chosen side's reward is higher];
     and the micro-batch's router loss (a mixture of experts'; else None)."""
     reference_logps = None
     if run.loss != "simpo":  # the reference: the base, i.e. this model with its adapters switched off
         with torch.no_grad(), accelerator.unwrap_model(model).disable_adapter():
-            reference_logps = sequence_logps(model, batch)[0]
-    logps, tokens, router_loss = sequence_logps(model, batch)
+            reference_logps = sequence_logps(model, batch, head)[0]
+    logps, tokens, router_loss = sequence_logps(model, batch, head)
     losses, chosen_rewards, rejected_rewards = pair_losses(logps, reference_logps, tokens, run)
     chosen_logps, rejected_logps = logps.detach().chunk(2)
     won = (chosen_rewards > rejected_rewards).to(chosen_rewards.dtype)
@@ -125,7 +128,7 @@ def main():
     # trainable adapters on top.
     quantization = modeling.quantization_config(launch, run.bits) if run.bits else None
     model = modeling.load_model(run.model, accelerator, launch, frozen=True, quantization=quantization,
-                                attention=run.attention, liger=False, trust_remote_code=run.trust_remote_code)
+                                attention=run.attention, liger=run.liger, trust_remote_code=run.trust_remote_code)
     # A mixture of experts whose config asks for it (output_router_logits) also trains its router to spread
     # the tokens over the experts: transformers' load-balancing loss with this weight (0 for other models).
     router_weight = modeling.router_loss_weight(model)
@@ -143,6 +146,7 @@ def main():
     )
     model = get_peft_model(model, lora_config)
     modeling.seed_adapter(model, run.seed)  # the same first adapter whatever the strategy split
+    modeling.keep_adapter_inputs_in_compute_dtype(model, launch)  # no float32 copy of each adapter's input
     accelerator.print("reference: none, SimPO scores the policy alone" if run.loss == "simpo" else
                       "reference: the base, i.e. this model with its adapters switched off (no second copy)")
     if run.compile:
@@ -167,10 +171,14 @@ def main():
         model, optimizer, train_loader, eval_loader, scheduler
     )
     parameters = list(model.parameters())  # after prepare (FSDP's shards); listed once, not walked each step
+    # The log-probabilities' way to the logits: the LM head run a chunk of positions at a time over the last
+    # hidden states, never the whole batch's logits at once (loss_head.py; run.json's loss_path).
+    head = loss_head.settle(accelerator, model)
 
     log = RunLog(accelerator, run, recipe="dpo", launch=launch)
     start_step = checkpoint.resume_from(accelerator, resume, None)
-    log.write_run_json(model, None, data_format, optimizer, total_steps)  # after the resume: a failed load changes nothing
+    # after the resume: a failed load changes nothing
+    log.write_run_json(model, None, data_format, optimizer, total_steps, head.description)
 
     # The loop: one iteration = one optimizer step over grad_accum micro-batches on every rank.
     model.train()
@@ -186,7 +194,7 @@ def main():
         step_loss, step_figures, step_router_loss = 0.0, 0.0, 0.0
         for batch in micro_batches:
             with accelerator.accumulate(model):
-                losses, figures, router_loss = score_pairs(accelerator, model, batch, run)
+                losses, figures, router_loss = score_pairs(accelerator, model, batch, run, head)
                 step_loss += losses.sum().detach()
                 step_figures += figures[:, 1:].sum(0)  # summed over pairs: rewards, log-probabilities, wins
                 # The gradient of the global pair mean: / step_pairs, and undo accelerate's division by
@@ -220,7 +228,7 @@ def main():
                              "start in a new --output-dir (a checkpoint here may already hold the update that diverged)")
         if step == total_steps or (run.eval_every and step % run.eval_every == 0):
             log.log_eval(step, evaluate_pairs(accelerator, model, eval_loader,
-                                              lambda batch: score_pairs(accelerator, model, batch, run)[1]))
+                                              lambda batch: score_pairs(accelerator, model, batch, run, head)[1]))
         if stopping or (run.save_every and step % run.save_every == 0):
             checkpoint.save_checkpoint(accelerator, run, step, None)
         if stopping:

@@ -36,7 +36,7 @@ from common.launching import batch_size, deepspeed_config, preflight, settle
 from common.model import modeling
 from common.outputs import checkpoint, report
 from common.outputs.runlog import RunLog
-from common.training import pipeline, runtime
+from common.training import loss_head, pipeline, runtime
 from common.training.evaluation import evaluate
 
 
@@ -86,6 +86,7 @@ def main():
     )
     model = get_peft_model(model, lora_config)
     modeling.seed_adapter(model, run.seed)  # the same first adapter whatever the strategy split
+    modeling.keep_adapter_inputs_in_compute_dtype(model, launch)  # no float32 copy of each adapter's input
     run = batch_size.confirm_on_gpu(accelerator, launch, model, run)  # --batch-size auto: does a real step fit?
     # Pipeline parallel (--pipeline-stages N): this process keeps its stage of the layers, and a schedule runs
     # the step's micro-batches through the stages (None for every other launch).
@@ -122,10 +123,15 @@ def main():
             model, optimizer, train_loader, eval_loader, scheduler
         )
     parameters = list(model.parameters())  # after prepare (FSDP's shards); listed once, not walked each step
+    # The loss's way to the logits: the LM head run a chunk of positions at a time over the last hidden
+    # states, so the step never holds the whole batch's logits (or, for a model whose logits are more
+    # than its head's output, the model's own logits). run.json's loss_path says which.
+    head = loss_head.settle(accelerator, model, stages)
 
     log = RunLog(accelerator, run, recipe="lora", launch=launch)
     start_step = checkpoint.resume_from(accelerator, resume, stages)
-    log.write_run_json(model, stages, data_format, optimizer, total_steps)  # after the resume: a failed load changes nothing
+    # after the resume: a failed load changes nothing
+    log.write_run_json(model, stages, data_format, optimizer, total_steps, head.description)
 
     # The loop: one iteration = one optimizer step over grad_accum micro-batches on every rank.
     model.train()
@@ -147,21 +153,15 @@ def main():
         else:
             for batch in micro_batches:
                 with accelerator.accumulate(model):
-                    labels = batch.pop("labels")
-                    if run.liger:  # Liger's fused linear + plain cross-entropy, inside the model (not token_losses)
-                        loss_sum = model(**batch, labels=labels, use_cache=False, num_items_in_batch=1).loss
-                        router_loss = None  # --liger with the router's loss is refused before loading
-                    else:  # no KV cache in training (it would also hide packing)
-                        targets = labels[:, 1:]  # position t predicts token t + 1
-                        # The LM head runs only where some row has a target: prompt and padding positions need
-                        # no logits (with a large vocabulary that saves much of the step's time and memory).
-                        positions = batches.positions_with_targets(targets)
-                        outputs = model(**batch, use_cache=False, logits_to_keep=positions)
-                        logits, router_loss = outputs.logits, outputs.get("aux_loss")  # aux_loss: a mixture of experts'
-                        del outputs
-                        token_loss = token_losses(logits, targets[:, positions])  # the loss, defined above
-                        del logits  # the largest tensor of the step: the backward keeps only what it needs
-                        loss_sum = token_loss.sum()
+                    labels, positions = batch.pop("labels"), batch.pop("target_positions")
+                    targets = labels[:, 1:]  # position t predicts token t + 1
+                    # Logits only where some row has a target, a chunk of positions at a time: the loss of
+                    # each chunk is kept, not its logits (loss_head.py). No KV cache in training.
+                    outputs = model(**batch, use_cache=False, **head.forward_arguments(positions))
+                    token_loss = head.apply(token_losses, outputs, targets, positions)  # the loss, defined above
+                    router_loss = outputs.get("aux_loss")  # a mixture of experts' (None for other models)
+                    del outputs
+                    loss_sum = token_loss.sum()
                     step_loss += loss_sum.detach()
                     # The gradient of the global token mean: / step_tokens (every rank's micro-batches), and
                     # undo accelerate's division by grad_accum and the gradient all-reduce's mean over ranks
@@ -190,7 +190,7 @@ def main():
             preflight.refuse(f"the loss became {loss} at step {step}; lower --lr or check the data, and start "
                              "in a new --output-dir (a checkpoint here may already hold the update that diverged)")
         if step == total_steps or (run.eval_every and step % run.eval_every == 0):
-            log.log_eval(step, evaluate(accelerator, model, eval_loader, token_losses, stages))
+            log.log_eval(step, evaluate(accelerator, model, eval_loader, token_losses, head, stages))
         if stopping or (run.save_every and step % run.save_every == 0):
             checkpoint.save_checkpoint(accelerator, run, step, stages)
         if stopping:

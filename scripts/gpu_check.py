@@ -11,7 +11,10 @@ left; a part cut short is rerun with --parts NAME, never by hand (the wheels are
 Each call reinstalls the wheels (skipped when the box still has them) and starts no part it has no time
 left for (--budget-s).
 
-Parts (the default call: preference, core, headline; then the others in the order listed):
+Parts (the default call: speed, headline, preference, core; then the others in the order listed):
+  speed      scripts/step_speed.py: the LoRA step at the headline's shape, lever by lever (the recipes' defaults,
+             the step before the chunked loss head and bf16 adapter inputs, each lever alone, dropout 0, compile,
+             Liger, all together): tokens/s, MFU, peak, losses; a kernel-time profile by category
   preference tests/gpu/test_gpu_preferences.py: dpo.py (LoRA, QLoRA) and dpo_full.py under fsdp, zero3 and ddp
              (6 launches): the reference's first step, the held-out margin, the reload; never run on a GPU before
   headline   the TinyLlama-1.1B LoRA reference epoch under ddp.yaml (scripts/benchmark.py --workload tinyllama
@@ -34,7 +37,7 @@ Written to --results (default results/<date>_<gpu>/), rewritten after every part
 short still leaves its numbers: summary.md (tables, the benchmarks' too), results.json (the same,
 machine-readable, with every test case's recorded figures and the box's package versions), log.txt
 (every command and its output), and <part>.json / <part>.png for each benchmark part: 5 files for the
-first call, 7 for the second, within the 8 the device tool brings back. No git needed there: the commit
+first call (with speed.json), 7 for the second, within the 8 the device tool brings back. No git needed there: the commit
 is read from the COMMIT file scripts/gpu_wheels.sh writes beside the wheels, else from git.
 
 --cpu-stand-in runs the same parts on a machine without a GPU (RECIPES_GPU_SUITE_ON_CPU=1, the benchmark's
@@ -84,7 +87,10 @@ TINYLLAMA = ["scripts/benchmark.py", "--workload", "tinyllama", "--measure-peak"
 # the headline 93 s (its epoch 29 s), a 1.1B-shaped launch 35-66 s, a 2-layer recipe case 25-50 s (imports,
 # loading, saving and the reload dominate); the first call's wheels 20 s.
 PARTS = {
-    # call 1 (the default): the preference recipes (6 launches like the core's), the core, the headline
+    # call 1 (the default): the step lever by lever, the headline through the launch, the preference recipes
+    # (6 launches like the core's), the core. The step table: 8 variants x 20 steps of ~0.5-0.9 s at the
+    # headline's shape built once, compile's ~1 min, two 3-step profiles (scripts/step_speed.py)
+    "speed": (["scripts/step_speed.py"], 300, 120),
     "preference": ([*PYTEST, PREFERENCE_TESTS], 300, 45),
     "headline": ([*TINYLLAMA, "--strategies", "ddp"], 300, 150),
     "memory": ([*PYTEST, *MEMORY_CASES], 240, 60),
@@ -106,17 +112,18 @@ PARTS = {
              "models/tinyllama-1.1b-22-layers", "--batch-size", "16", "--grad-accum", "2", "--max-length", "1024",
              "--steps", "40", "--rounds", "1"], 420, 300),
 }
-# What no GPU has run first (the preference recipes), then the recipe cases, which the last call-1 budget did not
-# reach the end of (results/2026-11-27_h200_call1); the headline's and the memory part's figures are known from
-# two GPUs (H100, H200): the headline last, the memory part in the second call.
-FIRST_CALL = ("preference", "core", "headline")
+# The open GPU issue's first: the step lever by lever and the headline with the new defaults through the real launch
+# (the speed the chunked loss head and the adapters' bf16 inputs give); then what no GPU has run (the preference
+# recipes), then the recipe cases (results/2026-11-27_h200_call1 did not reach their end).
+FIRST_CALL = ("speed", "headline", "preference", "core")
 DEFAULT_BUDGET_S = 450
 BENCHMARKS = ("headline", "reference", "reference34b")
 # What a part runs instead on the CPU stand-in: the benchmark's smoke path (2 CPU processes, the tiny model).
 CPU_STAND_IN = {"headline": ["scripts/benchmark.py", "--smoke", "--strategies", "ddp"],
                 "reference": ["scripts/benchmark.py", "--smoke", "--strategies", "zero2"],
                 "reference34b": ["scripts/benchmark.py", "--smoke", "--strategies", "ddp"],
-                "trl": ["scripts/compare_trl.py", "--processes", "1", "--steps", "4", "--rounds", "1"]}
+                "trl": ["scripts/compare_trl.py", "--processes", "1", "--steps", "4", "--rounds", "1"],
+                "speed": ["scripts/step_speed.py", "--cpu"]}
 # the random-weight TinyLlama-1.1B-shaped model of tests/gpu (built once, also by the planner part)
 # A part past its time gets Ctrl-C, then this long to write what it has before it is killed.
 STOP_GRACE_S = 30
@@ -374,6 +381,8 @@ def main(argv=None) -> int:
             junit.unlink(missing_ok=True)
             if part in BENCHMARKS:  # the built models shared between parts and, on a warm box, calls
                 command += ["--output-dir", str(scratch / part), "--model-cache", str(scratch / "models")]
+            elif part == "speed":
+                command += ["--output", str(scratch / "speed")]
             elif part == "trl":
                 if not args.cpu_stand_in:
                     run([sys.executable, *BUILD_MODEL], log, timeout=600)
@@ -386,6 +395,9 @@ def main(argv=None) -> int:
             result["cases"] = junit_cases(junit)
             if part in BENCHMARKS:
                 copy_benchmark(part, scratch / part, results_dir, result)
+            if part == "speed" and (scratch / "speed" / "step_speed.md").exists():
+                result["table"] = (scratch / "speed" / "step_speed.md").read_text()
+                (results_dir / "speed.json").write_text((scratch / "speed" / "step_speed.json").read_text())
             record["results"][part] = result
             save()
             print(f"{part}: exit {result['returncode']} after {result['seconds']} s", flush=True)

@@ -40,7 +40,7 @@ import planner  # noqa: E402  (recipes/planner/: pure Python, no torch)
 
 # The recipes' defaults of the flags the plan also takes (recipes/common/launching/args.py): a Launch line
 # spells out only those that differ.
-RECIPE_DEFAULTS = {"lora_r": 16, "lora_targets": "all-linear", "lora_dropout": 0.05, "max_length": 512,
+RECIPE_DEFAULTS = {"lora_r": 16, "lora_targets": "all-linear", "lora_dropout": 0.0, "max_length": 512,
                    "batch_size": 8, "grad_accum": 1}
 # The recipes' default data is the bundled toy task: a Launch line asks for the user's.
 DATASET_PLACEHOLDER = "<your data file, folder or hub id>"
@@ -89,7 +89,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     add("--lora-targets", default=RECIPE_DEFAULTS["lora_targets"],
         help="comma-separated module names, or all-linear (default)")
     add("--lora-dropout", type=float, default=RECIPE_DEFAULTS["lora_dropout"],
-        help="adapter dropout; its masks cost memory (default: 0.05)")
+        help="adapter dropout; its input copies and masks cost memory (default: 0)")
     add("--precision", choices=("bf16", "fp32"), default="bf16",
         help="bf16 (the configs' mixed precision) or fp32 (--mixed_precision no)")
     add("--attention", choices=planner.ATTENTIONS, default="sdpa", help="attention implementation (default: sdpa)")

@@ -61,7 +61,7 @@ PEAK_KINDS = KINDS + ("activations", "total")
 STRATEGIES = ("fsdp_full_shard", "fsdp_grad_op", "zero3")
 # ZeRO-3 allocates each rank's partitions, fp32 master weights and AdamW state as real CPU tensors.
 ZERO3_MODELS = ("tiny-llama", "tinyllama-1.1b")
-LORA = dict(r=16, lora_alpha=32, lora_dropout=0.05)  # the recipes' defaults (recipes/common/launching/args.py)
+LORA = dict(r=16, lora_alpha=32, lora_dropout=0.0)  # the recipes' defaults (recipes/common/launching/args.py)
 MASKED = 5  # the first row's last tokens are padding, so the attention runs the masked path, as in training
 
 # FSDPMemTracker's categories summed into the planner's four parts.

@@ -72,7 +72,6 @@ def test_lora_on_a_mixture_of_experts_trains_its_router_loss_alike_on_every_stra
                               "--grad-accum", str(4 // processes), "--lr", "5e-3", "--log-every", "1",
                               config=config, processes=processes)
         assert runs[config].returncode == 0, runs[config].output[-3000:]
-        assert "lora: --lora-dropout 0 (peft's LoRA on the fused expert weights" in runs[config].output
     reference = runs["model_parallel"].metrics()
     assert all(record["router_loss"] > 0 for record in reference)
     for config, _ in STRATEGIES[1:]:

@@ -110,7 +110,7 @@ def test_qlora_says_which_layers_stay_unquantized_and_records_the_quantized_weig
     only); the start-up line gives the share, run.json the counts."""
     build("mixtral", tmp_path / "mixtral")
     run = launch("qlora", tmp_path / "out", "--model", str(tmp_path / "mixtral"), "--max-steps", "2",
-                 "--batch-size", "2", config="ddp")  # the default --lora-dropout: 0 on the experts (said)
+                 "--batch-size", "2", config="ddp")  # the default --lora-dropout 0 suits the experts
     assert run.returncode == 0, run.output[-3000:]
     [line] = [line for line in run.output.splitlines() if line.startswith("quantization: ")]
     assert line.startswith("quantization: 4-bit on ") and "MixtralExperts" in line, line

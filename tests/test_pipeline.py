@@ -173,7 +173,7 @@ def plain(processes: int, kind: str = DDP) -> Launch:
     (["--pipeline-stages", "4"], plain(4), "--pipeline-stages 4 is more than the model's 2 decoder layers"),
     (["--pipeline-stages", "2"], plain(2, FSDP), "--pipeline-stages runs on a plain multi-process launch "
                                                  r"\(accelerate_configs/pipeline.yaml\), not on fsdp"),
-    (["--pipeline-stages", "2", "--liger"], plain(2), "--liger's fused loss runs inside the whole model's forward"),
+    (["--pipeline-stages", "2", "--liger"], plain(2), "--liger's kernels are not patched into pipeline stages"),
     (["--pipeline-stages", "0"], plain(2), "--pipeline-stages must be >= 1"),
     (["--pipeline-stages", "2", "--pipeline-schedule", "interleaved"], plain(2),
      "--pipeline-stages 2 x --pipeline-chunks 2 cuts the model's 2 decoder layers into 4 parts, more than there "

@@ -295,6 +295,9 @@ def test_layer_activations_are_what_autograd_saves(method, precision, attention)
     difference between a 2-layer and a 1-layer model). bf16 runs under CPU autocast with the
     frozen base in bf16, as DDP does; no LoRA dropout (CPU's dropout mask is a float, CUDA's a bool)."""
     torch = pytest.importorskip("torch")
+    from types import SimpleNamespace
+
+    from common.model.modeling import keep_adapter_inputs_in_compute_dtype
     from peft import LoraConfig, get_peft_model
 
     batch, seq = 2, 24
@@ -306,6 +309,8 @@ def test_layer_activations_are_what_autograd_saves(method, precision, attention)
             model = model.to(torch.bfloat16) if precision == "bf16" else model
             model = get_peft_model(model, LoraConfig(r=8, target_modules="all-linear", lora_dropout=0.0,
                                                      task_type="CAUSAL_LM"))
+            # as the recipes run it under mixed precision: the adapters take their inputs in bf16
+            keep_adapter_inputs_in_compute_dtype(model, SimpleNamespace(precision=precision, pipeline_stages=1))
         model.train()
         return saved_by_autograd(model, batch, seq, bf16=precision == "bf16")
 
@@ -349,7 +354,7 @@ def test_sdpa_keeps_no_attention_matrix(tinyllama):
     assert curvature("sdpa") == pytest.approx(tinyllama.layers * 2 + 1, abs=1e-3)
     assert curvature("eager") > tinyllama.layers * tinyllama.heads * (4 + 2)
     at_1024 = planner.per_gpu_bytes(tinyllama, "lora", "ddp", 4, 16, 1024)["activations"]
-    assert (tinyllama.layers * 2 + 1) * 16 * 1024**2 < 0.02 * at_1024
+    assert (tinyllama.layers * 2 + 1) * 16 * 1024**2 < 0.03 * at_1024
 
 
 # ---------------------------------------------------------------------------- recommendations
@@ -363,10 +368,11 @@ def test_tinyllama_lora_recommends_ddp_on_one_gpu(tinyllama):
     assert fewest["max_micro_batch"] == rec["fastest"]["max_micro_batch"]
     assert (fewest["micro_batch"], fewest["grad_accum"], fewest["gradient_checkpointing"]) == (16, 1, 1)
     assert rec["fastest"]["max_micro_batch"] >= 64
-    # Without checkpointing the activations, not the weights, cap the micro-batch (16 x 1024 does
-    # not fit 48 GB on any strategy that runs the whole model on each GPU; 8 does, on DDP).
+    # Without checkpointing the activations, not the weights, cap the micro-batch: 16 x 1024 fits 48 GB on DDP,
+    # as the reference ran it, with the loss chunked and no adapter dropout (the recipes' defaults); 32 does not.
     ddp = planner.max_micro_batch(tinyllama, "lora", "ddp", 4, 48, 1024)
-    assert 8 <= ddp < 16
+    assert 16 <= ddp < 32
+    assert planner.max_micro_batch(tinyllama, "lora", "ddp", 4, 48, 1024, lora_dropout=0.05) < 16
     assert planner.plan(tinyllama, "lora", 4, 48, 8, 1024)["recommendation"]["fastest"]["strategy"] == "ddp"
 
 

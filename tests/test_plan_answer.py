@@ -287,14 +287,15 @@ def test_one_gpu_is_never_given_a_config_that_only_shards(workload):
 
 def test_the_one_gpu_answers_that_used_to_name_zero1():
     """Phi-3-mini full and CodeLlama-34B QLoRA on one H100: among all the configs the recipes run, ZeRO-1 on one
-    process plans fastest (DeepSpeed's bf16 weights leave more room for activations); the answer is ddp.yaml as a
-    single process, and the fewest-GPU answer of a larger ask is one too."""
+    process planned fastest (DeepSpeed's bf16 weights leave more room for activations; with the loss chunked
+    DDP may match it); the answer is ddp.yaml as a single process, and the fewest-GPU answer of a larger ask is
+    one too."""
     for model, method in (("phi-3-mini", "full"), ("codellama-34b", "qlora")):
         shape = planner.load_shape(model)
         machine = planner.Machine.of()
         runs = [(s, planner.best_run(shape, method, s, 1, 80, machine))
                 for s in planner.possible_strategies(method, 1, shape)]
-        assert planner.fastest_of([(s, run) for s, run in runs if run])[0] == "zero1"
+        assert planner.fastest_of([(s, run) for s, run in runs if run])[0] in ("zero1", "ddp")
         plan = planner.plan(shape, method, 1, 80)
         assert plan["recommendation"]["fastest"]["strategy"] == "ddp"
         wider = planner.plan(shape, method, 4, 80)["recommendation"]["fewest_gpus"]

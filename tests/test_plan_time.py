@@ -203,11 +203,12 @@ def test_interleaved_and_replicated_pipelines(tinyllama):
     its own micro-batches (the global batch times the replicas), each stage's gradients summed across them."""
     first = planner.model_parallel_stages(tinyllama, 2)[0]
     for accum in (2, 8):
+        # with adapter dropout the first stage, which holds the most micro-batches, is the busiest
         usage = planner.per_gpu_bytes(tinyllama, "lora", "pipeline", 4, 2, 1024, grad_accum=accum,
-                                      pipeline_stages=2, pipeline_chunks=2)
+                                      pipeline_stages=2, pipeline_chunks=2, lora_dropout=0.05)
         parts = min(2 * accum, (2 - 1) * 2 + 2 * (2 - 1 - 0) + 1)
         assert usage["activations"] == planner.activation_bytes(tinyllama, "lora", "pipeline", 2 * parts / 2, 1024,
-                                                                stage=first)
+                                                                stage=first, lora_dropout=0.05)
     one = planner.step_time(tinyllama, "lora", "pipeline", 2, REFERENCE, 2, 8, 1024)
     interleaved = planner.step_time(tinyllama, "lora", "pipeline", 2, REFERENCE, 2, 8, 1024, pipeline_chunks=2)
     assert one["idle_share"] == 1 / 9 and interleaved["idle_share"] == 1 / 17
@@ -258,9 +259,9 @@ def test_the_reference_workloads_get_the_configs_that_won(tinyllama, codellama):
     for checkpointing in (0, 1):
         tiny = planner.plan(tinyllama, "lora", 4, 48, 16, 1024, checkpointing, grad_accum=2, machine=REFERENCE)
         assert tiny["recommendation"]["fastest"]["strategy"] == "ddp"
-        if not checkpointing:
+        if not checkpointing:  # 16 x 1,024 fits each 48 GB GPU under DDP, as the reference ran it
             ddp = tiny["strategies"][0]
-            assert ddp["strategy"] == "ddp" and not ddp["fits"] and ddp["run"]["micro_batch"] < 16  # accumulation
+            assert ddp["strategy"] == "ddp" and ddp["fits"] and ddp["run"]["micro_batch"] == 16
         code = planner.plan(codellama, "lora", 4, 48, 4, 1024, checkpointing, grad_accum=4, machine=REFERENCE)
         runs = {e["strategy"]: e["run"] for e in code["strategies"] if e["run"]}
         measured = [(s, runs[s]) for s in ("fsdp_full_shard", "zero3", "model_parallel")]
@@ -356,7 +357,7 @@ def test_cli_prints_the_time_table_and_launch_first():
     model = planner.HUB_IDS["tinyllama-1.1b"]
     assert advice[0] == ("Launch: accelerate launch --config_file accelerate_configs/ddp.yaml --num_processes 4 "
                          f"recipes/lora.py --model {model} --dataset <your data file, folder or hub id> "
-                         "--batch-size 8 --max-length 1024 --grad-accum 4")
+                         "--batch-size 16 --max-length 1024 --grad-accum 2")
     assert advice[1].startswith("Fastest that fits on 4 GPUs: ddp (accelerate_configs/ddp.yaml), global batch "
                                 f"{8 * 4 * 4} rows a step, an estimated")
 

@@ -46,7 +46,7 @@ def test_the_loop_is_written_out_in_each_recipe(recipe):
     for piece in ("accelerator.accumulate(model)", "accelerator.backward(", "clip_grad_norm(",
                   "optimizer.step()", "scheduler.step()", "optimizer.zero_grad()", "evaluate(",
                   "save_checkpoint(", "resume_from(", "def token_losses(", "torch.nn.functional.cross_entropy(",
-                  "token_loss = token_losses(", "evaluate(accelerator, model, eval_loader, token_losses, stages)",
+                  "token_loss = head.apply(token_losses,", "evaluate(accelerator, model, eval_loader, token_losses, head, stages)",
                   "loss_sum / step_tokens"):
         assert piece in source, f"{recipe}.py lost `{piece}`"
     assert len(source.splitlines()) <= 300
@@ -129,17 +129,18 @@ def test_evaluation_scores_with_the_recipes_loss():
     assert doubled[1:].tolist() == plain[1:].tolist() == [5.0, plain[2].item(), 2.0]
 
 
-def test_logits_at_target_positions_only_give_the_textbook_loss(trained, tmp_path):
-    """The recipe's LM head runs only where some row has a target; a copy that computes every
-    position's logits and the textbook shifted cross-entropy follows the same loss curve."""
+def test_logits_chunked_at_target_positions_give_the_textbook_loss(trained, tmp_path):
+    """The recipe's LM head runs only where some row has a target, a chunk of positions at a time over the
+    last hidden states; a copy that computes every position's logits at once and the textbook shifted
+    cross-entropy follows the same loss curve."""
     run = launch_edited_copy([
-        ("outputs = model(**batch, use_cache=False, logits_to_keep=positions)",
+        ("outputs = model(**batch, use_cache=False, **head.forward_arguments(positions))",
          "outputs = model(**batch, use_cache=False)"),
-        ("logits, router_loss = outputs.logits, outputs.get(\"aux_loss\")",
-         "logits, router_loss = outputs.logits[:, :-1], outputs.get(\"aux_loss\")"),
-        ("token_loss = token_losses(logits, targets[:, positions])", "token_loss = token_losses(logits, labels[:, 1:])"),
+        ("token_loss = head.apply(token_losses, outputs, targets, positions)",
+         "token_loss = token_losses(outputs.logits[:, :-1], labels[:, 1:])"),
     ], tmp_path / "out", steps=STEPS)
     assert run.losses() == pytest.approx(trained("lora", "model_parallel").losses(), rel=1e-5)
+    assert trained("lora", "model_parallel").run_json()["loss_path"] == "chunked over the last hidden states"
 
 
 def test_a_copied_recipe_edited_in_its_collator_trains_on_the_edit(trained, tmp_path):

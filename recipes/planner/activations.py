@@ -14,7 +14,7 @@ from .strategies import _check, tensor_parallel_size
 
 def layer_activation_bytes_per_token(shape: ModelShape, method: str, strategy: str, seq_len: int,
                                      lora_rank: int = 16, lora_targets="all-linear", precision: str = "bf16",
-                                     attention: str = "sdpa", lora_dropout: float = 0.05,
+                                     attention: str = "sdpa", lora_dropout: float = 0.0,
                                      tensor_parallel: int = 1) -> float:
     """Bytes autograd keeps for one Llama block, per token of the micro-batch (no checkpointing).
 
@@ -95,9 +95,31 @@ def layer_activation_bytes_per_token(shape: ModelShape, method: str, strategy: s
     return float(norms + inputs + lora_outputs + core + mlp)
 
 
+def chunked_loss(shape: ModelShape, strategy: str) -> bool:
+    """Whether the recipes' loss runs a chunk of positions at a time over the last hidden states
+    (training/loss_head.settle): not where the logits are more than the head's output, under ZeRO-3 (its
+    head's weight is partitioned again between calls) or pipeline stages (the schedule's own logits)."""
+    return not shape.logits_after_head and strategy not in ("zero3", "zero3_offload", "pipeline")
+
+
+def loss_bytes_per_token(shape: ModelShape, strategy: str, dt: dict) -> float:
+    """The loss's memory per token of the micro-batch.
+
+    - chunked: the target positions' last hidden states, kept for each chunk's recomputation, c*h, its
+      per-token loss, 4; and one chunk's logits at a time, about as many elements as the hidden states
+      (`loss_head.chunk_positions`): the head's output c, its fp32 copy, the fp32 log-softmax the loss
+      keeps and the fp32 gradient in the backward, (c + 12) per element: (2c + 12) * h + 4.
+    - whole logits: vocab * (logits dtype + 4 + 4): the logits the step's `outputs` holds, the fp32
+      log-softmax output the loss keeps, and its fp32 gradient at the start of the backward.
+    """
+    if chunked_loss(shape, strategy):
+        return (2 * dt["compute"] + 12) * shape.hidden + 4
+    return shape.vocab * (dt["logits"] + 4 + 4)
+
+
 def activation_bytes(shape: ModelShape, method: str, strategy: str, batch_size: int, seq_len: int,
                      gradient_checkpointing: int = 0, lora_rank: int = 16, lora_targets="all-linear",
-                     precision: str = "bf16", attention: str = "sdpa", lora_dropout: float = 0.05,
+                     precision: str = "bf16", attention: str = "sdpa", lora_dropout: float = 0.0,
                      stage: Stage | None = None, gpus: int = 1) -> int:
     """Activation memory of one micro-batch (b sequences of s tokens, T = b*s) on a GPU running
     `stage` (the whole model unless model parallel). Not sharded by FSDP / ZeRO: every GPU runs its
@@ -110,10 +132,10 @@ def activation_bytes(shape: ModelShape, method: str, strategy: str, batch_size: 
     - per token, once: input ids and labels 16; RoPE cos/sin 2*r*d; the boolean 4D padding mask
       s (sdpa / eager); the final RMSNorm 4h + 4 (+ r*h trained); lm_head's input c*h when it is
       trained (or LoRA-adapted).
-    - logits: T * vocab * (logits dtype + 4 + 4): the logits the step's `outputs` holds, the fp32
-      log-softmax output the loss keeps, and its fp32 gradient at the start of the backward. The
-      recipes compute logits only at positions where a row of the micro-batch has a target, so this
-      is the bound that packed or plain-text rows reach; prompt-masked rows hold less.
+    - the loss (`loss_bytes_per_token`): chunked over the last hidden states where the recipes' loss
+      head runs so (training/loss_head.py), else the whole logits. The recipes compute logits only at
+      positions where a row of the micro-batch has a target, so this is the bound that packed or
+      plain-text rows reach; prompt-masked rows hold less.
     - autocast copies (DDP / model parallel / tp / fsdp_tp in bf16): autocast's bf16 copy of every
       fp32 trained linear weight (lm_head included) is kept by the backward: 2 bytes per such
       parameter (of the rank's tensor parallel part), whatever the batch.
@@ -141,7 +163,7 @@ def activation_bytes(shape: ModelShape, method: str, strategy: str, batch_size: 
         head_adapted = method != "full" and "lm_head" in lora_target_names(lora_targets)
         once += 4 * h + 4 + (r * h if full else 0)
         once += c * h if full else ((c + (1 if lora_dropout > 0 else 0)) * h + c * lora_rank if head_adapted else 0)
-        logits = shape.vocab * (dt["logits"] + 4 + 4)
+        logits = loss_bytes_per_token(shape, strategy, dt)
     copies = 0
     if dt["autocast_copies"]:
         if method == "full":

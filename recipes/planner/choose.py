@@ -40,10 +40,11 @@ TIE = 0.03
 def per_gpu_bytes(shape: ModelShape, method: str, strategy: str, gpus: int, batch_size: int = 8,
                   seq_len: int = 512, gradient_checkpointing: int = 0, lora_rank: int = 16,
                   lora_targets="all-linear", precision: str = "bf16", attention: str = "sdpa",
-                  lora_dropout: float = 0.05, grad_accum: int = 1, pipeline_stages: int | None = None,
+                  lora_dropout: float = 0.0, grad_accum: int = 1, pipeline_stages: int | None = None,
                   pipeline_chunks: int = 1, pairs: bool = False) -> dict:
     """Memory of the busiest GPU: {"weights", "gradients", "optimizer", "activations", "total"} in
-    bytes. `batch_size` is the micro-batch per GPU (the recipes' --batch-size), `seq_len` the
+    bytes; the total is their sum, except for full fine-tuning without a gradient wrapper (one process,
+    model parallel), where gradients replace activations in the backward. `batch_size` is the micro-batch per GPU (the recipes' --batch-size), `seq_len` the
     padded length (--max-length is the worst case). Model parallel and pipeline: the heavier of the
     GPUs. A pipeline has `pipeline_stages` stages (default: one per GPU; fewer are replicated over the
     rest, each replica the same) of `pipeline_chunks` parts each: under 1F1B stage k of p holds the
@@ -79,6 +80,14 @@ def per_gpu_bytes(shape: ModelShape, method: str, strategy: str, gpus: int, batc
                                             attention=attention, lora_dropout=lora_dropout, gpus=gpus, **common),
         }
         result["total"] = sum(result.values())
+        if method == "full" and (strategy == "model_parallel" or (strategy == "ddp" and gpus == 1)):
+            # No wrapper holds gradient buckets: the backward frees each layer's activations as it writes its
+            # gradients, so the peak is the larger of the two, the LM head's gradient (written first) beside
+            # every activation (one H100 and one H200, TinyLlama-1.1B full at micro-batch 2: 19.5 GiB measured
+            # where the sum planned 24.0; results/2026-11-27_h200_call1)
+            head = min(result["gradients"], shape.vocab * shape.hidden * 4 if stage.head else 0)
+            result["total"] = (result["weights"] + result["optimizer"]
+                               + max(result["activations"] + head, result["gradients"]))
         if best is None or result["total"] > best["total"]:
             best = result
     return best
@@ -97,7 +106,7 @@ def fits(total_bytes: int, gpu_memory_gb: float) -> bool:
 def max_micro_batch(shape: ModelShape, method: str, strategy: str, gpus: int, gpu_memory_gb: float,
                     seq_len: int = 512, gradient_checkpointing: int = 0, lora_rank: int = 16,
                     lora_targets="all-linear", precision: str = "bf16", attention: str = "sdpa",
-                    lora_dropout: float = 0.05, grad_accum: int = 1, pairs: bool = False, **pipeline_layout) -> int:
+                    lora_dropout: float = 0.0, grad_accum: int = 1, pairs: bool = False, **pipeline_layout) -> int:
     """The largest micro-batch (1..256) that fits, by bisection (memory grows with the batch);
     0 when not even one sequence fits. `pipeline_layout`: `per_gpu_bytes`'s pipeline_stages and
     pipeline_chunks."""
@@ -217,7 +226,7 @@ def simplest_of_the_fastest(candidates: list[tuple[int, dict]]) -> tuple[int, di
 def plan(shape: ModelShape, method: str, gpus: int, gpu_memory_gb: float, batch_size: int = 8,
          seq_len: int = 512, gradient_checkpointing: int = 0, lora_rank: int = 16,
          lora_targets="all-linear", precision: str = "bf16", attention: str = "sdpa",
-         lora_dropout: float = 0.05, grad_accum: int = 1, machine: Machine | None = None, rows: int = 1024,
+         lora_dropout: float = 0.0, grad_accum: int = 1, machine: Machine | None = None, rows: int = 1024,
          global_batch: int | None = None, host_ram_gb: float | None = None, pairs: bool = False) -> dict:
     """Every strategy on `gpus` GPUs of `gpu_memory_gb`, its time on `machine` (default: H100s over
     NVLink), and the two recommendations.

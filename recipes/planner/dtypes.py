@@ -81,8 +81,9 @@ def compute_dtypes(method: str, strategy: str, precision: str = "bf16") -> dict:
       the upcast), otherwise c.
     - `linear_out` m: the outputs of the block linears: c, except QLoRA on DDP / model parallel,
       whose 4-bit linears return their input's dtype (fp32).
-    - `adapter_cast`: the LoRA adapters compute in fp32 while their input is bf16 (DDP / model
-      parallel with a bf16 base), so peft casts each adapted module's input: one copy per module.
+    - `adapter_cast`: peft casts each adapted module's input to the adapters' fp32 (one copy per module):
+      only under pipeline stages, whose forward runs outside autocast; elsewhere the recipes keep the
+      adapters' inputs in bf16 (modeling.keep_adapter_inputs_in_compute_dtype).
     - `autocast_copies`: autocast's bf16 copies of the fp32 trained weights (DDP / model parallel;
       tp / fsdp_tp: of each rank's tensor parallel part), saved for the backward.
     - `logits`: dtype of the logits the step keeps in `outputs` (accelerate converts the outputs of
@@ -97,7 +98,7 @@ def compute_dtypes(method: str, strategy: str, precision: str = "bf16") -> dict:
         compute=2,
         residual=4 if fp32_embedding else 2,
         linear_out=4 if autocast and method == "qlora" else 2,
-        adapter_cast=autocast and method == "lora",
+        adapter_cast=strategy == "pipeline" and method == "lora",
         autocast_copies=autocast,
         logits=2 if strategy in DEEPSPEED else 4,
     )

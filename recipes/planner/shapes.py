@@ -64,6 +64,7 @@ class ModelShape:
     experts: int = 0  # 0: a dense model
     experts_per_token: int = 0
     shared_ffn: int = 0
+    logits_after_head: bool = False  # a softcap or scale after the LM head (Gemma-2, Cohere, Granite)
 
     def __post_init__(self):
         if self.head_dim is None:
@@ -99,6 +100,8 @@ class ModelShape:
                 attention_bias=bool(config.get("attention_bias", False)),
                 mlp_bias=bool(config.get("mlp_bias", False)),
                 name=name or str(config.get("_name_or_path") or ""),
+                logits_after_head=bool(config.get("final_logit_softcapping")) or config.get("logit_scale") not in (
+                    None, 1, 1.0) or config.get("logits_scaling") not in (None, 1, 1.0),
             )
         except KeyError as missing:
             raise ValueError(f"not a Llama-style decoder config: {missing} is missing") from None

@@ -50,9 +50,30 @@ class PadPairs:
         return batch
 
 
+class WithTargetPositions:
+    """`collate`'s batches with `target_positions` added: the positions where some row has a target
+    (`positions_with_targets`), found on the CPU from the labels `collate` gave, so that the training step
+    need not wait for the device to learn them. With `unpadded_without_mask`, a batch whose attention mask
+    masks nothing (no row padded) comes without it: the model then runs plain causal attention rather than
+    first asking the device whether the mask can be skipped (a wait per forward)."""
+
+    def __init__(self, collate, unpadded_without_mask: bool = False):
+        self.collate = collate
+        self.unpadded_without_mask = unpadded_without_mask
+
+    def __call__(self, rows: list[dict]) -> dict:
+        batch = self.collate(rows)
+        batch["target_positions"] = positions_with_targets(batch["labels"][:, 1:])
+        mask = batch.get("attention_mask")
+        if self.unpadded_without_mask and mask is not None and bool(mask.all()):
+            del batch["attention_mask"]
+        return batch
+
+
 def make_loaders(train, evaluation, collate, batch_size: int, workers: int | None = None):
     """Shuffled training batches (the ragged last batch dropped) and ordered evaluation batches,
-    each micro-batch made by `collate` (a list of rows -> a dict of tensors).
+    each micro-batch made by `collate` (a list of rows -> a dict of tensors), with its target positions
+    (`WithTargetPositions`; training batches without an attention mask where no row is padded).
 
     On a GPU, `workers` processes (default 2) collate the next batches while the GPU computes and
     pinned memory lets the copy to the GPU overlap too; on CPU the workers would only take cores
@@ -60,10 +81,10 @@ def make_loaders(train, evaluation, collate, batch_size: int, workers: int | Non
     """
     on_gpu = torch.cuda.is_available()
     workers = (2 if on_gpu else 0) if workers is None else workers
-    common = dict(batch_size=batch_size, collate_fn=collate, num_workers=workers,
-                  pin_memory=on_gpu, persistent_workers=workers > 0)
-    train_loader = DataLoader(train, shuffle=True, drop_last=True, **common)
-    eval_loader = DataLoader(evaluation, shuffle=False, **common)
+    common = dict(batch_size=batch_size, num_workers=workers, pin_memory=on_gpu, persistent_workers=workers > 0)
+    train_loader = DataLoader(train, shuffle=True, drop_last=True,
+                              collate_fn=WithTargetPositions(collate, unpadded_without_mask=True), **common)
+    eval_loader = DataLoader(evaluation, shuffle=False, collate_fn=WithTargetPositions(collate), **common)
     return train_loader, eval_loader
 
 
@@ -74,8 +95,7 @@ def target_tokens(batch: dict) -> torch.Tensor:
 
 def positions_with_targets(targets: torch.Tensor) -> torch.Tensor:
     """The sequence positions where some row of `targets` (labels shifted by one) has a target: the
-    only positions the loss needs logits for. On the CPU, so that they index the hidden states on
-    whichever device holds them (model parallel's last GPU too)."""
+    only positions the loss needs logits for."""
     return (targets != IGNORE).any(0).nonzero().squeeze(1).cpu()
 
 

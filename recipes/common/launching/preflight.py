@@ -91,7 +91,7 @@ def check_pipeline(args, recipe: str, launch):
     chunks = args.pipeline_chunks if args.pipeline_schedule == "interleaved" else 1
     check_layout(stages, launch.processes, layers, chunks)
     if args.liger:
-        refuse("--liger's fused loss runs inside the whole model's forward; drop --liger with --pipeline-stages")
+        refuse("--liger's kernels are not patched into pipeline stages; drop --liger with --pipeline-stages")
     if recipe == "full" and config_dict.get("tie_word_embeddings"):
         refuse(f"{args.model} ties its LM head to its embedding, which pipeline stages would hold apart on the "
                "first and last stage; train it with recipes/lora.py, or with fsdp.yaml")
@@ -154,9 +154,6 @@ def check_preference_run(args, launch) -> None:
         refuse(f"{args.recipe}.py does not run pipeline stages yet; launch with fsdp.yaml or a zero*.yaml config instead")
     if args.batch_size == "auto":
         refuse("--batch-size auto is planned for rows, and a preference pair is two rows in one forward; give --batch-size N")
-    if args.liger:
-        refuse("--liger fuses the cross-entropy into the model, which gives no per-row log-probabilities for the "
-               "preference loss; drop --liger")
 
 
 def check_ranges(args) -> None:
@@ -308,8 +305,8 @@ def adapter_dropout(args) -> float:
     """The --lora-dropout peft takes on this model. peft builds the adapter once on the model made from
     its config (meta device: no weights), so what peft would refuse is refused here, before loading, in
     one line. peft adapts a mixture of experts' fused expert weights (MixtralExperts) through its
-    ParamWrapper, which takes no dropout: a default --lora-dropout is 0 there (settle_launch says so),
-    a typed one is refused naming the fix."""
+    ParamWrapper, which takes no dropout: a --lora-dropout a --config file set is 0 there (settle_launch
+    says so), a typed one is refused naming the fix."""
     import warnings
 
     from accelerate import init_empty_weights
@@ -380,9 +377,6 @@ def check_speed_options(args, on_gpu: bool) -> None:
         refuse("--liger needs Liger's kernels: `pip install liger-kernel`, or drop --liger")
     if args.liger and not on_gpu:
         refuse("--liger runs Triton kernels, which need a CUDA GPU; drop --liger on this machine")
-    if args.liger and (model_config(args.model) or {}).get("output_router_logits"):
-        refuse("--liger with a mixture of experts whose config asks for the router's load-balancing loss "
-               "(output_router_logits) is not supported: the recipe adds that loss beside its own; drop --liger")
     if args.attention == "flash_attention_2" and find_spec("flash_attn") is None:
         refuse("--attention flash_attention_2 needs `pip install flash-attn`; or use --attention sdpa "
                "(the default, which picks a flash kernel itself where it can)")

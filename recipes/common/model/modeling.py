@@ -59,7 +59,7 @@ def load_tokenizer(name: str, trust_remote_code: bool = False, chat_template: st
 def load_model(name: str, accelerator, launch, *, frozen: bool, quantization=None, trust_remote_code: bool = False,
                attention: str | None = None, liger: bool = False):
     """The model placed for the launched strategy, with the attention kernel asked for (default:
-    transformers' choice, SDPA) and, with `liger`, Liger's fused Triton kernels patched in.
+    transformers' choice, SDPA) and, with `liger`, Liger's Triton kernels for the layers patched in.
 
     - model parallel: `device_map="auto"` spreads the layers over the visible GPUs;
     - quantised weights under DDP / ZeRO-1/2: each process loads its own copy on its device;
@@ -118,10 +118,10 @@ def load_model(name: str, accelerator, launch, *, frozen: bool, quantization=Non
                "LoRA on a full-precision base; use recipes/lora.py")
     if quantization is not None and not launch.on_gpu:
         keep_4bit_weights_unpacked_on_cpu(model)
-    if liger:
+    if liger:  # RMSNorm, RoPE, SwiGLU; not Liger's loss: the recipe's own loss runs chunk by chunk (loss_head)
         from transformers.integrations.liger import apply_liger_kernel
 
-        apply_liger_kernel(model, None)
+        apply_liger_kernel(model, {"fused_linear_cross_entropy": False, "cross_entropy": False})
     accept_logits_to_keep(model)
     return model
 
@@ -306,6 +306,22 @@ def seed_adapter(model, seed: int) -> None:
             for adapter in module.lora_A:
                 module.reset_lora_parameters(adapter, init_lora_weights=True)  # A: kaiming, B: zeros
     torch.manual_seed(seed)  # the random stream after it (dropout) the same on every layout
+
+
+def keep_adapter_inputs_in_compute_dtype(model, launch) -> bool:
+    """Under mixed precision, stop peft casting each adapter's input to its weights' float32: autocast runs the
+    adapter's matmuls in 16 bits either way, so the cast only wrote a float32 copy of the activation (and
+    dropout a second one) per adapted layer, forward and backward, for the same numbers. The weights stay
+    float32 for the optimizer. Kept under pipeline stages, whose forward runs outside accelerate's autocast.
+    True where switched off."""
+    if launch.precision not in ("bf16", "fp16") or launch.pipeline_stages > 1:
+        return False
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    for module in model.modules():
+        if isinstance(module, BaseTunerLayer):
+            module.cast_input_dtype_enabled = False
+    return True
 
 
 def trained_parameter_groups(model) -> list[dict]:

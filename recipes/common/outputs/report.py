@@ -23,7 +23,8 @@ def sample_generations(accelerator, launch, model, stages, tokenizer, eval_set, 
     generator.eval()
     # Eager even under --compile: each new KV-cache length and layer index would be another graph,
     # compiled for a few tokens until torch gives up at its recompile limit with a page of warnings.
-    with torch.compiler.set_stance("force_eager"):
+    # Under the run's mixed precision, as training ran (the adapters take their inputs in its 16 bits).
+    with torch.compiler.set_stance("force_eager"), accelerator.autocast():
         samples = [generate_one(accelerator, generator, tokenizer, row, max_new_tokens, launch.shards_parameters,
                                 stages) for row in eval_set.select(range(min(count, len(eval_set))))]
     generator.train()

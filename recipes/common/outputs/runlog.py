@@ -156,9 +156,11 @@ class RunLog:
             writer(message)
             sys.stdout.flush()
 
-    def write_run_json(self, model, stages, data_format: str, optimizer, total_steps: int) -> None:
-        """Record what really ran: strategy, processes, precision, parameters. No collective: each
-        rank's share is gathered later, by `record_ranks`."""
+    def write_run_json(self, model, stages, data_format: str, optimizer, total_steps: int,
+                       loss_path: str | None = None) -> None:
+        """Record what really ran: strategy, processes, precision, parameters, how the loss met the logits
+        (`loss_path`: training.loss_head's description). No collective: each rank's share is gathered later,
+        by `record_ranks`."""
         counts = parameter_counts(model)
         ran = what_ran(self.accelerator, model)
         self.model = model
@@ -182,6 +184,7 @@ class RunLog:
             "parameters": {"total": counts["total"], "trainable": counts["trainable"], "held_by_rank": None,
                            "quantized": counts["quantized"]},  # weights in bitsandbytes layers (qlora.py)
             "strategy": ran,
+            "loss_path": loss_path,
             "versions": library_versions(),
         }
         if stages:  # the counts above are this rank's stage; the layout says which layers each rank holds

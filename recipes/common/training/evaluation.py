@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import torch
 
-from ..data.batches import positions_with_targets
 from ..data.formats import IGNORE
 
 
 @torch.no_grad()
-def evaluate(accelerator, model, eval_loader, token_losses, stages) -> dict:
+def evaluate(accelerator, model, eval_loader, token_losses, head, stages) -> dict:
     """`eval_loss`: the recipe's `token_losses` over all target tokens (the quantity the training loss is);
-    `eval_exact_match`: rows whose every target token is the argmax. `stages`: pipeline parallel's
-    `pipeline.Pipeline` (None for every other strategy), which runs the batches through its stages.
+    `eval_exact_match`: rows whose every target token is the argmax. `head`: the run's `loss_head.LossHead`,
+    which gives the logits a chunk of positions at a time. `stages`: pipeline parallel's `pipeline.Pipeline`
+    (None for every other strategy), which runs the batches through its stages.
 
     Every rank runs every batch (FSDP and ZeRO-3 forwards are collective); `gather_for_metrics`
     drops the rows accelerate repeated to even out the last batch.
@@ -23,11 +23,12 @@ def evaluate(accelerator, model, eval_loader, token_losses, stages) -> dict:
     model.eval()
     loss_sum = tokens = exact = rows = 0.0
     for batch in eval_loader:
-        labels = batch["labels"][:, 1:]  # position t predicts token t + 1
-        positions = positions_with_targets(labels)  # the LM head runs where a row has a target
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                       logits_to_keep=positions).logits.float()
-        per_row = accelerator.gather_for_metrics(row_figures(logits, labels[:, positions].to(logits.device), token_losses))
+        labels, positions = batch["labels"][:, 1:], batch["target_positions"]  # position t predicts token t + 1
+        outputs = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False,
+                        **head.forward_arguments(positions))
+        per_position = head.apply(lambda logits, chunk_labels: position_figures(logits, chunk_labels, token_losses),
+                                  outputs, labels, positions)
+        per_row = accelerator.gather_for_metrics(rows_of(per_position))
         loss_sum += per_row[:, 0].sum().item()
         tokens += per_row[:, 1].sum().item()
         exact += per_row[:, 2].sum().item()
@@ -36,12 +37,22 @@ def evaluate(accelerator, model, eval_loader, token_losses, stages) -> dict:
     return {"eval_loss": loss_sum / max(tokens, 1), "eval_exact_match": exact / max(rows, 1)}
 
 
+def position_figures(logits: torch.Tensor, labels: torch.Tensor, token_losses) -> torch.Tensor:
+    """Per position (laid out like `labels`, 3 figures deep): its loss, 1 where it is a target, 1 where it is
+    not a target or its target is the argmax."""
+    targets = labels != IGNORE
+    correct = (logits.argmax(-1) == labels) | ~targets
+    return torch.stack([token_losses(logits.float(), labels), targets.float(), correct.float()], dim=-1)
+
+
+def rows_of(per_position: torch.Tensor) -> torch.Tensor:
+    """Per row: summed target-token loss, target tokens, 1 if every target token is the argmax."""
+    return torch.stack([per_position[..., 0].sum(1), per_position[..., 1].sum(1), per_position[..., 2].prod(1)], 1)
+
+
 def row_figures(logits: torch.Tensor, labels: torch.Tensor, token_losses) -> torch.Tensor:
     """Per row: summed target-token loss, target tokens, 1 if every target token is the argmax."""
-    targets = labels != IGNORE
-    token_loss = token_losses(logits, labels)
-    correct = ((logits.argmax(-1) == labels) | ~targets).all(dim=1)
-    return torch.stack([token_loss.sum(1), targets.sum(1).float(), correct.float()], dim=1)
+    return rows_of(position_figures(logits, labels, token_losses))
 
 
 def batch_figures(logits: torch.Tensor, labels: torch.Tensor, token_losses) -> torch.Tensor:

@@ -18,6 +18,7 @@ import torch
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
+from ..data.batches import WithTargetPositions
 from ..model.model_config import weight_files
 
 
@@ -40,7 +41,8 @@ def reference_logps(accelerator, model, pairs, collate, batch_size: int, sequenc
                   "them in an earlier run)", flush=True)
         return torch.from_numpy(scores).float()
     # every pair once, in order: the training loader's shuffle drops a ragged tail
-    loader = accelerator.prepare_data_loader(DataLoader(pairs, batch_size=batch_size, shuffle=False, collate_fn=collate))
+    loader = accelerator.prepare_data_loader(DataLoader(pairs, batch_size=batch_size, shuffle=False,
+                                                    collate_fn=WithTargetPositions(collate)))
     scores = np.zeros((len(pairs), 2), dtype=np.float64)
     was_training = model.training
     model.eval()  # no dropout: the reference is the model itself, not a noisy draw of it

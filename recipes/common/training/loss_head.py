@@ -1,0 +1,137 @@
+"""The recipe's loss without the batch's whole logits: the LM head and the recipe's `token_losses` run a
+chunk of positions at a time over the model's last hidden states.
+
+The logits are the step's largest tensor (rows x positions x vocabulary, in float32 for the loss: 2 GiB for
+16 rows of 1,024 tokens over a 32,000-token vocabulary). Here no chunk's logits outlive it: each chunk's
+loss is kept, and its logits are computed again in the backward (one more pass of the head over the
+positions, about 3% of a 1B model's step). Whatever `token_losses` computes is what trains: the recipe's
+own function runs on each chunk, so an edited loss trains under every strategy and option.
+
+Where the model's logits are more than its head's output (a softcap or a scale after the head, Gemma-2's
+or Cohere's), checked on three tokens when the run starts, the model computes its own logits as it
+always has, kept only at the positions with a target.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+# logits_to_keep that keeps none: the model's forward runs its head on no position
+NO_POSITIONS = torch.empty(0, dtype=torch.long)
+
+
+@dataclass(frozen=True)
+class LossHead:
+    """How a forward's loss is computed, settled once per run (`settle`).
+
+    `head`: the model's LM head, run chunk by chunk over the last hidden states; None where the model's
+    own logits are used. `why_whole`: why not chunked (None when chunked). `autocast`: the launch's mixed
+    precision context, which the model's forward runs under and the head, called outside it, needs too."""
+
+    head: torch.nn.Module | None
+    why_whole: str | None
+    autocast: Callable = nullcontext
+
+    @property
+    def description(self) -> str:
+        """What run.json records as the loss's path."""
+        return "chunked over the last hidden states" if self.head is not None else f"whole logits ({self.why_whole})"
+
+    def forward_arguments(self, positions: torch.Tensor) -> dict:
+        """The model's forward arguments for a batch whose targets sit at `positions` (1-D)."""
+        if self.head is None:  # the head runs only where some row has a target (a CPU index suits every device)
+            return {"logits_to_keep": positions.cpu()}
+        return {"logits_to_keep": NO_POSITIONS, "output_hidden_states": True}
+
+    def apply(self, figures: Callable, outputs, targets: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """`figures(logits, targets)` (the recipe's `token_losses`, or any tensor laid out like its `targets`)
+        at `positions`, laid out [rows, positions, ...]: the logits of a chunk of positions at a time
+        (`outputs`: the forward's, given `forward_arguments(positions)`)."""
+        if self.head is None:
+            logits = outputs.logits
+            return figures(logits, targets[:, positions.to(targets.device)].to(logits.device))
+        return self.per_chunk(figures, outputs.hidden_states[-1], targets, positions)
+
+    def per_chunk(self, figures: Callable, hidden: torch.Tensor, targets: torch.Tensor,
+                  positions: torch.Tensor) -> torch.Tensor:
+        """`figures(logits, targets)` (a tensor laid out like `targets`) over `hidden`'s `positions`, a chunk of
+        positions at a time, concatenated along the positions. Under autograd each chunk keeps only its
+        result; its logits are recomputed in the backward."""
+        hidden = hidden.index_select(1, positions.to(hidden.device))
+        targets = targets.index_select(1, positions.to(targets.device)).to(hidden.device)
+        size = chunk_positions(*hidden.shape, vocabulary(self.head))
+        pieces = []
+        for hidden_chunk, target_chunk in zip(hidden.split(size, 1), targets.split(size, 1)):
+            if torch.is_grad_enabled():  # no randomness in a head and a loss: no RNG state to keep
+                pieces.append(checkpoint(self.chunk_figures, figures, hidden_chunk, target_chunk,
+                                         use_reentrant=False, preserve_rng_state=False))
+            else:
+                pieces.append(self.chunk_figures(figures, hidden_chunk, target_chunk))
+        if not pieces:  # no position has a target
+            return figures(self.chunk_logits(hidden), targets)
+        return torch.cat(pieces, 1)
+
+    def chunk_figures(self, figures: Callable, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return figures(self.chunk_logits(hidden), targets)
+
+    def chunk_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        with self.autocast():
+            return self.head(hidden)
+
+
+def vocabulary(head: torch.nn.Module) -> int:
+    return getattr(head, "out_features", None) or head.weight.shape[0]
+
+
+def chunk_positions(rows: int, positions: int, hidden_size: int, vocabulary_size: int) -> int:
+    """Positions per chunk: a chunk's logits about as large as the hidden states they come from (at least
+    one position), so the loss never holds more than a few times the hidden states' memory."""
+    return max(1, -(-positions * hidden_size // max(vocabulary_size, 1)))
+
+
+def head_not_held(head: torch.nn.Module) -> str | None:
+    """Why the head's weight is not held whole from the forward to the backward, where each chunk's logits
+    are computed again (None: it is). ZeRO-3 partitions it again after each call of the head, and an FSDP
+    unit of its own gathers it in every call: a collective per chunk, and chunks differ between ranks."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if any(hasattr(param, "ds_id") for param in head.parameters()):
+        return "ZeRO-3 partitions the LM head's weight between its calls"
+    if isinstance(head, FSDPModule):
+        return "FSDP shards the LM head as a unit of its own, gathered at each call"
+    return None
+
+
+def settle(accelerator, model, stages=None) -> LossHead:
+    """The run's loss path, after `accelerator.prepare`: chunked where the model's logits are its head's
+    output of its last hidden states, checked on three tokens (every rank runs the same forward: FSDP's and
+    tensor parallel's are collective), and the head's weight is held from the forward to the backward
+    (FSDP keeps the root's weights, the head's among them under the configs' layer wrapping, gathered in
+    between). Pipeline parallel's last stage computes its logits in its schedule."""
+    if stages:
+        return LossHead(None, "pipeline parallel: the last stage's schedule computes them")
+    head = accelerator.unwrap_model(model).get_output_embeddings()
+    if head is None:
+        return LossHead(None, "the model names no output embeddings")
+    why_not = head_not_held(head)
+    if why_not:
+        return LossHead(None, why_not)
+    chunked = LossHead(head, None, accelerator.autocast)
+    training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            ids = torch.tensor([[1, 2, 3]], device=accelerator.device)
+            outputs = model(input_ids=ids, use_cache=False, output_hidden_states=True)
+            hidden = outputs.hidden_states[-1] if outputs.get("hidden_states") else None
+            same = hidden is not None and torch.equal(outputs.logits.float(), chunked.chunk_logits(hidden).float())
+    finally:
+        model.train(training)
+    if not same:
+        return LossHead(None, "its logits are more than its head's output of its last hidden states")
+    return chunked
