@@ -2,44 +2,76 @@
 
 Best-fit decreasing: the longest rows first, each into the fullest sequence it still fits, so
 sequences come out fuller than packing rows in file order. The plan is computed on the rows' lengths
-alone and saved as two integer arrays; a sequence's tokens are read from the tokenised set when a
-batch needs them (`PackedSequences`), so packing costs memory for the row count, not the tokens.
+(read from Arrow's offsets) and saved as two int64 arrays; a sequence's tokens are read from the
+tokenised set's memory-mapped files when a batch needs them (`PackedSequences`).
+
+What a rank holds for packing is the plan: 8 bytes a row and 8 a sequence (~10 bytes a row at
+--max-length 1024), plus ~30 bytes a row for a moment on the rank that computes it; never a token.
+A packed run does need more memory in its steps: each micro-batch is --batch-size sequences of up to
+--max-length tokens (nearly full), where an unpacked one is --batch-size rows padded to the longest
+(results/2026-11-27_cpu_packing-memory).
 """
 
 from __future__ import annotations
 
 import bisect
+from array import array
 
 import numpy as np
 
 
 def best_fit(lengths: np.ndarray, capacity: int) -> list[np.ndarray]:
     """Row indices of each sequence: best-fit decreasing over `lengths` (each <= capacity)."""
+    starts, rows = best_fit_plan(lengths, capacity)
+    return np.split(rows, starts[1:-1]) if len(rows) else []
+
+
+PLAN_CHUNK = 4096  # rows placed per pass of the loop: its Python objects stay this many, whatever the set's size
+
+
+def best_fit_plan(lengths: np.ndarray, capacity: int) -> tuple[np.ndarray, np.ndarray]:
+    """(starts, rows): best-fit decreasing over `lengths` (each <= capacity), the longest rows first, each
+    into the fullest sequence it still fits. Sequence i is rows[starts[i]:starts[i + 1]], in the order its
+    rows were placed.
+
+    Held meanwhile: a few arrays of a row's size (~28 bytes a row with `lengths`), and no Python object per
+    row or per sequence (a list per sequence held ~130 bytes a row at its peak)."""
+    lengths = np.asarray(lengths)
     order = np.argsort(-lengths, kind="stable")
-    bins: list[list[int]] = []
-    # room -> the sequences with that much room left; `rooms` holds the keys with a sequence, sorted
-    by_room: dict[int, list[int]] = {}
+    sequence_of = np.empty(len(order), dtype=np.int32 if len(order) < 2**31 else np.int64)  # of order[i]
+    # room -> the sequences with that much room left (the last placed on top); `rooms`: its keys, sorted
+    by_room: dict[int, array] = {}
     rooms: list[int] = []
-    for row in order.tolist():
-        length = int(lengths[row])
-        at = bisect.bisect_left(rooms, length)
-        if at < len(rooms):  # the fullest sequence with room enough
-            room = rooms[at]
-            sequence = by_room[room].pop()
-            if not by_room[room]:
-                del by_room[room]
-                rooms.pop(at)
-        else:
-            room, sequence = capacity, len(bins)
-            bins.append([])
-        bins[sequence].append(row)
-        left = room - length
-        if left > 0:
-            if left not in by_room:
-                by_room[left] = []
-                bisect.insort(rooms, left)
-            by_room[left].append(sequence)
-    return [np.asarray(rows, dtype=np.int64) for rows in bins]
+    sequences = 0
+    for first in range(0, len(order), PLAN_CHUNK):
+        placed = []
+        for length in lengths[order[first:first + PLAN_CHUNK]].tolist():
+            at = bisect.bisect_left(rooms, length)
+            if at < len(rooms):  # the fullest sequence with room enough
+                room = rooms[at]
+                sequence = by_room[room].pop()
+                if not by_room[room]:
+                    del by_room[room]
+                    rooms.pop(at)
+            else:
+                room, sequence = capacity, sequences
+                sequences += 1
+            placed.append(sequence)
+            left = room - length
+            if left > 0:
+                if left not in by_room:
+                    by_room[left] = array("q")
+                    bisect.insort(rooms, left)
+                by_room[left].append(sequence)
+        sequence_of[first:first + len(placed)] = placed
+    starts = np.zeros(sequences + 1, dtype=np.int64)
+    np.cumsum(np.bincount(sequence_of, minlength=sequences), out=starts[1:])
+    # each sequence's rows together, in the order they were placed (a stable sort keeps it)
+    rows = np.argsort(sequence_of, kind="stable")
+    del sequence_of
+    for first in range(0, len(rows), PLAN_CHUNK):  # positions in `order` -> rows, in place
+        rows[first:first + PLAN_CHUNK] = order[rows[first:first + PLAN_CHUNK]]
+    return starts, rows
 
 
 def row_lengths(tokenized) -> np.ndarray:
@@ -49,7 +81,7 @@ def row_lengths(tokenized) -> np.ndarray:
     lengths = pc.list_value_length(tokenized.data.column("input_ids"))
     if tokenized._indices is not None:  # a selection (the usable rows) over the table: its rows only
         lengths = lengths.take(tokenized._indices.column(0))
-    return lengths.to_numpy(zero_copy_only=False).astype(np.int64)
+    return lengths.to_numpy(zero_copy_only=False)  # the offsets' int32, not an int64 copy
 
 
 class PackedSequences:
@@ -122,15 +154,17 @@ def pack(tokenized, max_length: int):
     import os
 
     lengths = row_lengths(tokenized)
+    tokens = int(lengths.sum(dtype=np.int64))
     path = packed_path(tokenized, max_length)
-    if not path.exists():
-        bins = best_fit(lengths, max_length)
-        starts = np.cumsum([0] + [len(rows) for rows in bins], dtype=np.int64)
-        rows = np.concatenate(bins) if bins else np.zeros(0, dtype=np.int64)
+    if path.exists():
+        with np.load(path) as plan:
+            starts, rows = plan["starts"], plan["rows"]
+    else:
+        starts, rows = best_fit_plan(lengths, max_length)
         partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
         with open(partial, "wb") as sink:
             np.savez(sink, starts=starts, rows=rows)
         os.replace(partial, path)  # whole or absent: a crash leaves no half-written plan to reuse
-    with np.load(path) as plan:
-        packed = PackedSequences(tokenized, plan["starts"], plan["rows"])
-    return packed, float(lengths.sum()) / (len(packed) * max_length) if len(packed) else 0.0
+    del lengths  # the plan is all a rank keeps
+    packed = PackedSequences(tokenized, starts, rows)
+    return packed, tokens / (len(packed) * max_length) if len(packed) else 0.0
