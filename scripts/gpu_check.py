@@ -11,10 +11,12 @@ left; a part cut short is rerun with --parts NAME, never by hand (the wheels are
 Each call reinstalls the wheels (skipped when the box still has them) and starts no part it has no time
 left for (--budget-s).
 
-Parts (the default call: speed, headline, preference, core; then the others in the order listed):
+Parts (the default call: speed, codellama, headline, preference, core; then the others in the order listed):
   speed      scripts/step_speed.py: the LoRA step at the headline's shape, lever by lever (the recipes' defaults,
              the step before the chunked loss head and bf16 adapter inputs, each lever alone, dropout 0, compile,
              Liger, all together): tokens/s, MFU, peak, losses; a kernel-time profile by category
+  codellama  scripts/step_speed.py at CodeLlama-34B's whole shape, built on the GPU: LoRA, micro-batch 4 x GA 4,
+             every layer recomputed; steady tokens/s, MFU, peak beside the planner's, a 1,024-row epoch projected
   preference tests/gpu/test_gpu_preferences.py: dpo.py (LoRA, QLoRA) and dpo_full.py under fsdp, zero3 and ddp
              (6 launches): the reference's first step, the held-out margin, the reload; never run on a GPU before
   headline   the TinyLlama-1.1B LoRA reference epoch under ddp.yaml (scripts/benchmark.py --workload tinyllama
@@ -37,7 +39,7 @@ Written to --results (default results/<date>_<gpu>/), rewritten after every part
 short still leaves its numbers: summary.md (tables, the benchmarks' too), results.json (the same,
 machine-readable, with every test case's recorded figures and the box's package versions), log.txt
 (every command and its output), and <part>.json / <part>.png for each benchmark part: 5 files for the
-first call (with speed.json), 7 for the second, within the 8 the device tool brings back. No git needed there: the commit
+first call (with speed.json and codellama.json), 7 for the second, within the 8 the device tool brings back. No git needed there: the commit
 is read from the COMMIT file scripts/gpu_wheels.sh writes beside the wheels, else from git.
 
 --cpu-stand-in runs the same parts on a machine without a GPU (RECIPES_GPU_SUITE_ON_CPU=1, the benchmark's
@@ -91,6 +93,11 @@ PARTS = {
     # (6 launches like the core's), the core. The step table: 8 variants x 20 steps of ~0.5-0.9 s at the
     # headline's shape built once, compile's ~1 min, two 3-step profiles (scripts/step_speed.py)
     "speed": (["scripts/step_speed.py"], 300, 120),
+    # CodeLlama-34B's whole shape built on the GPU (no files: 63 GiB of random bf16 weights), LoRA at the reference's
+    # micro-batch 4 x GA 4 with every layer recomputed (69.6 GiB planned: one H100), 8 steps of ~8-10 s each
+    "codellama": (["scripts/step_speed.py", "--config", "data/model_configs/codellama-34b.json", "--batch-size", "4",
+                   "--grad-accum", "4", "--gradient-checkpointing", "--variants", "defaults", "--steps", "8",
+                   "--warmup", "2", "--profile-steps", "0"], 360, 200),
     "preference": ([*PYTEST, PREFERENCE_TESTS], 300, 45),
     "headline": ([*TINYLLAMA, "--strategies", "ddp"], 300, 150),
     "memory": ([*PYTEST, *MEMORY_CASES], 240, 60),
@@ -112,18 +119,24 @@ PARTS = {
              "models/tinyllama-1.1b-22-layers", "--batch-size", "16", "--grad-accum", "2", "--max-length", "1024",
              "--steps", "40", "--rounds", "1"], 420, 300),
 }
-# The open GPU issue's first: the step lever by lever and the headline with the new defaults through the real launch
-# (the speed the chunked loss head and the adapters' bf16 inputs give); then what no GPU has run (the preference
-# recipes), then the recipe cases (results/2026-11-27_h200_call1 did not reach their end).
-FIRST_CALL = ("speed", "headline", "preference", "core")
+# The open GPU issues' first: the step lever by lever, the second reference workload's shape, and the headline with
+# the new defaults through the real launch; then what no GPU has run (the preference recipes), then the recipe cases
+# (results/2026-11-27_h200_call1 did not reach their end). The budget reaches as far as it reaches, in this order.
+FIRST_CALL = ("speed", "codellama", "headline", "preference", "core")
 DEFAULT_BUDGET_S = 450
 BENCHMARKS = ("headline", "reference", "reference34b")
+STEP_TABLES = ("speed", "codellama")  # scripts/step_speed.py's parts: <part>.json and the table in the summary
 # What a part runs instead on the CPU stand-in: the benchmark's smoke path (2 CPU processes, the tiny model).
 CPU_STAND_IN = {"headline": ["scripts/benchmark.py", "--smoke", "--strategies", "ddp"],
                 "reference": ["scripts/benchmark.py", "--smoke", "--strategies", "zero2"],
                 "reference34b": ["scripts/benchmark.py", "--smoke", "--strategies", "ddp"],
                 "trl": ["scripts/compare_trl.py", "--processes", "1", "--steps", "4", "--rounds", "1"],
-                "speed": ["scripts/step_speed.py", "--cpu"]}
+                "speed": ["scripts/step_speed.py", "--cpu"],
+                # the same path on a stand-in of the shape: 1 of its 48 layers, 1 row of 32 tokens
+                "codellama": ["scripts/step_speed.py", "--cpu", "--config", "data/model_configs/codellama-34b.json",
+                              "--layers", "1", "--batch-size", "1", "--grad-accum", "2", "--length", "32",
+                              "--gradient-checkpointing", "--variants", "defaults", "--steps", "2", "--warmup", "1",
+                              "--profile-steps", "0"]}
 # the random-weight TinyLlama-1.1B-shaped model of tests/gpu (built once, also by the planner part)
 # A part past its time gets Ctrl-C, then this long to write what it has before it is killed.
 STOP_GRACE_S = 30
@@ -381,8 +394,8 @@ def main(argv=None) -> int:
             junit.unlink(missing_ok=True)
             if part in BENCHMARKS:  # the built models shared between parts and, on a warm box, calls
                 command += ["--output-dir", str(scratch / part), "--model-cache", str(scratch / "models")]
-            elif part == "speed":
-                command += ["--output", str(scratch / "speed")]
+            elif part in STEP_TABLES:
+                command += ["--output", str(scratch / part)]
             elif part == "trl":
                 if not args.cpu_stand_in:
                     run([sys.executable, *BUILD_MODEL], log, timeout=600)
@@ -395,9 +408,9 @@ def main(argv=None) -> int:
             result["cases"] = junit_cases(junit)
             if part in BENCHMARKS:
                 copy_benchmark(part, scratch / part, results_dir, result)
-            if part == "speed" and (scratch / "speed" / "step_speed.md").exists():
-                result["table"] = (scratch / "speed" / "step_speed.md").read_text()
-                (results_dir / "speed.json").write_text((scratch / "speed" / "step_speed.json").read_text())
+            if part in STEP_TABLES and (scratch / part / "step_speed.md").exists():
+                result["table"] = (scratch / part / "step_speed.md").read_text()
+                (results_dir / f"{part}.json").write_text((scratch / part / "step_speed.json").read_text())
             record["results"][part] = result
             save()
             print(f"{part}: exit {result['returncode']} after {result['seconds']} s", flush=True)

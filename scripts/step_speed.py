@@ -5,14 +5,20 @@ device, the model built once with random weights.
 
     python scripts/step_speed.py --output results/DIR            # GPU: the TinyLlama-1.1B headline shape
     python scripts/step_speed.py --cpu --output /tmp/step-speed  # any machine: the plumbing, a tiny shape
+    python scripts/step_speed.py --config data/model_configs/codellama-34b.json --batch-size 4 --grad-accum 4 \
+        --gradient-checkpointing --variants defaults --output DIR  # the second reference workload's shape
 
 Per variant (the recipes' defaults; each lever alone; all together), --steps optimizer steps of --grad-accum
 micro-batches of --batch-size rows x --length tokens, every token a target (the headline's rows): the steady
 tokens/s (after --warmup steps), MFU by the project's count (4N + 12·L·h·s per token, bench/flops.py), the
 peak memory allocated, and the first and last steps' losses (the adapters start at zero, so the last one
 shows what they learnt), so that levers which must not change the numbers are seen not to. Then torch.profiler over --profile-steps steps of the defaults and of the step before the levers
-(whole logits, fp32 adapter inputs): kernel time by category (matmul, attention, elementwise/norm,
+(whole logits, fp32 adapter inputs, dropout 0.05): kernel time by category (matmul, attention, elementwise/norm,
 copies/casts, loss, optimizer, other) and the time no kernel ran.
+
+Beside the measurement, the planner's figures for the same launch (one GPU, ddp.yaml): its peak memory and
+step time at its default MFU and at the MFU measured here, and the epoch of 1,024 rows this speed gives on
+one GPU (a projection, not a run of the epoch).
 
 Not the whole recipe: no accelerate launch, data loader or logging (scripts/benchmark.py times those, through
 the real launch). Writes step_speed.json and step_speed.md to --output.
@@ -37,15 +43,15 @@ sys.path.insert(0, str(REPO / "recipes"))
 
 # name -> what differs from the recipes' defaults; levers that must give the same numbers are marked same=True
 VARIANTS = {
-    "defaults": dict(note="the recipes' defaults: chunked loss head, adapter inputs in bf16, dropout 0.05"),
-    "before": dict(whole_logits=True, cast_inputs=True, same=True,
-                   note="the step before these levers: whole logits, adapter inputs cast to fp32"),
+    "defaults": dict(note="the recipes' defaults: chunked loss head, adapter inputs in bf16, no dropout"),
+    "before": dict(whole_logits=True, cast_inputs=True, dropout=0.05,
+                   note="the step before these levers: whole logits, adapter inputs cast to fp32, dropout 0.05"),
     "whole_logits": dict(whole_logits=True, same=True, note="the whole batch's logits (no chunks)"),
     "cast_inputs": dict(cast_inputs=True, same=True, note="peft casts each adapter's input to fp32"),
-    "dropout_0": dict(dropout=0.0, note="no LoRA dropout (peft's own default)"),
+    "dropout": dict(dropout=0.05, note="LoRA dropout 0.05 (the recipes' default before)"),
     "compile": dict(compile=True, note="torch.compile of each decoder layer"),
     "liger": dict(liger=True, note="Liger's RMSNorm, RoPE and SwiGLU kernels"),
-    "all": dict(dropout=0.0, compile=True, liger=True, note="dropout 0, compile and Liger together"),
+    "all": dict(compile=True, liger=True, note="compile and Liger on the defaults"),
 }
 # patched in place and not undone: run after the others
 LAST = ("compile", "liger", "all")
@@ -70,6 +76,12 @@ def parse_args(argv=None):
     parser.add_argument("--steps", type=int, default=None, help="optimizer steps a variant (default 20; --cpu 4)")
     parser.add_argument("--warmup", type=int, default=None, help="steps left out of the timing (default 5; --cpu 1)")
     parser.add_argument("--profile-steps", type=int, default=3)
+    parser.add_argument("--layers", type=int, default=None, help="keep this many of the config's layers (a "
+                        "scaled-down stand-in, labelled so)")
+    parser.add_argument("--gradient-checkpointing", action="store_true", help="recompute every layer, as "
+                        "--gradient-checkpointing does")
+    parser.add_argument("--planner-gpu", default="h100", help="the planner's GPU for its figures (a key of "
+                        "planner.GPUS; default h100)")
     parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated, of: " + ", ".join(VARIANTS))
     parser.add_argument("--output", required=True)
     args = parser.parse_args(argv)
@@ -96,19 +108,23 @@ def unavailable(variant: dict, device) -> str | None:
     return None
 
 
-def build_base(config_path: Path, device):
+def build_base(config_path: Path, device, layers: int | None = None, checkpointing: bool = False):
     """The frozen base in bf16 on `device`, random weights (the same speed and memory as trained ones)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from common.model.modeling import accept_logits_to_keep
+    from common.model.modeling import accept_logits_to_keep, checkpoint_activations
 
     config = AutoConfig.from_pretrained(config_path)
+    if layers:
+        config.num_hidden_layers = layers
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
     model.requires_grad_(False)
     accept_logits_to_keep(model)
+    if checkpointing:
+        checkpoint_activations(model, every_n_layers=1)
     return model
 
 
@@ -144,7 +160,7 @@ def adapt(base, variant: dict, precision_launch):
 
     from common.model import modeling
 
-    model = get_peft_model(base, LoraConfig(r=16, lora_alpha=32, lora_dropout=variant.get("dropout", 0.05),
+    model = get_peft_model(base, LoraConfig(r=16, lora_alpha=32, lora_dropout=variant.get("dropout", 0.0),
                                             target_modules="all-linear", task_type="CAUSAL_LM"))
     for param in model.parameters():
         if param.requires_grad:
@@ -263,9 +279,11 @@ def main(argv=None) -> dict:
     from types import SimpleNamespace
 
     precision_launch = SimpleNamespace(precision="bf16", pipeline_stages=1)  # what accelerate's bf16 launch gives
-    base = build_base(args.config, device)
-    shape = shape_of(args.config)
-    flop = flop_per_token(shape, args.length, "lora")
+    built = time.perf_counter()
+    base = build_base(args.config, device, args.layers, args.gradient_checkpointing)
+    built = time.perf_counter() - built
+    shape = shape_of(args.config, args.layers)
+    flop = flop_per_token(shape, args.length, "lora", recompute=args.gradient_checkpointing)
     peak = (table_peak(torch.cuda.get_device_name())[0] if device.type == "cuda" and
             table_peak(torch.cuda.get_device_name()) else CPU_NOMINAL_PEAK_TFLOPS) * 1e12
     batches = micro_batches(args.grad_accum * 2, args.batch_size, args.length, shape.vocab, device)
@@ -289,15 +307,38 @@ def main(argv=None) -> dict:
     record = {
         "date": datetime.date.today().isoformat(),
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu (a stand-in: says nothing of GPUs)",
-        "shape": args.config.name, "batch_size": args.batch_size, "grad_accum": args.grad_accum,
-        "length": args.length, "steps": args.steps, "warmup": args.warmup, "flop_per_token": flop,
-        "peak_tflops": peak / 1e12, "torch": torch.__version__, "variants": results,
+        "shape": args.config.name + (f", {args.layers} of its layers (a stand-in)" if args.layers else ""),
+        "batch_size": args.batch_size, "grad_accum": args.grad_accum, "length": args.length,
+        "gradient_checkpointing": args.gradient_checkpointing, "steps": args.steps, "warmup": args.warmup,
+        "flop_per_token": flop, "peak_tflops": peak / 1e12, "build_s": built, "torch": torch.__version__,
+        "variants": results, "planner": planner_figures(shape, args, results.get("defaults", {})),
     }
     output = Path(args.output)
     output.mkdir(parents=True, exist_ok=True)
     (output / "step_speed.json").write_text(json.dumps(record, indent=2) + "\n")
     (output / "step_speed.md").write_text(markdown(record))
     return record
+
+
+def planner_figures(shape, args, defaults: dict) -> dict:
+    """The planner's peak and step time for this launch (one GPU, ddp.yaml, the recipes' defaults), beside
+    what the defaults measured, and the 1,024-row epoch the measured speed gives on one GPU (a projection)."""
+    import planner
+
+    common = dict(gradient_checkpointing=int(args.gradient_checkpointing), precision="bf16")
+    planned = planner.per_gpu_bytes(shape, "lora", "ddp", 1, batch_size=args.batch_size, seq_len=args.length,
+                                    **common)["total"]
+    machine = planner.Machine.of(args.planner_gpu)
+    step = planner.step_time(shape, "lora", "ddp", 1, machine, args.batch_size, args.grad_accum, args.length,
+                             **common)["step"]
+    figures = {"gpu": args.planner_gpu, "peak_gib": planned / 2**30, "step_s": step, "mfu": machine.mfu}
+    if "step_s" in defaults:
+        figures["step_s_at_measured_mfu"] = step * machine.mfu / defaults["mfu"]
+        steps = 1024 / (args.batch_size * args.grad_accum)
+        figures["epoch_s_one_gpu_projected"] = steps * defaults["step_s"]
+        if defaults.get("peak_gib"):
+            figures["peak_planned_over_measured"] = figures["peak_gib"] / defaults["peak_gib"]
+    return figures
 
 
 def same_numbers(result: dict, defaults: dict) -> bool:
@@ -308,9 +349,10 @@ def same_numbers(result: dict, defaults: dict) -> bool:
 
 def markdown(record: dict) -> str:
     lines = [f"# The LoRA step, lever by lever ({record['date']}, {record['device']})", "",
-             f"{record['shape']}, {record['batch_size']} rows x {record['length']} tokens, GA {record['grad_accum']}, "
-             f"{record['steps']} steps ({record['warmup']} left out of the timing), bf16 autocast. MFU: "
-             f"{record['flop_per_token'] / 1e9:.2f} GFLOP a token against {record['peak_tflops']:g} TFLOP/s.", "",
+             f"{record['shape']}, {record['batch_size']} rows x {record['length']} tokens, GA {record['grad_accum']}"
+             f"{', every layer recomputed' if record['gradient_checkpointing'] else ''}, {record['steps']} steps "
+             f"({record['warmup']} left out of the timing), bf16 autocast; the model built in {record['build_s']:.0f} s. "
+             f"MFU: {record['flop_per_token'] / 1e9:.2f} GFLOP a token against {record['peak_tflops']:g} TFLOP/s.", "",
              "| variant | tokens/s | MFU | step ms | peak GiB | first loss | last loss | what differs |",
              "|---|---|---|---|---|---|---|---|"]
     defaults = record["variants"].get("defaults", {})
@@ -324,6 +366,17 @@ def markdown(record: dict) -> str:
             same = " (same numbers)" if same_numbers(result, defaults) else " (DIFFERS)"
         lines.append(f"| {name} | {result['tokens_per_s']:,.0f} | {result['mfu']:.1%} | {result['step_s'] * 1e3:.0f} | "
                      f"{peak} | {result['first_loss']:.5f} | {result['last_loss']:.5f}{same} | {result['note']} |")
+    plan = record["planner"]
+    lines += ["", f"The planner for this launch (one {plan['gpu']}, ddp.yaml): peak {plan['peak_gib']:.1f} GiB, a step "
+              f"{plan['step_s']:.2f} s at its default MFU {plan['mfu']:.0%}."]
+    if "epoch_s_one_gpu_projected" in plan:
+        measured_peak = defaults.get("peak_gib")
+        lines.append(f"Measured (the defaults): a step {defaults['step_s']:.2f} s"
+                     + (f", peak {measured_peak:.1f} GiB (planned / measured {plan['peak_planned_over_measured']:.2f})"
+                        if measured_peak else "")
+                     + f"; the planner's step at the measured MFU {plan['step_s_at_measured_mfu']:.2f} s. "
+                     f"An epoch of 1,024 rows at this speed on one GPU: {plan['epoch_s_one_gpu_projected'] / 60:.1f} min "
+                     "(a projection from the timed steps, not a run of the epoch).")
     for name in ("defaults", "before"):
         profile = record["variants"].get(name, {}).get("profile")
         if profile:
