@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import sys
 
+from contextlib import nullcontext
+
 import torch
 
 from conftest import REPO
@@ -43,7 +45,7 @@ def token_losses(logits, targets):  # the recipes' loss
     return losses.view_as(targets)
 
 
-def losses_and_gradients(model, chunked: bool, autocast: bool = False):
+def losses_and_gradients(model, chunked: bool, autocast: bool = False, gathered: bool = False):
     input_ids, attention_mask, labels = a_batch()
     targets = labels[:, 1:]
     positions = positions_with_targets(targets)
@@ -51,14 +53,14 @@ def losses_and_gradients(model, chunked: bool, autocast: bool = False):
     model.zero_grad()
     with context() if context else torch.enable_grad():
         if chunked:
-            head = LossHead(model.lm_head, None, context or LossHead.autocast)
+            head = LossHead(model.lm_head, None, context or LossHead.autocast, nullcontext if gathered else None)
             outputs = model(input_ids=input_ids, attention_mask=attention_mask, **head.forward_arguments(positions))
             per_token = head.apply(token_losses, outputs, targets, positions)
         else:  # the whole logits, every position, the textbook shift
             logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]
             per_token = token_losses(logits, targets)[:, positions]
     per_token.sum().backward()
-    return per_token.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
+    return per_token.detach(), {name: p.grad.clone() for name, p in model.named_parameters() if p.requires_grad}
 
 
 def test_chunks_are_several_and_cover_every_target_position():
@@ -81,6 +83,19 @@ def test_chunked_loss_and_gradients_equal_the_whole_logits_in_float32():
 
 def labels_of_batch():
     return a_batch()[2][:, 1:]
+
+
+def test_a_frozen_head_gathered_once_a_pass_gives_the_same_loss_and_gradients():
+    """ZeRO-3's path for a frozen head (`GatheredChunks`: the forward's chunks without a graph, the backward's
+    computed again), here with nothing to gather: the same per-token losses and gradients as the whole logits."""
+    model = tiny_llama()
+    model.lm_head.requires_grad_(False)
+    chunked, chunked_grads = losses_and_gradients(model, chunked=True, gathered=True)
+    whole, whole_grads = losses_and_gradients(model, chunked=False)
+    torch.testing.assert_close(chunked, whole, rtol=1e-5, atol=1e-6)
+    for name in whole_grads:
+        if whole_grads[name] is not None:
+            torch.testing.assert_close(chunked_grads[name], whole_grads[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
 def test_chunked_loss_equals_the_whole_logits_under_bf16_autocast():

@@ -95,14 +95,16 @@ def layer_activation_bytes_per_token(shape: ModelShape, method: str, strategy: s
     return float(norms + inputs + lora_outputs + core + mlp)
 
 
-def chunked_loss(shape: ModelShape, strategy: str) -> bool:
+def chunked_loss(shape: ModelShape, method: str, strategy: str) -> bool:
     """Whether the recipes' loss runs a chunk of positions at a time over the last hidden states
-    (training/loss_head.settle): not where the logits are more than the head's output, under ZeRO-3 (its
-    head's weight is partitioned again between calls) or pipeline stages (the schedule's own logits)."""
-    return not shape.logits_after_head and strategy not in ("zero3", "zero3_offload", "pipeline")
+    (training/loss_head.settle): not where the logits are more than the head's output, for full fine-tuning
+    under ZeRO-3 (the trained head's weight is partitioned) or under pipeline stages (the schedule's own
+    logits)."""
+    zero3_trained_head = method == "full" and strategy in ("zero3", "zero3_offload")
+    return not shape.logits_after_head and not zero3_trained_head and strategy != "pipeline"
 
 
-def loss_bytes_per_token(shape: ModelShape, strategy: str, dt: dict) -> float:
+def loss_bytes_per_token(shape: ModelShape, method: str, strategy: str, dt: dict) -> float:
     """The loss's memory per token of the micro-batch.
 
     - chunked: the target positions' last hidden states, kept for each chunk's recomputation, c*h, its
@@ -112,7 +114,7 @@ def loss_bytes_per_token(shape: ModelShape, strategy: str, dt: dict) -> float:
     - whole logits: vocab * (logits dtype + 4 + 4): the logits the step's `outputs` holds, the fp32
       log-softmax output the loss keeps, and its fp32 gradient at the start of the backward.
     """
-    if chunked_loss(shape, strategy):
+    if chunked_loss(shape, method, strategy):
         return (2 * dt["compute"] + 12) * shape.hidden + 4
     return shape.vocab * (dt["logits"] + 4 + 4)
 
@@ -163,7 +165,7 @@ def activation_bytes(shape: ModelShape, method: str, strategy: str, batch_size: 
         head_adapted = method != "full" and "lm_head" in lora_target_names(lora_targets)
         once += 4 * h + 4 + (r * h if full else 0)
         once += c * h if full else ((c + (1 if lora_dropout > 0 else 0)) * h + c * lora_rank if head_adapted else 0)
-        logits = loss_bytes_per_token(shape, strategy, dt)
+        logits = loss_bytes_per_token(shape, method, strategy, dt)
     copies = 0
     if dt["autocast_copies"]:
         if method == "full":

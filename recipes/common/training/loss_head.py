@@ -9,7 +9,9 @@ own function runs on each chunk, so an edited loss trains under every strategy a
 
 Where the model's logits are more than its head's output (a softcap or a scale after the head, Gemma-2's
 or Cohere's), checked on three tokens when the run starts, the model computes its own logits as it
-always has, kept only at the positions with a target.
+always has, kept only at the positions with a target; so it does where the head's weight cannot be held
+from the forward to the backward (`head_not_held`). Under ZeRO-3 a frozen head is gathered once for the
+forward's chunks and once for the backward's (`GatheredChunks`).
 """
 
 from __future__ import annotations
@@ -31,11 +33,14 @@ class LossHead:
 
     `head`: the model's LM head, run chunk by chunk over the last hidden states; None where the model's
     own logits are used. `why_whole`: why not chunked (None when chunked). `autocast`: the launch's mixed
-    precision context, which the model's forward runs under and the head, called outside it, needs too."""
+    precision context, which the model's forward runs under and the head, called outside it, needs too.
+    `gathered`: for a frozen head whose weight ZeRO-3 partitions, a context that holds it whole (DeepSpeed's
+    GatheredParameters): gathered once for the forward's chunks and once for the backward's (None elsewhere)."""
 
     head: torch.nn.Module | None
     why_whole: str | None
     autocast: Callable = nullcontext
+    gathered: Callable | None = None
 
     @property
     def description(self) -> str:
@@ -65,6 +70,8 @@ class LossHead:
         hidden = hidden.index_select(1, positions.to(hidden.device))
         targets = targets.index_select(1, positions.to(targets.device)).to(hidden.device)
         size = chunk_positions(*hidden.shape, vocabulary(self.head))
+        if self.gathered is not None:
+            return GatheredChunks.apply(hidden, targets, self, figures, size)
         pieces = []
         for hidden_chunk, target_chunk in zip(hidden.split(size, 1), targets.split(size, 1)):
             if torch.is_grad_enabled():  # no randomness in a head and a loss: no RNG state to keep
@@ -81,7 +88,36 @@ class LossHead:
 
     def chunk_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         with self.autocast():
+            if self.gathered is not None:  # the gathered weight itself: a call of the module would partition it
+                return torch.nn.functional.linear(hidden, self.head.weight, self.head.bias)
             return self.head(hidden)
+
+
+class GatheredChunks(torch.autograd.Function):
+    """`figures` over the chunks with a frozen head whose weight is gathered for the whole pass (ZeRO-3): the
+    forward computes each chunk without a graph; the backward gathers the weight once more and computes each
+    chunk again, its gradient with respect to the hidden states only (the head is frozen). One gather a pass
+    on every rank, whatever its number of chunks."""
+
+    @staticmethod
+    def forward(ctx, hidden, targets, loss_head, figures, size):
+        ctx.save_for_backward(hidden, targets)
+        ctx.loss_head, ctx.figures, ctx.size = loss_head, figures, size
+        with torch.no_grad(), loss_head.gathered():
+            return torch.cat([figures(loss_head.chunk_logits(h), t)
+                              for h, t in zip(hidden.split(size, 1), targets.split(size, 1))] or
+                             [figures(loss_head.chunk_logits(hidden), targets)], 1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        hidden, targets = ctx.saved_tensors
+        pieces = []
+        with ctx.loss_head.gathered():
+            for h, t, g in zip(hidden.split(ctx.size, 1), targets.split(ctx.size, 1), grad.split(ctx.size, 1)):
+                with torch.enable_grad():
+                    h = h.detach().requires_grad_()
+                    pieces.append(torch.autograd.grad(ctx.figures(ctx.loss_head.chunk_logits(h), t), h, g)[0])
+        return (torch.cat(pieces, 1) if pieces else torch.zeros_like(hidden)), None, None, None, None
 
 
 def vocabulary(head: torch.nn.Module) -> int:
@@ -94,14 +130,23 @@ def chunk_positions(rows: int, positions: int, hidden_size: int, vocabulary_size
     return max(1, -(-positions * hidden_size // max(vocabulary_size, 1)))
 
 
+def zero3_partitioned(head: torch.nn.Module) -> bool:
+    return any(hasattr(param, "ds_id") for param in head.parameters())
+
+
 def head_not_held(head: torch.nn.Module) -> str | None:
-    """Why the head's weight is not held whole from the forward to the backward, where each chunk's logits
-    are computed again (None: it is). ZeRO-3 partitions it again after each call of the head, and an FSDP
-    unit of its own gathers it in every call: a collective per chunk, and chunks differ between ranks."""
+    """Why the head's weight cannot be used chunk by chunk (None: it can). A trained head whose weight ZeRO-3
+    partitions would need its gradient handed to DeepSpeed's partitions (and a module of peft's or another
+    kind computes more than its weight's product); an FSDP unit of its own gathers its weight in every call:
+    a collective per chunk, and chunks differ between ranks. (A frozen plain linear under ZeRO-3 is gathered
+    once a pass: `GatheredChunks`.)"""
     from torch.distributed.fsdp import FSDPModule
 
-    if any(hasattr(param, "ds_id") for param in head.parameters()):
-        return "ZeRO-3 partitions the LM head's weight between its calls"
+    if zero3_partitioned(head):
+        if any(param.requires_grad for param in head.parameters()):
+            return "ZeRO-3 partitions the trained LM head's weight"
+        if type(head) is not torch.nn.Linear:
+            return f"ZeRO-3 partitions the LM head, a {type(head).__name__} rather than a plain linear layer"
     if isinstance(head, FSDPModule):
         return "FSDP shards the LM head as a unit of its own, gathered at each call"
     return None
@@ -121,7 +166,13 @@ def settle(accelerator, model, stages=None) -> LossHead:
     why_not = head_not_held(head)
     if why_not:
         return LossHead(None, why_not)
-    chunked = LossHead(head, None, accelerator.autocast)
+    gathered = None
+    if zero3_partitioned(head):
+        import deepspeed
+
+        weights = list(head.parameters())
+        gathered = lambda: deepspeed.zero.GatheredParameters(weights)  # noqa: E731  (every rank, once a pass)
+    chunked = LossHead(head, None, accelerator.autocast, gathered)
     training = model.training
     model.eval()
     try:
@@ -129,7 +180,8 @@ def settle(accelerator, model, stages=None) -> LossHead:
             ids = torch.tensor([[1, 2, 3]], device=accelerator.device)
             outputs = model(input_ids=ids, use_cache=False, output_hidden_states=True)
             hidden = outputs.hidden_states[-1] if outputs.get("hidden_states") else None
-            same = hidden is not None and torch.equal(outputs.logits.float(), chunked.chunk_logits(hidden).float())
+            with gathered() if gathered else nullcontext():
+                same = hidden is not None and torch.equal(outputs.logits.float(), chunked.chunk_logits(hidden).float())
     finally:
         model.train(training)
     if not same:
