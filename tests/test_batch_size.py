@@ -65,12 +65,12 @@ def test_auto_plans_a_pipelines_stage_with_the_micro_batches_it_holds(monkeypatc
     keeps in flight at most), not one process holding the whole model."""
     from dataclasses import replace
 
-    plan_memory(monkeypatch, 0.05)
+    plan_memory(monkeypatch, 0.1)
     whole = settle("--batch-size", "auto")[0].batch_size
     staged = replace(DDP_ON_2_CPUS, pipeline_stages=2)
     args, line = settle("--batch-size", "auto", launch=staged)
     shape = planner.load_shape("tiny-llama")
-    expected = planner.max_micro_batch(shape, "lora", "pipeline", 2, 0.05, seq_len=512, precision="fp32",
+    expected = planner.max_micro_batch(shape, "lora", "pipeline", 2, 0.1, seq_len=512, precision="fp32",
                                        grad_accum=batch_size.PIPELINE_FULL, pipeline_stages=2)
     assert args.batch_size == expected and "x 1 process(es)" in line  # one pipeline: one data-parallel rank
     in_flight = planner.per_gpu_bytes(shape, "lora", "pipeline", 2, expected, 512, precision="fp32",
