@@ -41,10 +41,10 @@ from common.data import batches, preferences
 from common.data.formats import IGNORE
 from common.launching import args as cli
 from common.launching import deepspeed_config, preflight, settle
-from common.model import modeling
+from common.model import loss_head, modeling
 from common.outputs import checkpoint, report
 from common.outputs.runlog import RunLog
-from common.training import loss_head, runtime
+from common.training import runtime
 from common.training.evaluation import evaluate_pairs
 
 

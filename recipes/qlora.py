@@ -35,10 +35,10 @@ from transformers import get_cosine_schedule_with_warmup
 from common.data import batches, preparation
 from common.launching import args as cli
 from common.launching import batch_size, deepspeed_config, preflight, settle
-from common.model import modeling
+from common.model import loss_head, modeling
 from common.outputs import checkpoint, report
 from common.outputs.runlog import RunLog
-from common.training import loss_head, pipeline, runtime
+from common.training import pipeline, runtime
 from common.training.evaluation import evaluate
 
 

@@ -180,7 +180,7 @@ def adapt(base, variant: dict, precision_launch):
 def run_variant(base, variant: dict, batches, args, device, precision_launch, profile: bool = False) -> dict:
     import torch
 
-    from common.training.loss_head import LossHead
+    from common.model.loss_head import LossHead
 
     model = adapt(base, variant, precision_launch)
     model.train()

@@ -1,4 +1,4 @@
-"""The loss a chunk of positions at a time over the last hidden states (training/loss_head.py) is the loss of
+"""The loss a chunk of positions at a time over the last hidden states (model/loss_head.py) is the loss of
 the whole logits: the same per-token losses and the same gradients, in float32 and under bf16 autocast; the
 whole batch's logits are never kept for the backward; and a model whose logits are more than its head's
 output keeps its own logits."""
@@ -16,7 +16,7 @@ from conftest import REPO
 sys.path.insert(0, str(REPO / "recipes"))
 
 from common.data.batches import IGNORE, positions_with_targets  # noqa: E402
-from common.training.loss_head import LossHead, chunk_positions, settle  # noqa: E402
+from common.model.loss_head import LossHead, chunk_positions, settle  # noqa: E402
 
 
 def tiny_llama(vocab: int = 304):

@@ -135,7 +135,7 @@ def activation_bytes(shape: ModelShape, method: str, strategy: str, batch_size: 
       s (sdpa / eager); the final RMSNorm 4h + 4 (+ r*h trained); lm_head's input c*h when it is
       trained (or LoRA-adapted).
     - the loss (`loss_bytes_per_token`): chunked over the last hidden states where the recipes' loss
-      head runs so (training/loss_head.py), else the whole logits. The recipes compute logits only at
+      head runs so (model/loss_head.py), else the whole logits. The recipes compute logits only at
       positions where a row of the micro-batch has a target, so this is the bound that packed or
       plain-text rows reach; prompt-masked rows hold less.
     - autocast copies (DDP / model parallel / tp / fsdp_tp in bf16): autocast's bf16 copy of every

@@ -17,6 +17,7 @@ import torch
 
 import planner
 
+from ..model import loss_head
 from ..refusal import refuse
 from .args import AUTO
 from .launch import DEEPSPEED
@@ -118,7 +119,8 @@ def back_off(fits_step, start: int, per_rank: int | None) -> int:
 
 def confirm_on_gpu(accelerator, launch, model, run: Run) -> Run:
     """--batch-size auto on GPUs: run one real forward and backward of the planned micro-batch at
-    --max-length tokens, and take a smaller one (halving) if it runs out of memory. Before the
+    --max-length tokens, its loss computed as the recipes compute it (model.loss_head), and take a smaller
+    one (halving) if it runs out of memory. Before the
     loaders are built, so the batch and accumulation can still change. Only where each GPU holds
     the whole model (unsharded strategies): a sharded model is only sharded by `prepare`, and a pipeline
     stage runs only within its schedule; there, and under DeepSpeed (whose engine config already holds
@@ -137,13 +139,22 @@ def confirm_on_gpu(accelerator, launch, model, run: Run) -> Run:
     optimizer_bytes = 8 * sum(p.numel() for p in model.parameters() if p.requires_grad)  # AdamW, after step 1
     usable = torch.cuda.get_device_properties(device).total_memory * 0.92  # planner.HEADROOM's margin
 
+    head = loss_head.settle(accelerator, model)  # the loss as the recipes compute it (chunked where they chunk)
+
+    def token_losses(logits, targets):
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(),
+                                                 reduction="none").view_as(targets)
+
     def fits_step(size: int) -> bool:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
         tokens = torch.randint(0, model.config.vocab_size, (size, run.max_length), device=device)
+        positions = torch.arange(run.max_length - 1)  # every position a target: the bound a plan holds
         try:
             with accelerator.autocast():
-                loss = model(input_ids=tokens, labels=tokens, use_cache=False).loss
+                outputs = model(input_ids=tokens, use_cache=False, **head.forward_arguments(positions))
+                loss = head.apply(token_losses, outputs, tokens[:, 1:], positions.to(device)).sum()
+            del outputs
             loss.backward()
             peak = torch.cuda.max_memory_allocated(device)
         except torch.cuda.OutOfMemoryError:

@@ -159,7 +159,7 @@ class RunLog:
     def write_run_json(self, model, stages, data_format: str, optimizer, total_steps: int,
                        loss_path: str | None = None) -> None:
         """Record what really ran: strategy, processes, precision, parameters, how the loss met the logits
-        (`loss_path`: training.loss_head's description). No collective: each rank's share is gathered later,
+        (`loss_path`: model.loss_head's description). No collective: each rank's share is gathered later,
         by `record_ranks`."""
         counts = parameter_counts(model)
         ran = what_ran(self.accelerator, model)
