@@ -12,6 +12,7 @@ import dataclasses
 import os
 from pathlib import Path
 
+from ..model.adapters import adapter_base, merged_start_model
 from ..model.shard_loading import why_not_read_shards
 from . import launch_config, memory_plan, preflight
 from .args import PREFERENCE_RECIPES
@@ -38,6 +39,7 @@ def settle_launch(args: Run, recipe: str) -> tuple[Run, Launch]:
     launch_config.check_process_count(launch)
     preflight.check_flags(run, recipe)
     preflight.check_speed_options(run, launch.on_gpu)
+    run = settle_model(run)  # a LoRA adapter as --model: its base with the adapter merged in
     launch = preflight.check_pipeline(run, recipe, launch)
     if launch.kind == TENSOR_PARALLEL:
         preflight.check_tensor_parallel(run, recipe, launch)
@@ -64,6 +66,19 @@ def settle_launch(args: Run, recipe: str) -> tuple[Run, Launch]:
     launch = settle_loading(run, recipe, launch)
     memory_plan.announce_plan(run, recipe, launch)
     return run, launch
+
+
+def settle_model(run: Run) -> Run:
+    """A LoRA adapter folder as --model (what an SFT run saved as adapter/): the run trains its base with the
+    adapter merged in, a model written once per machine (model/adapters.py), and every later check and load
+    reads that model. The run records the adapter it came from in settled_from."""
+    base = adapter_base(run.model)
+    if base is None:
+        return run
+    folder, wrote = merged_start_model(run.model, base, run.trust_remote_code)
+    say(f"model: {run.model} is a LoRA adapter; training its base {base} with the adapter merged in "
+        f"({folder}, {'merged now' if wrote else 'merged by an earlier run'})")
+    return run.settled({"model": (str(folder), f"the LoRA adapter {run.model} merged onto its base {base}")})
 
 
 def settle_loading(run: Run, recipe: str, launch: Launch) -> Launch:

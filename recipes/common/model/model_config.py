@@ -136,3 +136,14 @@ def quantizable_weights(name: str, trust_remote_code: bool = False) -> dict | No
             left += weights
             left_kinds.add(type(module).__name__)
     return {"quantized": quantized, "left": left, "left_kinds": sorted(left_kinds)}
+
+
+def bits_config(bits: int, compute_dtype: torch.dtype, storage: torch.dtype = torch.uint8):
+    """The recipes' quantisation of a base: NF4 with double quantisation (QLoRA), or LLM.int8().
+    Also what model/adapters.py and scripts/generate.py load an adapter's base with, as it was trained."""
+    from transformers import BitsAndBytesConfig
+
+    if bits == 8:
+        return BitsAndBytesConfig(load_in_8bit=True)
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                              bnb_4bit_compute_dtype=compute_dtype, bnb_4bit_quant_storage=storage)

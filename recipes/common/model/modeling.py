@@ -13,8 +13,8 @@ import torch
 
 from ..data.formats import DEFAULT_CHAT_TEMPLATE
 from ..refusal import refuse
-from .model_config import (DEFAULT_MODEL, REPO_ROOT, default_model_needs_building, empty_model, is_default_model,
-                           model_config_object)
+from .model_config import (DEFAULT_MODEL, REPO_ROOT, bits_config, default_model_needs_building, empty_model,
+                           is_default_model, model_config_object)
 from .pipeline_layout import layout_of
 from .stage_loading import load_stage, refuse_a_changed_forward
 
@@ -376,14 +376,3 @@ def quantization_config(launch, bits: int):
     compute_dtype = launch.float_dtype(frozen=True)
     storage = compute_dtype if launch.shards_parameters else torch.uint8
     return bits_config(bits, compute_dtype, storage)
-
-
-def bits_config(bits: int, compute_dtype: torch.dtype, storage: torch.dtype = torch.uint8):
-    """The recipes' quantisation of a base: NF4 with double quantisation (QLoRA), or LLM.int8().
-    Also what merge.py and scripts/generate.py load an adapter's base with, as it was trained."""
-    from transformers import BitsAndBytesConfig
-
-    if bits == 8:
-        return BitsAndBytesConfig(load_in_8bit=True)
-    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                              bnb_4bit_compute_dtype=compute_dtype, bnb_4bit_quant_storage=storage)

@@ -19,27 +19,12 @@ if __name__ == "__main__":  # run as a script: the recipes' notice filter first,
 import torch
 
 from common.launching.args import SAVE_DTYPES
-from common.model.modeling import bits_config
+from common.model import adapters
 
 
 def merge(base: str, adapter: str, output: str, base_4bit: bool = False, dtype: str = "auto") -> None:
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    if base_4bit:
-        compute_dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
-        quantization = bits_config(4, compute_dtype)
-        device = "cuda:0" if torch.cuda.is_available() else "cpu"
-        model = AutoModelForCausalLM.from_pretrained(
-            base, quantization_config=quantization, device_map={"": device}, dtype=compute_dtype
-        ).dequantize()
-    else:
-        model = AutoModelForCausalLM.from_pretrained(base, dtype="auto")
-    merged = PeftModel.from_pretrained(model, adapter).merge_and_unload()
-    if dtype != "auto":  # after the merge, which adds the adapter's update in the base's precision
-        merged = merged.to(getattr(torch, SAVE_DTYPES[dtype]))
-    merged.save_pretrained(output, safe_serialization=True)
-    AutoTokenizer.from_pretrained(adapter).save_pretrained(output)
+    """adapters.merge with `dtype` a --save-dtype name (auto: the base's)."""
+    adapters.merge(base, adapter, output, base_4bit, None if dtype == "auto" else getattr(torch, SAVE_DTYPES[dtype]))
 
 
 def main() -> None:

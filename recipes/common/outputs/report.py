@@ -76,7 +76,7 @@ def write_model_card(accelerator, args, recipe: str, artifact: str, samples: lis
     card = [
         f"# {Path(args.model).name} fine-tuned with {recipe}.py",
         "",
-        f"- base model: `{args.model}`",
+        f"- base model: `{args.model}`" + (f" ({args.settled_from['model']})" if "model" in args.settled_from else ""),
         f"- data: {', '.join(f'`{spec}`' for spec in args.dataset or [bundled])} "
         f"({run['data_format']} format{', packed' if args.packing else ''})",
         f"- strategy: {run['distributed_type']} x {run['num_processes']} process(es) ({run['launch']['name']}), "
@@ -95,5 +95,6 @@ def write_model_card(accelerator, args, recipe: str, artifact: str, samples: lis
     if samples:
         card += ["", "## Samples (greedy, evaluation prompts)", ""]
         card += [f"- `{s['prompt']!r}` -> `{s['generated']!r}` (reference `{s['reference']!r}`)" for s in samples]
-    card += ["", "Files: run.json (what ran), metrics.jsonl (per step), samples.jsonl, checkpoints/."]
+    written = [name for name in ("samples.jsonl", "checkpoints/") if (output_dir / name.rstrip("/")).exists()]
+    card += ["", "Files: run.json (what ran), metrics.jsonl (per step)" + "".join(f", {name}" for name in written) + "."]
     (output_dir / "README.md").write_text("\n".join(card) + "\n")
