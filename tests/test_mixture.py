@@ -149,7 +149,7 @@ def test_a_launch_trains_on_a_mixture_of_formats_and_layouts(tmp_path):
     assert lines[1].startswith(f"data: {hub} (messages): training 38 rows: 38 used; "), lines
     assert "drawn: 76 rows (weight 2); evaluation 2 rows: 2 used" in lines[1], lines
     assert lines[2].startswith(f"data: {completions} (messages): training 19 rows: 19 used; "), lines
-    assert "drawn: 19 rows (weight 1); evaluation 1 rows: 1 used" in lines[2], lines
+    assert "drawn: 19 rows (weight 1); evaluation 1 row: 1 used" in lines[2], lines
     assert lines[3] == (f"data: 3 sources: 133 training rows ({answers} 29%, {hub} 57%, {completions} 14%), "
                         "7 evaluation rows")
     assert len(lines) == 4  # rank 0 only

@@ -19,6 +19,15 @@ from .targets import NO_TOKENS, tokenize_row, tokenize_rows  # noqa: F401 (token
 REPORT_COLUMNS = ["dropped", "needs", "cut", "eos_added", "stops", "boundary"]  # what the data line counts
 
 
+def many(count: int, unit: str) -> str:
+    """`1 pair`, `2 pairs`."""
+    return f"{count:,} {unit}{'' if count == 1 else 's'}"
+
+
+# fewer held-out rows than this make eval_loss swing from one evaluation to the next: said at start-up
+FEW_EVALUATION_ROWS = 16
+
+
 def counted(tokenized, unit: str = "row") -> str:
     """`1,000 rows: 960 used (12 of them cut to --max-length), 40 dropped (too long: 30, empty target: 10)`,
     then the stop signal replies end with and any prompt/target boundary inside a token (`unit`: what a
@@ -29,7 +38,7 @@ def counted(tokenized, unit: str = "row") -> str:
     rows = len(tokenized["dropped"])
     reasons = Counter(reason for reason in tokenized["dropped"] if reason)
     dropped = sum(reasons.values())
-    line = f"{rows:,} {unit}s: {rows - dropped:,} used"
+    line = f"{many(rows, unit)}: {rows - dropped:,} used"
     cut = sum(tokenized["cut"])
     if cut:
         line += f" ({cut:,} of them cut to --max-length)"
@@ -189,6 +198,10 @@ def training_sets(accelerator, args, train_parts, train_tokens, eval_parts, eval
     if accelerator.is_main_process:
         for line in data_lines(train_parts, train_tokens, drawn, eval_parts, eval_tokens, len(eval_set), unit):
             print(line, flush=True)
+        if len(eval_set) < FEW_EVALUATION_ROWS:
+            print(f"warning: evaluation has {many(len(eval_set), unit)}, too few for eval_loss to mean much from one "
+                  f"evaluation to the next; give --eval-dataset, or more rows (5% of them, up to 256, are held out)",
+                  flush=True)
         # where a rerun (or a resume) with the same rows, tokenizer and flags reads them: a folder per source
         folders = dict.fromkeys(os.path.dirname(tokens.cache_files[0]["filename"]) for tokens in train_tokens
                                 if tokens.cache_files)
@@ -216,9 +229,9 @@ def data_lines(train_parts, train_tokens, drawn, eval_parts, eval_tokens, eval_r
     for part, tokens in zip(eval_parts, eval_tokens):
         if id(part.source) not in trained:  # --eval-dataset
             lines.append(f"data: evaluation {part.name} ({part.fmt}): {counted(tokens, unit)}")
-    lines.append(f"data: {len(train_parts)} sources: {sum(map(len, drawn)):,} training {unit}s "
+    lines.append(f"data: {len(train_parts)} sources: {many(sum(map(len, drawn)), 'training ' + unit)} "
                  f"({shares([part.name for part in train_parts], list(map(len, drawn)))}), "
-                 f"{eval_rows:,} evaluation {unit}s")
+                 f"{many(eval_rows, 'evaluation ' + unit)}")
     return lines
 
 

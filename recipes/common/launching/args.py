@@ -185,25 +185,39 @@ def recipe_flags(recipe: str, doc: str = "recipe\n") -> argparse.ArgumentParser:
 
 def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> Run:
     """The parsed flags as a read-only run, with `given_flags`: the ones typed on the command line or
-    set in the --config file. A setting in the user's DeepSpeed config may fill a flag left at its
-    default, but never override a given one (settle.settle_launch settles the rest)."""
+    set in the --config file (which `settled_from` names for each value it set). A setting in the user's
+    DeepSpeed config may fill a flag left at its default, but never override a given one
+    (settle.settle_launch settles the rest)."""
     argv = sys.argv[1:] if argv is None else argv
-    from_file = flags_from_config_file(parser, argv)
+    from_file, path = flags_from_config_file(parser, argv)
     typed = {action.dest for action in parser._actions for option in action.option_strings
              if any(arg == option or arg.startswith(option + "=") for arg in argv)}
     appended = {action.dest for action in parser._actions if isinstance(action, argparse._AppendAction)}
     # defaults, so that a typed flag still wins; a typed --dataset replaces the file's list, not adds to it
     parser.set_defaults(**{dest: value for dest, value in from_file.items() if not (dest in appended and dest in typed)})
-    return Run(**vars(parser.parse_args(argv)), given_flags=sorted(typed | set(from_file)))
+    from_the_file = {dest: f"--config {path}" for dest in from_file if dest not in typed}
+    return Run(**vars(parser.parse_args(argv)), given_flags=sorted(typed | set(from_file)), settled_from=from_the_file)
 
 
-def flags_from_config_file(parser: argparse.ArgumentParser, argv: list[str]) -> dict:
-    """{dest: value} from the file after --config, checked like typed flags; an unknown key or a
-    value outside a flag's choices stops the run in one line naming the fix."""
+# Other projects' names for the recipes' flags (transformers' Trainer, TRL, peft), said in the refusal of one
+OTHER_NAMES = {"learning_rate": "lr", "per_device_train_batch_size": "batch_size", "train_batch_size": "batch_size",
+               "micro_batch_size": "batch_size", "gradient_accumulation_steps": "grad_accum",
+               "num_train_epochs": "epochs", "num_epochs": "epochs", "max_seq_length": "max_length",
+               "sequence_len": "max_length", "logging_steps": "log_every", "eval_steps": "eval_every",
+               "save_steps": "save_every", "model_name_or_path": "model", "base_model": "model",
+               "dataset_name": "dataset", "datasets": "dataset", "r": "lora_r", "lora_rank": "lora_r",
+               "target_modules": "lora_targets", "lora_target_modules": "lora_targets", "warmup_steps": "warmup_ratio",
+               "packing": "packing", "use_liger_kernel": "liger", "attn_implementation": "attention",
+               "resume_from_checkpoint": "resume"}
+
+
+def flags_from_config_file(parser: argparse.ArgumentParser, argv: list[str]) -> tuple[dict, str | None]:
+    """({dest: value} from the file after --config, checked like typed flags; the file), an unknown key or a
+    value outside a flag's choices stopping the run in one line naming the fix."""
     paths = [argv[i + 1] for i, arg in enumerate(argv[:-1]) if arg == "--config"]
     paths += [arg.split("=", 1)[1] for arg in argv if arg.startswith("--config=")]
     if not paths:
-        return {}
+        return {}, None
     if len(paths) > 1:
         refuse(f"--config is given {len(paths)} times; give one run file (merge the others into it)")
     path = paths[0]
@@ -229,6 +243,9 @@ def flags_from_config_file(parser: argparse.ArgumentParser, argv: list[str]) -> 
         if action is None or dest == "config":
             close = difflib.get_close_matches(dest, sorted(actions), n=1, cutoff=0.6)
             hint = f"; did you mean `{close[0].replace('_', '-')}`?" if close else ""
+            if OTHER_NAMES.get(dest) in actions:
+                hint = f"; this recipe calls it `{OTHER_NAMES[dest].replace('_', '-')}`"
+                hint += " (a fraction of the steps)" if dest == "warmup_steps" else ""
             refuse(f"--config {path}: `{key}` is not a flag of this recipe{hint}")
         if value is None and action.default is not None and not isinstance(action, argparse._StoreTrueAction):
             refuse(f"--config {path}: `{key}` has no value; give one, or delete the line to keep the default")
@@ -244,7 +261,7 @@ def flags_from_config_file(parser: argparse.ArgumentParser, argv: list[str]) -> 
         if isinstance(action, argparse._StoreTrueAction) and not isinstance(value, bool):
             refuse(f"--config {path}: `{key}` is a switch; write `{key}: true` or `{key}: false`")
         flags[dest] = value
-    return flags
+    return flags, path
 
 
 def typed_value(action, value, where: str):

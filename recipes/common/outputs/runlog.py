@@ -283,7 +283,9 @@ class RunLog:
             self.bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{record['tokens_per_s']:.0f}", refresh=False)
             if self.log_every and step % self.log_every == 0:
                 router = f"  router_loss {router_loss:.4f}" if router_loss is not None else ""
-                self.bar.write(f"step {step}: loss {loss:.4f}  lr {lr:.2e}  grad_norm {record['grad_norm'] or 0:.3f}{router}")
+                own = "".join(f"  {key} {value:.4f}" for key, value in (figures or {}).items())  # rewards/*, logps/*
+                self.bar.write(f"step {step}: loss {loss:.4f}  lr {lr:.2e}  grad_norm {record['grad_norm'] or 0:.3f}"
+                               f"{router}{own}")
 
     def track(self, record: dict, step: int) -> None:
         """Send the numbers of a metrics.jsonl line to the accelerate trackers (main process only)."""
