@@ -5,18 +5,22 @@ Prints one row per config in accelerate_configs/ (weights, gradients, optimizer 
 activations on the busiest GPU, in GiB), then each config's estimated time per step and per epoch
 (FLOPs at an assumed share of the GPU's peak plus the bytes the strategy moves over the link),
 then the launch command of the fastest config that fits and the config that needs the fewest
-GPUs: the model's hub id, a --dataset to fill in, and every flag the plan depends on; and the host RAM
-each needs per machine while the weights load. Nothing is downloaded and no GPU is needed: the arithmetic
-(recipes/planner/) works from the model's config.json.
+GPUs: the model's hub id, --dataset YOUR_DATA (the one word to replace) and every flag the plan depends on;
+whether each has run on a GPU in this project or is an estimate only; the sequence length and global batch
+the ranking holds for; and the host RAM each needs per machine while the weights load. Nothing is
+downloaded and no GPU is needed: the arithmetic (recipes/planner/) works from the model's config.json.
 
 Examples:
     python scripts/plan.py --model tinyllama-1.1b --method lora --gpus 4 --gpu rtx6000-ada \\
         --batch-size 16 --grad-accum 2 --seq-len 1024
-    python scripts/plan.py --model codellama-34b --method qlora --gpus 1 --gpu-memory 48 \\
+    python scripts/plan.py --model codellama-34b --method qlora --gpus 1 --gpu l40s \\
         --batch-size 4 --seq-len 1024 --gradient-checkpointing
     python scripts/plan.py --model codellama-34b --gpus 4 --batch-size 4 --global-batch-size 64
     python scripts/plan.py --model path/to/model_folder --method full --json
     python scripts/plan.py --model llama-3.1-8b --gpus 8 --pairs --batch-size 4 --seq-len 2048
+
+--gpu names the card (its memory, peak and usual link); --gpu-memory only changes the memory of the card
+named (an unknown card: the closest known one, with --gpu-memory, --mfu and --bandwidth).
 
 --pairs plans preference tuning (recipes/dpo.py; with --method full, dpo_full.py): --batch-size,
 --global-batch-size and --rows count pairs, each two rows (chosen and rejected) in one forward.
@@ -42,25 +46,33 @@ import planner  # noqa: E402  (recipes/planner/: pure Python, no torch)
 # spells out only those that differ.
 RECIPE_DEFAULTS = {"lora_r": 16, "lora_targets": "all-linear", "lora_dropout": 0.0, "max_length": 512,
                    "batch_size": 8, "grad_accum": 1}
-# The recipes' default data is the bundled toy task: a Launch line asks for the user's.
-DATASET_PLACEHOLDER = "<your data file, folder or hub id>"
+# The recipes' default data is the bundled toy task: a Launch line asks for the user's, in a word the shell
+# leaves as it is (the recipes refuse it, unreplaced, in one line: no such file, folder or hub id).
+DATASET_PLACEHOLDER = "YOUR_DATA"
 # --attention as the recipes spell it; sdpa is their default (transformers' choice).
 RECIPE_ATTENTION = {"flash": "flash_attention_2", "eager": "eager"}
 
 
+class Parser(argparse.ArgumentParser):
+    def error(self, message):
+        """A refusal in one line (argparse would print the whole usage above it)."""
+        self.exit(2, f"plan.py: error: {message}\n")
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     summary, _, details = __doc__.partition("\n")
-    parser = argparse.ArgumentParser(description=summary, epilog=details,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = Parser(description=summary, epilog=details, formatter_class=argparse.RawDescriptionHelpFormatter)
     add = parser.add_argument
     add("--model", default="tinyllama-1.1b",
         help="alias, config .json, model folder or hub id (default: tinyllama-1.1b)")
     add("--method", choices=planner.METHODS, default="lora", help="the recipe: full, lora or qlora (default: lora)")
     add("--gpus", type=int, default=4, help="GPUs available (default: 4, as the configs are set)")
-    add("--gpu", default=planner.DEFAULT_GPU, metavar="NAME",
+    add("--gpu", default=None, metavar="NAME",
         help=f"the GPU model: {', '.join(planner.GPUS)} (default: {planner.DEFAULT_GPU}); sets the memory, "
              "the peak and the usual link")
-    add("--gpu-memory", type=float, default=None, help="memory of one GPU in GB, as sold (default: the --gpu's)")
+    add("--gpu-memory", type=float, default=None,
+        help="memory of one GPU in GB, as sold, instead of the --gpu's (needs --gpu: the card's peak and link "
+             "come with it)")
     add("--interconnect", choices=planner.INTERCONNECTS, default=None,
         help="the link between the GPUs (default: the --gpu's usual one; network: between machines)")
     add("--bandwidth", type=float, default=None, metavar="GB_S",
@@ -110,6 +122,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name in ("gpus", "batch_size", "seq_len", "lora_r", "grad_accum", "rows", "global_batch_size"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.gpu_memory is not None and args.gpu is None:
+        parser.error(memory_without_card(args.gpu_memory))
+    args.gpu = args.gpu or planner.DEFAULT_GPU
     try:
         planner.lora_target_names(args.lora_targets)
         args.machine = planner.Machine.of(args.gpu, args.interconnect, args.bandwidth, args.mfu,
@@ -123,6 +138,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     if float(args.gpu_memory).is_integer():
         args.gpu_memory = int(args.gpu_memory)
     return args
+
+
+def memory_without_card(memory: float) -> str:
+    """The refusal of --gpu-memory alone: it would keep the default card's peak and link, and no memory names
+    one card (48 GB is an A6000, an RTX 6000 Ada, an L40S, and cards the planner does not know)."""
+    cards = planner.cards_of_memory(memory)
+    known = f"{memory:g} GB: {', '.join(cards)}; " if cards else ""
+    return (f"--gpu-memory {memory:g} without --gpu would plan the default {planner.GPUS[planner.DEFAULT_GPU].name}'s peak "
+            f"and link: name the card with --gpu ({known}all: {', '.join(planner.GPUS)}); --gpu-memory then changes only "
+            "its memory")
 
 
 def examples(args) -> str:
@@ -334,23 +359,41 @@ def what_changed(rec: dict, plan: dict, args) -> str:
     return "; ".join(changes)
 
 
+def placeholders(args) -> str:
+    """What to put in place of the Launch line's placeholder words."""
+    model = (f" and {planner.MODEL_PLACEHOLDER} with the hub id or folder of this model's weights"
+             if model_flag(args) == planner.MODEL_PLACEHOLDER else "")
+    return f"(replace {DATASET_PLACEHOLDER} with your data file, folder or hub id{',' if model else ''}{model})"
+
+
+def ranked_for(args) -> str:
+    """The inputs the ranking holds for: another sequence length or global batch can put another config first."""
+    batch = (f"--global-batch-size {args.global_batch_size}" if args.global_batch_size else
+             f"--batch-size {args.batch_size} x --grad-accum {args.grad_accum} per data-parallel process")
+    return (f"Ranked for --seq-len {args.seq_len} and {batch}: a different sequence length or global batch can put "
+            "another config first.")
+
+
 def sentences(shape, plan: dict, args) -> list[str]:
     rec = plan["recommendation"]
     fastest, fewest = rec["fastest"], rec["fewest_gpus"]
     if fastest is None:
         return [rec["reason"][:1].upper() + rec["reason"][1:] + "."]
-    lines = [f"Launch: {recommended_launch(fastest, args)}"]
+    lines = [f"Launch: {recommended_launch(fastest, args)}", f"    {placeholders(args)}"]
     changed = what_changed(fastest, plan, args)
     lines.append(f"Fastest that fits on {plural(args.gpus)}: {fastest['strategy']} ({fastest['config']}), "
                  f"{global_batch(fastest, args)}, an estimated {seconds(fastest['seconds_per_step'])} per step, "
-                 f"{seconds(fastest['seconds_per_epoch'])} per epoch" + (f"; {changed}" if changed else "") + ".")
+                 f"{seconds(fastest['seconds_per_epoch'])} per epoch" + (f"; {changed}" if changed else "") + ". "
+                 + planner.gpu_evidence(fastest["strategy"], fastest["gpus"]))
+    lines.append(ranked_for(args))
     if "reference_pass_seconds" in fastest:
         lines.append(f"Before its first step dpo_full.py scores the {args.rows:,} pairs with the model as loaded: about "
                      f"{seconds(fastest['reference_pass_seconds'])} (once; a rerun or resume reads the scores back).")
     if fewest is not None:
         lines.append(f"Fewest GPUs: {plural(fewest['gpus'])} with {fewest['strategy']} ({fewest['config']}), "
                      f"micro-batch up to {fewest['max_micro_batch']}, {global_batch(fewest, args)}, an estimated "
-                     f"{seconds(fewest['seconds_per_epoch'])} per epoch.")
+                     f"{seconds(fewest['seconds_per_epoch'])} per epoch. "
+                     + planner.gpu_evidence(fewest["strategy"], fewest["gpus"]))
         if fewest["gpus"] < fastest["gpus"]:
             lines.append(f"    or: {recommended_launch(fewest, args)}")
     said = set()
@@ -404,6 +447,8 @@ def main(argv=None) -> int:
     for rec in plan["recommendation"].values():
         if isinstance(rec, dict):
             rec["launch"] = recommended_launch(rec, args)
+            ran = planner.RAN_ON_GPU.get(rec["strategy"])  # None: an estimate only
+            rec["ran_on_gpu"] = {"gpus": ran.gpus, "results": ran.results} if ran else None
     if args.json:
         plan["host_ram_at_load"] = {entry["strategy"]: host_load(shape, args, entry["strategy"], args.gpus)
                                     for entry in plan["strategies"]}

@@ -461,8 +461,9 @@ def run_plan(*args, cwd):
 
 
 def test_cli_json_has_the_documented_shape(tmp_path):
-    done = run_plan("--json", "--model", "codellama-34b", "--method", "qlora", "--gpus", "2", "--gpu-memory", "48",
-                    "--batch-size", "2", "--seq-len", "1024", "--gradient-checkpointing", cwd=tmp_path)
+    done = run_plan("--json", "--model", "codellama-34b", "--method", "qlora", "--gpus", "2", "--gpu", "h100",
+                    "--gpu-memory", "48", "--batch-size", "2", "--seq-len", "1024", "--gradient-checkpointing",
+                    cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     plan = json.loads(done.stdout)
     assert set(plan) == {"model", "method", "gpus", "gpu_memory_gb", "global_batch_size", "machine", "strategies",
@@ -487,14 +488,14 @@ def test_cli_json_has_the_documented_shape(tmp_path):
         assert usage["total"] == usage["weights"] + usage["gradients"] + usage["optimizer"] + usage["activations"]
     rec = plan["recommendation"]
     keys = {"strategy", "config", "gpus", "max_micro_batch", "micro_batch", "grad_accum", "gradient_checkpointing",
-            "global_batch", "tight", "seconds_per_step", "seconds_per_epoch", "launch"}
+            "global_batch", "tight", "seconds_per_step", "seconds_per_epoch", "launch", "ran_on_gpu"}
     assert set(rec["fewest_gpus"]) == keys and set(rec["fastest"]) == keys
     assert rec["fastest"]["config"].startswith("accelerate_configs/")
     assert rec["fastest"]["launch"].startswith(f"accelerate launch --config_file {rec['fastest']['config']} ")
 
 
 def test_cli_table_help_and_errors(tmp_path):
-    table = run_plan("--model", "tinyllama-1.1b", "--gpus", "4", "--gpu-memory", "48", "--batch-size", "16",
+    table = run_plan("--model", "tinyllama-1.1b", "--gpus", "4", "--gpu", "l40s", "--batch-size", "16",
                      "--seq-len", "1024", "--gradient-checkpointing", cwd=tmp_path)
     assert table.returncode == 0, table.stderr
     assert "accelerate_configs/zero3_offload.yaml" in table.stdout

@@ -1,7 +1,10 @@
 """scripts/plan.py's answer, read as a user pastes it: each `Launch:` and `or:` line parses with accelerate's
 launcher and the recipe's own flags and trains the named model on the user's data with the plan's micro-batch,
-accumulation and layout; the Fastest line names the global batch of its row; --global-batch-size plans every
-config at it, as the recipes settle it; one GPU is never given a config that only shards. No training runs.
+accumulation and layout, and holds nothing the shell would read as its own (the data is one plain word to
+replace); the Fastest line names the global batch of its row; each recommendation says whether it has run on a
+GPU in this project, and the answer what the ranking holds for; a card the planner does not know, or a memory
+without its card, is refused in one line; --global-batch-size plans every config at it, as the recipes settle
+it; one GPU is never given a config that only shards. No training runs.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from common.refusal import Refusal  # noqa: E402
 
 PLAN = REPO / "scripts" / "plan.py"
 USER_DATA = "my_data.jsonl"  # what a user puts in place of the --dataset placeholder
+SHELL_SPECIAL = re.compile(r"[<>|&;()$`\\\"'*?\[\]#~{}!]")  # what bash would read as redirection, glob, ...
 
 # The reference workloads, as a new user would try them, and the variants around them.
 WORKLOADS = {
@@ -103,6 +107,7 @@ def test_each_launch_line_parses_and_runs_the_plan(workload):
     runs = recommendations(plan)
     assert printed == [rec["launch"] for rec in runs]  # the table and --json say the same
     for rec in runs:
+        assert not SHELL_SPECIAL.search(rec["launch"]), rec["launch"]  # bash runs it as printed, data unreplaced
         launcher, recipe, run = pasted(rec["launch"])
         assert recipe == asked.method and Path(launcher.config_file) == Path(rec["config"])
         assert run.model == planner.launch_model(asked.model) and run.dataset == [USER_DATA]
@@ -300,3 +305,103 @@ def test_the_one_gpu_answers_that_used_to_name_zero1():
         assert plan["recommendation"]["fastest"]["strategy"] == "ddp"
         wider = planner.plan(shape, method, 4, 80)["recommendation"]["fewest_gpus"]
         assert wider["gpus"] > 1 or wider["strategy"] in planner.ONE_GPU
+
+
+def test_the_placeholder_is_said_beside_the_launch_and_refused_by_the_recipes_unreplaced():
+    """The one word to replace is named on the line under the Launch line; pasted as printed, it reaches the
+    recipe whole (no redirection), which refuses it in one line naming what to give."""
+    lines = run_plan(*WORKLOADS["codellama-34b pipeline over PCIe"]).stdout.splitlines()
+    launch = next(i for i, line in enumerate(lines) if line.startswith("Launch: "))
+    assert lines[launch + 1] == f"    (replace {plan_cli.DATASET_PLACEHOLDER} with your data file, folder or hub id)"
+    launcher = launch_command_parser().parse_args(shlex.split(lines[launch].split(": ", 1)[1])[2:])
+    run = parse_args(recipe_flags("lora"), launcher.training_script_args)
+    assert run.dataset == [plan_cli.DATASET_PLACEHOLDER]
+    from common.data.data_files import read_splits
+
+    with pytest.raises(Refusal, match=f"^--dataset {plan_cli.DATASET_PLACEHOLDER} ") as refusal:  # (offline: not cached)
+        read_splits(plan_cli.DATASET_PLACEHOLDER)
+    assert "\n" not in refusal.value.message
+
+
+def test_a_config_json_asks_for_its_model_in_a_plain_word(tmp_path):
+    config = tmp_path / "sizes.json"
+    config.write_text(planner.ALIASES["mistral-7b"].read_text())
+    lines = run_plan("--model", str(config)).stdout.splitlines()
+    launch = next(i for i, line in enumerate(lines) if line.startswith("Launch: "))
+    assert f"--model {planner.MODEL_PLACEHOLDER} --dataset {plan_cli.DATASET_PLACEHOLDER} " in lines[launch]
+    assert not SHELL_SPECIAL.search(lines[launch])
+    assert lines[launch + 1] == (f"    (replace {plan_cli.DATASET_PLACEHOLDER} with your data file, folder or hub id, "
+                                 f"and {planner.MODEL_PLACEHOLDER} with the hub id or folder of this model's weights)")
+
+
+@pytest.mark.parametrize("workload", sorted(WORKLOADS))
+def test_each_recommendation_says_whether_it_ran_on_a_gpu_and_what_it_is_ranked_for(workload):
+    """The Fastest and Fewest lines end with what their strategy rests on: run on a GPU in this project (on how
+    many), or an estimate only; the line after Fastest names the sequence length and batch the ranking holds for."""
+    argv = WORKLOADS[workload]
+    asked = plan_args(argv)
+    plan, text = answer(argv)
+    rec = plan["recommendation"]
+    lines = text.splitlines()
+    fastest = next(i for i, line in enumerate(lines) if line.startswith("Fastest that fits"))
+    assert lines[fastest].endswith(" " + planner.gpu_evidence(rec["fastest"]["strategy"], rec["fastest"]["gpus"]))
+    fewest = next(line for line in lines if line.startswith("Fewest GPUs: "))
+    assert fewest.endswith(" " + planner.gpu_evidence(rec["fewest_gpus"]["strategy"], rec["fewest_gpus"]["gpus"]))
+    batch = (f"--global-batch-size {asked.global_batch_size}" if asked.global_batch_size else
+             f"--batch-size {asked.batch_size} x --grad-accum {asked.grad_accum} per data-parallel process")
+    assert lines[fastest + 1].startswith(f"Ranked for --seq-len {asked.seq_len} and {batch}: ")
+    for kind in ("fastest", "fewest_gpus"):
+        ran = planner.RAN_ON_GPU.get(rec[kind]["strategy"])
+        assert rec[kind]["ran_on_gpu"] == (ran and {"gpus": ran.gpus, "results": ran.results})
+
+
+def test_the_codellama_pipeline_answer_says_it_is_an_estimate():
+    """CodeLlama-34B on 4 x 48 GB over PCIe: the recommended pipeline never ran on a GPU, and the answer says so;
+    the reference's ranking holds at 1,024 tokens, which the answer names."""
+    text = run_plan(*WORKLOADS["codellama-34b pipeline over PCIe"]).stdout
+    assert re.search(r"^Fastest that fits on 4 GPUs: pipeline .* Estimate only: pipeline has not run on a GPU in "
+                     r"this project\.$", text, re.M)
+    assert "\nRanked for --seq-len 1024 and --batch-size 4 x --grad-accum 4 per data-parallel process: " in text
+
+
+def test_the_gpus_said_to_have_run_are_in_the_results():
+    """RAN_ON_GPU is the one place that says what ran on a GPU: each entry's results README names its config and
+    a GPU; the pipeline, model parallel and tensor parallel have run on CPU processes only."""
+    for strategy, ran in planner.RAN_ON_GPU.items():
+        readme = (REPO / ran.results / "README.md").read_text()
+        assert Path(planner.STRATEGIES[strategy]).name in readme and re.search(r"NVIDIA H\d00", readme), strategy
+        assert ran.gpus >= 1
+    assert not {"pipeline", "model_parallel", "tp", "fsdp_tp"} & set(planner.RAN_ON_GPU)
+    assert planner.gpu_evidence("ddp", 1).startswith("Tested on a GPU: ddp has run on 1 GPU")
+    assert planner.gpu_evidence("ddp", 4).startswith("Estimate only on 4 GPUs: ddp has run on 1 GPU")
+    assert planner.gpu_evidence("pipeline", 4) == "Estimate only: pipeline has not run on a GPU in this project."
+
+
+@pytest.mark.parametrize("name, closest", [("v100", ["h100"]), ("rtx6000", ["a6000", "rtx6000-ada"]),
+                                           ("A100-80GB", ["a100"]), ("L40", ["l40s"]), ("mi300x", [])])
+def test_an_unknown_gpu_is_one_line_naming_the_closest_and_every_known_one(name, closest):
+    done = run_plan("--gpu", name)
+    assert done.returncode == 2 and not done.stdout
+    [line] = done.stderr.strip().splitlines()  # no usage above it
+    hint = f" (closest: {' or '.join(closest)})" if closest else ""
+    assert line.startswith(f"plan.py: error: unknown GPU {name!r}{hint}; --gpu takes {', '.join(planner.GPUS)} ")
+
+
+@pytest.mark.parametrize("spelling", ["RTX 6000 Ada", "rtx6000_ada", "RTX6000-ADA", "rtx6000-ada"])
+def test_a_gpu_is_known_by_its_key_or_its_own_name(spelling):
+    assert planner.gpu_key(spelling) == "rtx6000-ada"
+
+
+def test_a_gpu_memory_without_its_card_is_refused_in_one_line():
+    """--gpu-memory 48 alone used to keep the H100's peak and NVLink with 48 GB: no card has both. No memory names
+    one card (48 GB: an A6000, an RTX 6000 Ada, an L40S, and cards the planner does not know), so the answer asks
+    for --gpu; with it, --gpu-memory changes only the memory."""
+    done = run_plan("--model", "codellama-34b", "--gpu-memory", "48")
+    assert done.returncode == 2 and not done.stdout
+    [line] = done.stderr.strip().splitlines()
+    assert line == ("plan.py: error: --gpu-memory 48 without --gpu would plan the default H100 SXM's peak and link: "
+                    f"name the card with --gpu (48 GB: a6000, rtx6000-ada, l40s; all: {', '.join(planner.GPUS)}); "
+                    "--gpu-memory then changes only its memory")
+    assert "(all: " in run_plan("--gpu-memory", "32").stderr  # no known card of 32 GB
+    plan, _ = answer(["--model", "codellama-34b", "--gpu", "rtx6000-ada", "--gpu-memory", "40"])
+    assert plan["gpu_memory_gb"] == 40 and plan["machine"]["gpu"] == "RTX 6000 Ada"

@@ -356,9 +356,10 @@ def test_cli_prints_the_time_table_and_launch_first():
     advice = lines[lines.index("", intro) + 1:]
     model = planner.HUB_IDS["tinyllama-1.1b"]
     assert advice[0] == ("Launch: accelerate launch --config_file accelerate_configs/ddp.yaml --num_processes 4 "
-                         f"recipes/lora.py --model {model} --dataset <your data file, folder or hub id> "
+                         f"recipes/lora.py --model {model} --dataset YOUR_DATA "
                          "--batch-size 16 --max-length 1024 --grad-accum 2")
-    assert advice[1].startswith("Fastest that fits on 4 GPUs: ddp (accelerate_configs/ddp.yaml), global batch "
+    assert advice[1] == "    (replace YOUR_DATA with your data file, folder or hub id)"
+    assert advice[2].startswith("Fastest that fits on 4 GPUs: ddp (accelerate_configs/ddp.yaml), global batch "
                                 f"{8 * 4 * 4} rows a step, an estimated")
 
 

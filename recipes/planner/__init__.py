@@ -33,8 +33,9 @@ One module per job (every public name of each is importable from `planner` itsel
   the sharding divisors, and the CPU RAM of the offload configs;
 - `peak`: weights, gradients and optimizer state on the busiest GPU: resident + transient;
 - `activations`: the activation bytes per token of a block and per micro-batch;
-- `hardware`: the GPUs by name (`GPUS`: memory, peak, memory bandwidth, usual link) and the bus
-  bandwidth a collective reaches over each link;
+- `hardware`: the GPUs by name (`GPUS`: memory, peak, memory bandwidth, usual link; `gpu_key` refuses an
+  unknown name naming the closest) and the bus bandwidth a collective reaches over each link;
+- `evidence`: the strategies this project has run on a GPU (`RAN_ON_GPU`), the rest being estimates only;
 - `timing`: the estimated seconds of a step per strategy (`step_time`) on a `Machine`: the step's
   FLOPs at an assumed share of the peak, the bytes each strategy moves, what it overlaps, and model
   parallel's idle GPUs;
@@ -64,6 +65,7 @@ from .choose import (
     usable_bytes,
 )
 from .dtypes import NF4_BITS_PER_WEIGHT, compute_dtypes, quantized_bytes_per_weight, state_bytes_per_parameter
+from .evidence import RAN_ON_GPU, gpu_evidence
 from .host_load import load_bytes_per_machine, model_bytes_as_loaded, processes_per_machine
 from .hardware import (
     DEFAULT_GPU,
@@ -73,7 +75,9 @@ from .hardware import (
     INTERCONNECTS,
     NETWORK,
     Gpu,
+    cards_of_memory,
     collective_bandwidth,
+    gpu_key,
 )
 from .peak import (
     DEEPSPEED_REDUCE_BUCKET,
@@ -129,6 +133,7 @@ from .timing import Machine, data_parallel_size, epoch_time, flops_per_token, re
 __all__ = [
     "DEFAULT_GPU", "DEFAULT_MFU", "GPUS", "GPUS_PER_MACHINE", "INTERCONNECTS", "NETWORK", "MARGIN", "Gpu",
     "Machine", "best_run", "fastest_of", "pipeline_layout_of", "pipeline_layouts",
+    "RAN_ON_GPU", "cards_of_memory", "gpu_evidence", "gpu_key",
     "collective_bandwidth", "data_parallel_size", "epoch_time", "flops_per_token", "rank_key", "step_time",
     "reference_pass_time",
     "ALIASES", "HUB_IDS", "MODEL_PLACEHOLDER", "ONE_GPU", "global_batch_refusal", "launch_model",

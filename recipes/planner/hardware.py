@@ -9,6 +9,7 @@ plan used, and `--bandwidth` / `--mfu` replace the assumptions with what you mea
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass
 
 INTERCONNECTS = ("nvlink", "pcie", "network")
@@ -55,13 +56,37 @@ CPU_OPTIMIZER_PARAMS_PER_S = 0.5e9
 DEFAULT_MFU = 0.4
 
 
+def _squashed(name: str) -> str:
+    return "".join(character for character in name.lower() if character not in " -_")
+
+
+def gpu_key(name: str) -> str:
+    """The key in `GPUS` of a card given by its key or its own name, case and separators ignored
+    (`RTX6000_Ada`, `RTX 6000 Ada` and `rtx6000-ada` are one card). An unknown name is refused in one line
+    that names the closest known card and lists them all."""
+    names = {_squashed(spelling): key for key, card in GPUS.items() for spelling in (key, card.name)}
+    asked = _squashed(name)
+    if asked in names:
+        return names[asked]
+    # The most similar spelling, and the cards whose name starts with the asked one or it with theirs
+    # (`rtx6000`: rtx6000-ada as well as the similar a6000; `a100-80gb`: a100)
+    similar = difflib.get_close_matches(asked, names, n=1, cutoff=0.5)
+    related = [spelling for spelling in names
+               if len(asked) >= 3 and (spelling.startswith(asked) or asked.startswith(spelling))]
+    closest = list(dict.fromkeys(names[spelling] for spelling in similar + related))[:2]
+    hint = f" (closest: {' or '.join(closest)})" if closest else ""
+    raise ValueError(f"unknown GPU {name!r}{hint}; --gpu takes {', '.join(GPUS)} (for another card, the closest of "
+                     "these with --gpu-memory, --mfu and --bandwidth)")
+
+
 def gpu(name: str) -> Gpu:
-    """A GPU of `GPUS` by its key (case and separators ignored: `RTX6000_Ada` is `rtx6000-ada`)."""
-    key = name.lower().replace("_", "-").replace(" ", "-")
-    if key not in GPUS:
-        raise ValueError(f"unknown GPU {name!r}: one of {', '.join(GPUS)} (or give --gpu-memory, --tflops and "
-                         "--bandwidth)")
-    return GPUS[key]
+    """A GPU of `GPUS` by its key or its name (`gpu_key`)."""
+    return GPUS[gpu_key(name)]
+
+
+def cards_of_memory(memory_gb: float) -> list[str]:
+    """The keys of the known cards sold with `memory_gb` of memory."""
+    return [key for key, card in GPUS.items() if card.memory_gb == memory_gb]
 
 
 def collective_bandwidth(card: Gpu, interconnect: str | None = None) -> float:

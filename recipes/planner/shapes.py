@@ -32,8 +32,8 @@ HUB_IDS = {
     "tinyllama-1.1b": "TinyLlama/TinyLlama-1.1B-Chat-v1.0",
     "tiny-llama": "models/tiny-llama",
 }
-# A config .json is no model: its Launch line asks for the model it describes.
-MODEL_PLACEHOLDER = "<hub id or folder of this model>"
+# A config .json is no model: its Launch line asks for the model it describes, in a word the shell leaves as it is.
+MODEL_PLACEHOLDER = "YOUR_MODEL"
 
 # The seven linears of a Llama block, as transformers names them (peft's LoRA targets).
 LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
