@@ -23,8 +23,9 @@ from typing import Callable
 import torch
 from torch.utils.checkpoint import checkpoint
 
-# logits_to_keep that keeps none: the model's forward runs its head on no position
-NO_POSITIONS = torch.empty(0, dtype=torch.long)
+# logits_to_keep for the chunked loss: the model's forward runs its head on its last position only (none would
+# do, but an empty index breaks a tensor-parallel head's reshape)
+ONE_POSITION = 1
 
 
 @dataclass(frozen=True)
@@ -51,7 +52,7 @@ class LossHead:
         """The model's forward arguments for a batch whose targets sit at `positions` (1-D)."""
         if self.head is None:  # the head runs only where some row has a target (a CPU index suits every device)
             return {"logits_to_keep": positions.cpu()}
-        return {"logits_to_keep": NO_POSITIONS, "output_hidden_states": True}
+        return {"logits_to_keep": ONE_POSITION, "output_hidden_states": True}
 
     def apply(self, figures: Callable, outputs, targets: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """`figures(logits, targets)` (the recipe's `token_losses`, or any tensor laid out like its `targets`)
