@@ -44,3 +44,9 @@ def test_the_checker_sees_links_and_anchors(tmp_path):
                     "[web](https://example.com)\n```\n[in code](ignored.md)\n```\n")
     assert relative_links(page) == ["#a-title-here", "missing.md", "#nowhere"]
     assert heading_anchors(page) == {"a-title-here"}
+
+
+def test_the_readme_reads_in_ten_minutes():
+    """README.md is a user's guide of at most 20 KB: what to run and what to expect; the measurements live in
+    docs/ and results/, linked from it."""
+    assert len((REPO / "README.md").read_bytes()) <= 20 * 1024
