@@ -88,6 +88,9 @@ def parse_args(argv=None):
     add("--dataset", default=None, help="instruction or prompt/completion data (default: the bundled data/)")
     add("--mixed-precision", choices=("no", "bf16"), default="no",
         help="the launcher's --mixed_precision; bf16 needs GPUs (both sides then load the base in bf16)")
+    add("--liger", action="store_true",
+        help="each side with Liger (GPU, liger-kernel): the recipe's --liger (its layers' kernels, its own chunked "
+             "loss) against SFTTrainer's use_liger_kernel (the same kernels and Liger's fused linear cross-entropy)")
     add("--seed", type=int, default=42)
     add("--output-dir", default="outputs/compare_trl", help="where each run and summary.json go")
     add("--timeout", type=int, default=600, help="seconds one launch may take")
@@ -117,7 +120,7 @@ def launch_command(side: str, output_dir: Path, args, port: int) -> list[str]:
     command += [str(SIDES[side][1]), "--output-dir", str(output_dir), "--model", args.model,
                 *(["--dataset", args.dataset] if args.dataset else []), "--max-steps", str(args.steps),
                 "--batch-size", str(args.batch_size), "--grad-accum", str(args.grad_accum),
-                "--max-length", str(args.max_length), "--seed", str(args.seed)]
+                "--max-length", str(args.max_length), "--seed", str(args.seed), *(["--liger"] if args.liger else [])]
     if side == "ours":  # no tracker, no progress lines, evaluation only after the last (timed) step
         command += ["--report-to", "none", "--log-every", "0", "--eval-every", "0"]
     return command

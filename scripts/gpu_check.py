@@ -6,7 +6,7 @@ of importance, and writes each result as soon as it has it.
 
 A lent GPU comes for 15 minutes of device time in all (the box's start, the transfers and its idle
 time included), 10 a call: one call of about 8 minutes is what it reliably gives. The default is that
-call; a second (--parts memory,planner,recipes,reference,options,reference34b,trl) runs the rest when time is
+call; a second (--parts memory,planner,recipes,reference,options,reference34b,trl,trl_liger) runs the rest when time is
 left; a part cut short is rerun with --parts NAME, never by hand (the wheels are on its PYTHONPATH only).
 Each call reinstalls the wheels (skipped when the box still has them) and starts no part it has no time
 left for (--budget-s).
@@ -34,6 +34,7 @@ Parts (the default call: speed, codellama, headline, preference, core; then the 
              --batch-size auto's probe
   reference34b  the CodeLlama-34B LoRA workload, layer-scaled to 8 of 48 layers
   trl        scripts/compare_trl.py on one GPU in bf16: the recipe against TRL's SFTTrainer
+  trl_liger  the same with each side's Liger (--liger: TRL's use_liger_kernel, its fused loss too)
 
 Written to --results (default results/<date>_<gpu>/), rewritten after every part, so that a run cut
 short still leaves its numbers: summary.md (tables, the benchmarks' too), results.json (the same,
@@ -118,6 +119,10 @@ PARTS = {
     "trl": (["scripts/compare_trl.py", "--processes", "1", "--mixed-precision", "bf16", "--model",
              "models/tinyllama-1.1b-22-layers", "--batch-size", "16", "--grad-accum", "2", "--max-length", "1024",
              "--steps", "40", "--rounds", "1"], 420, 300),
+    # the same with each side's Liger: TRL's use_liger_kernel (its fused loss too) against the recipe's --liger
+    "trl_liger": (["scripts/compare_trl.py", "--processes", "1", "--mixed-precision", "bf16", "--model",
+                   "models/tinyllama-1.1b-22-layers", "--batch-size", "16", "--grad-accum", "2", "--max-length",
+                   "1024", "--steps", "40", "--rounds", "1", "--liger"], 420, 300),
 }
 # The open GPU issues' first: the step lever by lever, the second reference workload's shape, and the headline with
 # the new defaults through the real launch; then what no GPU has run (the preference recipes), then the recipe cases
@@ -131,6 +136,7 @@ CPU_STAND_IN = {"headline": ["scripts/benchmark.py", "--smoke", "--strategies", 
                 "reference": ["scripts/benchmark.py", "--smoke", "--strategies", "zero2"],
                 "reference34b": ["scripts/benchmark.py", "--smoke", "--strategies", "ddp"],
                 "trl": ["scripts/compare_trl.py", "--processes", "1", "--steps", "4", "--rounds", "1"],
+                "trl_liger": ["scripts/compare_trl.py", "--processes", "1", "--steps", "4", "--rounds", "1"],
                 "speed": ["scripts/step_speed.py", "--cpu"],
                 # the same path and flags on the tiny model (one of the 34B's 48 layers alone takes ~5 min on 2
                 # cores: results/2026-11-27_cpu_gpu-check-rehearsal ran it once)
@@ -396,15 +402,15 @@ def main(argv=None) -> int:
                 command += ["--output-dir", str(scratch / part), "--model-cache", str(scratch / "models")]
             elif part in STEP_TABLES:
                 command += ["--output", str(scratch / part)]
-            elif part == "trl":
+            elif part in ("trl", "trl_liger"):
                 if not args.cpu_stand_in:
                     run([sys.executable, *BUILD_MODEL], log, timeout=600)
-                command += ["--output-dir", str(scratch / "trl")]
+                command += ["--output-dir", str(scratch / part)]
             else:
                 command += [f"--junitxml={junit}"]
             result = run(command, log, timeout=timeout if left is None else int(min(timeout, left)), env=stand_in)
-            if part == "trl" and (scratch / "trl" / "summary.json").exists():
-                result["summary"] = json.loads((scratch / "trl" / "summary.json").read_text())
+            if part in ("trl", "trl_liger") and (scratch / part / "summary.json").exists():
+                result["summary"] = json.loads((scratch / part / "summary.json").read_text())
             result["cases"] = junit_cases(junit)
             if part in BENCHMARKS:
                 copy_benchmark(part, scratch / part, results_dir, result)

@@ -23,7 +23,9 @@ what recipes/lora.py does:
   it off); find_unused_parameters off (Trainer turns it on for PEFT models, the recipe does not,
   and every adapter gets a gradient); --attention when given; batches collated in the main
   process (the counting needs it; the recipe's default on CPU too); no evaluation, no checkpoints, no
-  reporting. --compile, --liger and --packing are refused: their TRL counterparts do something else.
+  reporting. --liger turns on SFTTrainer's use_liger_kernel (Liger's layer kernels and its fused linear
+  cross-entropy: TRL's fastest switch; the recipe's --liger patches the same layer kernels and keeps its own
+  chunked loss). --compile and --packing are refused: their TRL counterparts do something else.
 - loss: Trainer counts the target tokens of all micro-batches and ranks of a step (num_items_in_batch)
   and TRL divides the token-loss sum by it: the mean over the global batch, as in the recipe
   (trl_run.json records `model_accepts_loss_kwargs`, which that needs).
@@ -137,6 +139,7 @@ def sft_config(args, processes: int):
         **checkpointing_settings(SFTConfig, checkpoint_every),
         max_length=args.max_length,
         packing=False,
+        use_liger_kernel=bool(args.liger),
         completion_only_loss=True,
         train_sampling_strategy="sequential",  # the rows come in the recipe's shuffled order
         ddp_find_unused_parameters=False if processes > 1 else None,
@@ -234,7 +237,7 @@ def build_trainer(args, tokenizer, train_rows, callbacks=(), processes: int = 1)
 
 def main():
     args = parse_args()
-    unmatched = [f"--{flag}" for flag in ("packing", "compile", "liger") if getattr(args, flag)]
+    unmatched = [f"--{flag}" for flag in ("packing", "compile") if getattr(args, flag)]
     if unmatched:
         refuse(f"the TRL worker does not mirror {', '.join(unmatched)} (TRL's counterparts do something else)")
     if not args.max_steps:

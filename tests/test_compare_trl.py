@@ -154,3 +154,14 @@ def test_both_sides_get_the_model_data_and_precision_asked_for(tmp_path):
         assert command[command.index("--dataset") + 1] == "rows.jsonl"
     default = compare_trl.launch_command("trl", tmp_path, compare_trl.parse_args([]), 29500)
     assert default[default.index("--mixed_precision") + 1] == "no" and "--dataset" not in default
+
+
+def test_with_liger_each_side_gets_its_own_liger():
+    """--liger: the recipe's flag on our side, SFTTrainer's use_liger_kernel on TRL's (its fastest switch)."""
+    args = compare_trl.parse_args(["--liger", "--processes", "1"])
+    for side in ("ours", "trl"):
+        assert "--liger" in compare_trl.launch_command(side, REPO / "out", args, 29500)
+    worker = trl_sft_worker.parse_args(["--output-dir", "/tmp/unused", "--max-steps", "4", "--liger"])
+    assert trl_sft_worker.sft_config(worker, 1).use_liger_kernel
+    plain = trl_sft_worker.parse_args(["--output-dir", "/tmp/unused", "--max-steps", "4"])
+    assert not trl_sft_worker.sft_config(plain, 1).use_liger_kernel
