@@ -97,11 +97,10 @@ def layer_activation_bytes_per_token(shape: ModelShape, method: str, strategy: s
 
 def chunked_loss(shape: ModelShape, method: str, strategy: str) -> bool:
     """Whether the recipes' loss runs a chunk of positions at a time over the last hidden states
-    (training/loss_head.settle): not where the logits are more than the head's output, for full fine-tuning
-    under ZeRO-3 (the trained head's weight is partitioned) or under pipeline stages (the schedule's own
-    logits)."""
+    (model/loss_head.settle; a pipeline's last stage in its schedule): not where the logits are more than the
+    head's output, or for full fine-tuning under ZeRO-3 (the trained head's weight is partitioned)."""
     zero3_trained_head = method == "full" and strategy in ("zero3", "zero3_offload")
-    return not shape.logits_after_head and not zero3_trained_head and strategy != "pipeline"
+    return not shape.logits_after_head and not zero3_trained_head
 
 
 def loss_bytes_per_token(shape: ModelShape, method: str, strategy: str, dt: dict) -> float:

@@ -23,6 +23,9 @@ from typing import Callable
 import torch
 from torch.utils.checkpoint import checkpoint
 
+# why_whole of a pipeline's run: its last stage chunks the loss in its schedule (training/pipeline.py)
+IN_THE_PIPELINE = "pipeline parallel"
+
 # logits_to_keep for the chunked loss: the model's forward runs its head on its last position only (none would
 # do, but an empty index breaks a tensor-parallel head's reshape)
 ONE_POSITION = 1
@@ -46,7 +49,11 @@ class LossHead:
     @property
     def description(self) -> str:
         """What run.json records as the loss's path."""
-        return "chunked over the last hidden states" if self.head is not None else f"whole logits ({self.why_whole})"
+        if self.head is not None:
+            return "chunked over the last hidden states"
+        if self.why_whole == IN_THE_PIPELINE:
+            return "chunked over the last hidden states, in the last pipeline stage's schedule"
+        return f"whole logits ({self.why_whole})"
 
     def forward_arguments(self, positions: torch.Tensor) -> dict:
         """The model's forward arguments for a batch whose targets sit at `positions` (1-D)."""
@@ -158,9 +165,10 @@ def settle(accelerator, model, stages=None) -> LossHead:
     output of its last hidden states, checked on three tokens (every rank runs the same forward: FSDP's and
     tensor parallel's are collective), and the head's weight is held from the forward to the backward
     (FSDP keeps the root's weights, the head's among them under the configs' layer wrapping, gathered in
-    between). Pipeline parallel's last stage computes its logits in its schedule."""
+    between). Pipeline parallel's last stage runs its own (training/pipeline.py: the same chunks in its
+    schedule's loss)."""
     if stages:
-        return LossHead(None, "pipeline parallel: the last stage's schedule computes them")
+        return LossHead(None, IN_THE_PIPELINE)
     head = accelerator.unwrap_model(model).get_output_embeddings()
     if head is None:
         return LossHead(None, "the model names no output embeddings")

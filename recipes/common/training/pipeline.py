@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from ..data.batches import IGNORE
+from ..model.loss_head import LossHead
 from ..model.pipeline_layout import PassThrough, PipelineLayout, decoder_of, keep_stage, layout_of
 from .evaluation import batch_figures
 
@@ -52,7 +53,8 @@ class StageModule(torch.nn.Module):
 
 class Part(torch.nn.Module):
     """One part of the layers, run by the schedule as one pipeline stage: the model's own forward with
-    only this part's layers (and the final norm and head on the last part)."""
+    only this part's layers (and the final norm on the last part, whose output the loss takes to the head a
+    chunk of positions at a time)."""
 
     def __init__(self, stage: StageModule, part: int):
         super().__init__()
@@ -78,7 +80,7 @@ class Part(torch.nn.Module):
             hidden = decoder(**given, **extra, use_cache=False).last_hidden_state
         finally:
             decoder.layers, decoder.norm = held
-        return base.lm_head(hidden) if self.is_last else hidden
+        return hidden
 
 
 def process_groups(layout: PipelineLayout):
@@ -146,6 +148,10 @@ class Pipeline:
         self.schedules: dict[tuple[int, int], object] = {}  # (rows, tokens) of a micro-batch -> its schedule
         self.step_tokens = 1
         self.loss_sums: dict[int, torch.Tensor] = {}
+        base = self.module.base_and_decoder[0]
+        # the last stage's head, run with the recipe's loss a chunk of positions at a time (model/loss_head.py):
+        # the split already refused a model whose logits are more than the head's output
+        self.head = LossHead(base.lm_head, None) if self.layout.is_last else None
 
     @property
     def bubble(self) -> float:
@@ -208,9 +214,12 @@ class Pipeline:
             self.schedules[shape] = schedule
         return self.schedules[shape]
 
-    def loss(self, logits, labels):
-        """The micro-batch's summed token loss (the recipe's `token_losses`) over the global batch's target tokens."""
-        token_loss = self.token_losses(logits[:, :-1], labels[:, 1:]).sum()
+    def loss(self, hidden, labels):
+        """The micro-batch's summed token loss (the recipe's `token_losses`, over the last stage's hidden states a
+        chunk of positions at a time) over the global batch's target tokens."""
+        targets = labels[:, 1:]
+        every_position = torch.arange(targets.shape[1], device=hidden.device)
+        token_loss = self.head.per_chunk(self.token_losses, hidden, targets, every_position).sum()
         # by micro-batch: the stage's first, shape-finding forward (micro-batch 0 again) is overwritten
         self.loss_sums[self.module.chunks[-1].index] = token_loss.detach()
         return token_loss / self.step_tokens
@@ -281,7 +290,7 @@ class Pipeline:
                     dist.recv(inputs, src=layout.rank_of(part - 1))
                 output = chunk(inputs)
                 if chunk.is_last:
-                    return output
+                    return self.head.chunk_logits(output)
                 header = torch.tensor([DTYPES.index(output.dtype), *output.shape], dtype=torch.int64,
                                       device=self.device)
                 dist.send(header, dst=layout.rank_of(part + 1))
