@@ -1,4 +1,6 @@
-"""scripts/generate.py answers prompts with what a run saved, wrapped as the run's rows were."""
+"""scripts/generate.py answers prompts with what a run saved, wrapped as the run's rows were: a chat prompt after
+the system turn the training rows opened with (run.json's system_prompt) or --system's, in the tokens the
+training rendering gave the same conversation."""
 
 from __future__ import annotations
 
@@ -8,13 +10,17 @@ import sys
 
 import pytest
 
-from conftest import REPO, TINY_MODEL
+from conftest import REPO, TINY_MODEL, launch
 
 sys.path.insert(0, str(REPO / "scripts"))
 sys.path.insert(0, str(REPO / "recipes"))
+import chat_fixtures as fixtures  # noqa: E402
 import generate  # noqa: E402
-from common.data import formats, tokens  # noqa: E402
+from common.data import formats, preparation, tokens  # noqa: E402
+from common.data.checked_rows import SourceRows  # noqa: E402
 from common.model import modeling  # noqa: E402
+
+SYSTEM = fixtures.SYSTEM_PROMPTS[0]
 
 
 @pytest.fixture(scope="module")
@@ -84,3 +90,132 @@ def test_sampling_repeats_with_its_seed_and_differs_from_greedy(trained, capsys)
 def test_a_sampling_flag_out_of_range_is_one_line(flags, problem, tmp_path, capsys):
     assert generate.main([str(tmp_path), "--prompt", "x", *flags]) == 2
     assert capsys.readouterr().err.strip().startswith(f"error: {problem}")
+
+
+def chat_row(system: str | None, user: str = "Sort: 3 1 2", reply: str = "The answer is 1 2 3.") -> dict:
+    turns = [{"role": "system", "content": system}] if system is not None else []
+    return {"messages": turns + [{"role": "user", "content": user}, {"role": "assistant", "content": reply}]}
+
+
+@pytest.mark.parametrize("family", [None, *fixtures.FAMILIES])
+def test_a_chat_prompt_after_a_system_turn_is_what_training_rendered(family, tokenizer, tmp_path):
+    """The prompt tokens generate.py builds for a system turn and a user message are the tokens training gave
+    the same conversation before its reply: the bundled tiny model's tokenizer as a run saves it (the plain
+    default template) and as it is bundled (no template), and the real families' templates."""
+    if family is None:
+        tokenizer.save_pretrained(tmp_path)  # what the run saves beside its model or adapter
+        from transformers import AutoTokenizer
+
+        cases = [(tokenizer, AutoTokenizer.from_pretrained(tmp_path)), (tokenizer, AutoTokenizer.from_pretrained(TINY_MODEL))]
+    else:
+        tok = fixtures.with_template("byte_level", family)
+        cases = [(tok, tok)]
+    for trained_with, saved in cases:
+        try:
+            trained = tokens.tokenize_row(chat_row(SYSTEM), trained_with, "messages")
+        except formats.RowProblem:  # Mixtral's template takes no system turn: neither training nor generate.py
+            assert family == "mistral_instruct"
+            with pytest.raises(formats.RowProblem):
+                generate.prompt_ids("Sort: 3 1 2", saved, "messages", raw=False, system=SYSTEM)
+        else:
+            assert generate.prompt_ids("Sort: 3 1 2", saved, "messages", raw=False, system=SYSTEM) == prompt_part(trained)
+        without = tokens.tokenize_row(chat_row(None), trained_with, "messages")
+        assert generate.prompt_ids("Sort: 3 1 2", saved, "messages", raw=False) == prompt_part(without)
+        assert family == "mistral_instruct" or prompt_part(trained) != prompt_part(without)  # the system turn counts
+
+
+def test_the_runs_system_prompt_is_the_one_every_chat_row_opened_with():
+    """What run.json records (preparation.prepare's format carries it): the one system text every chat row of
+    the training sources opens with, read from the split's rows (not the table beneath); none when a row opens
+    without one or the texts differ. ShareGPT's from / value, capitals and JSON text cells read as training
+    reads them."""
+    import datasets
+
+    def parts(*sources) -> list:
+        return [SourceRows("data", "messages", datasets.Dataset.from_list(rows), None) for rows in sources]
+
+    same = [chat_row(SYSTEM, user=f"Sort: {i} 1") for i in range(20)]
+    assert preparation.shared_system_prompt(parts(same)) == SYSTEM
+    assert preparation.shared_system_prompt(parts(same, same[:3])) == SYSTEM  # a mixture's chat sources
+    assert preparation.shared_system_prompt(parts(same + [chat_row(None)])) is None
+    assert preparation.shared_system_prompt(parts(same + [chat_row("Another.")])) is None
+    assert preparation.shared_system_prompt(parts([chat_row(None)] * 3)) is None
+    assert preparation.shared_system_prompt([SourceRows("data", "instruction", None, None)]) is None
+    table = datasets.Dataset.from_list(same[:10] + [chat_row("Another.")] + same[10:])
+    kept = table.select([i for i in range(len(table)) if i != 10])  # a split: rows picked from the table beneath
+    assert kept._indices is not None and preparation.shared_system_prompt(parts(table.to_list())) is None
+    assert preparation.shared_system_prompt([SourceRows("data", "messages", kept, None)]) == SYSTEM
+    sharegpt = [{"messages": [{"from": "System", "value": SYSTEM}, {"from": "human", "value": "hi"},
+                              {"from": "gpt", "value": "yo"}]}] * 3
+    assert preparation.shared_system_prompt(parts(sharegpt)) == SYSTEM
+    as_text = [{"messages": json.dumps(row["messages"])} for row in same]
+    assert preparation.shared_system_prompt(parts(as_text)) == SYSTEM
+    recorded = preparation.DataFormat("messages", SYSTEM)
+    assert recorded == "messages" and json.loads(json.dumps({"data_format": recorded})) == {"data_format": "messages"}
+
+
+@pytest.fixture
+def chat_run(tmp_path, tokenizer):
+    """An output folder as a chat run leaves it: run.json recording the rows' system prompt, model/ with the
+    tokenizer the run saved (the bundled tiny model's weights)."""
+    import shutil
+
+    output = tmp_path / "out"
+    shutil.copytree(TINY_MODEL, output / "model")
+    tokenizer.save_pretrained(output / "model")
+    record = {"recipe": "full", "base_model": str(TINY_MODEL), "data_format": "messages", "system_prompt": SYSTEM,
+              "arguments": {}}
+    (output / "run.json").write_text(json.dumps(record))
+    return output
+
+
+def asked_ids(monkeypatch, argv: list[str]) -> tuple[int, list[list[int]]]:
+    """(exit code, the prompt ids generate.py gives the model) of one call, no decoding."""
+    asked = []
+    monkeypatch.setattr(generate, "answer", lambda model, tokenizer, ids, *rest: asked.append(ids) or "")
+    return generate.main(argv), asked
+
+
+def test_the_runs_system_prompt_is_used_by_default_and_said(chat_run, tokenizer, monkeypatch, capsys):
+    code, asked = asked_ids(monkeypatch, [str(chat_run), "--prompt", "Sort: 3 1 2"])
+    assert code == 0 and asked == [generate.prompt_ids("Sort: 3 1 2", tokenizer, "messages", False, SYSTEM)]
+    [said] = [line for line in capsys.readouterr().err.splitlines() if line.startswith("system prompt:")]
+    assert said.startswith(f"system prompt: the training rows' own, from run.json ({SYSTEM!r}); --system TEXT")
+    code, asked = asked_ids(monkeypatch, [str(chat_run), "--prompt", "Sort: 3 1 2", "--system", ""])
+    assert code == 0 and asked == [generate.prompt_ids("Sort: 3 1 2", tokenizer, "messages", False)]
+    code, asked = asked_ids(monkeypatch, [str(chat_run), "--prompt", "Sort: 3 1 2", "--system", "Be brief."])
+    assert code == 0 and asked == [generate.prompt_ids("Sort: 3 1 2", tokenizer, "messages", False, "Be brief.")]
+    assert "system prompt:" not in capsys.readouterr().err  # said only when it comes from run.json
+
+
+def test_a_system_prompt_for_a_run_that_is_not_chat_is_one_line(chat_run, monkeypatch, capsys):
+    record = json.loads((chat_run / "run.json").read_text())
+    (chat_run / "run.json").write_text(json.dumps({**record, "data_format": "instruction", "system_prompt": None}))
+    code, asked = asked_ids(monkeypatch, [str(chat_run), "--prompt", "x", "--system", "Be brief."])
+    assert code == 2 and not asked
+    assert capsys.readouterr().err.strip() == ("error: --system applies to chat runs (their rows are `messages`); this "
+                                               "run trained on instruction rows: drop --system")
+    (chat_run / "run.json").write_text(json.dumps(record))
+    code, asked = asked_ids(monkeypatch, [str(chat_run), "--prompt", "x", "--raw"])  # as typed: no system turn
+    assert code == 0 and "system prompt:" not in capsys.readouterr().err
+
+
+def test_a_chat_run_records_its_rows_system_prompt_and_is_asked_with_it(tmp_path, monkeypatch, capsys):
+    """A LoRA run on chat rows that all open with one system turn: run.json records it, and generate.py asks the
+    saved adapter with it, in the tokens training gave that conversation, without --raw or a hand-written
+    template."""
+    dataset = tmp_path / "chat.jsonl"
+    rows = [chat_row(SYSTEM, user=f"Sort: {i} {i + 2} {i + 1}", reply=f"The answer is {i} {i + 1} {i + 2}.")
+            for i in range(40)]
+    dataset.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    run = launch("lora", tmp_path / "out", "--dataset", str(dataset), "--max-steps", "1", "--batch-size", "2",
+                 "--max-length", "96")
+    assert run.returncode == 0, run.output[-3000:]
+    assert run.run_json()["data_format"] == "messages" and run.run_json()["system_prompt"] == SYSTEM
+    code, asked = asked_ids(monkeypatch, [str(run.output_dir), "--prompt", "Sort: 3 5 4"])
+    assert code == 0 and "system prompt: the training rows' own, from run.json" in capsys.readouterr().err
+    from transformers import AutoTokenizer
+
+    saved = AutoTokenizer.from_pretrained(run.output_dir / "adapter")
+    trained = tokens.tokenize_row(chat_row(SYSTEM, user="Sort: 3 5 4"), saved, "messages")
+    assert asked == [prompt_part(trained)]

@@ -8,9 +8,73 @@ from __future__ import annotations
 
 from . import batches
 from .checked_rows import load_sources
+from .formats import SPEAKERS, conversation
 from .packing import pack
 from .targets import require_offsets
 from .tokens import kept_rows, tokenize_counted, training_sets
+
+
+class DataFormat(str):
+    """The training rows' format name (a str, which the recipes hand on to run.json as it is), carrying the
+    system prompt the chat rows were trained with (`shared_system_prompt`), which run.json records too."""
+
+    def __new__(cls, name: str, system_prompt: str | None = None):
+        made = super().__new__(cls, name)
+        made.system_prompt = system_prompt
+        return made
+
+
+def shared_system_prompt(parts) -> str | None:
+    """The text of the system turn every chat row of the training sources opens with, when it is one text;
+    None when a row opens without one, the rows' texts differ, or no source is chat. scripts/generate.py puts
+    it before a prompt by default, so that the model is asked as it was trained."""
+    found = set()
+    for part in parts:
+        if part.fmt == "messages":
+            texts = opening_system_prompts(part.rows)
+            if texts is None:
+                return None
+            found |= texts
+    return found.pop() if len(found) == 1 else None
+
+
+def opening_system_prompts(rows) -> set | None:
+    """The texts of the system turns the rows open with (empty rows left out); None when a row opens with
+    another turn. Read in C where every turn is {role, content} text (or ShareGPT's {from, value}), else each
+    cell as `conversation` reads it (JSON text, content in parts)."""
+    import pyarrow.compute as pc
+
+    column = rows.with_format("arrow")["messages"]  # the split's rows, not the whole table beneath
+    keys = text_turn_keys(column.type)
+    if keys is None:
+        firsts = [turns[0] for turns in map(conversation, rows["messages"]) if turns]
+        if any(turn["role"] != "system" or not isinstance(turn["content"], str) for turn in firsts):
+            return None
+        return {turn["content"] for turn in firsts}
+    column = column.filter(pc.greater(pc.list_value_length(column), 0))
+    first = pc.list_element(column, 0)
+    roles = set(pc.unique(pc.utf8_lower(pc.struct_field(first, keys[0]))).to_pylist())
+    texts = set(pc.unique(pc.struct_field(first, keys[1])).to_pylist())
+    if {SPEAKERS.get(role, role) for role in roles} != {"system"} or None in texts:
+        return None
+    return texts
+
+
+def text_turn_keys(column_type) -> tuple[str, str] | None:
+    """(role key, content key) of a column of lists of turns whose role and content are text in one spelling
+    each; None for any other column (then read row by row)."""
+    import pyarrow as pa
+
+    if not (pa.types.is_list(column_type) or pa.types.is_large_list(column_type)) or \
+            not pa.types.is_struct(column_type.value_type):
+        return None
+    fields = {field.name: field.type for field in column_type.value_type}
+    keys = [[name for name in spellings if name in fields] for spellings in (("role", "from"), ("content", "value"))]
+    if any(len(found) != 1 for found in keys):
+        return None
+    role, content = keys[0][0], keys[1][0]
+    texts = all(pa.types.is_string(fields[name]) or pa.types.is_large_string(fields[name]) for name in (role, content))
+    return (role, content) if texts else None
 
 
 def prepare(accelerator, tokenizer, args, launch):
@@ -36,7 +100,8 @@ def prepare(accelerator, tokenizer, args, launch):
             print(f"packing: {rows:,} training rows into {len(train_set):,} sequences of up to {args.max_length:,} "
                   f"tokens, {fill:.1%} full", flush=True)
     batches.steps_per_epoch(len(train_set) // args.batch_size // launch.data_parallel_size, args.grad_accum)
-    return train_set, eval_set, "+".join(sorted({part.fmt for part in train_parts}))
+    return train_set, eval_set, DataFormat("+".join(sorted({part.fmt for part in train_parts})),
+                                           shared_system_prompt(train_parts))
 
 
 def tokenize(dataset, tokenizer, max_length: int, packing: bool = False):

@@ -173,6 +173,8 @@ class RunLog:
             "total_steps": total_steps,
             "base_model": self.args.model,
             "data_format": data_format,
+            # the system turn every chat row opened with (preparation.shared_system_prompt): generate.py's default
+            "system_prompt": getattr(data_format, "system_prompt", None),
             "distributed_type": self.accelerator.distributed_type.value,
             "num_processes": self.accelerator.num_processes,
             "mixed_precision": ran["precision"],
