@@ -53,3 +53,24 @@ def test_another_projects_name_gets_this_recipes(key, ours, tmp_path):
     path.write_text(f"{key}: 1\n")
     with pytest.raises(Refusal, match=f"`{key}` is not a flag of this recipe; this recipe calls it `{ours}`"):
         parse_args(recipe_flags("lora", "recipe\n"), ["--config", str(path)])
+
+
+@pytest.mark.parametrize("device, card", [("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA RTX 6000 Ada Generation",
+                                                                             "rtx6000-ada"),
+                                          ("NVIDIA GeForce RTX 4090", "4090"), ("Tesla V100-SXM2-32GB", None)])
+def test_a_runs_plan_hint_names_its_card_as_plan_py_takes_it(device, card):
+    """The hint a launch prints when its plan does not fit names the GPU as plan.py takes it (plan.py refuses
+    --gpu-memory without --gpu), and the command runs as printed (a card it does not know: a word to replace)."""
+    import shlex
+    import subprocess
+
+    import planner
+    from common.launching.memory_plan import card_flags
+
+    assert planner.card_of_device(device) == card
+    flags = card_flags(device, 47.5)
+    assert flags == f"--gpu {card or 'YOUR_GPU'} --gpu-memory 48"
+    if card:
+        done = subprocess.run([sys.executable, str(REPO / "scripts" / "plan.py"), "--model", "tinyllama-1.1b",
+                               "--gpus", "1", *shlex.split(flags)], capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr

@@ -77,6 +77,7 @@ from .hardware import (
     Gpu,
     cards_of_memory,
     collective_bandwidth,
+    card_of_device,
     gpu_key,
 )
 from .peak import (
@@ -133,7 +134,7 @@ from .timing import Machine, data_parallel_size, epoch_time, flops_per_token, re
 __all__ = [
     "DEFAULT_GPU", "DEFAULT_MFU", "GPUS", "GPUS_PER_MACHINE", "INTERCONNECTS", "NETWORK", "MARGIN", "Gpu",
     "Machine", "best_run", "fastest_of", "pipeline_layout_of", "pipeline_layouts",
-    "RAN_ON_GPU", "cards_of_memory", "gpu_evidence", "gpu_key",
+    "RAN_ON_GPU", "card_of_device", "cards_of_memory", "gpu_evidence", "gpu_key",
     "collective_bandwidth", "data_parallel_size", "epoch_time", "flops_per_token", "rank_key", "step_time",
     "reference_pass_time",
     "ALIASES", "HUB_IDS", "MODEL_PLACEHOLDER", "ONE_GPU", "global_batch_refusal", "launch_model",

@@ -79,6 +79,15 @@ def gpu_key(name: str) -> str:
                      "these with --gpu-memory, --mfu and --bandwidth)")
 
 
+def card_of_device(device_name: str) -> str | None:
+    """The key in `GPUS` of a device as torch names it (`NVIDIA H100 80GB HBM3`, `NVIDIA RTX 6000 Ada
+    Generation`): the longest key or card name found in it, case and separators ignored; None for another card."""
+    found = _squashed(device_name)
+    spellings = sorted(((_squashed(spelling), key) for key, card in GPUS.items() for spelling in (key, card.name)),
+                       key=lambda pair: -len(pair[0]))
+    return next((key for spelling, key in spellings if spelling in found), None)
+
+
 def gpu(name: str) -> Gpu:
     """A GPU of `GPUS` by its key or its name (`gpu_key`)."""
     return GPUS[gpu_key(name)]

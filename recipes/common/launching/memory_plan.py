@@ -28,6 +28,12 @@ def planner_inputs(args, recipe: str, launch) -> tuple:
     return shape, inputs
 
 
+def card_flags(device_name: str, memory_gib: float) -> str:
+    """plan.py's flags for this GPU: its card by name (a plain word to replace where the planner does not
+    know it) and its memory."""
+    return f"--gpu {planner.card_of_device(device_name) or 'YOUR_GPU'} --gpu-memory {memory_gib:.0f}"
+
+
 def announce_plan(args, recipe: str, launch) -> None:
     """Print the memory plan of this very run, and warn before loading when it will not fit; refuse
     (every rank) when the weights cannot load in this machine's host RAM."""
@@ -67,7 +73,8 @@ def announce_plan(args, recipe: str, launch) -> None:
     print(f"{line}; the GPU has {gpu_gib:.0f} GiB", flush=True)
     if not planner.fits(need["total"], gpu_gib):
         print(f"warning: the plan says this will not fit; see `python scripts/plan.py --model {args.model} "
-              f"--method {recipe} --gpus {gpus} --gpu-memory {gpu_gib:.0f} --batch-size {args.batch_size} "
+              f"--method {recipe} --gpus {gpus} {card_flags(torch.cuda.get_device_name(0), gpu_gib)} "
+              f"--batch-size {args.batch_size} "
               f"--seq-len {args.max_length}{' --pairs' if pairs else ''}` for a config and micro-batch that fit", flush=True)
 
 
