@@ -23,8 +23,8 @@ def sft(tmp_path_factory):
     return out
 
 
-def dpo(model: str, out, cache, processes: int = 2):
-    run = launch("dpo", out, "--model", model, "--max-steps", "2", "--batch-size", "2", "--log-every", "1",
+def dpo(model: str, out, cache, processes: int = 2, steps: int = 2):
+    run = launch("dpo", out, "--model", model, "--max-steps", str(steps), "--batch-size", "2", "--log-every", "1",
                  config="ddp", processes=processes, env={"RECIPES_CACHE": str(cache)})
     assert run.returncode == 0, run.output[-3000:]
     return run
@@ -33,9 +33,9 @@ def dpo(model: str, out, cache, processes: int = 2):
 def test_dpo_from_the_sft_adapter_starts_from_the_sft_model_and_answers(sft, tmp_path):
     cache = tmp_path / "cache"
     from_adapter = dpo(str(sft / "adapter"), tmp_path / "from-adapter", cache)
-    assert "is a LoRA adapter; training its base" in from_adapter.output and "merged now" in from_adapter.output
+    assert "is a LoRA adapter; training its base" in from_adapter.output
     from_merged = dpo(str(sft / "merged"), tmp_path / "from-merged", cache)  # what --merge wrote
-    from_base = dpo(str(REPO / "models" / "tiny-llama"), tmp_path / "from-base", cache)
+    from_base = dpo(str(REPO / "models" / "tiny-llama"), tmp_path / "from-base", cache, steps=1)
     # the same model as the SFT run's merged/: the same log-probabilities (policy and reference), step by step
     for mine, merged in zip(from_adapter.metrics(), from_merged.metrics()):
         for key in ("loss", "logps/chosen", "logps/rejected", "rewards/margins"):
@@ -47,7 +47,7 @@ def test_dpo_from_the_sft_adapter_starts_from_the_sft_model_and_answers(sft, tmp
     assert "merged onto its base" in card
     assert ("checkpoints/" in card) == (tmp_path / "from-adapter" / "checkpoints").is_dir()
 
-    again = dpo(str(sft / "adapter"), tmp_path / "again", cache, processes=1)  # a second run finds the merge
+    again = dpo(str(sft / "adapter"), tmp_path / "again", cache, processes=1, steps=1)  # a second run finds the merge
     assert "merged by an earlier run" in again.output
     answered = subprocess.run([sys.executable, str(REPO / "scripts" / "generate.py"), str(tmp_path / "from-adapter"),
                                "--prompt", "Sort: 3 1 2", "--max-new-tokens", "8"], capture_output=True, text=True)

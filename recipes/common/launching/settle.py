@@ -75,9 +75,9 @@ def settle_model(run: Run) -> Run:
     base = adapter_base(run.model)
     if base is None:
         return run
-    folder, wrote = merged_start_model(run.model, base, run.trust_remote_code)
+    folder, earlier = merged_start_model(run.model, base, run.trust_remote_code)
     say(f"model: {run.model} is a LoRA adapter; training its base {base} with the adapter merged in "
-        f"({folder}, {'merged now' if wrote else 'merged by an earlier run'})")
+        f"({folder}, {'merged by an earlier run' if earlier else 'merged now, once per machine'})")
     return run.settled({"model": (str(folder), f"the LoRA adapter {run.model} merged onto its base {base}")})
 
 

@@ -81,15 +81,17 @@ def merged_folder(adapter: str, base: str) -> Path:
 
 
 def merged_start_model(adapter: str, base: str, trust_remote_code: bool = False) -> tuple[Path, bool]:
-    """(the merged model's folder, whether this call wrote it). The first process of a machine merges (a file
-    lock: the others wait, then find it), into a temporary folder renamed into place: whole or absent."""
+    """(the merged model's folder, whether it was there before this launch: merged by an earlier one). The
+    first process of a machine merges (a file lock: the others wait, then find it), into a temporary folder
+    renamed into place: whole or absent."""
     from filelock import FileLock
 
     folder = merged_folder(adapter, base)
     folder.parent.mkdir(parents=True, exist_ok=True)
+    there_before = (folder / "config.json").is_file()
     with FileLock(str(folder) + ".lock"):
         if (folder / "config.json").is_file():
-            return folder, False
+            return folder, there_before
         partial = Path(tempfile.mkdtemp(prefix=folder.name + ".partial-", dir=folder.parent))
         try:
             merge(base, adapter, str(partial), base_4bit=trained_on_4bit(adapter), trust_remote_code=trust_remote_code)
@@ -98,4 +100,4 @@ def merged_start_model(adapter: str, base: str, trust_remote_code: bool = False)
             partial.replace(folder)
         finally:
             shutil.rmtree(partial, ignore_errors=True)
-    return folder, True
+    return folder, False
