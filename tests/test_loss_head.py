@@ -39,6 +39,10 @@ def a_batch(rows: int = 3, length: int = 40, vocab: int = 304):
     return input_ids, attention_mask.long(), labels
 
 
+# a chunk budget that cuts these tiny batches into several chunks, as 256 MiB cuts a real model's
+SMALL_CHUNKS = 3 * 8 * 304 * 4
+
+
 def token_losses(logits, targets):  # the recipes' loss
     losses = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(),
                                                ignore_index=IGNORE, reduction="none")
@@ -53,7 +57,8 @@ def losses_and_gradients(model, chunked: bool, autocast: bool = False, gathered:
     model.zero_grad()
     with context() if context else torch.enable_grad():
         if chunked:
-            head = LossHead(model.lm_head, None, context or LossHead.autocast, nullcontext if gathered else None)
+            head = LossHead(model.lm_head, None, context or LossHead.autocast, nullcontext if gathered else None,
+                            chunk_bytes=SMALL_CHUNKS)
             outputs = model(input_ids=input_ids, attention_mask=attention_mask, **head.forward_arguments(positions))
             per_token = head.apply(token_losses, outputs, targets, positions)
         else:  # the whole logits, every position, the textbook shift
@@ -66,8 +71,10 @@ def losses_and_gradients(model, chunked: bool, autocast: bool = False, gathered:
 def test_chunks_are_several_and_cover_every_target_position():
     _, _, labels = a_batch()
     positions = positions_with_targets(labels[:, 1:])
-    size = chunk_positions(3, len(positions), 64, 304)
-    assert 1 <= size < len(positions)  # more than one chunk on this batch
+    size = chunk_positions(3, len(positions), 304, SMALL_CHUNKS)
+    assert size == 8 and size < len(positions)  # more than one chunk on this batch
+    assert chunk_positions(16, 1024, 32000, 256 * 2**20) == 131  # the headline: 8 chunks of 256 MiB
+    assert chunk_positions(3, len(positions), 304, 256 * 2**20) == len(positions)  # fits: one chunk
     assert positions.tolist() == [p for p in range(39) if (labels[:, 1:][:, p] != IGNORE).any()]
 
 
@@ -133,7 +140,7 @@ def test_the_backward_never_keeps_the_whole_logits():
 
         with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
             if chunked:
-                head = LossHead(model.lm_head, None)
+                head = LossHead(model.lm_head, None, chunk_bytes=3 * 4 * vocab * 4)  # 4 positions a chunk
                 outputs = model(input_ids=input_ids, attention_mask=attention_mask,
                                 **head.forward_arguments(positions))
                 head.apply(token_losses, outputs, targets, positions).sum().backward()

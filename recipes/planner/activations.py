@@ -103,19 +103,24 @@ def chunked_loss(shape: ModelShape, method: str, strategy: str) -> bool:
     return not shape.logits_after_head and not zero3_trained_head
 
 
-def loss_bytes_per_token(shape: ModelShape, method: str, strategy: str, dt: dict) -> float:
-    """The loss's memory per token of the micro-batch.
+# the recipes' chunk of float32 logits at most (model/loss_head.py, LossHead.chunk_bytes)
+CHUNK_BYTES = 256 * 2**20
 
-    - chunked: the target positions' last hidden states, kept for each chunk's recomputation, c*h, its
-      per-token loss, 4; and one chunk's logits at a time, about as many elements as the hidden states
-      (`loss_head.chunk_positions`): the head's output c, its fp32 copy, the fp32 log-softmax the loss
-      keeps and the fp32 gradient in the backward, (c + 12) per element: (2c + 12) * h + 4.
-    - whole logits: vocab * (logits dtype + 4 + 4): the logits the step's `outputs` holds, the fp32
+
+def loss_bytes(shape: ModelShape, method: str, strategy: str, dt: dict, tokens: float) -> float:
+    """The loss's memory for a micro-batch of `tokens` tokens.
+
+    - chunked: the target positions' last hidden states, kept for each chunk's recomputation, c*h a token, and
+      its per-token loss, 4; and one chunk's logits at a time, at most CHUNK_BYTES of float32 (all of them when
+      they fit): the head's output c, its fp32 copy, the fp32 log-softmax the loss keeps and the fp32 gradient
+      in the backward, (c + 12) per element.
+    - whole logits: vocab * (logits dtype + 4 + 4) a token: the logits the step's `outputs` holds, the fp32
       log-softmax output the loss keeps, and its fp32 gradient at the start of the backward.
     """
     if chunked_loss(shape, method, strategy):
-        return (2 * dt["compute"] + 12) * shape.hidden + 4
-    return shape.vocab * (dt["logits"] + 4 + 4)
+        chunk = min(tokens * shape.vocab, CHUNK_BYTES / 4)
+        return tokens * (dt["compute"] * shape.hidden + 4) + chunk * (dt["compute"] + 12)
+    return tokens * shape.vocab * (dt["logits"] + 4 + 4)
 
 
 def activation_bytes(shape: ModelShape, method: str, strategy: str, batch_size: int, seq_len: int,
@@ -133,7 +138,7 @@ def activation_bytes(shape: ModelShape, method: str, strategy: str, batch_size: 
     - per token, once: input ids and labels 16; RoPE cos/sin 2*r*d; the boolean 4D padding mask
       s (sdpa / eager); the final RMSNorm 4h + 4 (+ r*h trained); lm_head's input c*h when it is
       trained (or LoRA-adapted).
-    - the loss (`loss_bytes_per_token`): chunked over the last hidden states where the recipes' loss
+    - the loss (`loss_bytes`): chunked over the last hidden states where the recipes' loss
       head runs so (model/loss_head.py), else the whole logits. The recipes compute logits only at
       positions where a row of the micro-batch has a target, so this is the bound that packed or
       plain-text rows reach; prompt-masked rows hold less.
@@ -164,7 +169,7 @@ def activation_bytes(shape: ModelShape, method: str, strategy: str, batch_size: 
         head_adapted = method != "full" and "lm_head" in lora_target_names(lora_targets)
         once += 4 * h + 4 + (r * h if full else 0)
         once += c * h if full else ((c + (1 if lora_dropout > 0 else 0)) * h + c * lora_rank if head_adapted else 0)
-        logits = loss_bytes_per_token(shape, method, strategy, dt)
+        logits = loss_bytes(shape, method, strategy, dt, tokens)
     copies = 0
     if dt["autocast_copies"]:
         if method == "full":
@@ -172,4 +177,4 @@ def activation_bytes(shape: ModelShape, method: str, strategy: str, batch_size: 
             copies = 2 * (linear + (shape.vocab * h if stage.head else 0)) / tp
         else:
             copies = 2 * _stage_parameters(shape, method, stage, lora_rank, lora_targets)["trained"]
-    return int(tokens * (blocks + once + logits) + copies)
+    return int(tokens * (blocks + once) + logits + copies)

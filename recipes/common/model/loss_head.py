@@ -2,9 +2,9 @@
 chunk of positions at a time over the model's last hidden states.
 
 The logits are the step's largest tensor (rows x positions x vocabulary, in float32 for the loss: 2 GiB for
-16 rows of 1,024 tokens over a 32,000-token vocabulary). Here no chunk's logits outlive it: each chunk's
-loss is kept, and its logits are computed again in the backward (one more pass of the head over the
-positions, about 3% of a 1B model's step). Whatever `token_losses` computes is what trains: the recipe's
+16 rows of 1,024 tokens over a 32,000-token vocabulary). Here no chunk's logits (256 MiB at most) outlive it:
+each chunk's loss is kept, and its logits are computed again in the backward (one more pass of the head over
+the positions, about 3% of a 1B model's step). Logits that fit one chunk are one, as a plain forward runs. Whatever `token_losses` computes is what trains: the recipe's
 own function runs on each chunk, so an edited loss trains under every strategy and option.
 
 Where the model's logits are more than its head's output (a softcap or a scale after the head, Gemma-2's
@@ -45,6 +45,7 @@ class LossHead:
     why_whole: str | None
     autocast: Callable = nullcontext
     gathered: Callable | None = None
+    chunk_bytes: int = 256 * 2**20  # a chunk's float32 logits at most (`chunk_positions`)
 
     @property
     def description(self) -> str:
@@ -74,12 +75,15 @@ class LossHead:
                   positions: torch.Tensor) -> torch.Tensor:
         """`figures(logits, targets)` (a tensor laid out like `targets`) over `hidden`'s `positions`, a chunk of
         positions at a time, concatenated along the positions. Under autograd each chunk keeps only its
-        result; its logits are recomputed in the backward."""
+        result; its logits are recomputed in the backward. Where the whole batch's logits fit one chunk, they
+        are one, kept for the backward as a plain forward keeps them (nothing to save, nothing to recompute)."""
         hidden = hidden.index_select(1, positions.to(hidden.device))
         targets = targets.index_select(1, positions.to(targets.device)).to(hidden.device)
-        size = chunk_positions(*hidden.shape, vocabulary(self.head))
+        size = chunk_positions(hidden.shape[0], hidden.shape[1], vocabulary(self.head), self.chunk_bytes)
         if self.gathered is not None:
             return GatheredChunks.apply(hidden, targets, self, figures, size)
+        if size >= hidden.shape[1]:
+            return self.chunk_figures(figures, hidden, targets)
         pieces = []
         for hidden_chunk, target_chunk in zip(hidden.split(size, 1), targets.split(size, 1)):
             if torch.is_grad_enabled():  # no randomness in a head and a loss: no RNG state to keep
@@ -132,10 +136,11 @@ def vocabulary(head: torch.nn.Module) -> int:
     return getattr(head, "out_features", None) or head.weight.shape[0]
 
 
-def chunk_positions(rows: int, positions: int, hidden_size: int, vocabulary_size: int) -> int:
-    """Positions per chunk: a chunk's logits about as large as the hidden states they come from (at least
-    one position), so the loss never holds more than a few times the hidden states' memory."""
-    return max(1, -(-positions * hidden_size // max(vocabulary_size, 1)))
+def chunk_positions(rows: int, positions: int, vocabulary_size: int, chunk_bytes: int) -> int:
+    """Positions per chunk: as many as keep a chunk's float32 logits within `chunk_bytes` (at least one). 256 MiB
+    keeps the loss's memory at about a gigabyte whatever the batch and vocabulary (128 positions of 16 rows over
+    32,000 tokens); a batch whose logits fit is one chunk, with no recomputation."""
+    return max(1, min(positions, chunk_bytes // max(rows * vocabulary_size * 4, 1)))
 
 
 def zero3_partitioned(head: torch.nn.Module) -> bool:
