@@ -60,8 +60,8 @@ def announce_plan(args, recipe: str, launch) -> None:
         print(f"plan: skipped ({str(error).splitlines()[0]})", flush=True)
         return
     parts = ", ".join(f"{key} {size(need[key])}" for key in ("weights", "gradients", "optimizer", "activations"))
-    name = args.recipe if getattr(args, "recipe", recipe) != recipe else recipe  # dpo.py: "dpo (lora)"
-    name += f" ({recipe})" if name != recipe else ""
+    ran = getattr(args, "recipe", recipe)
+    name = recipe if ran == recipe else f"{ran} ({recipe})"  # dpo.py settled as LoRA: "dpo (lora)"
     per = "per GPU" if launch.on_gpu else "per process (a GPU's share, planned as on a GPU)"
     line = (f"plan: {name} with {strategy} on {gpus} process(es): {size(need['total'])} {per} ({parts}) "
             f"at --max-length {args.max_length}{' (two rows a pair)' if pairs else ''}; host RAM to load the weights: {size(load['bytes'])} on this "

@@ -91,8 +91,6 @@ class LossHead:
                                          use_reentrant=False, preserve_rng_state=False))
             else:
                 pieces.append(self.chunk_figures(figures, hidden_chunk, target_chunk))
-        if not pieces:  # no position has a target
-            return figures(self.chunk_logits(hidden), targets)
         return torch.cat(pieces, 1)
 
     def chunk_figures(self, figures: Callable, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -115,10 +113,9 @@ class GatheredChunks(torch.autograd.Function):
     def forward(ctx, hidden, targets, loss_head, figures, size):
         ctx.save_for_backward(hidden, targets)
         ctx.loss_head, ctx.figures, ctx.size = loss_head, figures, size
-        with torch.no_grad(), loss_head.gathered():
+        with torch.no_grad(), loss_head.gathered():  # (no position with a target: one empty chunk)
             return torch.cat([figures(loss_head.chunk_logits(h), t)
-                              for h, t in zip(hidden.split(size, 1), targets.split(size, 1))] or
-                             [figures(loss_head.chunk_logits(hidden), targets)], 1)
+                              for h, t in zip(hidden.split(size, 1), targets.split(size, 1))], 1)
 
     @staticmethod
     def backward(ctx, grad):
@@ -129,7 +126,7 @@ class GatheredChunks(torch.autograd.Function):
                 with torch.enable_grad():
                     h = h.detach().requires_grad_()
                     pieces.append(torch.autograd.grad(ctx.figures(ctx.loss_head.chunk_logits(h), t), h, g)[0])
-        return (torch.cat(pieces, 1) if pieces else torch.zeros_like(hidden)), None, None, None, None
+        return torch.cat(pieces, 1), None, None, None, None
 
 
 def vocabulary(head: torch.nn.Module) -> int:

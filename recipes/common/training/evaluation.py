@@ -50,14 +50,9 @@ def rows_of(per_position: torch.Tensor) -> torch.Tensor:
     return torch.stack([per_position[..., 0].sum(1), per_position[..., 1].sum(1), per_position[..., 2].prod(1)], 1)
 
 
-def row_figures(logits: torch.Tensor, labels: torch.Tensor, token_losses) -> torch.Tensor:
-    """Per row: summed target-token loss, target tokens, 1 if every target token is the argmax."""
-    return rows_of(position_figures(logits, labels, token_losses))
-
-
 def batch_figures(logits: torch.Tensor, labels: torch.Tensor, token_losses) -> torch.Tensor:
     """(loss sum, target tokens, exact rows, rows) of a batch: logits at every position but the last."""
-    per_row = row_figures(logits[:, :-1], labels, token_losses)
+    per_row = rows_of(position_figures(logits[:, :-1], labels, token_losses))
     return torch.cat([per_row.sum(0), per_row.new_tensor([per_row.shape[0]])]).double()
 
 
