@@ -74,7 +74,8 @@ def main():
     router_weight = modeling.router_loss_weight(model)
     if run.gradient_checkpointing:  # recompute every Nth layer's activations in the backward instead of keeping them
         modeling.checkpoint_activations(model, every_n_layers=run.gradient_checkpointing)
-    run = batch_size.confirm_on_gpu(accelerator, launch, model, run)  # --batch-size auto: does a real step fit?
+    # --batch-size auto: does a real step of the planned micro-batch fit the GPU (its loss: token_losses above)?
+    run = batch_size.confirm_on_gpu(accelerator, launch, model, run, token_losses)
     # Pipeline parallel (--pipeline-stages N): this process keeps its stage of the layers, and a schedule runs
     # the step's micro-batches through the stages (None for every other launch).
     stages = pipeline.split(accelerator, launch, run, model, tokenizer.pad_token_id)

@@ -144,16 +144,6 @@ def micro_batches(count: int, rows: int, length: int, vocab: int, device):
     return batches
 
 
-def token_losses(logits, targets):  # recipes/lora.py's
-    import torch
-
-    from common.data.batches import IGNORE
-
-    losses = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE,
-                                               reduction="none")
-    return losses.view_as(targets)
-
-
 def adapt(base, variant: dict, precision_launch):
     """LoRA as recipes/lora.py adds it (r 16, alpha 32, every linear layer), adapters in fp32."""
     from peft import LoraConfig, get_peft_model
@@ -181,6 +171,7 @@ def run_variant(base, variant: dict, batches, args, device, precision_launch, pr
     import torch
 
     from common.model.loss_head import LossHead
+    from lora import token_losses  # the recipe's own loss
 
     model = adapt(base, variant, precision_launch)
     model.train()

@@ -144,8 +144,8 @@ def test_the_gpu_probe_backs_off_to_a_size_that_runs(start, largest_that_runs, p
 
 def test_the_gpu_probe_does_nothing_without_a_gpu_or_auto():
     args, _ = settle("--batch-size", "auto")
-    assert batch_size.confirm_on_gpu(accelerator=None, launch=DDP_ON_2_CPUS, model=None, run=args) is args  # no GPU: no probe
+    assert batch_size.confirm_on_gpu(accelerator=None, launch=DDP_ON_2_CPUS, model=None, run=args, token_losses=None) is args  # no GPU: no probe
     gpu = Launch("ddp", processes=2, on_gpu=True, visible_gpus=1, precision="bf16")
     typed, _ = settle("--batch-size", "4")
-    confirmed = batch_size.confirm_on_gpu(accelerator=None, launch=gpu, model=None, run=typed)  # a typed size: no probe
+    confirmed = batch_size.confirm_on_gpu(accelerator=None, launch=gpu, model=None, run=typed, token_losses=None)  # a typed size: no probe
     assert confirmed.batch_size == 4

@@ -117,10 +117,10 @@ def back_off(fits_step, start: int, per_rank: int | None) -> int:
     return 0
 
 
-def confirm_on_gpu(accelerator, launch, model, run: Run) -> Run:
+def confirm_on_gpu(accelerator, launch, model, run: Run, token_losses) -> Run:
     """--batch-size auto on GPUs: run one real forward and backward of the planned micro-batch at
-    --max-length tokens, its loss computed as the recipes compute it (model.loss_head), and take a smaller
-    one (halving) if it runs out of memory. Before the
+    --max-length tokens, its loss the recipe's `token_losses` computed as the loop computes it
+    (model.loss_head), and take a smaller one (halving) if it runs out of memory. Before the
     loaders are built, so the batch and accumulation can still change. Only where each GPU holds
     the whole model (unsharded strategies): a sharded model is only sharded by `prepare`, and a pipeline
     stage runs only within its schedule; there, and under DeepSpeed (whose engine config already holds
@@ -139,11 +139,7 @@ def confirm_on_gpu(accelerator, launch, model, run: Run) -> Run:
     optimizer_bytes = 8 * sum(p.numel() for p in model.parameters() if p.requires_grad)  # AdamW, after step 1
     usable = torch.cuda.get_device_properties(device).total_memory * 0.92  # planner.HEADROOM's margin
 
-    head = loss_head.settle(accelerator, model)  # the loss as the recipes compute it (chunked where they chunk)
-
-    def token_losses(logits, targets):
-        return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(),
-                                                 reduction="none").view_as(targets)
+    head = loss_head.settle(accelerator, model)  # the loss as the loop computes it (chunked where it chunks)
 
     def fits_step(size: int) -> bool:
         torch.cuda.empty_cache()
