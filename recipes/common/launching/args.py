@@ -207,7 +207,7 @@ OTHER_NAMES = {"learning_rate": "lr", "per_device_train_batch_size": "batch_size
                "save_steps": "save_every", "model_name_or_path": "model", "base_model": "model",
                "dataset_name": "dataset", "datasets": "dataset", "r": "lora_r", "lora_rank": "lora_r",
                "target_modules": "lora_targets", "lora_target_modules": "lora_targets", "warmup_steps": "warmup_ratio",
-               "packing": "packing", "use_liger_kernel": "liger", "attn_implementation": "attention",
+               "use_liger_kernel": "liger", "attn_implementation": "attention",
                "resume_from_checkpoint": "resume"}
 
 
