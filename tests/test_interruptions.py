@@ -63,20 +63,34 @@ def test_a_second_run_into_the_same_folder_is_refused(whole, tmp_path):
     assert_no_traceback_of_ours(second.output)
 
 
-def test_a_killed_rank_restarts_the_job_from_its_checkpoint(whole, tmp_path):
-    import psutil
+# Imported by every process of the launch (PYTHONPATH): the main rank kills itself (kill -9) right after it
+# renames a checkpoint into place, in the first attempt only. Polling for the folder from outside raced
+# the job's last second and could find it already finished.
+KILL_AFTER_CHECKPOINT = """
+import os, pathlib, signal
+if os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0":
+    _rename = pathlib.Path.rename
+    def rename(self, target):
+        moved = _rename(self, target)
+        if pathlib.Path(target).name == os.environ["KILL_AFTER_CHECKPOINT"]:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return moved
+    pathlib.Path.rename = rename
+"""
 
+
+def test_a_killed_rank_restarts_the_job_from_its_checkpoint(whole, tmp_path):
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(KILL_AFTER_CHECKPOINT)
     output_dir = tmp_path / "out"
-    job = start("lora", output_dir, *ARGS, config="ddp", launcher_args=("--max_restarts", "1"))
-    deadline = time.time() + 300
-    while time.time() < deadline and not (output_dir / "checkpoints" / "step-4").is_dir():
-        time.sleep(0.2)
-    workers = [p for p in psutil.Process(job.pid).children(recursive=True) if "recipes/lora.py" in " ".join(p.cmdline())]
-    assert len(workers) == 2
-    workers[1].kill()  # kill -9 of one rank
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(hook), os.environ.get("PYTHONPATH")])),
+           "KILL_AFTER_CHECKPOINT": "step-4"}
+    job = start("lora", output_dir, *ARGS, config="ddp", launcher_args=("--max_restarts", "1"), env=env)
     output, _ = job.communicate(timeout=600)
     assert job.returncode == 0, output[-3000:]
     assert "restart 1 (accelerate launch --max_restarts): continuing from the newest intact checkpoint" in output
+    assert f"resumed from {output_dir / 'checkpoints' / 'step-4'} at step 4" in output, output[-3000:]
     restarted = type(whole)(job.returncode, output, output_dir)
     assert steps_of(restarted) == list(range(1, 9))
     assert restarted.losses() == whole.losses()
