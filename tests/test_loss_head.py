@@ -199,3 +199,37 @@ def test_a_batch_without_any_target_gives_an_empty_loss():
     outputs = model(input_ids=input_ids, attention_mask=attention_mask, **head.forward_arguments(positions))
     per_token = head.apply(token_losses, outputs, labels[:, 1:], positions)
     assert per_token.shape == (3, 0) and per_token.sum().item() == 0
+
+
+def test_under_mixed_precision_the_hidden_states_stay_in_bf16_with_the_same_loss_and_gradients():
+    """accelerate converts a mixed-precision forward's outputs to float32, every hidden state among them (3 GB at
+    the headline); the chunked path keeps them in bf16 and trains on the same numbers (its head casts anyway)."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    accelerator = Accelerator(cpu=True, mixed_precision="bf16")
+    try:
+        model = accelerator.prepare(tiny_llama().to(torch.bfloat16))  # as the adapter recipes load a base model
+        head = LossHead(model.lm_head, None, accelerator.autocast, chunk_bytes=SMALL_CHUNKS)
+        input_ids, attention_mask, labels = a_batch()
+        targets = labels[:, 1:]
+        positions = positions_with_targets(targets)
+
+        def step():
+            model.zero_grad()
+            outputs = model(input_ids=input_ids, attention_mask=attention_mask, **head.forward_arguments(positions))
+            per_token = head.apply(token_losses, outputs, targets, positions)
+            per_token.sum().backward()
+            grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+            return {h.dtype for h in outputs.hidden_states}, per_token.detach(), grads
+
+        converted, losses, grads = step()
+        settled = settle(accelerator, model)
+        kept, settled_losses, settled_grads = step()
+    finally:
+        AcceleratorState._reset_state(True)
+    assert settled.head is model.lm_head
+    assert converted == {torch.float32} and kept == {torch.bfloat16}
+    torch.testing.assert_close(settled_losses, losses, rtol=0, atol=0)
+    for name, grad in grads.items():
+        torch.testing.assert_close(settled_grads[name], grad, rtol=0, atol=0, msg=name)
