@@ -95,7 +95,7 @@ def score_pairs(accelerator, model, batch, run, head):
     and the micro-batch's router loss (a mixture of experts'; else None)."""
     reference_logps = None
     if run.loss != "simpo":  # the reference: the base, i.e. this model with its adapters switched off
-        with torch.no_grad(), accelerator.unwrap_model(model).disable_adapter():
+        with torch.no_grad(), modeling.adapters_off(accelerator.unwrap_model(model)):
             reference_logps = sequence_logps(model, batch, head)[0]
     logps, tokens, router_loss = sequence_logps(model, batch, head)
     losses, chosen_rewards, rejected_rewards = pair_losses(logps, reference_logps, tokens, run)

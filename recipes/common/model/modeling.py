@@ -324,6 +324,19 @@ def keep_adapter_inputs_in_compute_dtype(model, launch) -> bool:
     return True
 
 
+@contextlib.contextmanager
+def adapters_off(model):
+    """The base model alone: peft's `disable_adapter`, with the adapters still marked as trained. peft marks them
+    frozen while they are off, and FSDP2 settles each parameter group's gradient dtype at the first forward from
+    the parameters that train then: a first forward with the adapters off (the DPO reference's pass) left their
+    bf16 gradients uncast for their float32 weights, which torch refuses in the first backward."""
+    trained = [param for param in model.parameters() if param.requires_grad]
+    with model.disable_adapter():
+        for param in trained:
+            param.requires_grad_(True)  # under no_grad, as the reference runs, nothing is recorded for them
+        yield
+
+
 def trained_parameter_groups(model) -> list[dict]:
     """The trained parameters, as optimizer groups of one kind each: plain tensors, and DTensors per
     device mesh (tensor parallel splits some weights and leaves others whole; a fused optimizer
