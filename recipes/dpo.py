@@ -23,7 +23,7 @@ Flags: --model --dataset --eval-dataset --columns --chat-template --output-dir -
        --save-dtype --trust-remote-code
        --config (a YAML file of any of these flags)
 Speed: --compile --liger --attention --dataloader-workers
-LoRA:  --lora-r --lora-alpha --lora-dropout --lora-targets --merge --bits
+LoRA:  --lora-r --lora-alpha --lora-dropout --lora-targets --use-dora --use-rslora --merge --bits
 Preference: --loss (sigmoid, ipo, simpo) --beta --simpo-gamma
 Refused here (not for pairs yet): --packing --pipeline-stages --pipeline-schedule --pipeline-chunks
 """
@@ -142,6 +142,8 @@ def main():
         lora_alpha=run.lora_alpha,
         lora_dropout=run.lora_dropout,
         target_modules=cli.lora_targets(run.lora_targets),
+        use_dora=run.use_dora,
+        use_rslora=run.use_rslora,
         task_type="CAUSAL_LM",
     )
     model = get_peft_model(model, lora_config)

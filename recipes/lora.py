@@ -19,7 +19,7 @@ Flags: --model --dataset --eval-dataset --columns --chat-template --packing --ou
        --config (a YAML file of any of these flags)
 Pipeline parallel: --pipeline-stages --pipeline-schedule --pipeline-chunks
 Speed: --compile --liger --attention --dataloader-workers
-LoRA:  --lora-r --lora-alpha --lora-dropout --lora-targets --merge
+LoRA:  --lora-r --lora-alpha --lora-dropout --lora-targets --use-dora --use-rslora --merge
 """
 
 import math
@@ -82,6 +82,8 @@ def main():
         lora_alpha=run.lora_alpha,
         lora_dropout=run.lora_dropout,
         target_modules=cli.lora_targets(run.lora_targets),
+        use_dora=run.use_dora,
+        use_rslora=run.use_rslora,
         task_type="CAUSAL_LM",
     )
     model = get_peft_model(model, lora_config)

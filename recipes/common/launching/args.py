@@ -139,6 +139,11 @@ def add_lora_args(parser: argparse.ArgumentParser) -> None:
         "adapted layer then keeps a copy of its input for the backward)")
     add("--lora-targets", default="all-linear",
         help="comma-separated module names to adapt, or `all-linear`")
+    add("--use-dora", action="store_true",
+        help="DoRA (peft's use_dora): each adapted weight's magnitude trained apart from its direction; slower, "
+             "every forward recomputes each adapted weight's norm")
+    add("--use-rslora", action="store_true",
+        help="rank-stabilised LoRA (peft's use_rslora): scale = alpha / sqrt(r) instead of alpha / r")
     add("--merge", action="store_true", help="also write merged/ : the adapter merged into the base weights")
 
 

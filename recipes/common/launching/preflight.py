@@ -126,6 +126,9 @@ def check_strategy(args, recipe: str, launch) -> None:
     if fsdp and env_flag(os.environ, "FSDP_ACTIVATION_CHECKPOINTING") and args.gradient_checkpointing:
         refuse("activation checkpointing is asked twice (fsdp_activation_checkpointing in the "
                "accelerate config and --gradient-checkpointing); keep one of them")
+    if getattr(args, "use_dora", False) and getattr(args, "bits", None) and launch.zero_stage == 3:
+        refuse("--use-dora with --bits cannot run under ZeRO-3: peft's DoRA reads each 4-bit weight whole, which "
+               "DeepSpeed keeps partitioned; use accelerate_configs/fsdp_offload.yaml or zero2.yaml")
     if fsdp:
         check_layer_classes_to_wrap(args.model)
 
@@ -191,6 +194,9 @@ def check_tensor_parallel(args, recipe: str, launch) -> None:
                f"{plain}")
     if args.liger:
         refuse("--liger's fused kernels take whole weights, and tensor parallel splits them; drop --liger")
+    if getattr(args, "use_dora", False):
+        refuse("--use-dora cannot run under tensor parallel: peft's DoRA adds each split weight to whole adapter "
+               f"tensors; drop --use-dora, or use {plain}")
     config = model_config(args.model)
     if config is None:  # a hub model not in the cache: transformers checks as it loads
         return

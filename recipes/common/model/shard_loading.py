@@ -109,3 +109,28 @@ def read_shards(model: torch.nn.Module, name: str, trust_remote_code: bool) -> N
                     if local.numel():
                         rows = tuple(slice(start, start + length) for start, length in zip(offsets, local.shape))
                         local.copy_(stored[rows] if rows else handle.get_tensor(key))  # () : a scalar
+    refresh_dora_magnitudes(model)
+
+
+def refresh_dora_magnitudes(model: torch.nn.Module) -> None:
+    """DoRA's magnitude vectors from the weights just read. peft set each to its base weight's row norms when it
+    built the adapter, from the weights still unread then; the adapter adds nothing yet (its B is zero), so the
+    norms of the rows read are peft's values (a resumed run loads its own over them). A shard keeps the same rows of a weight and of its magnitude."""
+    from torch.distributed.tensor import DTensor
+
+    def local(tensor):
+        return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            magnitudes = getattr(module, "lora_magnitude_vector", None)
+            if not magnitudes:
+                continue
+            rows = local(module.get_base_layer().weight)
+            for magnitude in magnitudes.values():
+                kept = local(magnitude.weight)
+                if getattr(module, "fan_in_fan_out", False) or rows.dim() != 2 or rows.shape[0] != kept.shape[0]:
+                    refuse(f"--use-dora: {name}'s weight is not split by rows as its magnitude is, so its shard "
+                           "cannot give the magnitude; set fsdp_cpu_ram_efficient_loading: false in the accelerate "
+                           "config")
+                kept.copy_(torch.linalg.norm(rows, dim=1))  # in the weight's dtype, as peft computes it

@@ -169,8 +169,8 @@ def damage(path: Path) -> str | None:
 # Flags a resumed run cannot change: the adapter's shape and how a pipeline cuts the layers (the checkpoint
 # would not load), and what the optimizer and scheduler states restore over the flag (a new value would be
 # ignored without a word).
-KEPT_SETTINGS = ("lora_r", "lora_alpha", "lora_targets", "bits", "lr", "warmup_ratio", "weight_decay",
-                 "pipeline_stages", "pipeline_schedule", "pipeline_chunks")
+KEPT_SETTINGS = ("lora_r", "lora_alpha", "lora_targets", "use_dora", "use_rslora", "bits", "lr", "warmup_ratio",
+                 "weight_decay", "pipeline_stages", "pipeline_schedule", "pipeline_chunks")
 
 
 def same_model(a: str, b: str) -> bool:
@@ -340,8 +340,8 @@ def check_adapter(path: Path) -> None:
     lora = {name: t for name, t in tensors.items() if "lora_" in name}
     if not lora:
         raise RuntimeError(f"{path}: the adapter holds no LoRA tensors")
-    for name, tensor in lora.items():
-        if tensor.dim() != 2 or tensor.numel() == 0:
+    for name, tensor in lora.items():  # matrices, and DoRA's magnitude vectors
+        if tensor.dim() != (1 if "lora_magnitude_vector" in name else 2) or tensor.numel() == 0:
             raise RuntimeError(f"{path}: {name} has shape {tuple(tensor.shape)}; a sharded save lost it")
     if all(torch.count_nonzero(t) == 0 for name, t in lora.items() if "lora_B" in name):
         raise RuntimeError(f"{path}: every lora_B is zero; the adapter was never trained or was saved empty")
