@@ -1,4 +1,4 @@
-"""scripts/benchmark.py (and scripts/bench/): the CPU smoke run end to end, and the arithmetic behind its numbers.
+"""scripts/measure/benchmark.py (and scripts/measure/bench/): the CPU smoke run end to end, and the arithmetic behind its numbers.
 
 No timing is asserted: only that the numbers are there, have the right units and obey the rules.
 """
@@ -13,7 +13,7 @@ import pytest
 
 from conftest import REPO
 
-sys.path.insert(0, str(REPO / "scripts"))
+sys.path.insert(0, str(REPO / "scripts" / "measure"))
 from bench.flops import (  # noqa: E402
     CPU_NOMINAL_PEAK_TFLOPS,
     flop_per_token,
@@ -33,7 +33,7 @@ REFERENCE_CELLS = ("3 min 53 s", "59 s", "47 min", "30 min", "24%", "90%", "~20%
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
     output = tmp_path_factory.mktemp("benchmark")
-    done = subprocess.run([sys.executable, str(REPO / "scripts" / "benchmark.py"), "--smoke", "--strategies", "ddp",
+    done = subprocess.run([sys.executable, str(REPO / "scripts" / "measure" / "benchmark.py"), "--smoke", "--strategies", "ddp",
                            "--output-dir", str(output)], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     folders = [path.parent for path in output.glob("*/results.json")]
@@ -81,7 +81,7 @@ def test_smoke_row_numbers(smoke):
 
 
 def test_help_runs():
-    done = subprocess.run([sys.executable, str(REPO / "scripts" / "benchmark.py"), "--help"], capture_output=True,
+    done = subprocess.run([sys.executable, str(REPO / "scripts" / "measure" / "benchmark.py"), "--help"], capture_output=True,
                           text=True, timeout=60)
     assert done.returncode == 0 and "--measure-peak" in done.stdout and "--layers" in done.stdout
 

@@ -1,4 +1,4 @@
-"""scripts/compare_trl.py: our recipe against TRL's SFTTrainer on the same workload.
+"""scripts/measure/compare_trl.py: our recipe against TRL's SFTTrainer on the same workload.
 
 The end-to-end run checks the output and that both sides trained on the same target tokens; the
 unit tests check the two things that make the workloads the same: TRL tokenises the rows as the
@@ -16,7 +16,7 @@ import pytest
 
 from conftest import REPO, TINY_MODEL, long_test
 
-sys.path.insert(0, str(REPO / "scripts"))
+sys.path.insert(0, str(REPO / "scripts" / "measure"))
 sys.path.insert(0, str(REPO / "recipes"))
 import compare_trl  # noqa: E402
 import trl_sft_worker  # noqa: E402
@@ -28,7 +28,7 @@ RUN_LINE = re.compile(r"^round (\d+)  (ours|TRL) +([0-9.]+) tokens/s  (\d+) step
 @pytest.fixture(scope="module")
 def comparison(tmp_path_factory):
     output = tmp_path_factory.mktemp("compare_trl")
-    done = subprocess.run([sys.executable, str(REPO / "scripts" / "compare_trl.py"), "--rounds", "1", "--steps",
+    done = subprocess.run([sys.executable, str(REPO / "scripts" / "measure" / "compare_trl.py"), "--rounds", "1", "--steps",
                            str(STEPS), "--output-dir", str(output)], cwd=REPO, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -144,7 +144,7 @@ def test_a_failed_launch_is_named_in_one_line():
 
 
 def test_both_sides_get_the_model_data_and_precision_asked_for(tmp_path):
-    """On a GPU (scripts/gpu_check.py's trl part) both launches take the model, data and bf16 given."""
+    """On a GPU (scripts/measure/gpu_check.py's trl part) both launches take the model, data and bf16 given."""
     args = compare_trl.parse_args(["--model", "/models/tinyllama", "--dataset", "rows.jsonl", "--mixed-precision",
                                    "bf16", "--processes", "1"])
     for side in ("ours", "trl"):

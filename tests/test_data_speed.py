@@ -1,4 +1,4 @@
-"""scripts/data_speed.py at a tiny size: the limit and the recipes' one-process sides, cold and cached,
+"""scripts/measure/data_speed.py at a tiny size: the limit and the recipes' one-process sides, cold and cached,
 for both tokenizers and both formats. What it checks holds on any machine (no timing): every side has
 its row, the recipes keep every generated row, a rerun reads the cache it left, and the large
 tokenizer is one of a real model's size. A long test (about 100 s, most of it building the 32k
@@ -22,7 +22,7 @@ SIDES = ("limit", "recipes-1-cold", "recipes-1-cached")
 @long_test
 def test_every_side_is_measured_and_a_rerun_reuses_the_recipes_cache(tmp_path):
     out = tmp_path / "results"
-    done = subprocess.run([sys.executable, "scripts/data_speed.py", "--rows", str(ROWS), "--sides", "limit,recipes-1",
+    done = subprocess.run([sys.executable, "scripts/measure/data_speed.py", "--rows", str(ROWS), "--sides", "limit,recipes-1",
                            "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     record = json.loads((out / "results.json").read_text())
@@ -47,12 +47,12 @@ def test_every_side_is_measured_and_a_rerun_reuses_the_recipes_cache(tmp_path):
         assert rows["sentencepiece-32k", data, "limit"]["tokens"] * 2 < rows["bundled", data, "limit"]["tokens"]
 
     table = (out / "results.md").read_text()
-    assert "python scripts/data_speed.py --rows 300 --sides limit,recipes-1" in table
+    assert "python scripts/measure/data_speed.py --rows 300 --sides limit,recipes-1" in table
     assert table.count("recipes, 1 process, cached") == 4
 
 
 def test_help_names_every_side():
-    done = subprocess.run([sys.executable, "scripts/data_speed.py", "--help"], cwd=REPO, capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "scripts/measure/data_speed.py", "--help"], cwd=REPO, capture_output=True, text=True)
     assert done.returncode == 0
     for side in ("limit", "recipes-1", "recipes-2", "packed", "trl", "--launch"):
         assert side in done.stdout

@@ -50,3 +50,24 @@ def test_the_readme_reads_in_ten_minutes():
     """README.md is a user's guide of at most 20 KB: what to run and what to expect; the measurements live in
     docs/ and results/, linked from it."""
     assert len((REPO / "README.md").read_bytes()) <= 20 * 1024
+
+
+# What a user runs; the measurement harnesses and their library live in scripts/measure/.
+USER_TOOLS = {"build_tiny_model.py", "check_config.py", "generate.py", "inspect_data.py", "make_data.py", "merge.py",
+              "plan.py", "plot.py", "slurm", "measure"}
+
+
+def test_scripts_top_level_is_the_users_menu():
+    """`ls scripts` lists the user's tools alone: a harness put back at the top level fails here (its place is
+    scripts/measure/, named in its README)."""
+    present = {entry.name for entry in (REPO / "scripts").iterdir()
+               if entry.name != "__pycache__" and not entry.name.startswith(".")}
+    assert present == USER_TOOLS, f"not a user's tool: {sorted(present - USER_TOOLS)}; missing: {sorted(USER_TOOLS - present)}"
+
+
+def test_every_harness_is_named_in_the_measure_readme():
+    measure = REPO / "scripts" / "measure"
+    readme = (measure / "README.md").read_text()
+    harnesses = {entry.name + ("/" if entry.is_dir() else "") for entry in measure.iterdir()
+                 if entry.name not in ("README.md", "__pycache__") and not entry.name.startswith(".")}
+    assert harnesses and not {name for name in harnesses if f"`{name}`" not in readme}

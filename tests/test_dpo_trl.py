@@ -37,7 +37,7 @@ def test_the_first_steps_equal_trls(tmp_path, loss):
              "--lr", "5e-3", "--lora-dropout", "0", "--warmup-ratio", "0", "--loss", loss]
     ours = launch("dpo", tmp_path / "ours", *flags, "--eval-dataset", str(pairs), processes=1)
     assert ours.returncode == 0, ours.output[-3000:]
-    done = subprocess.run([sys.executable, str(REPO / "scripts" / "trl_dpo_worker.py"), "--output-dir",
+    done = subprocess.run([sys.executable, str(REPO / "scripts" / "measure" / "trl_dpo_worker.py"), "--output-dir",
                            str(tmp_path / "trl"), *flags], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     theirs = [json.loads(line) for line in (tmp_path / "trl" / "metrics.jsonl").read_text().splitlines()]
@@ -51,7 +51,7 @@ def test_the_first_steps_equal_trls(tmp_path, loss):
 
 @long_test  # ~25 s: the benchmark's plumbing (the figures are in results/, never asserted)
 def test_the_speed_comparison_prints_both_sides_and_the_ratio(tmp_path):
-    done = subprocess.run([sys.executable, str(REPO / "scripts" / "compare_trl_dpo.py"), "--steps", "3", "--rounds", "1",
+    done = subprocess.run([sys.executable, str(REPO / "scripts" / "measure" / "compare_trl_dpo.py"), "--steps", "3", "--rounds", "1",
                            "--output-dir", str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     lines = done.stdout.strip().splitlines()

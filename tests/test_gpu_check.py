@@ -1,4 +1,4 @@
-"""scripts/gpu_check.py and tests/gpu/ on a machine without CUDA: the GPU suite is skipped with its
+"""scripts/measure/gpu_check.py and tests/gpu/ on a machine without CUDA: the GPU suite is skipped with its
 reason, and the entry point still writes its summary. (On a GPU they run for real.)"""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 
 from conftest import REPO, long_test
 
-sys.path.insert(0, str(REPO / "scripts"))
+sys.path.insert(0, str(REPO / "scripts" / "measure"))
 import gpu_check  # noqa: E402
 
 CORE_NAMES = {case.partition("::")[2] for case in gpu_check.CORE_CASES}
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CP
 
 
 def test_the_entry_point_writes_a_summary_with_every_gpu_case_skipped_and_why(tmp_path):
-    done = subprocess.run([sys.executable, "scripts/gpu_check.py", "--parts", "recipes", "--results", str(tmp_path)],
+    done = subprocess.run([sys.executable, "scripts/measure/gpu_check.py", "--parts", "recipes", "--results", str(tmp_path)],
                           cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     record = json.loads((tmp_path / "results.json").read_text())
@@ -58,7 +58,7 @@ def test_unknown_parts_are_refused():
 
 
 def test_the_core_part_is_the_three_recipes_under_ddp_fsdp_and_zero3(tmp_path):
-    done = subprocess.run([sys.executable, "scripts/gpu_check.py", "--parts", "core", "--results", str(tmp_path)],
+    done = subprocess.run([sys.executable, "scripts/measure/gpu_check.py", "--parts", "core", "--results", str(tmp_path)],
                           cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     cases = json.loads((tmp_path / "results.json").read_text())["results"]["core"]["cases"]
@@ -67,7 +67,7 @@ def test_the_core_part_is_the_three_recipes_under_ddp_fsdp_and_zero3(tmp_path):
 
 
 def test_the_preference_part_runs_each_preference_recipe_under_sharding_and_ddp(tmp_path):
-    done = subprocess.run([sys.executable, "scripts/gpu_check.py", "--parts", "preference", "--results", str(tmp_path)],
+    done = subprocess.run([sys.executable, "scripts/measure/gpu_check.py", "--parts", "preference", "--results", str(tmp_path)],
                           cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     cases = json.loads((tmp_path / "results.json").read_text())["results"]["preference"]["cases"]
@@ -78,7 +78,7 @@ def test_the_preference_part_runs_each_preference_recipe_under_sharding_and_ddp(
 
 
 def test_a_part_the_budget_has_no_time_for_is_not_started_and_says_why(tmp_path):
-    done = subprocess.run([sys.executable, "scripts/gpu_check.py", "--parts", "headline,core", "--budget-s", "40",
+    done = subprocess.run([sys.executable, "scripts/measure/gpu_check.py", "--parts", "headline,core", "--budget-s", "40",
                            "--results", str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     results = json.loads((tmp_path / "results.json").read_text())["results"]
@@ -151,7 +151,7 @@ def test_the_default_call_is_the_first_calls_parts_within_the_budget_and_the_fil
 def test_the_default_call_rehearsed_on_cpu_writes_every_part_in_at_most_eight_files(tmp_path):
     """The one GPU call, end to end on CPU stand-ins (~4 min on 2 cores): every part runs, and what comes
     back fits the device tool's 8 files, none deeper than 2 folders."""
-    done = subprocess.run([sys.executable, "scripts/gpu_check.py", "--cpu-stand-in", "--results", str(tmp_path)],
+    done = subprocess.run([sys.executable, "scripts/measure/gpu_check.py", "--cpu-stand-in", "--results", str(tmp_path)],
                           cwd=REPO, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout + done.stderr
     results = json.loads((tmp_path / "results.json").read_text())["results"]

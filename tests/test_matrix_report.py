@@ -1,4 +1,4 @@
-"""scripts/matrix_report.py turns a test run's JUnit XML into README's recipe x config tables."""
+"""scripts/measure/matrix_report.py turns a test run's JUnit XML into README's recipe x config tables."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import sys
 
 from conftest import REPO
 
-sys.path.insert(0, str(REPO / "scripts"))
+sys.path.insert(0, str(REPO / "scripts" / "measure"))
 import matrix_report  # noqa: E402
 
 JUNIT = """<?xml version="1.0" encoding="utf-8"?>

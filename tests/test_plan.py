@@ -17,7 +17,7 @@ import pytest
 from conftest import CONFIGS, REPO
 
 sys.path.insert(0, str(REPO / "recipes"))
-sys.path.insert(0, str(REPO / "scripts"))
+sys.path.insert(0, str(REPO / "scripts" / "measure"))
 import planner  # noqa: E402
 from measure_activations import saved_by_autograd  # noqa: E402
 

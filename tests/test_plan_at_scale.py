@@ -1,4 +1,4 @@
-"""scripts/plan_at_scale.py's comparison, on the tiny model over 4 ranks of torch's fake process group.
+"""scripts/measure/plan_at_scale.py's comparison, on the tiny model over 4 ranks of torch's fake process group.
 
 The same code path as the real-size run (results/2026-11-24_cpu_fake-process-group-plan/): the model
 built on the meta device, sharded by accelerate's `fsdp2_prepare_model` with bf16 mixed precision, two
@@ -18,7 +18,7 @@ import pytest
 
 from conftest import REPO
 
-sys.path.insert(0, str(REPO / "scripts"))
+sys.path.insert(0, str(REPO / "scripts" / "measure"))
 sys.path.insert(0, str(REPO / "recipes"))
 import planner  # noqa: E402
 import plan_at_scale  # noqa: E402

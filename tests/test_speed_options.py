@@ -13,7 +13,7 @@ from conftest import REPO, TINY_MODEL, launch, launch_env, long_test
 from strategies import matrix_args
 
 sys.path.insert(0, str(REPO / "recipes"))
-sys.path.insert(0, str(REPO / "scripts"))
+sys.path.insert(0, str(REPO / "scripts" / "measure"))
 import planner  # noqa: E402
 from common.launching.args import recipe_parser  # noqa: E402
 
@@ -102,7 +102,7 @@ def test_steady_state_leaves_the_warmup_out():
 @long_test  # ~35 s: the script end to end; each option's launch above runs in every run
 def test_speed_options_script_measures_and_writes_its_table(tmp_path):
     done = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "speed_options.py"), "--cpu", "--variants", "packing,liger",
+        [sys.executable, str(REPO / "scripts" / "measure" / "speed_options.py"), "--cpu", "--variants", "packing,liger",
          "--rounds", "1", "--max-steps", "8", "--warmup-steps", "2", "--output-dir", str(tmp_path)],
         cwd=REPO, capture_output=True, text=True, timeout=600, env=launch_env(),
     )

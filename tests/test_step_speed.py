@@ -1,4 +1,4 @@
-"""scripts/step_speed.py, the GPU call's step table, rehearsed on the CPU: every lever that must not change the
+"""scripts/measure/step_speed.py, the GPU call's step table, rehearsed on the CPU: every lever that must not change the
 numbers gives the defaults' losses (the chunked loss head, the adapters' inputs in bf16), one that changes them
 does, and the profile sorts the kernels' time. Its timings on a CPU say nothing of a GPU."""
 
@@ -8,7 +8,7 @@ import sys
 
 from conftest import REPO
 
-sys.path.insert(0, str(REPO / "scripts"))
+sys.path.insert(0, str(REPO / "scripts" / "measure"))
 
 
 def test_the_step_table_runs_and_the_levers_keep_the_numbers(tmp_path):

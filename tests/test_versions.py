@@ -1,6 +1,6 @@
 """The supported range of library versions: the lowest ones (recipes/common/launching/versions.py) agree with
 requirements-lowest.txt, the pinned set is inside the range, and an older library is refused in one line
-before anything loads. (scripts/test_lowest_versions.sh runs the launches on the lowest versions.)"""
+before anything loads. (scripts/measure/test_lowest_versions.sh runs the launches on the lowest versions.)"""
 
 from __future__ import annotations
 

@@ -58,7 +58,7 @@ def state_bytes_per_parameter(method: str, strategy: str, precision: str = "bf16
     frozen = 4 if precision == "fp32" else 2
     if method == "qlora" and precision == "bf16" and strategy in ("ddp", "model_parallel", "pipeline"):
         frozen = 4
-    # ZeRO-3 in bf16, measured (deepspeed 0.19.8, scripts/plan_at_scale.py): the gradient the step sees is
+    # ZeRO-3 in bf16, measured (deepspeed 0.19.8, scripts/measure/plan_at_scale.py): the gradient the step sees is
     # the fp32 copy DeepSpeed casts its reduced bf16 partition into, and peft's adapters, created after
     # zero.Init, stay fp32 in their partitions.
     zero3_bf16 = precision == "bf16" and strategy in ("zero3", "zero3_offload")

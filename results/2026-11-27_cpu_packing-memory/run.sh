@@ -23,8 +23,8 @@ export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUF
 for rev in "$FIXED" "$PARENT" "$ISSUE"; do
   [ -d "$SCRATCH/src-$rev" ] || { mkdir -p "$SCRATCH/src-$rev"; git archive "$rev" | tar -x -C "$SCRATCH/src-$rev"; }
 done
-for rows in 200000 ${WITH_2M_LAUNCHES:+2000000}; do  # scripts/prepare_speed.py's chat rows, as results/2026-11-25_cpu_packing-200k made them
-  [ -f "$SCRATCH/chat$rows.jsonl" ] || python3 -c "import sys; sys.path.insert(0, 'scripts'); from pathlib import Path; import prepare_speed; prepare_speed.chat_file(Path('$SCRATCH/chat$rows.jsonl'), $rows, seed=1)"
+for rows in 200000 ${WITH_2M_LAUNCHES:+2000000}; do  # scripts/measure/prepare_speed.py's chat rows, as results/2026-11-25_cpu_packing-200k made them
+  [ -f "$SCRATCH/chat$rows.jsonl" ] || python3 -c "import sys; sys.path.insert(0, 'scripts/measure'); from pathlib import Path; import prepare_speed; prepare_speed.chat_file(Path('$SCRATCH/chat$rows.jsonl'), $rows, seed=1)"
 done
 [ -f "$SCRATCH/tiny-llama-32k/config.json" ] || python3 "$HERE/tiny_model.py" "$SCRATCH/tiny-llama-32k"
 

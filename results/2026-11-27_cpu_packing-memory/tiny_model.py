@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """The tiny Llama of the bundled shape (data/tiny-llama-config.json) with a sentencepiece-style
-vocabulary of Mistral-7B's size: scripts/data_speed.py's 32,000-piece tokenizer (built once, kept under
+vocabulary of Mistral-7B's size: scripts/measure/data_speed.py's 32,000-piece tokenizer (built once, kept under
 ~/.cache/recipes/data_speed) with Llama-3.1's chat template, random weights, saved with the tokenizer.
 
     python tiny_model.py OUTPUT_DIR
@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "scripts"))
+sys.path.insert(0, str(REPO / "scripts" / "measure"))
 
 
 def main(output_dir: str) -> int:

@@ -22,7 +22,7 @@ from conftest import REPO, launch  # noqa: E402
 ON_CPU = os.environ.get("RECIPES_GPU_SUITE_ON_CPU") == "1"
 HAS_GPU = torch.cuda.is_available()
 gpu_suite = pytest.mark.skipif(not (HAS_GPU or ON_CPU),
-                               reason="GPU suite: needs a CUDA GPU (python scripts/gpu_check.py runs it there)")
+                               reason="GPU suite: needs a CUDA GPU (python scripts/measure/gpu_check.py runs it there)")
 GPUS = torch.cuda.device_count() if HAS_GPU else 0
 PRECISION = "bf16" if HAS_GPU else "no"
 # A model of TinyLlama-1.1B's shape cut to a few layers: every kernel of the real one, a short launch.
@@ -33,11 +33,11 @@ MODEL_CACHE = Path(os.environ.get("RECIPES_GPU_MODEL_CACHE", REPO / "models"))
 
 
 def shaped_model(layers: int = LAYERS) -> Path:
-    """The random-weight TinyLlama-shaped model with `layers` blocks, built once (scripts/bench)."""
+    """The random-weight TinyLlama-shaped model with `layers` blocks, built once (scripts/measure/bench)."""
     folder = MODEL_CACHE / f"{SHAPE.stem.removesuffix('-config')}-{layers}-layers"
     if not (folder / "config.json").exists():
         code = ("import sys; sys.path.insert(0, %r); from bench.random_model import build_random_model; "
-                "build_random_model(%r, %r, layers=%d)" % (str(REPO / "scripts"), str(SHAPE), str(folder), layers))
+                "build_random_model(%r, %r, layers=%d)" % (str(REPO / "scripts" / "measure"), str(SHAPE), str(folder), layers))
         subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
     return folder
 

@@ -3,7 +3,7 @@ bundled pairs: dpo.py (LoRA, and QLoRA with --bits 4) and dpo_full.py under the 
 first step's policy is its reference (loss log 2), the held-out chosen replies gain on the rejected ones, and
 what was saved reloads in plain peft / transformers to the trained model's logits.
 
-Runs where CUDA is available (scripts/gpu_check.py, part `preference`); skipped elsewhere, with the reason.
+Runs where CUDA is available (scripts/measure/gpu_check.py, part `preference`); skipped elsewhere, with the reason.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ saved reloads in plain transformers / peft to the trained model's logits.
 
 On one GPU the multi-process configs run with one process (FSDP and ZeRO still shard, over one
 rank); fsdp_hybrid and a real model-parallel split need two GPUs or more and are skipped otherwise.
-Runs where CUDA is available (scripts/gpu_check.py); skipped elsewhere, with the reason.
+Runs where CUDA is available (scripts/measure/gpu_check.py); skipped elsewhere, with the reason.
 """
 
 from __future__ import annotations

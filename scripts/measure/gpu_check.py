@@ -2,7 +2,7 @@
 """The GPU proof in one command: installs what the GPU box lacks, then runs on its GPUs, in order
 of importance, and writes each result as soon as it has it.
 
-    python3 scripts/gpu_check.py --wheels .whl --results $OUT       # one call, 450 s (--budget-s)
+    python3 scripts/measure/gpu_check.py --wheels .whl --results $OUT       # one call, 450 s (--budget-s)
 
 A lent GPU comes for 15 minutes of device time in all (the box's start, the transfers and its idle
 time included), 10 a call: one call of about 8 minutes is what it reliably gives. The default is that
@@ -12,14 +12,14 @@ Each call reinstalls the wheels (skipped when the box still has them) and starts
 left for (--budget-s).
 
 Parts (the default call: speed, codellama, headline, preference, core; then the others in the order listed):
-  speed      scripts/step_speed.py: the LoRA step at the headline's shape, lever by lever (the recipes' defaults,
+  speed      scripts/measure/step_speed.py: the LoRA step at the headline's shape, lever by lever (the recipes' defaults,
              the step before the chunked loss head and bf16 adapter inputs, each lever alone, dropout 0, compile,
              Liger, all together): tokens/s, MFU, peak, losses; a kernel-time profile by category
-  codellama  scripts/step_speed.py at CodeLlama-34B's whole shape, built on the GPU: LoRA, micro-batch 4 x GA 4,
+  codellama  scripts/measure/step_speed.py at CodeLlama-34B's whole shape, built on the GPU: LoRA, micro-batch 4 x GA 4,
              every layer recomputed; steady tokens/s, MFU, peak beside the planner's, a 1,024-row epoch projected
   preference tests/gpu/test_gpu_preferences.py: dpo.py (LoRA, QLoRA) and dpo_full.py under fsdp, zero3 and ddp
              (6 launches): the reference's first step, the held-out margin, the reload; never run on a GPU before
-  headline   the TinyLlama-1.1B LoRA reference epoch under ddp.yaml (scripts/benchmark.py --workload tinyllama
+  headline   the TinyLlama-1.1B LoRA reference epoch under ddp.yaml (scripts/measure/benchmark.py --workload tinyllama
              --strategies ddp --measure-peak): wall time, tokens/s, MFU against the GPU's peak and a bf16
              matmul measured in the same call, peak memory beside the planner's for the same launch
   core       tests/gpu/test_gpu_recipes.py for the three recipes under fsdp, zero3 and ddp (9 launches, the
@@ -33,7 +33,7 @@ Parts (the default call: speed, codellama, headline, preference, core; then the 
   options    tests/gpu/test_gpu_speed_options.py: bitsandbytes CUDA, Liger, attention kernels, compile, workers,
              --batch-size auto's probe
   reference34b  the CodeLlama-34B LoRA workload, layer-scaled to 8 of 48 layers
-  trl        scripts/compare_trl.py on one GPU in bf16: the recipe against TRL's SFTTrainer
+  trl        scripts/measure/compare_trl.py on one GPU in bf16: the recipe against TRL's SFTTrainer
   trl_liger  the same with each side's Liger (--liger: TRL's use_liger_kernel, its fused loss too)
 
 Written to --results (default results/<date>_<gpu>/), rewritten after every part, so that a run cut
@@ -41,12 +41,12 @@ short still leaves its numbers: summary.md (tables, the benchmarks' too), result
 machine-readable, with every test case's recorded figures and the box's package versions), log.txt
 (every command and its output), and <part>.json / <part>.png for each benchmark part: 5 files for the
 first call (with speed.json and codellama.json), 7 for the second, within the 8 the device tool brings back. No git needed there: the commit
-is read from the COMMIT file scripts/gpu_wheels.sh writes beside the wheels, else from git.
+is read from the COMMIT file scripts/measure/gpu_wheels.sh writes beside the wheels, else from git.
 
 --cpu-stand-in runs the same parts on a machine without a GPU (RECIPES_GPU_SUITE_ON_CPU=1, the benchmark's
 --smoke): it checks the plumbing before GPU time is spent, and says nothing about GPUs.
 
-Wheels (--wheels DIR): a folder of wheels made on a connected machine by scripts/gpu_wheels.sh,
+Wheels (--wheels DIR): a folder of wheels made on a connected machine by scripts/measure/gpu_wheels.sh,
 installed with `pip --no-index` into /tmp/gpu-site (added to PYTHONPATH for every launch); a
 DeepSpeed source archive there is built without its ops (DS_BUILD_OPS=0).
 """
@@ -64,7 +64,7 @@ import time
 import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "recipes"))
 from common.launching.versions import LOWEST, older_than_lowest  # noqa: E402
 
@@ -83,7 +83,7 @@ CORE_CASES = [f"{RECIPE_TESTS}::test_recipe_on_gpu[{recipe}-{config}]"
               for recipe, config in (("lora", "fsdp"), ("full", "fsdp"), ("lora", "zero3"), ("full", "zero3"),
                                      ("qlora", "fsdp"), ("qlora", "zero3"), ("lora", "ddp"), ("full", "ddp"),
                                      ("qlora", "ddp"))]
-TINYLLAMA = ["scripts/benchmark.py", "--workload", "tinyllama", "--measure-peak"]
+TINYLLAMA = ["scripts/measure/benchmark.py", "--workload", "tinyllama", "--measure-peak"]
 # part -> (command, seconds it may take at most, seconds it needs at least to give a result: a part starts
 # only when the call's budget has that much left; a test part stopped early keeps the cases it ran, a
 # benchmark keeps nothing). In order of importance. Times measured on one H100 (results/2026-11-26_h100_call1):
@@ -92,11 +92,11 @@ TINYLLAMA = ["scripts/benchmark.py", "--workload", "tinyllama", "--measure-peak"
 PARTS = {
     # call 1 (the default): the step lever by lever, the headline through the launch, the preference recipes
     # (6 launches like the core's), the core. The step table: 8 variants x 20 steps of ~0.5-0.9 s at the
-    # headline's shape built once, compile's ~1 min, two 3-step profiles (scripts/step_speed.py)
-    "speed": (["scripts/step_speed.py"], 300, 120),
+    # headline's shape built once, compile's ~1 min, two 3-step profiles (scripts/measure/step_speed.py)
+    "speed": (["scripts/measure/step_speed.py"], 300, 120),
     # CodeLlama-34B's whole shape built on the GPU (no files: 63 GiB of random bf16 weights), LoRA at the reference's
     # micro-batch 4 x GA 4 with every layer recomputed (69.6 GiB planned: one H100), 8 steps of ~8-10 s each
-    "codellama": (["scripts/step_speed.py", "--config", "data/model_configs/codellama-34b.json", "--batch-size", "4",
+    "codellama": (["scripts/measure/step_speed.py", "--config", "data/model_configs/codellama-34b.json", "--batch-size", "4",
                    "--grad-accum", "4", "--gradient-checkpointing", "--variants", "defaults", "--steps", "8",
                    "--warmup", "2", "--profile-steps", "0"], 360, 200),
     "preference": ([*PYTEST, PREFERENCE_TESTS], 300, 45),
@@ -112,15 +112,15 @@ PARTS = {
     "reference": ([*TINYLLAMA, "--strategies", "model_parallel,zero2,zero3,qlora_ddp"], 420, 120),
     "options": ([*PYTEST, "tests/gpu/test_gpu_speed_options.py"], 360, 60),
     # CodeLlama-34B's shape cut to 8 of its 48 layers (labelled so in the table): the whole does not fit one GPU
-    "reference34b": (["scripts/benchmark.py", "--workload", "codellama34b", "--layers", "8",
+    "reference34b": (["scripts/measure/benchmark.py", "--workload", "codellama34b", "--layers", "8",
                       "--gradient-checkpointing", "--measure-peak"], 540, 300),
     # the TinyLlama workload's model, micro-batch and accumulation through TRL's SFTTrainer beside the recipe
     # (the bundled instruction data: TRL's side needs prompt/completion rows), bf16, one GPU
-    "trl": (["scripts/compare_trl.py", "--processes", "1", "--mixed-precision", "bf16", "--model",
+    "trl": (["scripts/measure/compare_trl.py", "--processes", "1", "--mixed-precision", "bf16", "--model",
              "models/tinyllama-1.1b-22-layers", "--batch-size", "16", "--grad-accum", "2", "--max-length", "1024",
              "--steps", "40", "--rounds", "1"], 420, 300),
     # the same with each side's Liger: TRL's use_liger_kernel (its fused loss too) against the recipe's --liger
-    "trl_liger": (["scripts/compare_trl.py", "--processes", "1", "--mixed-precision", "bf16", "--model",
+    "trl_liger": (["scripts/measure/compare_trl.py", "--processes", "1", "--mixed-precision", "bf16", "--model",
                    "models/tinyllama-1.1b-22-layers", "--batch-size", "16", "--grad-accum", "2", "--max-length",
                    "1024", "--steps", "40", "--rounds", "1", "--liger"], 420, 300),
 }
@@ -130,17 +130,17 @@ PARTS = {
 FIRST_CALL = ("speed", "codellama", "headline", "preference", "core")
 DEFAULT_BUDGET_S = 450
 BENCHMARKS = ("headline", "reference", "reference34b")
-STEP_TABLES = ("speed", "codellama")  # scripts/step_speed.py's parts: <part>.json and the table in the summary
+STEP_TABLES = ("speed", "codellama")  # scripts/measure/step_speed.py's parts: <part>.json and the table in the summary
 # What a part runs instead on the CPU stand-in: the benchmark's smoke path (2 CPU processes, the tiny model).
-CPU_STAND_IN = {"headline": ["scripts/benchmark.py", "--smoke", "--strategies", "ddp"],
-                "reference": ["scripts/benchmark.py", "--smoke", "--strategies", "zero2"],
-                "reference34b": ["scripts/benchmark.py", "--smoke", "--strategies", "ddp"],
-                "trl": ["scripts/compare_trl.py", "--processes", "1", "--steps", "4", "--rounds", "1"],
-                "trl_liger": ["scripts/compare_trl.py", "--processes", "1", "--steps", "4", "--rounds", "1"],
-                "speed": ["scripts/step_speed.py", "--cpu"],
+CPU_STAND_IN = {"headline": ["scripts/measure/benchmark.py", "--smoke", "--strategies", "ddp"],
+                "reference": ["scripts/measure/benchmark.py", "--smoke", "--strategies", "zero2"],
+                "reference34b": ["scripts/measure/benchmark.py", "--smoke", "--strategies", "ddp"],
+                "trl": ["scripts/measure/compare_trl.py", "--processes", "1", "--steps", "4", "--rounds", "1"],
+                "trl_liger": ["scripts/measure/compare_trl.py", "--processes", "1", "--steps", "4", "--rounds", "1"],
+                "speed": ["scripts/measure/step_speed.py", "--cpu"],
                 # the same path and flags on the tiny model (one of the 34B's 48 layers alone takes ~5 min on 2
                 # cores: results/2026-11-27_cpu_gpu-check-rehearsal ran it once)
-                "codellama": ["scripts/step_speed.py", "--cpu", "--batch-size", "1", "--grad-accum", "2",
+                "codellama": ["scripts/measure/step_speed.py", "--cpu", "--batch-size", "1", "--grad-accum", "2",
                               "--gradient-checkpointing", "--variants", "defaults", "--steps", "2", "--warmup", "1",
                               "--profile-steps", "0"]}
 # the random-weight TinyLlama-1.1B-shaped model of tests/gpu (built once, also by the planner part)
@@ -302,7 +302,7 @@ def summary_markdown(record: dict) -> str:
                   f"{install['returncodes']})" if install.get("returncodes") else "Wheels: already installed", ""]
                  if install else [])
     lines = [f"# GPU check, {record['date']}: {title}", "",
-             f"`python scripts/gpu_check.py --parts {record['parts']}{flags}` at commit {record['commit']}.", "",
+             f"`python scripts/measure/gpu_check.py --parts {record['parts']}{flags}` at commit {record['commit']}.", "",
              *installed,
              "Versions: " + ", ".join(f"{k} {v}" for k, v in env.items() if k not in ("gpu", "gpus") and v), ""]
     for part, result in record["results"].items():
@@ -340,7 +340,7 @@ def copy_benchmark(part: str, folder: Path, results_dir: Path, result: dict) -> 
 
 
 def commit_of(wheels: Path | None) -> str:
-    """The repository's commit: from the COMMIT file scripts/gpu_wheels.sh writes beside the wheels
+    """The repository's commit: from the COMMIT file scripts/measure/gpu_wheels.sh writes beside the wheels
     just before a call (a GPU box may get the tree without git, or with a .git older than the tree it
     runs: seen on the first lent H100), else from git."""
     written = wheels / "COMMIT" if wheels else None

@@ -1,10 +1,10 @@
 #!/usr/bin/env python
 """recipes/dpo.py beside TRL's DPOTrainer on the same workload: time per optimizer step, side by side.
 
-    python scripts/compare_trl_dpo.py --steps 40 --rounds 3 --output-dir outputs/compare_trl_dpo
+    python scripts/measure/compare_trl_dpo.py --steps 40 --rounds 3 --output-dir outputs/compare_trl_dpo
 
 Both sides train the bundled tiny model's LoRA adapters on the bundled pairs (data/preferences/train.jsonl,
-prompt / chosen / rejected text), one process, fp32 on CPU, with the recipe's flags (scripts/trl_dpo_worker.py
+prompt / chosen / rejected text), one process, fp32 on CPU, with the recipe's flags (scripts/measure/trl_dpo_worker.py
 sets DPOTrainer up as the recipe runs: the same adapter, optimizer, schedule, beta and loss; the reference
 is the base with the adapter switched off on both sides). The rounds alternate the two sides. A side's time
 is its training loop from the end of its first step to the end of its last (the first step's warm-up left
@@ -22,7 +22,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PAIRS = REPO / "data" / "preferences" / "train.jsonl"
 
 
@@ -43,7 +43,7 @@ def run_side(side: str, folder: Path, flags: list[str]) -> None:
                    "--num_machines", "1", "--dynamo_backend", "no", "--mixed_precision", "no",
                    str(REPO / "recipes" / "dpo.py"), "--output-dir", str(folder), *flags, "--eval-every", "0"]
     else:
-        command = [sys.executable, str(REPO / "scripts" / "trl_dpo_worker.py"), "--output-dir", str(folder), *flags]
+        command = [sys.executable, str(REPO / "scripts" / "measure" / "trl_dpo_worker.py"), "--output-dir", str(folder), *flags]
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"{side} failed:\n{(done.stdout + done.stderr)[-3000:]}")

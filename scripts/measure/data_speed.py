@@ -1,12 +1,12 @@
 #!/usr/bin/env python
 """The recipes' data preparation beside the limit and beside TRL, on the same generated rows.
 
-    python scripts/data_speed.py --rows 20000 --launch --out results/<dir>   # every side, then the launches
-    python scripts/data_speed.py --rows 2000                                  # a quick look at every side
-    python scripts/data_speed.py --rows 300 --sides limit,recipes-1           # the test's run
-    python scripts/data_speed.py --sides limit --tokenizers bundled --formats chat --launch  # the goals alone
+    python scripts/measure/data_speed.py --rows 20000 --launch --out results/<dir>   # every side, then the launches
+    python scripts/measure/data_speed.py --rows 2000                                  # a quick look at every side
+    python scripts/measure/data_speed.py --rows 300 --sides limit,recipes-1           # the test's run
+    python scripts/measure/data_speed.py --sides limit --tokenizers bundled --formats chat --launch  # the goals alone
 
-Data: a chat file (1-3 turns, about half with a system prompt; scripts/prepare_speed.py's rows) and
+Data: a chat file (1-3 turns, about half with a system prompt; scripts/measure/prepare_speed.py's rows) and
 an instruction file (instruction, an input in about half of them, response) of similar length,
 --rows each. Tokenizers: the bundled character-level one (data/tokenizer) with the recipes' default
 chat template, and a sentencepiece-style BPE of Llama-2 / Mistral-7B's vocabulary size (32,000:
@@ -15,7 +15,7 @@ packages and generated rows, and given Llama-3.1's chat template and special tok
 (tests/fixtures/chat_templates). It is built once (~15 s) and kept under
 ~/.cache/recipes/data_speed (--tokenizer-cache). The vocabulary sizes are in the table.
 
-Sides (scripts/bench/data_sides.py runs each; each run is a fresh process, its peak resident
+Sides (scripts/measure/bench/data_sides.py runs each; each run is a fresh process, its peak resident
 memory per rank and the largest of its tokenising workers' read from /proc while it runs):
   limit              every row rendered once, then one batched call of the fast tokenizer over all
                      texts with offsets (all cores: TOKENIZERS_PARALLELISM=true; a call per 20,000
@@ -61,13 +61,13 @@ import threading
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "scripts"))
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "scripts" / "measure"))
 from bench.environment import library_versions  # noqa: E402
 from bench.launching import free_port, shell_line  # noqa: E402
 from prepare_speed import chat_file, sentence, tokenizer_folders  # noqa: E402  (also puts tests/ on sys.path)
 
-SIDES_PROGRAM = REPO / "scripts" / "bench" / "data_sides.py"
+SIDES_PROGRAM = REPO / "scripts" / "measure" / "bench" / "data_sides.py"
 DDP_CONFIG = REPO / "accelerate_configs" / "ddp.yaml"
 SIDE_GROUPS = ("limit", "recipes-1", "recipes-2", "packed", "trl")
 TOKENIZERS = ("bundled", "sentencepiece-32k")
@@ -557,7 +557,7 @@ def inputs(args, root: Path) -> tuple[dict, dict, dict]:
 def main(argv=None) -> int:
     args = parse_args(argv)
     ensure_tiny_model()
-    command = "python scripts/data_speed.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = "python scripts/measure/data_speed.py " + " ".join(sys.argv[1:] if argv is None else argv)
     rows, launches, limits = [], [], {}
     with tempfile.TemporaryDirectory(prefix="data_speed-") as scratch:
         files, trl_files, folders = inputs(args, Path(scratch))

@@ -1,4 +1,4 @@
-"""From the flags of scripts/benchmark.py to what is run: the workload, its strategies, and the settings every
+"""From the flags of scripts/measure/benchmark.py to what is run: the workload, its strategies, and the settings every
 launch shares (model, data, folders, batch, layers, peak)."""
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """What autograd keeps for one decoder layer, against the planner's per-token figure, on CPU.
 
-    python scripts/measure_activations.py                      # TinyLlama-1.1B's layer, LoRA r16, 1024 tokens
-    python scripts/measure_activations.py --model codellama-34b --seq-len 512
+    python scripts/measure/measure_activations.py                      # TinyLlama-1.1B's layer, LoRA r16, 1024 tokens
+    python scripts/measure/measure_activations.py --model codellama-34b --seq-len 512
 
 One layer = a 2-layer model minus a 1-layer model of the shape (random weights, the frozen base in
 bf16 under CPU bf16 autocast, as DDP runs it; LoRA on all linear layers), measured with
@@ -22,7 +22,7 @@ import json
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "recipes"))
 import planner  # noqa: E402
 

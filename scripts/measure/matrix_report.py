@@ -2,7 +2,7 @@
 
     RECIPES_LONG_TESTS=1 python -m pytest -q tests/test_matrix.py tests/test_equivalence.py \\
         --junitxml results/DATE_cpu_matrix/junit.xml
-    python scripts/matrix_report.py results/DATE_cpu_matrix/junit.xml > results/DATE_cpu_matrix/matrix.md
+    python scripts/measure/matrix_report.py results/DATE_cpu_matrix/junit.xml > results/DATE_cpu_matrix/matrix.md
 
 Reads what the tests record (`record_property`): each matrix launch's wall time and each
 strategy's largest relative loss difference against one process. A test that failed or was

@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Measure each speed option of the recipes on and off: the same work, timed through the real launch.
 
-    python scripts/speed_options.py          # GPU box: TinyLlama-1.1B shape + LoRA, 1 GPU, 1024 rows x 1024 tokens
-    python scripts/speed_options.py --cpu    # any machine: the bundled tiny model and data, 2 CPU processes, fp32
+    python scripts/measure/speed_options.py          # GPU box: TinyLlama-1.1B shape + LoRA, 1 GPU, 1024 rows x 1024 tokens
+    python scripts/measure/speed_options.py --cpu    # any machine: the bundled tiny model and data, 2 CPU processes, fp32
 
 Each variant is `accelerate launch --config_file accelerate_configs/ddp.yaml recipes/lora.py` with the
 recipe's defaults plus the variant's flags (below), one epoch of the same data (two on CPU), and the variants take
@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-# The benchmark's pieces (scripts/bench/): its offline model and data builders, launch helpers and timing rule.
+# The benchmark's pieces (scripts/measure/bench/): its offline model and data builders, launch helpers and timing rule.
 from bench.environment import library_versions  # noqa: E402
 from bench.formatting import slug  # noqa: E402
 from bench.launching import free_port, shell_line  # noqa: E402

@@ -1,10 +1,10 @@
 #!/usr/bin/env python
-"""The sides scripts/data_speed.py measures, each in a process of its own (so that its peak memory is
+"""The sides scripts/measure/data_speed.py measures, each in a process of its own (so that its peak memory is
 the side's alone):
 
-    python scripts/bench/data_sides.py limit --file rows.jsonl --tokenizer DIR
-    python scripts/bench/data_sides.py trl --file rows.jsonl --tokenizer DIR --max-length 1024
-    accelerate launch ... scripts/bench/data_sides.py recipes --tokenizer DIR -- <recipes/lora.py's flags>
+    python scripts/measure/bench/data_sides.py limit --file rows.jsonl --tokenizer DIR
+    python scripts/measure/bench/data_sides.py trl --file rows.jsonl --tokenizer DIR --max-length 1024
+    accelerate launch ... scripts/measure/bench/data_sides.py recipes --tokenizer DIR -- <recipes/lora.py's flags>
 
 - limit: every row rendered once (a chat row by the chat template, as text; an instruction row as
   formats.py's prompt + response), then one batched call of the fast tokenizer over all the texts
@@ -29,7 +29,7 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(REPO / "recipes"))
 TINY_CONFIG = REPO / "data" / "tiny-llama-config.json"
 # The limit's texts per tokenizer call. A call's encodings and the lists made of them take ~200 bytes a

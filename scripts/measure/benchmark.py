@@ -44,9 +44,9 @@ strategies ddp,zero2 by default, in well under a minute per strategy. Its peak i
 not a measurement: it only exercises the MFU arithmetic.
 
 Examples:
-  python scripts/benchmark.py --workload tinyllama
-  python scripts/benchmark.py --workload codellama34b --layers 12 --strategies model_parallel,fsdp
-  python scripts/benchmark.py --smoke
+  python scripts/measure/benchmark.py --workload tinyllama
+  python scripts/measure/benchmark.py --workload codellama34b --layers 12 --strategies model_parallel,fsdp
+  python scripts/measure/benchmark.py --smoke
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ def parse_args(argv=None):
     add("--gradient-checkpointing", action="store_true",
         help="pass --gradient-checkpointing to the recipe; utilisation then counts the recompute (6N + 16 L h s)")
     add("--recipe-args", default="",
-        help='more flags for every recipe launch, e.g. "--compile --packing" (scripts/speed_options.py measures them)')
+        help='more flags for every recipe launch, e.g. "--compile --packing" (scripts/measure/speed_options.py measures them)')
     add("--peak-tflops", type=float, default=None,
         help="dense bf16 peak per GPU in TFLOP/s for MFU (default: the table by GPU name; smoke: "
              f"{CPU_NOMINAL_PEAK_TFLOPS} per CPU process, nominal)")

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """recipes/dpo.py's workload trained by TRL's DPOTrainer, one process, for a side-by-side comparison:
 
-    python scripts/trl_dpo_worker.py --dataset pairs.jsonl --output-dir outputs/trl-dpo --max-steps 3 \\
+    python scripts/measure/trl_dpo_worker.py --dataset pairs.jsonl --output-dir outputs/trl-dpo --max-steps 3 \\
         --batch-size 8 --lr 5e-3 --lora-dropout 0 --warmup-ratio 0
 
 It parses the recipe's own flags (recipes/common/launching/args.py), so every default (lr, warm-up, clipping,
@@ -25,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "recipes"))
 
 from common.launching import args as cli  # noqa: E402

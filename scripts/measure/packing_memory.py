@@ -1,6 +1,6 @@
 """Time and memory of --packing on a dataset, in one process, as rank 0 of a launch does it.
 
-    python scripts/packing_memory.py --dataset rows.jsonl [--model M] [--max-length 1024]
+    python scripts/measure/packing_memory.py --dataset rows.jsonl [--model M] [--max-length 1024]
 
 Reads and tokenises the rows through the recipes' data path (datasets' cache reused), keeps the
 usable ones, then packs them, sampling the process's memory every 50 ms. Prints one JSON line: the
@@ -18,7 +18,7 @@ import threading
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "recipes"))
 
 

@@ -2,8 +2,8 @@
 load) against the stage's weights alone read from the files (`common.model.stage_loading`), each in a fresh
 process, for every stage.
 
-    python scripts/pipeline_loading.py --build /tmp/llama-0.8b --layers 16 --hidden 2048 --stages 4
-    python scripts/pipeline_loading.py --model PATH --stages 4 [--dtype float32]
+    python scripts/measure/pipeline_loading.py --build /tmp/llama-0.8b --layers 16 --hidden 2048 --stages 4
+    python scripts/measure/pipeline_loading.py --model PATH --stages 4 [--dtype float32]
 
 --build writes a random Llama of that shape (bfloat16, sharded safetensors) first; --model reads any
 local model folder. The figures are each process's peak resident memory (ru_maxrss),
@@ -19,7 +19,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 MEASURE = """
 import json, resource, sys, torch

@@ -3,13 +3,13 @@
 # environment from requirements-lowest.txt, then the launches that matter most on them, each through the
 # real `accelerate launch`:
 #
-#     bash scripts/test_lowest_versions.sh [results/<date>_cpu_lowest-versions] [torch wheel or pin]
+#     bash scripts/measure/test_lowest_versions.sh [results/<date>_cpu_lowest-versions] [torch wheel or pin]
 #
 #   - the launch matrix's every-run subset (tests/test_matrix.py) and the per-launch checks that share its
 #     launches (tests/test_plan_vs_ranks.py);
 #   - the GPU suite's CPU stand-in (RECIPES_GPU_SUITE_ON_CPU=1 tests/gpu: every recipe x config a CPU runs);
 #   - the speed options' launches, the long ones too (tests/test_speed_options.py: --gradient-checkpointing N,
-#     --compile, loader workers, scripts/speed_options.py);
+#     --compile, loader workers, scripts/measure/speed_options.py);
 #   - gpu_check.py's first call (headline,core) on the CPU stand-in.
 #
 # torch: on a machine without GPUs the default is the CPU build of torch 2.13.0 (the one this machine's pip
@@ -18,7 +18,7 @@
 # XML, pip's freeze and summary.txt (this script's output) into the results folder. 18 to 26 minutes on 2
 # cores; not part of CI (20-minute budget).
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 out=${1:-results/$(date +%F)_cpu_lowest-versions}
 torch_spec=${2:-}
 venv=$(realpath -m "${LOWEST_VENV:-.venv-lowest}")
@@ -56,7 +56,7 @@ part matrix tests/test_matrix.py tests/test_plan_vs_ranks.py
 RECIPES_GPU_SUITE_ON_CPU=1 part gpu-suite-on-cpu tests/gpu
 RECIPES_LONG_TESTS=1 part speed-options tests/test_speed_options.py  # with the long ones: --compile, loader workers
 started=$SECONDS
-RECIPES_GPU_SUITE_ON_CPU=1 "$py" scripts/gpu_check.py --cpu-stand-in --parts headline,core \
+RECIPES_GPU_SUITE_ON_CPU=1 "$py" scripts/measure/gpu_check.py --cpu-stand-in --parts headline,core \
     --results "$out/gpu-check" > "$out/gpu-check.txt" 2>&1
 code=$?
 echo "gpu-check (headline,core, CPU stand-in): exit $code after $((SECONDS - started)) s"

@@ -1,7 +1,7 @@
 """Rows per second of the recipes' data preparation (read rows -> tokens and targets), this checkout
 beside another revision, on the same generated chat file and tokenizers, run alternately.
 
-    python scripts/prepare_speed.py --baseline 13b2f67 --rows 10000 --repeats 3 --out results/<dir>
+    python scripts/measure/prepare_speed.py --baseline 13b2f67 --rows 10000 --repeats 3 --out results/<dir>
 
 Each measurement is a fresh process (its peak resident memory is reported) that imports the revision's `recipes/common` and times
 `tokenize_counted` (tokens.py; data.py before the stages were split) on the file (datasets' cache off, so every run tokenises). Tokenizers: the
@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests"))
 
 TOKENIZERS = {"bundled": None, "sentencepiece": "llama3_1", "byte_level": "llama3_1"}
@@ -150,7 +150,7 @@ def main(argv=None) -> int:
     print(table)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        command = "python scripts/prepare_speed.py " + " ".join(argv if argv is not None else sys.argv[1:])
+        command = "python scripts/measure/prepare_speed.py " + " ".join(argv if argv is not None else sys.argv[1:])
         (args.out / "results.json").write_text(json.dumps({"command": command, "date": time.strftime("%Y-%m-%d"),
                                                            "results": results}, indent=1) + "\n")
         (args.out / "results.md").write_text(f"# Data preparation, rows/s ({time.strftime('%Y-%m-%d')}, CPU, "

@@ -1,4 +1,4 @@
-"""The benchmark behind scripts/benchmark.py, one job per module:
+"""The benchmark behind scripts/measure/benchmark.py, one job per module:
 
 - paths: the repository's folders; recipes/ on sys.path (planner's model shapes, common.data.formats' tokenisation)
 - shapes: a model config's shape (planner.ModelShape)

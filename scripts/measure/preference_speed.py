@@ -1,11 +1,11 @@
 #!/usr/bin/env python
 """Preference tuning at users' sizes: what preparing N pairs costs, through the real launcher.
 
-    python scripts/preference_speed.py --pairs 100000 --out results/<date>_cpu_preference-100k
-    python scripts/preference_speed.py --pairs 200                      # the test's run
+    python scripts/measure/preference_speed.py --pairs 100000 --out results/<date>_cpu_preference-100k
+    python scripts/measure/preference_speed.py --pairs 200                      # the test's run
 
 Pairs: UltraFeedback's layout (whole `chosen` / `rejected` conversations sharing their opening turns: the
-implicit prompt), of scripts/prepare_speed.py's sentences (1-2 exchanges, replies of 1-4 sentences, about
+implicit prompt), of scripts/measure/prepare_speed.py's sentences (1-2 exchanges, replies of 1-4 sentences, about
 half with a system prompt); the rejected side's last reply is another one. The bundled tiny model and
 tokenizer (the recipes' default chat template), `ddp.yaml`, 2 processes, `--max-length 1024`, one
 optimizer step, each launch with the same fresh datasets cache (HF_DATASETS_CACHE), in this order:
@@ -34,8 +34,8 @@ import time
 from datetime import date
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "scripts"))
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "scripts" / "measure"))
 
 from prepare_speed import sentence  # noqa: E402
 
@@ -103,7 +103,7 @@ def main(argv=None) -> None:
             print(f"{recipe} {cache}: {run['seconds']} s, peak by start-up {run['peak_at_start_gib_by_rank']} GiB",
                   flush=True)
     text = (f"# Preference tuning on {args.pairs:,} generated pairs (CPU, 2 processes, {date.today()})\n\n"
-            f"`python scripts/preference_speed.py --pairs {args.pairs} --out <this folder>` on {os.cpu_count()} "
+            f"`python scripts/measure/preference_speed.py --pairs {args.pairs} --out <this folder>` on {os.cpu_count()} "
             "CPU cores, no GPU; the bundled tiny model. Each launch's command is in results.json.\n\n"
             + table(runs) + "\n")
     print(text)

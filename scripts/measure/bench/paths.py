@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(REPO / "recipes"))  # planner (model shapes) and common.data.formats (tokenisation)
 
 TOKENIZER_DIR = REPO / "data" / "tokenizer"

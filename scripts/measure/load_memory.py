@@ -1,7 +1,7 @@
 """Host RAM at load, per rank, under each sharded config against DDP's replica, through the real launcher.
 
-    python scripts/load_memory.py --build /tmp/llama-0.8b --out results/<date>_cpu_load-memory
-    python scripts/load_memory.py --model PATH --out DIR [--launches ddp:2 fsdp:2 full/tp:2 qlora/fsdp:2 ...]
+    python scripts/measure/load_memory.py --build /tmp/llama-0.8b --out results/<date>_cpu_load-memory
+    python scripts/measure/load_memory.py --model PATH --out DIR [--launches ddp:2 fsdp:2 full/tp:2 qlora/fsdp:2 ...]
 
 A launch is [RECIPE/]CONFIG:PROCESSES (RECIPE: lora, the default, full or qlora). Each runs the recipe up to the end of its first optimizer step (a micro-batch of one 64-token
 row, fp32 on CPU processes), then is stopped. Each rank's peak resident memory from its start to the
@@ -27,8 +27,8 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "scripts"))
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "scripts" / "measure"))
 from pipeline_loading import build  # noqa: E402  (the same random Llama)
 
 CONFIGS = {"ddp": "ddp.yaml", "fsdp": "fsdp.yaml", "fsdp_grad_op": "fsdp_grad_op.yaml",

@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """The memory planner against what FSDP2 ranks hold at real model sizes, on a CPU machine.
 
-    python scripts/plan_at_scale.py --out results/2026-11-24_cpu_fake-process-group-plan
-    python scripts/plan_at_scale.py --models tiny-llama --ranks 4 --json      # seconds
+    python scripts/measure/plan_at_scale.py --out results/2026-11-24_cpu_fake-process-group-plan
+    python scripts/measure/plan_at_scale.py --models tiny-llama --ranks 4 --json      # seconds
 
 For every model x method x strategy x number of ranks, each rank is simulated in turn in this one
 process: torch's fake process group (backend "fake", FakeStore) makes this process rank k of N, so
@@ -52,7 +52,7 @@ import types
 import warnings
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "recipes"))
 import planner  # noqa: E402
 
@@ -572,7 +572,7 @@ def main(argv=None) -> int:
         rows = run(args.models, args.methods, args.strategies, args.ranks, args.batch_size, args.seq_len,
                    args.gradient_checkpointing,
                    "all" if args.all_ranks else "first" if args.first_rank_only else "first-last", args.jobs, progress)
-    record = {"command": "python scripts/plan_at_scale.py " + " ".join(sys.argv[1:] if argv is None else argv),
+    record = {"command": "python scripts/measure/plan_at_scale.py " + " ".join(sys.argv[1:] if argv is None else argv),
               "torch": torch.__version__, "transformers": transformers.__version__,
               "accelerate": __import__("accelerate").__version__, "peft": __import__("peft").__version__,
               "seconds": round(time.perf_counter() - started, 1), "rows": rows}

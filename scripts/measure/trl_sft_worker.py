@@ -1,10 +1,10 @@
 #!/usr/bin/env python
-"""The TRL side of scripts/compare_trl.py: recipes/lora.py's workload, trained by TRL's SFTTrainer.
+"""The TRL side of scripts/measure/compare_trl.py: recipes/lora.py's workload, trained by TRL's SFTTrainer.
 
 compare_trl.py launches it exactly as it launches the recipe, with the same flags:
 
     accelerate launch --config_file accelerate_configs/ddp.yaml --num_processes 2 --mixed_precision no \\
-        scripts/trl_sft_worker.py --output-dir outputs/compare_trl/round1-trl --max-steps 120 --grad-accum 2
+        scripts/measure/trl_sft_worker.py --output-dir outputs/compare_trl/round1-trl --max-steps 120 --grad-accum 2
 
 It parses the recipe's own flags (recipes/common/launching/args.py), so every default (lr, warm-up, clipping,
 LoRA r / alpha / dropout / targets, seed, --max-length) is the recipe's, and sets SFTTrainer up to do
@@ -44,7 +44,7 @@ import time
 from importlib.metadata import version
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "recipes"))  # the recipe's own flags, data loading and rendering
 
 from common.launching import args as cli  # noqa: E402

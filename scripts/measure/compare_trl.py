@@ -1,12 +1,12 @@
 #!/usr/bin/env python
 """Tokens/s of recipes/lora.py against TRL's SFTTrainer on one tiny workload, on this machine.
 
-    python scripts/compare_trl.py                          # 3 rounds of (ours, TRL), 120 steps each
-    python scripts/compare_trl.py --rounds 1 --steps 6     # a quick check (the tests run this)
+    python scripts/measure/compare_trl.py                          # 3 rounds of (ours, TRL), 120 steps each
+    python scripts/measure/compare_trl.py --rounds 1 --steps 6     # a quick check (the tests run this)
 
 Both sides go through the real `accelerate launch --config_file accelerate_configs/ddp.yaml
 --num_processes 2 --mixed_precision no`, with the same flags: ours is recipes/lora.py, TRL's is
-scripts/trl_sft_worker.py (SFTTrainer set up like the recipe; its docstring lists every setting).
+scripts/measure/trl_sft_worker.py (SFTTrainer set up like the recipe; its docstring lists every setting).
 They train the same thing:
 
 - model and data: the bundled tiny Llama (built on first use) and data/train.jsonl, prompt masked;
@@ -54,9 +54,9 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "scripts"))
-# Torch-free pieces of the benchmark (scripts/bench/): launch ports, the timing rule.
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "scripts" / "measure"))
+# Torch-free pieces of the benchmark (scripts/measure/bench/): launch ports, the timing rule.
 from bench.launching import free_port  # noqa: E402
 from bench.timing import steady_state  # noqa: E402
 
@@ -64,7 +64,7 @@ TINY_MODEL = REPO / "models" / "tiny-llama"
 DDP_CONFIG = REPO / "accelerate_configs" / "ddp.yaml"
 SIDES = {  # side -> (label, program that accelerate launches)
     "ours": ("ours", REPO / "recipes" / "lora.py"),
-    "trl": ("TRL", REPO / "scripts" / "trl_sft_worker.py"),
+    "trl": ("TRL", REPO / "scripts" / "measure" / "trl_sft_worker.py"),
 }
 
 

@@ -117,7 +117,7 @@ def ensure_model(workload: Workload, layers: int, cache: Path, dry_run: bool = F
                  "or build fewer layers with --layers N")
     print(f"building {folder} ({shape.parameters / 1e9:.2f} B parameters, random bf16 weights) ...", flush=True)
     started = time.perf_counter()
-    snippet = BUILD_SNIPPET.format(scripts=str(REPO / "scripts"), config=str(workload.config), output=str(folder),
+    snippet = BUILD_SNIPPET.format(scripts=str(REPO / "scripts" / "measure"), config=str(workload.config), output=str(folder),
                                    layers=layers, seed=0)
     subprocess.run([sys.executable, "-c", snippet], check=True, cwd=REPO)
     print(f"built {folder} in {time.perf_counter() - started:.0f} s", flush=True)

@@ -3,9 +3,9 @@
 loss head, adapters, collator and fused AdamW, written out as recipes/lora.py runs it) in one process on one
 device, the model built once with random weights.
 
-    python scripts/step_speed.py --output results/DIR            # GPU: the TinyLlama-1.1B headline shape
-    python scripts/step_speed.py --cpu --output /tmp/step-speed  # any machine: the plumbing, a tiny shape
-    python scripts/step_speed.py --config data/model_configs/codellama-34b.json --batch-size 4 --grad-accum 4 \
+    python scripts/measure/step_speed.py --output results/DIR            # GPU: the TinyLlama-1.1B headline shape
+    python scripts/measure/step_speed.py --cpu --output /tmp/step-speed  # any machine: the plumbing, a tiny shape
+    python scripts/measure/step_speed.py --config data/model_configs/codellama-34b.json --batch-size 4 --grad-accum 4 \
         --gradient-checkpointing --variants defaults --output DIR  # the second reference workload's shape
 
 Per variant (the recipes' defaults; each lever alone; all together), --steps optimizer steps of --grad-accum
@@ -20,7 +20,7 @@ Beside the measurement, the planner's figures for the same launch (one GPU, ddp.
 step time at its default MFU and at the MFU measured here, and the epoch of 1,024 rows this speed gives on
 one GPU (a projection, not a run of the epoch).
 
-Not the whole recipe: no accelerate launch, data loader or logging (scripts/benchmark.py times those, through
+Not the whole recipe: no accelerate launch, data loader or logging (scripts/measure/benchmark.py times those, through
 the real launch). Writes step_speed.json and step_speed.md to --output.
 """
 

@@ -10,8 +10,8 @@ measured). A stage's busy time is what its `forward_one_chunk` and `backward_one
 schedule receives before it computes, so waiting is outside); the step's time is the schedule's
 `step` on that rank.
 
-    python scripts/pipeline_bubble.py --stages 2 --micro-batches 1 2 4 8 --out results/<folder>
-    python scripts/pipeline_bubble.py --stages 2 --micro-batches 2 4 8 --schedule interleaved --chunks 2
+    python scripts/measure/pipeline_bubble.py --stages 2 --micro-batches 1 2 4 8 --out results/<folder>
+    python scripts/measure/pipeline_bubble.py --stages 2 --micro-batches 2 4 8 --schedule interleaved --chunks 2
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "recipes"))
 from lora import token_losses  # noqa: E402  (the recipes' loss: the schedule times what they run)
 

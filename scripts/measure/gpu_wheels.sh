@@ -2,7 +2,7 @@
 # Wheels for a GPU box without network (Python 3.12, x86-64 Linux, torch / transformers / accelerate /
 # peft already there), made here where pip reaches the package registries:
 #
-#     bash scripts/gpu_wheels.sh [.whl]        # then, on the box: python scripts/gpu_check.py --wheels .whl
+#     bash scripts/measure/gpu_wheels.sh [.whl]        # then, on the box: python scripts/measure/gpu_check.py --wheels .whl
 #
 # What such a box lacks: datasets (+ dill, multiprocess), bitsandbytes (the CUDA wheel, ~43 MB), trl,
 # liger-kernel, and DeepSpeed (a source archive, built there without its ops) with hjson and pydantic; and
