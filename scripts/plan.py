@@ -102,6 +102,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="comma-separated module names, or all-linear (default)")
     add("--lora-dropout", type=float, default=RECIPE_DEFAULTS["lora_dropout"],
         help="adapter dropout; its input copies and masks cost memory (default: 0)")
+    add("--use-dora", action="store_true",
+        help="DoRA (the recipes' --use-dora): each adapted layer keeps two more outputs for the backward")
     add("--precision", choices=("bf16", "fp32"), default="bf16",
         help="bf16 (the configs' mixed precision) or fp32 (--mixed_precision no)")
     add("--attention", choices=planner.ATTENTIONS, default="sdpa", help="attention implementation (default: sdpa)")
@@ -327,6 +329,8 @@ def recommended_launch(rec: dict, args) -> str:
             recipe.append(f"--lora-targets {shlex.quote(args.lora_targets)}")
         if args.lora_dropout != RECIPE_DEFAULTS["lora_dropout"]:
             recipe.append(f"--lora-dropout {args.lora_dropout:g}")
+        if args.use_dora:
+            recipe.append("--use-dora")
     if args.attention in RECIPE_ATTENTION:
         recipe.append(f"--attention {RECIPE_ATTENTION[args.attention]}")
     return f"accelerate launch {' '.join(launcher)} {recipe_file(args)} {' '.join(recipe)}"
@@ -436,7 +440,7 @@ def main(argv=None) -> int:
         return 2
     settings = dict(seq_len=args.seq_len, gradient_checkpointing=args.gradient_checkpointing, lora_rank=args.lora_r,
                     lora_targets=args.lora_targets, precision=args.precision, attention=args.attention,
-                    lora_dropout=args.lora_dropout)
+                    lora_dropout=args.lora_dropout, dora=args.use_dora and args.method != "full")
     plan = planner.plan(shape, args.method, args.gpus, args.gpu_memory, batch_size=args.batch_size,
                         grad_accum=args.grad_accum, machine=args.machine, rows=args.rows,
                         global_batch=args.global_batch_size, host_ram_gb=args.host_ram, pairs=args.pairs, **settings)

@@ -6,14 +6,15 @@ input that the cast wrote (and dropout a second), forward and backward."""
 from __future__ import annotations
 
 import sys
-from types import SimpleNamespace
 
+import pytest
 import torch
 
 from conftest import REPO
 
 sys.path.insert(0, str(REPO / "recipes"))
 
+from common.launching.launch import DDP, DEEPSPEED, Launch  # noqa: E402
 from common.model.modeling import keep_adapter_inputs_in_compute_dtype  # noqa: E402
 
 
@@ -30,8 +31,7 @@ def adapted_model(uncast: bool, precision: str = "bf16"):
         if param.requires_grad:  # the adapters in float32, as the recipes train them
             param.data = param.data.float()
             torch.nn.init.normal_(param, std=0.02)  # B non-zero, so both adapter matrices get gradients
-    launch = SimpleNamespace(precision=precision, pipeline_stages=1)
-    switched = keep_adapter_inputs_in_compute_dtype(model, launch) if uncast else False
+    switched = keep_adapter_inputs_in_compute_dtype(model, autocast=precision != "no") if uncast else False
     return model, switched
 
 
@@ -77,14 +77,20 @@ def test_uncast_inputs_give_the_same_loss_and_gradients_without_float32_copies()
     assert cast_written > 0 and uncast_written < cast_written / 2, (cast_written, uncast_written)
 
 
-def test_without_mixed_precision_or_under_pipeline_stages_peft_keeps_its_cast():
-    for precision, stages in (("no", 1), ("bf16", 2)):
-        from peft import LoraConfig, get_peft_model
-        from transformers import LlamaConfig, LlamaForCausalLM
+@pytest.mark.parametrize("launch, autocasts", [
+    (Launch(DDP, 2, True, 1, "bf16"), True),
+    (Launch(DDP, 2, True, 1, "no"), False),
+    (Launch(DDP, 2, True, 1, "bf16", pipeline_stages=2), False),  # the stages' forward runs outside autocast
+    (Launch(DEEPSPEED, 2, True, 1, "bf16", zero_stage=3), False),  # no autocast: ZeRO-3's fp32 adapters need it
+])
+def test_peft_keeps_its_cast_wherever_no_autocast_runs(launch, autocasts):
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
 
-        model = get_peft_model(LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
-                                                            num_hidden_layers=1, num_attention_heads=2)),
-                               LoraConfig(r=2, target_modules="all-linear"))
-        assert not keep_adapter_inputs_in_compute_dtype(model, SimpleNamespace(precision=precision,
-                                                                               pipeline_stages=stages))
-        assert all(getattr(module, "cast_input_dtype_enabled", True) for module in model.modules())
+    model = get_peft_model(LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                                        num_hidden_layers=1, num_attention_heads=2)),
+                           LoraConfig(r=2, target_modules="all-linear"))
+    assert launch.autocasts == autocasts
+    assert keep_adapter_inputs_in_compute_dtype(model, launch.autocasts) == autocasts
+    assert all(getattr(module, "cast_input_dtype_enabled", True) != autocasts for module in model.modules()
+               if hasattr(module, "cast_input_dtype_enabled"))

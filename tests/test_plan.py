@@ -287,41 +287,55 @@ def test_model_parallel_holds_a_quarter_of_the_layers_on_the_busiest_gpu(codella
 
 # ---------------------------------------------------------------------------- activations
 
-@pytest.mark.parametrize("method, precision, attention", [
-    ("full", "fp32", "sdpa"), ("full", "bf16", "sdpa"), ("lora", "fp32", "eager"), ("lora", "bf16", "sdpa"),
+@pytest.mark.parametrize("method, precision, attention, strategy", [
+    ("full", "fp32", "sdpa", "ddp"), ("full", "bf16", "sdpa", "ddp"), ("lora", "fp32", "eager", "ddp"),
+    ("lora", "bf16", "sdpa", "ddp"), ("dora", "fp32", "sdpa", "ddp"), ("dora", "bf16", "sdpa", "ddp"),
+    ("lora", "bf16", "sdpa", "zero3"),  # no autocast: ZeRO-3's fp32 adapters beside the bf16 base, peft's casts kept
 ])
-def test_layer_activations_are_what_autograd_saves(method, precision, attention):
+def test_layer_activations_are_what_autograd_saves(method, precision, attention, strategy):
     """The per-layer formula against the tensors autograd keeps in the tiny Llama (one layer = the
-    difference between a 2-layer and a 1-layer model). bf16 runs under CPU autocast with the
-    frozen base in bf16, as DDP does; no LoRA dropout (CPU's dropout mask is a float, CUDA's a bool)."""
+    difference between a 2-layer and a 1-layer model; for DoRA, whose forward also builds weight-sized tensors
+    it lets go, the growth with the tokens). bf16 runs under CPU autocast with the frozen base in bf16, as DDP
+    does (ZeRO-3: without autocast, as DeepSpeed runs it); no LoRA dropout (CPU's dropout mask is a float,
+    CUDA's a bool)."""
     torch = pytest.importorskip("torch")
-    from types import SimpleNamespace
-
     from common.model.modeling import keep_adapter_inputs_in_compute_dtype
     from peft import LoraConfig, get_peft_model
 
-    batch, seq = 2, 24
+    batch, autocast = 2, precision == "bf16" and strategy == "ddp"
 
-    def saved_bytes(layers):
+    def saved_bytes(layers, seq):
         torch.manual_seed(0)
         model = tiny_llama_model(layers, attention)
-        if method == "lora":
+        if method != "full":
             model = model.to(torch.bfloat16) if precision == "bf16" else model
             model = get_peft_model(model, LoraConfig(r=8, target_modules="all-linear", lora_dropout=0.0,
-                                                     task_type="CAUSAL_LM"))
+                                                     use_dora=method == "dora", task_type="CAUSAL_LM"))
+            for param in model.parameters():
+                if param.requires_grad:
+                    param.data = param.data.float()  # the adapters in float32, as the recipes train them
             # as the recipes run it under mixed precision: the adapters take their inputs in bf16
-            keep_adapter_inputs_in_compute_dtype(model, SimpleNamespace(precision=precision, pipeline_stages=1))
+            keep_adapter_inputs_in_compute_dtype(model, autocast)
         model.train()
-        return saved_by_autograd(model, batch, seq, bf16=precision == "bf16")
+        return saved_by_autograd(model, batch, seq, bf16=autocast)
 
     shape = planner.load_shape("tiny-llama")
-    expected = planner.layer_activation_bytes_per_token(shape, method, "ddp", seq, lora_rank=8, precision=precision,
-                                                        attention=attention, lora_dropout=0.0) * batch * seq
-    if precision == "bf16" and planner.compute_dtypes(method, "ddp", precision)["autocast_copies"]:
-        trained = sum(shape.linear_parameters_per_layer().values()) if method == "full" else \
-            planner.lora_parameters_per_layer(shape, 8)
-        expected += 2 * trained  # autocast's bf16 copies of the layer's fp32 trained weights
-    assert saved_bytes(2) - saved_bytes(1) == expected
+
+    def expected(seq):
+        per_token = planner.layer_activation_bytes_per_token(shape, "full" if method == "full" else "lora", strategy,
+                                                             seq, lora_rank=8, precision=precision,
+                                                             attention=attention, dora=method == "dora")
+        return per_token * batch * seq
+
+    autocast_copies = 0
+    if autocast:
+        autocast_copies = 2 * (sum(shape.linear_parameters_per_layer().values()) if method == "full" else
+                               planner.lora_parameters_per_layer(shape, 8))  # bf16 copies of the fp32 trained weights
+    if method == "dora":
+        measured = [saved_bytes(2, seq) - saved_bytes(1, seq) for seq in (24, 48)]
+        assert measured[1] - measured[0] == expected(48) - expected(24)
+    else:
+        assert saved_bytes(2, 24) - saved_bytes(1, 24) == expected(24) + autocast_copies
 
 
 def test_checkpointing_lowers_activations(tinyllama, codellama):

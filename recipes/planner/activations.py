@@ -15,7 +15,7 @@ from .strategies import _check, tensor_parallel_size
 def layer_activation_bytes_per_token(shape: ModelShape, method: str, strategy: str, seq_len: int,
                                      lora_rank: int = 16, lora_targets="all-linear", precision: str = "bf16",
                                      attention: str = "sdpa", lora_dropout: float = 0.0,
-                                     tensor_parallel: int = 1) -> float:
+                                     tensor_parallel: int = 1, dora: bool = False) -> float:
     """Bytes autograd keeps for one Llama block, per token of the micro-batch (no checkpointing).
 
     Notation: h hidden, f ffn, a heads, d head dim, q = a*d, kv = kv_heads*d, s sequence length,
@@ -43,6 +43,9 @@ def layer_activation_bytes_per_token(shape: ModelShape, method: str, strategy: s
        fp32).
     4. SwiGLU: gate output (kept by SiLU), SiLU output and up output (kept by their product):
        3*m*f (the down input is counted in 2.).
+    5. DoRA (`dora`): each adapted linear also keeps its base output and its adapter's output for the
+       magnitude's gradient, (m + c) per output feature (q_proj q, k_proj and v_proj kv, o_proj and
+       down_proj h, gate_proj and up_proj f).
     The residual additions keep nothing.
 
     Tensor parallel over t ranks (tp, fsdp_tp) divides by t what the split projections produce: the
@@ -74,7 +77,7 @@ def layer_activation_bytes_per_token(shape: ModelShape, method: str, strategy: s
         if not lora:
             return 0
         if dropout or dt["adapter_cast"] or x_bytes != c:
-            return len(lora) * (c + (1 if dropout else 0)) * width
+            return len(lora) * (dt["adapter"] + (1 if dropout else 0)) * width
         return 0 if kept_already else c * width
 
     norms = 2 * (4 * h + 4 + (r * h if full else 0))
@@ -84,7 +87,10 @@ def layer_activation_bytes_per_token(shape: ModelShape, method: str, strategy: s
               + saved_input(["o_proj"], q, c, kept_already=kernel_keeps_output) / t
               + saved_input(["gate_proj", "up_proj"], h, r)
               + saved_input(["down_proj"], f, m) / t)
-    lora_outputs = c * lora_rank * len(adapted & set(LINEAR_NAMES))
+    lora_outputs = dt["adapter"] * lora_rank * len(adapted & set(LINEAR_NAMES))
+    if dora:
+        widths = {"q_proj": q, "k_proj": kv, "v_proj": kv, "o_proj": h, "gate_proj": f, "up_proj": f, "down_proj": h}
+        lora_outputs += (m + c) * sum(width for name, width in widths.items() if name in adapted)
     if attention == "sdpa":
         core = (4 * c * q + 4 * a) / t + c * seq_len
     elif attention == "flash":
@@ -126,7 +132,7 @@ def loss_bytes(shape: ModelShape, method: str, strategy: str, dt: dict, tokens: 
 def activation_bytes(shape: ModelShape, method: str, strategy: str, batch_size: int, seq_len: int,
                      gradient_checkpointing: int = 0, lora_rank: int = 16, lora_targets="all-linear",
                      precision: str = "bf16", attention: str = "sdpa", lora_dropout: float = 0.0,
-                     stage: Stage | None = None, gpus: int = 1) -> int:
+                     stage: Stage | None = None, gpus: int = 1, dora: bool = False) -> int:
     """Activation memory of one micro-batch (b sequences of s tokens, T = b*s) on a GPU running
     `stage` (the whole model unless model parallel). Not sharded by FSDP / ZeRO: every GPU runs its
     own micro-batch.
@@ -155,7 +161,7 @@ def activation_bytes(shape: ModelShape, method: str, strategy: str, batch_size: 
     h, d = shape.hidden, shape.head_dim
     tp = tensor_parallel_size(strategy, gpus)
     per_layer = layer_activation_bytes_per_token(shape, method, strategy, seq_len, lora_rank, lora_targets,
-                                                 precision, attention, lora_dropout, tp)
+                                                 precision, attention, lora_dropout, tp, dora)
     if gradient_checkpointing:
         recomputed = math.ceil(stage.layers / int(gradient_checkpointing))
         kept = stage.layers - recomputed
@@ -177,4 +183,15 @@ def activation_bytes(shape: ModelShape, method: str, strategy: str, batch_size: 
             copies = 2 * (linear + (shape.vocab * h if stage.head else 0)) / tp
         else:
             copies = 2 * _stage_parameters(shape, method, stage, lora_rank, lora_targets)["trained"]
-    return int(tokens * (blocks + once) + logits + copies)
+    return int(tokens * (blocks + once) + logits + copies + (dora_workspace(shape, lora_targets) if dora else 0))
+
+
+def dora_workspace(shape: ModelShape, lora_targets="all-linear") -> int:
+    """The float32 tensors DoRA builds in each adapted linear's forward to take its weight's norm (read from
+    peft's code, not measured): an identity of the input width i through the adapter, i*i, and two weight-sized
+    matrices, 2*i*o, for the widest adapted linear; one at a time, whatever the batch."""
+    h, f, q, kv = shape.hidden, shape.ffn, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    shapes = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h), "gate_proj": (h, f),
+              "up_proj": (h, f), "down_proj": (f, h)}
+    adapted = set(lora_target_names(lora_targets))
+    return max((4 * (i * i + 2 * i * o) for name, (i, o) in shapes.items() if name in adapted), default=0)

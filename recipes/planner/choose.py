@@ -41,7 +41,7 @@ def per_gpu_bytes(shape: ModelShape, method: str, strategy: str, gpus: int, batc
                   seq_len: int = 512, gradient_checkpointing: int = 0, lora_rank: int = 16,
                   lora_targets="all-linear", precision: str = "bf16", attention: str = "sdpa",
                   lora_dropout: float = 0.0, grad_accum: int = 1, pipeline_stages: int | None = None,
-                  pipeline_chunks: int = 1, pairs: bool = False) -> dict:
+                  pipeline_chunks: int = 1, pairs: bool = False, dora: bool = False) -> dict:
     """Memory of the busiest GPU: {"weights", "gradients", "optimizer", "activations", "total"} in
     bytes; the total is their sum, except for full fine-tuning without a gradient wrapper (one process,
     model parallel), where gradients replace activations in the backward. `batch_size` is the micro-batch per GPU (the recipes' --batch-size), `seq_len` the
@@ -77,7 +77,8 @@ def per_gpu_bytes(shape: ModelShape, method: str, strategy: str, gpus: int, batc
             "optimizer": optimizer_bytes(shape, method, strategy, gpus, **common),
             "activations": activation_bytes(shape, method, strategy, batch_size * (2 if pairs else 1) * in_flight, seq_len,
                                             gradient_checkpointing,
-                                            attention=attention, lora_dropout=lora_dropout, gpus=gpus, **common),
+                                            attention=attention, lora_dropout=lora_dropout, gpus=gpus, dora=dora,
+                                            **common),
         }
         result["total"] = sum(result.values())
         if method == "full" and (strategy == "model_parallel" or (strategy == "ddp" and gpus == 1)):
@@ -106,14 +107,15 @@ def fits(total_bytes: int, gpu_memory_gb: float) -> bool:
 def max_micro_batch(shape: ModelShape, method: str, strategy: str, gpus: int, gpu_memory_gb: float,
                     seq_len: int = 512, gradient_checkpointing: int = 0, lora_rank: int = 16,
                     lora_targets="all-linear", precision: str = "bf16", attention: str = "sdpa",
-                    lora_dropout: float = 0.0, grad_accum: int = 1, pairs: bool = False, **pipeline_layout) -> int:
+                    lora_dropout: float = 0.0, grad_accum: int = 1, pairs: bool = False, dora: bool = False,
+                    **pipeline_layout) -> int:
     """The largest micro-batch (1..256) that fits, by bisection (memory grows with the batch);
     0 when not even one sequence fits. `pipeline_layout`: `per_gpu_bytes`'s pipeline_stages and
     pipeline_chunks."""
     def ok(batch: int) -> bool:
         total = per_gpu_bytes(shape, method, strategy, gpus, batch, seq_len, gradient_checkpointing, lora_rank,
                               lora_targets, precision, attention, lora_dropout, grad_accum,
-                              **pipeline_layout, pairs=pairs)["total"]
+                              **pipeline_layout, pairs=pairs, dora=dora)["total"]
         return fits(total, gpu_memory_gb)
 
     if not ok(1):
@@ -227,7 +229,8 @@ def plan(shape: ModelShape, method: str, gpus: int, gpu_memory_gb: float, batch_
          seq_len: int = 512, gradient_checkpointing: int = 0, lora_rank: int = 16,
          lora_targets="all-linear", precision: str = "bf16", attention: str = "sdpa",
          lora_dropout: float = 0.0, grad_accum: int = 1, machine: Machine | None = None, rows: int = 1024,
-         global_batch: int | None = None, host_ram_gb: float | None = None, pairs: bool = False) -> dict:
+         global_batch: int | None = None, host_ram_gb: float | None = None, pairs: bool = False,
+         dora: bool = False) -> dict:
     """Every strategy on `gpus` GPUs of `gpu_memory_gb`, its time on `machine` (default: H100s over
     NVLink), and the two recommendations.
 
@@ -250,7 +253,7 @@ def plan(shape: ModelShape, method: str, gpus: int, gpu_memory_gb: float, batch_
     machine = machine or Machine.of()
     gradient_checkpointing = int(gradient_checkpointing)
     memory = dict(lora_rank=lora_rank, lora_targets=lora_targets, precision=precision, attention=attention,
-                  lora_dropout=lora_dropout, pairs=pairs)
+                  lora_dropout=lora_dropout, pairs=pairs, dora=dora)
     settings = dict(batch_size=batch_size, seq_len=seq_len, gradient_checkpointing=gradient_checkpointing, **memory)
     asked = dict(settings, grad_accum=grad_accum, global_batch=global_batch)
 
@@ -267,7 +270,8 @@ def plan(shape: ModelShape, method: str, gpus: int, gpu_memory_gb: float, batch_
 
     def runnable(n: int) -> tuple[str, ...]:  # model parallel is one process: its GPUs are one machine's
         return tuple(s for s in offered_strategies(method, n, shape, lora_targets, pairs)
-                     if s != "model_parallel" or n <= machine.gpus_per_machine)
+                     if (s != "model_parallel" or n <= machine.gpus_per_machine)
+                     and not (dora and s in ("tp", "fsdp_tp")))  # the recipes refuse DoRA under tensor parallel
 
     def host_bytes(strategy: str, n: int) -> int:
         return load_bytes_per_machine(shape, method, strategy, n, machine.gpus_per_machine, precision)["bytes"]

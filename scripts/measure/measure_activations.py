@@ -39,9 +39,10 @@ def saved_by_autograd(model, batch: int, seq_len: int, bf16: bool) -> int:
     mask = torch.ones(batch, seq_len, dtype=torch.long)
     mask[0, -5:] = 0
     parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    kept = {}
+    kept, held = {}, []
 
     def pack(tensor):
+        held.append(tensor)  # alive until the end: a storage let go of could return at its address as another
         storage = tensor.untyped_storage()
         if storage.data_ptr() not in parameters:
             kept[storage.data_ptr()] = storage.nbytes()

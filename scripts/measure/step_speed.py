@@ -144,7 +144,7 @@ def micro_batches(count: int, rows: int, length: int, vocab: int, device):
     return batches
 
 
-def adapt(base, variant: dict, precision_launch):
+def adapt(base, variant: dict):
     """LoRA as recipes/lora.py adds it (r 16, alpha 32, every linear layer), adapters in fp32."""
     from peft import LoraConfig, get_peft_model
 
@@ -157,7 +157,7 @@ def adapt(base, variant: dict, precision_launch):
             param.data = param.data.float()
     modeling.seed_adapter(model, 0)
     if not variant.get("cast_inputs"):
-        modeling.keep_adapter_inputs_in_compute_dtype(model, precision_launch)
+        modeling.keep_adapter_inputs_in_compute_dtype(model, autocast=True)
     if variant.get("liger"):
         from transformers.integrations.liger import apply_liger_kernel
 
@@ -167,13 +167,13 @@ def adapt(base, variant: dict, precision_launch):
     return model
 
 
-def run_variant(base, variant: dict, batches, args, device, precision_launch, profile: bool = False) -> dict:
+def run_variant(base, variant: dict, batches, args, device, profile: bool = False) -> dict:
     import torch
 
     from common.model.loss_head import LossHead
     from lora import token_losses  # the recipe's own loss
 
-    model = adapt(base, variant, precision_launch)
+    model = adapt(base, variant)
     model.train()
     autocast = lambda: torch.autocast(device.type, dtype=torch.bfloat16)  # noqa: E731  (accelerate's bf16)
     head = (LossHead(None, "whole logits, as asked") if variant.get("whole_logits")
@@ -267,9 +267,7 @@ def main(argv=None) -> dict:
 
     args = parse_args(argv)
     device = torch.device("cpu" if args.cpu or not torch.cuda.is_available() else "cuda")
-    from types import SimpleNamespace
 
-    precision_launch = SimpleNamespace(precision="bf16", pipeline_stages=1)  # what accelerate's bf16 launch gives
     built = time.perf_counter()
     base = build_base(args.config, device, args.layers, args.gradient_checkpointing)
     built = time.perf_counter() - built
@@ -288,7 +286,7 @@ def main(argv=None) -> dict:
             results[name] = {"skipped": why_not, "note": variant["note"]}
             continue
         profile = name in ("defaults", "before") and args.profile_steps > 0
-        result = run_variant(base, variant, batches, args, device, precision_launch, profile=profile)
+        result = run_variant(base, variant, batches, args, device, profile=profile)
         if device.type == "cuda":  # the variant's adapters, gradients and optimizer state, freed on its return
             torch.cuda.empty_cache()
         result["mfu"] = result["tokens_per_s"] * flop / peak

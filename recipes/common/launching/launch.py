@@ -72,6 +72,12 @@ class Launch:
         return self.loading == EVERY_PROCESS_READS
 
     @property
+    def autocasts(self) -> bool:
+        """The forward runs under accelerate's autocast: mixed precision, but not under DeepSpeed (which casts the
+        weights themselves) nor in pipeline stages (whose forward runs outside accelerate's)."""
+        return self.precision in ("bf16", "fp16") and self.kind != DEEPSPEED and self.pipeline_stages == 1
+
+    @property
     def spreads_layers(self) -> bool:
         """Model parallel: one process, the layers spread over the GPUs it sees (the model loads so)."""
         return self.kind == MODEL_PARALLEL

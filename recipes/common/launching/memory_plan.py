@@ -24,7 +24,8 @@ def planner_inputs(args, recipe: str, launch) -> tuple:
     inputs = dict(seq_len=args.max_length, gradient_checkpointing=args.gradient_checkpointing,
                   precision="bf16" if launch.precision in ("bf16", "fp16") else "fp32")
     if recipe != "full":
-        inputs.update(lora_rank=args.lora_r, lora_targets=args.lora_targets, lora_dropout=args.lora_dropout)
+        inputs.update(lora_rank=args.lora_r, lora_targets=args.lora_targets, lora_dropout=args.lora_dropout,
+                      dora=getattr(args, "use_dora", False))
     return shape, inputs
 
 

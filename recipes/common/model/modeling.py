@@ -308,13 +308,13 @@ def seed_adapter(model, seed: int) -> None:
     torch.manual_seed(seed)  # the random stream after it (dropout) the same on every layout
 
 
-def keep_adapter_inputs_in_compute_dtype(model, launch) -> bool:
-    """Under mixed precision, stop peft casting each adapter's input to its weights' float32: autocast runs the
-    adapter's matmuls in 16 bits either way, so the cast only wrote a float32 copy of the activation (and
-    dropout a second one) per adapted layer, forward and backward, for the same numbers. The weights stay
-    float32 for the optimizer. Kept under pipeline stages, whose forward runs outside accelerate's autocast.
-    True where switched off."""
-    if launch.precision not in ("bf16", "fp16") or launch.pipeline_stages > 1:
+def keep_adapter_inputs_in_compute_dtype(model, autocast: bool) -> bool:
+    """Where the forward runs under autocast (`Launch.autocasts`), stop peft casting each adapter's input to its
+    weights' float32: autocast runs the adapter's matmuls in 16 bits either way, so the cast only wrote a float32
+    copy of the activation (and dropout a second one) per adapted layer, forward and backward, for the same
+    numbers. The weights stay float32 for the optimizer. Without autocast (DeepSpeed, whose ZeRO-3 keeps the
+    adapters float32 beside a bf16 base; pipeline stages) the cast is what lets them meet. True where switched off."""
+    if not autocast:
         return False
     from peft.tuners.tuners_utils import BaseTunerLayer
 
