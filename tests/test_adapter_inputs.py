@@ -80,7 +80,7 @@ def test_uncast_inputs_give_the_same_loss_and_gradients_without_float32_copies()
 @pytest.mark.parametrize("launch, autocasts", [
     (Launch(DDP, 2, True, 1, "bf16"), True),
     (Launch(DDP, 2, True, 1, "no"), False),
-    (Launch(DDP, 2, True, 1, "bf16", pipeline_stages=2), False),  # the stages' forward runs outside autocast
+    (Launch(DDP, 2, True, 1, "bf16", pipeline_stages=2), True),  # the stages run under the same autocast
     (Launch(DEEPSPEED, 2, True, 1, "bf16", zero_stage=3), False),  # no autocast: ZeRO-3's fp32 adapters need it
 ])
 def test_peft_keeps_its_cast_wherever_no_autocast_runs(launch, autocasts):

@@ -1,7 +1,8 @@
 """The configs' own mixed precision (bf16: what a GPU launch of them runs) trains under every recipe and
 strategy. The equality tests run in float32 (`--mixed_precision no`); here the dtypes meet as on a GPU:
 ZeRO-3 keeps the adapters float32 beside a bf16 base with no autocast, FSDP2 settles each parameter group's
-gradient dtype at its first forward (the DPO reference's, with the adapters off)."""
+gradient dtype at its first forward (the DPO reference's, with the adapters off), pipeline stages run under
+the launch's autocast themselves."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import pytest
 
 from conftest import launch, long_test
 
-EVERY_RUN = {("lora", "zero3"), ("dpo", "fsdp")}
+# dpo under fsdp.yaml: its crash is reproduced in-process by tests/test_adapters_off.py on every run
+EVERY_RUN = {("lora", "zero3")}
 CASES = [("full", "ddp"), ("full", "fsdp"), ("full", "zero3"), ("lora", "zero2"), ("lora", "zero3"),
          ("lora", "fsdp_offload"), ("lora", "pipeline"), ("qlora", "ddp"), ("qlora", "zero3_offload"),
          ("dpo", "ddp"), ("dpo", "fsdp"), ("dpo", "zero3"), ("dpo_full", "fsdp"), ("dpo_full", "zero3")]
@@ -20,7 +22,7 @@ CASES = [("full", "ddp"), ("full", "fsdp"), ("full", "zero3"), ("lora", "zero2")
 @pytest.mark.parametrize("recipe, config", [case if case in EVERY_RUN else pytest.param(*case, marks=long_test)
                                             for case in CASES])
 def test_the_configs_bf16_trains(tmp_path, recipe, config):
-    stages = ["--pipeline-stages", "2"] if config == "pipeline" else []
+    stages = ["--pipeline-stages", "2", "--grad-accum", "2"] if config == "pipeline" else []
     run = launch(recipe, tmp_path / "out", "--max-steps", "2", *stages, config=config, mixed_precision=None)
     assert run.returncode == 0, run.output[-3000:]
     assert run.run_json()["mixed_precision"] == "bf16"

@@ -74,7 +74,7 @@ def state_bytes_per_parameter(method: str, strategy: str, precision: str = "bf16
 def compute_dtypes(method: str, strategy: str, precision: str = "bf16") -> dict:
     """The dtypes (bytes) the forward runs in, which decide the size of the saved activations.
 
-    - `compute` c: what matmuls produce: 2 in bf16 (autocast on DDP / model parallel / tp, FSDP2's
+    - `compute` c: what matmuls produce: 2 in bf16 (autocast on DDP / model parallel / pipeline / tp, FSDP2's
       param_dtype, DeepSpeed's bf16 module), 4 in fp32.
     - `residual` r: the residual stream, i.e. the embedding's dtype: fp32 when the embedding is
       stored in fp32 under autocast (full fine-tuning on DDP / model parallel, QLoRA there after
@@ -82,11 +82,11 @@ def compute_dtypes(method: str, strategy: str, precision: str = "bf16") -> dict:
     - `linear_out` m: the outputs of the block linears: c, except QLoRA on DDP / model parallel,
       whose 4-bit linears return their input's dtype (fp32).
     - `adapter_cast`: peft casts each adapted module's input to the adapters' fp32 (one copy per module):
-      where no autocast runs over fp32 adapters, i.e. pipeline stages (whose forward runs outside autocast)
-      and ZeRO-3 (its adapters stay fp32 beside the bf16 base); elsewhere the recipes keep the adapters'
-      inputs in bf16 (modeling.keep_adapter_inputs_in_compute_dtype) and ZeRO-1/2's adapters are bf16.
+      where no autocast runs over fp32 adapters, i.e. ZeRO-3 (its adapters stay fp32 beside the bf16 base);
+      elsewhere the recipes keep the adapters' inputs in bf16 (modeling.keep_adapter_inputs_in_compute_dtype)
+      and ZeRO-1/2's adapters are bf16.
     - `adapter`: the bytes the adapters compute in, which their saved input and output take: 4 where peft
-      casts to fp32 and no autocast casts back (pipeline stages, ZeRO-3), else c.
+      casts to fp32 and no autocast casts back (ZeRO-3), else c.
     - `autocast_copies`: autocast's bf16 copies of the fp32 trained weights (DDP / model parallel;
       tp / fsdp_tp: of each rank's tensor parallel part), saved for the backward.
     - `logits`: dtype of the logits the step keeps in `outputs` (accelerate converts the outputs of
@@ -102,8 +102,8 @@ def compute_dtypes(method: str, strategy: str, precision: str = "bf16") -> dict:
         compute=2,
         residual=4 if fp32_embedding else 2,
         linear_out=4 if autocast and method == "qlora" else 2,
-        adapter_cast=method == "lora" and strategy in ("pipeline", "zero3", "zero3_offload"),
-        adapter=4 if method == "lora" and strategy in ("pipeline", "zero3", "zero3_offload") else 2,
+        adapter_cast=method == "lora" and strategy in ("zero3", "zero3_offload"),
+        adapter=4 if method == "lora" and strategy in ("zero3", "zero3_offload") else 2,
         autocast_copies=autocast,
         logits=2 if strategy in DEEPSPEED else 4,
     )

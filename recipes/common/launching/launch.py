@@ -73,9 +73,9 @@ class Launch:
 
     @property
     def autocasts(self) -> bool:
-        """The forward runs under accelerate's autocast: mixed precision, but not under DeepSpeed (which casts the
-        weights themselves) nor in pipeline stages (whose forward runs outside accelerate's)."""
-        return self.precision in ("bf16", "fp16") and self.kind != DEEPSPEED and self.pipeline_stages == 1
+        """The forward runs under accelerate's autocast (pipeline stages: under the same, training/pipeline.py):
+        mixed precision, but not under DeepSpeed, which casts the weights themselves."""
+        return self.precision in ("bf16", "fp16") and self.kind != DEEPSPEED
 
     @property
     def spreads_layers(self) -> bool:

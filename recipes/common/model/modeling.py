@@ -313,7 +313,7 @@ def keep_adapter_inputs_in_compute_dtype(model, autocast: bool) -> bool:
     weights' float32: autocast runs the adapter's matmuls in 16 bits either way, so the cast only wrote a float32
     copy of the activation (and dropout a second one) per adapted layer, forward and backward, for the same
     numbers. The weights stay float32 for the optimizer. Without autocast (DeepSpeed, whose ZeRO-3 keeps the
-    adapters float32 beside a bf16 base; pipeline stages) the cast is what lets them meet. True where switched off."""
+    adapters float32 beside a bf16 base) the cast is what lets them meet. True where switched off."""
     if not autocast:
         return False
     from peft.tuners.tuners_utils import BaseTunerLayer

@@ -19,6 +19,8 @@ are summed.
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -36,10 +38,11 @@ class StageModule(torch.nn.Module):
     every rank of a pipeline holds the step's micro-batches (`begin_step`), and the schedule says which
     one each part computes (`Part.index`)."""
 
-    def __init__(self, model, layout: PipelineLayout):
+    def __init__(self, model, layout: PipelineLayout, autocast: Callable = nullcontext):
         super().__init__()
         self.model = model
         self.layout = layout
+        self.autocast = autocast  # the launch's mixed precision: the schedule calls the parts outside accelerate's forward
         self.micro_batches: list[dict] = []
         self.base_and_decoder = keep_stage(model, layout)  # a tuple: not registered twice as submodules
         # the schedule's stages: one per part this process runs (a list: not registered as submodules either)
@@ -77,7 +80,8 @@ class Part(torch.nn.Module):
         held = decoder.layers, decoder.norm
         decoder.layers, decoder.norm = self.layers, self.norm  # the decoder runs this part
         try:
-            hidden = decoder(**given, **extra, use_cache=False).last_hidden_state
+            with stage.autocast():
+                hidden = decoder(**given, **extra, use_cache=False).last_hidden_state
         finally:
             decoder.layers, decoder.norm = held
         return hidden
@@ -139,10 +143,11 @@ class Pipeline:
     """Runs one optimizer step's micro-batches through the stages (`train_step`), averages nothing
     itself: the loss of each micro-batch is its summed token loss / the global batch's target tokens."""
 
-    def __init__(self, model, layout: PipelineLayout, device, schedule: str, micro_batches: int, pad_token_id: int):
+    def __init__(self, model, layout: PipelineLayout, device, schedule: str, micro_batches: int, pad_token_id: int,
+                 autocast: Callable = nullcontext):
         self.layout = layout
         self.device = torch.device(device)
-        self.module = StageModule(model, layout).to(self.device)
+        self.module = StageModule(model, layout, autocast).to(self.device)
         self.pipeline_group, self.stage_group = process_groups(layout)
         self.schedule_name, self.micro_batches, self.pad_token_id = schedule, micro_batches, pad_token_id
         self.schedules: dict[tuple[int, int], object] = {}  # (rows, tokens) of a micro-batch -> its schedule
@@ -151,7 +156,7 @@ class Pipeline:
         base = self.module.base_and_decoder[0]
         # the last stage's head, run with the recipe's loss a chunk of positions at a time (model/loss_head.py):
         # the split already refused a model whose logits are more than the head's output
-        self.head = LossHead(base.lm_head, None) if self.layout.is_last else None
+        self.head = LossHead(base.lm_head, None, autocast) if self.layout.is_last else None
 
     @property
     def bubble(self) -> float:
@@ -367,7 +372,8 @@ def split(accelerator, launch, run, model, pad_token_id: int) -> Pipeline | None
         return None
     _, decoder = decoder_of(model)
     layout = layout_of(accelerator, launch, len(decoder.layers))
-    pipe = Pipeline(model, layout, accelerator.device, run.pipeline_schedule, run.grad_accum, pad_token_id)
+    pipe = Pipeline(model, layout, accelerator.device, run.pipeline_schedule, run.grad_accum, pad_token_id,
+                    accelerator.autocast)
     if accelerator.is_main_process:
         print(f"pipeline: {pipe.describe()}", flush=True)
     return pipe
