@@ -155,8 +155,9 @@ LAUNCHED = {
                                   {"distributed_type": "DEEPSPEED", "precision": "no", "gradient_checkpointing": 0,
                                    "deepspeed": {"zero_stage": 3, "offload_optimizer": "cpu", "offload_param": "none"}}),
 }
-# The other deprecated names and aliases, launched (~12 s each)
-LAUNCHED.update({
+# The other deprecated names and aliases, launched under RECIPES_LONG_TESTS (~12 s each; each translation is
+# checked in-process above on every run)
+LONG_LAUNCHED = {
     "deepspeed_zero2_cpu_offload": ({"zero_optimization": {"stage": 2, "cpu_offload": True}},
                                     {"distributed_type": "DEEPSPEED", "precision": "no", "gradient_checkpointing": 0,
                                      "deepspeed": {"zero_stage": 2, "offload_optimizer": "cpu"}}),
@@ -169,12 +170,13 @@ LAUNCHED.update({
     "deepspeed_zero3_aliases": (CASES["deepspeed_stage3_aliases"][0],
                                 {"distributed_type": "DEEPSPEED", "precision": "no", "gradient_checkpointing": 0,
                                  "deepspeed": {"zero_stage": 3, "offload_param": "none"}}),
-})
+}
 
 
-@pytest.mark.parametrize("name", sorted(LAUNCHED))
+@pytest.mark.parametrize("name", [*sorted(LAUNCHED),
+                                  *(pytest.param(name, marks=long_test) for name in sorted(LONG_LAUNCHED))])
 def test_translated_variant_trains_and_saves(name, tmp_path):
-    contents, expected = LAUNCHED[name]
+    contents, expected = {**LAUNCHED, **LONG_LAUNCHED}[name]
     run = launch("lora", tmp_path / "out", "--max-steps", "2", "--batch-size", "2", "--eval-every", "0",
                  config=write(tmp_path, name, contents), mixed_precision=None)
     assert run.returncode == 0, run.output[-3000:]

@@ -164,18 +164,32 @@ def test_the_adapter_reloads_with_plain_peft(trained):
     assert torch.allclose(logits[mask], probe["logits"][mask], atol=1e-4)
 
 
-@pytest.mark.parametrize("flags, refusal", [
-    (["--packing"], "--packing joins rows into one sequence"),
-    (["--batch-size", "auto"], "--batch-size auto is planned for rows"),
-    (["--beta", "0"], "--beta must be > 0"),
-])
-def test_what_it_cannot_run_is_refused_before_loading(tmp_path, flags, refusal):
-    run = launch("dpo", tmp_path / "out", "--max-steps", "1", *flags, config="ddp")
+def test_what_it_cannot_run_is_refused_before_loading(tmp_path):
+    run = launch("dpo", tmp_path / "out", "--max-steps", "1", "--packing", config="ddp")
     errors = [line for line in run.output.splitlines() if line.startswith("error: ")]
-    assert run.returncode != 0 and len(errors) == 1 and refusal in errors[0], run.output[-3000:]
+    assert run.returncode != 0 and len(errors) == 1 and "--packing joins rows into one sequence" in errors[0], \
+        run.output[-3000:]
     assert "Loading weights" not in run.output and not (tmp_path / "out" / "run.json").exists()
     assert_no_traceback_of_ours(run.output)
     assert_the_refusal_ends_the_output(run.output, errors[0])
+
+
+@pytest.mark.parametrize("flags, refusal", [
+    (["--batch-size", "auto"], "--batch-size auto is planned for rows"),
+    (["--beta", "0"], "--beta must be > 0"),
+])
+def test_the_same_checks_refuse_the_other_flags(tmp_path, flags, refusal):
+    """The launch above shows a refusal reaching the end of the launcher's output; these are the same checks,
+    run as the recipe runs them (dpo.py settles as LoRA)."""
+    from test_preflight import launched_with
+
+    from common.launching import settle
+    from common.launching.args import parse_args, recipe_flags
+    from common.launching.preflight import Refusal
+
+    args = parse_args(recipe_flags("dpo"), ["--max-steps", "1", "--output-dir", str(tmp_path / "out"), *flags])
+    with launched_with("ddp", 2), pytest.raises(Refusal, match=re.escape(refusal)):
+        settle.settle_launch(args, "lora")
 
 
 def test_full_tuning_reads_its_reference_scores_back_on_a_rerun(trained, tmp_path):

@@ -13,7 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import CONFIGS, REPO, TINY_MODEL, launch, long_test
+from conftest import REPO, TINY_MODEL, launch, long_test
+from test_preflight import launched_with
 
 sys.path.insert(0, str(REPO / "recipes"))
 
@@ -90,13 +91,6 @@ def test_the_adapter_reloads_with_plain_peft_as_trained(variant_run):
         for reloaded in (model, merged):
             logits = reloaded(input_ids=probe["input_ids"], attention_mask=probe["attention_mask"]).logits
             assert (logits - probe["logits"])[mask].abs().max().item() <= 1e-4
-
-
-def launched_with(config: str, processes: int):
-    sys.path.insert(0, str(REPO / "scripts"))
-    import check_config
-
-    return mock.patch.dict(os.environ, check_config.launcher_environment(CONFIGS / f"{config}.yaml", processes))
 
 
 @pytest.mark.parametrize("recipe, flags, config, refusal", [
