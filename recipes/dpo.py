@@ -148,7 +148,7 @@ def main():
     )
     model = get_peft_model(model, lora_config)
     modeling.seed_adapter(model, run.seed)  # the same first adapter whatever the strategy split
-    modeling.keep_adapter_inputs_in_compute_dtype(model, launch.autocasts)  # no float32 copy of each adapter's input
+    modeling.keep_adapter_inputs_in_compute_dtype(model, launch)  # no float32 copy of each adapter's input
     accelerator.print("reference: none, SimPO scores the policy alone" if run.loss == "simpo" else
                       "reference: the base, i.e. this model with its adapters switched off (no second copy)")
     if run.compile:

@@ -88,7 +88,7 @@ def main():
     )
     model = get_peft_model(model, lora_config)
     modeling.seed_adapter(model, run.seed)  # the same first adapter whatever the strategy split
-    modeling.keep_adapter_inputs_in_compute_dtype(model, launch.autocasts)  # no float32 copy of each adapter's input
+    modeling.keep_adapter_inputs_in_compute_dtype(model, launch)  # no float32 copy of each adapter's input
     # --batch-size auto: does a real step of the planned micro-batch fit the GPU (its loss: token_losses above)?
     run = batch_size.confirm_on_gpu(accelerator, launch, model, run, token_losses)
     # Pipeline parallel (--pipeline-stages N): this process keeps its stage of the layers, and a schedule runs

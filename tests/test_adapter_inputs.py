@@ -31,7 +31,7 @@ def adapted_model(uncast: bool, precision: str = "bf16"):
         if param.requires_grad:  # the adapters in float32, as the recipes train them
             param.data = param.data.float()
             torch.nn.init.normal_(param, std=0.02)  # B non-zero, so both adapter matrices get gradients
-    switched = keep_adapter_inputs_in_compute_dtype(model, autocast=precision != "no") if uncast else False
+    switched = keep_adapter_inputs_in_compute_dtype(model, Launch(DDP, 1, True, 1, precision)) if uncast else False
     return model, switched
 
 
@@ -81,9 +81,9 @@ def test_uncast_inputs_give_the_same_loss_and_gradients_without_float32_copies()
     (Launch(DDP, 2, True, 1, "bf16"), True),
     (Launch(DDP, 2, True, 1, "no"), False),
     (Launch(DDP, 2, True, 1, "bf16", pipeline_stages=2), True),  # the stages run under the same autocast
-    (Launch(DEEPSPEED, 2, True, 1, "bf16", zero_stage=3), False),  # no autocast: ZeRO-3's fp32 adapters need it
+    (Launch(DEEPSPEED, 2, True, 1, "bf16", zero_stage=3), False),  # no autocast: the adapters take bf16 instead
 ])
-def test_peft_keeps_its_cast_wherever_no_autocast_runs(launch, autocasts):
+def test_peft_keeps_its_cast_only_where_the_adapters_and_their_inputs_could_differ(launch, autocasts):
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -91,6 +91,9 @@ def test_peft_keeps_its_cast_wherever_no_autocast_runs(launch, autocasts):
                                                         num_hidden_layers=1, num_attention_heads=2)),
                            LoraConfig(r=2, target_modules="all-linear"))
     assert launch.autocasts == autocasts
-    assert keep_adapter_inputs_in_compute_dtype(model, launch.autocasts) == autocasts
-    assert all(getattr(module, "cast_input_dtype_enabled", True) != autocasts for module in model.modules()
+    assert keep_adapter_inputs_in_compute_dtype(model, launch) == (launch.precision != "no")
+    assert all(module.cast_input_dtype_enabled != autocasts for module in model.modules()
                if hasattr(module, "cast_input_dtype_enabled"))
+    # DeepSpeed's bf16 without autocast: the adapters in bf16, as DeepSpeed casts every other weight
+    trained = {param.dtype for param in model.parameters() if param.requires_grad}
+    assert trained == ({torch.bfloat16} if launch.casts_weights else {torch.float32})

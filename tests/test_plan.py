@@ -290,7 +290,7 @@ def test_model_parallel_holds_a_quarter_of_the_layers_on_the_busiest_gpu(codella
 @pytest.mark.parametrize("method, precision, attention, strategy", [
     ("full", "fp32", "sdpa", "ddp"), ("full", "bf16", "sdpa", "ddp"), ("lora", "fp32", "eager", "ddp"),
     ("lora", "bf16", "sdpa", "ddp"), ("dora", "fp32", "sdpa", "ddp"), ("dora", "bf16", "sdpa", "ddp"),
-    ("lora", "bf16", "sdpa", "zero3"),  # no autocast: ZeRO-3's fp32 adapters beside the bf16 base, peft's casts kept
+    ("lora", "bf16", "sdpa", "zero3"),  # no autocast: DeepSpeed's bf16 weights, the adapters' cast to bf16 too
 ])
 def test_layer_activations_are_what_autograd_saves(method, precision, attention, strategy):
     """The per-layer formula against the tensors autograd keeps in the tiny Llama (one layer = the
@@ -299,6 +299,7 @@ def test_layer_activations_are_what_autograd_saves(method, precision, attention,
     does (ZeRO-3: without autocast, as DeepSpeed runs it); no LoRA dropout (CPU's dropout mask is a float,
     CUDA's a bool)."""
     torch = pytest.importorskip("torch")
+    from common.launching.launch import DDP, DEEPSPEED, Launch
     from common.model.modeling import keep_adapter_inputs_in_compute_dtype
     from peft import LoraConfig, get_peft_model
 
@@ -315,7 +316,8 @@ def test_layer_activations_are_what_autograd_saves(method, precision, attention,
                 if param.requires_grad:
                     param.data = param.data.float()  # the adapters in float32, as the recipes train them
             # as the recipes run it under mixed precision: the adapters take their inputs in bf16
-            keep_adapter_inputs_in_compute_dtype(model, autocast)
+            keep_adapter_inputs_in_compute_dtype(model, Launch(DEEPSPEED if strategy == "zero3" else DDP, 2, True, 1,
+                                                               precision, zero_stage=3 if strategy == "zero3" else None))
         model.train()
         return saved_by_autograd(model, batch, seq, bf16=autocast)
 

@@ -59,11 +59,11 @@ def state_bytes_per_parameter(method: str, strategy: str, precision: str = "bf16
     if method == "qlora" and precision == "bf16" and strategy in ("ddp", "model_parallel", "pipeline"):
         frozen = 4
     # ZeRO-3 in bf16, measured (deepspeed 0.19.8, scripts/measure/plan_at_scale.py): the gradient the step sees is
-    # the fp32 copy DeepSpeed casts its reduced bf16 partition into, and peft's adapters, created after
-    # zero.Init, stay fp32 in their partitions.
+    # the fp32 copy DeepSpeed casts its reduced bf16 partition into. peft's adapters, created after zero.Init, are
+    # cast to bf16 by the recipes as DeepSpeed casts every other weight (modeling.keep_adapter_inputs_in_compute_dtype).
     zero3_bf16 = precision == "bf16" and strategy in ("zero3", "zero3_offload")
     return {
-        "trained_weight": 2 if deepspeed_bf16 and not (zero3_bf16 and method != "full") else 4,
+        "trained_weight": 2 if deepspeed_bf16 else 4,
         "trained_grad": 2 if deepspeed_bf16 and not zero3_bf16 else 4,
         "trained_optimizer": 12 if strategy in DEEPSPEED else 8,  # DeepSpeed: + its fp32 master, in any precision
         "frozen": frozen,
@@ -82,11 +82,9 @@ def compute_dtypes(method: str, strategy: str, precision: str = "bf16") -> dict:
     - `linear_out` m: the outputs of the block linears: c, except QLoRA on DDP / model parallel,
       whose 4-bit linears return their input's dtype (fp32).
     - `adapter_cast`: peft casts each adapted module's input to the adapters' fp32 (one copy per module):
-      where no autocast runs over fp32 adapters, i.e. ZeRO-3 (its adapters stay fp32 beside the bf16 base);
-      elsewhere the recipes keep the adapters' inputs in bf16 (modeling.keep_adapter_inputs_in_compute_dtype)
-      and ZeRO-1/2's adapters are bf16.
-    - `adapter`: the bytes the adapters compute in, which their saved input and output take: 4 where peft
-      casts to fp32 and no autocast casts back (ZeRO-3), else c.
+      nowhere in bf16, where the recipes keep the adapters' inputs in bf16 (modeling.
+      keep_adapter_inputs_in_compute_dtype: under autocast, or DeepSpeed's adapters in bf16).
+    - `adapter`: the bytes the adapters compute in, which their saved input and output take: c.
     - `autocast_copies`: autocast's bf16 copies of the fp32 trained weights (DDP / model parallel;
       tp / fsdp_tp: of each rank's tensor parallel part), saved for the backward.
     - `logits`: dtype of the logits the step keeps in `outputs` (accelerate converts the outputs of
@@ -102,8 +100,8 @@ def compute_dtypes(method: str, strategy: str, precision: str = "bf16") -> dict:
         compute=2,
         residual=4 if fp32_embedding else 2,
         linear_out=4 if autocast and method == "qlora" else 2,
-        adapter_cast=method == "lora" and strategy in ("zero3", "zero3_offload"),
-        adapter=4 if method == "lora" and strategy in ("zero3", "zero3_offload") else 2,
+        adapter_cast=False,
+        adapter=2,
         autocast_copies=autocast,
         logits=2 if strategy in DEEPSPEED else 4,
     )

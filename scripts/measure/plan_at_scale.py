@@ -304,7 +304,8 @@ def simulate_rank_zero3(config_path: Path, method: str, ranks: int, rank: int, b
 
         from common.training import runtime
         from common.launching.launch import DEEPSPEED, Launch
-        from common.model.modeling import checkpoint_activations, trained_parameter_groups
+        from common.model.modeling import (checkpoint_activations, keep_adapter_inputs_in_compute_dtype,
+                                           trained_parameter_groups)
         from common.outputs.runlog import held_bytes
 
         launch = Launch(DEEPSPEED, processes=ranks, on_gpu=False, visible_gpus=0, precision="bf16", zero_stage=3)
@@ -322,6 +323,7 @@ def simulate_rank_zero3(config_path: Path, method: str, ranks: int, rank: int, b
             from peft import LoraConfig, get_peft_model
 
             model = get_peft_model(model, LoraConfig(**LORA, target_modules="all-linear", task_type="CAUSAL_LM"))
+            keep_adapter_inputs_in_compute_dtype(model, launch)  # as the recipes: the adapters in DeepSpeed's bf16
         optimizer = torch.optim.AdamW(trained_parameter_groups(model), lr=1e-4, weight_decay=0.0, fused=True)
         loader = torch.utils.data.DataLoader([0] * batch_size * ranks, batch_size=batch_size)  # sizes the batch
         model, optimizer, _ = accelerator.prepare(model, optimizer, loader)

@@ -148,6 +148,7 @@ def adapt(base, variant: dict):
     """LoRA as recipes/lora.py adds it (r 16, alpha 32, every linear layer), adapters in fp32."""
     from peft import LoraConfig, get_peft_model
 
+    from common.launching.launch import DDP, Launch
     from common.model import modeling
 
     model = get_peft_model(base, LoraConfig(r=16, lora_alpha=32, lora_dropout=variant.get("dropout", 0.0),
@@ -157,7 +158,7 @@ def adapt(base, variant: dict):
             param.data = param.data.float()
     modeling.seed_adapter(model, 0)
     if not variant.get("cast_inputs"):
-        modeling.keep_adapter_inputs_in_compute_dtype(model, autocast=True)
+        modeling.keep_adapter_inputs_in_compute_dtype(model, Launch(DDP, 1, True, 1, "bf16"))  # as a bf16 launch
     if variant.get("liger"):
         from transformers.integrations.liger import apply_liger_kernel
 

@@ -78,6 +78,12 @@ class Launch:
         return self.precision in ("bf16", "fp16") and self.kind != DEEPSPEED
 
     @property
+    def casts_weights(self) -> bool:
+        """Mixed precision the DeepSpeed way: the weights themselves in 16 bits (their float32 masters in the
+        optimizer), no autocast."""
+        return self.precision in ("bf16", "fp16") and self.kind == DEEPSPEED
+
+    @property
     def spreads_layers(self) -> bool:
         """Model parallel: one process, the layers spread over the GPUs it sees (the model loads so)."""
         return self.kind == MODEL_PARALLEL

@@ -308,20 +308,30 @@ def seed_adapter(model, seed: int) -> None:
     torch.manual_seed(seed)  # the random stream after it (dropout) the same on every layout
 
 
-def keep_adapter_inputs_in_compute_dtype(model, autocast: bool) -> bool:
-    """Where the forward runs under autocast (`Launch.autocasts`), stop peft casting each adapter's input to its
-    weights' float32: autocast runs the adapter's matmuls in 16 bits either way, so the cast only wrote a float32
-    copy of the activation (and dropout a second one) per adapted layer, forward and backward, for the same
-    numbers. The weights stay float32 for the optimizer. Without autocast (DeepSpeed, whose ZeRO-3 keeps the
-    adapters float32 beside a bf16 base) the cast is what lets them meet. True where switched off."""
-    if not autocast:
-        return False
-    from peft.tuners.tuners_utils import BaseTunerLayer
+def keep_adapter_inputs_in_compute_dtype(model, launch) -> bool:
+    """Under mixed precision, no float32 copy of each adapted layer's input (and dropout's second one), forward
+    and backward, for the same numbers:
+    - where the forward runs under autocast (`launch.autocasts`), peft's cast of the input to the adapter's
+      float32 is switched off: autocast runs the adapter's matmuls in 16 bits either way; the weights stay
+      float32 for the optimizer;
+    - under DeepSpeed's bf16 / fp16 (no autocast) the adapters take DeepSpeed's dtype, as DeepSpeed gives every
+      other weight, keeping their float32 master copy in its optimizer: ZeRO-3 leaves in float32 the adapters
+      peft adds after its zero.Init (ZeRO-1/2 cast them themselves).
+    True where either applies."""
+    if launch.autocasts:
+        from peft.tuners.tuners_utils import BaseTunerLayer
 
-    for module in model.modules():
-        if isinstance(module, BaseTunerLayer):
-            module.cast_input_dtype_enabled = False
-    return True
+        for module in model.modules():
+            if isinstance(module, BaseTunerLayer):
+                module.cast_input_dtype_enabled = False
+        return True
+    if launch.casts_weights:
+        dtype = torch.bfloat16 if launch.precision == "bf16" else torch.float16
+        for param in model.parameters():
+            if param.requires_grad and param.dtype == torch.float32:
+                param.data = param.data.to(dtype)
+        return True
+    return False
 
 
 @contextlib.contextmanager
