@@ -37,9 +37,12 @@ def test_each_ddp_process_loads_a_replica_and_sharded_strategies_one_copy(shape)
 
 
 def test_full_fine_tuning_loads_fp32_and_a_machine_holds_only_its_processes(shape):
-    full = planner.load_bytes_per_machine(shape, "full", "zero1", gpus=16, gpus_per_machine=8)
+    full = planner.load_bytes_per_machine(shape, "full", "ddp", gpus=16, gpus_per_machine=8)
     assert full["processes"] == 8 and full["bytes"] == 8 * shape.parameters * 4
     assert planner.load_bytes_per_machine(shape, "full", "model_parallel", gpus=4)["bytes"] == shape.parameters * 4
+    # DeepSpeed's bf16: the trained weights load in bf16 (its optimizer keeps their float32 masters)
+    assert planner.load_bytes_per_machine(shape, "full", "zero1", gpus=16, gpus_per_machine=8)["bytes"] == \
+        8 * shape.parameters * 2
 
 
 def test_switches_that_make_every_process_read_are_named(shape):

@@ -84,6 +84,16 @@ def test_frozen_weights_follow_the_precision_and_trained_ones_stay_fp32(precisio
     assert (launch.kind, launch.float_dtype(frozen=True), launch.float_dtype(frozen=False)) == ("ddp", frozen, trained)
 
 
+def test_under_deepspeeds_mixed_precision_every_weight_is_16_bit():
+    """DeepSpeed keeps the float32 masters in its optimizer; ZeRO-3's zero.Init keeps the dtype the model is built
+    in, so trained weights built in float32 would run the forward in float32."""
+    launch = launch_module.describe({"WORLD_SIZE": "2", "ACCELERATE_MIXED_PRECISION": "bf16",
+                                     "ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3"},
+                                    on_gpu=True)
+    assert (launch.kind, launch.float_dtype(frozen=True), launch.float_dtype(frozen=False)) == (
+        "deepspeed", torch.bfloat16, torch.bfloat16)
+
+
 class TwoRanks:
     """An accelerator whose reduce adds what a second rank would contribute, and counts the calls."""
 

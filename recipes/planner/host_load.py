@@ -13,7 +13,7 @@ strategy (measured on CPU processes, results/2026-11-27_cpu_load-memory):
   FSDP or ZeRO-3 with its switch off, and QLoRA on CPU processes (each quantizes its own 4-bit copy in host RAM as the weights load).
 
 The bytes are the weights in the dtype they load in: 2 per parameter for a frozen bf16 base, 4 for
-full fine-tuning's fp32 trained weights (or any fp32 run), NF4 for QLoRA's quantized linears. Each
+full fine-tuning's fp32 trained weights (2 under DeepSpeed's bf16; 4 in any fp32 run), NF4 for QLoRA's quantized linears. Each
 process also holds its libraries (about 0.6 GiB on a CPU process, measured), not counted here.
 """
 
@@ -22,7 +22,7 @@ from __future__ import annotations
 from .dtypes import quantized_bytes_per_weight
 from .resident import Stage, _stage_parameters
 from .shapes import ModelShape
-from .strategies import FSDP, TENSOR_PARALLEL
+from .strategies import DEEPSPEED, FSDP, TENSOR_PARALLEL
 
 ZERO3 = ("zero3", "zero3_offload")
 ONE_COPY_A_MACHINE = (*FSDP, *ZERO3, *TENSOR_PARALLEL, "pipeline", "model_parallel")
@@ -33,9 +33,10 @@ def processes_per_machine(strategy: str, gpus: int, gpus_per_machine: int) -> in
     return 1 if strategy == "model_parallel" else max(1, min(gpus, gpus_per_machine))
 
 
-def model_bytes_as_loaded(shape: ModelShape, method: str, precision: str = "bf16") -> int:
-    """One copy of the weights as they arrive in host RAM."""
-    float_bytes = 4 if method == "full" or precision == "fp32" else 2
+def model_bytes_as_loaded(shape: ModelShape, method: str, precision: str = "bf16", strategy: str | None = None) -> int:
+    """One copy of the weights as they arrive in host RAM (DeepSpeed's mixed precision loads even the trained
+    weights in 16 bits: its optimizer keeps their float32 masters)."""
+    float_bytes = 4 if precision == "fp32" or (method == "full" and strategy not in DEEPSPEED) else 2
     # the files hold the base (LoRA's adapters start in memory: the rank and targets do not matter here)
     held = _stage_parameters(shape, method, Stage(shape.layers), lora_rank=1, lora_targets="all-linear")
     floats = held["trained"] if method == "full" else held["frozen"]
@@ -50,7 +51,7 @@ def load_bytes_per_machine(shape: ModelShape, method: str, strategy: str, gpus: 
     the change that makes it one copy a machine (None where there is none). `every_process_reads`: the
     config turned FSDP's or ZeRO-3's one-copy loading off."""
     processes = processes_per_machine(strategy, gpus, gpus_per_machine)
-    copy = model_bytes_as_loaded(shape, method, precision)
+    copy = model_bytes_as_loaded(shape, method, precision, strategy)
     one_copy = None  # what would make it one copy a machine
     if method == "qlora" and on_gpu:
         copy = model_bytes_as_loaded(shape, "lora", precision)  # the files' pages (bf16), shared

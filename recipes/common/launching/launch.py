@@ -105,10 +105,12 @@ class Launch:
         return self.visible_gpus if self.kind == MODEL_PARALLEL else self.processes
 
     def float_dtype(self, frozen: bool) -> torch.dtype:
-        """Trained weights stay fp32 (autocast runs the maths in 16 bits); frozen ones may be 16-bit."""
-        if frozen and self.precision == "bf16":
+        """Trained weights stay fp32 (autocast runs the maths in 16 bits); frozen ones may be 16-bit. Under
+        DeepSpeed's mixed precision every weight is 16-bit (its optimizer keeps the float32 masters): ZeRO-3's
+        zero.Init keeps the dtype the model is built in, so a float32 build would run its forward in float32."""
+        if (frozen or self.casts_weights) and self.precision == "bf16":
             return torch.bfloat16
-        if frozen and self.precision == "fp16":
+        if (frozen or self.casts_weights) and self.precision == "fp16":
             return torch.float16
         return torch.float32
 
