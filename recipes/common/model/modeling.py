@@ -310,13 +310,13 @@ def seed_adapter(model, seed: int) -> None:
 
 def keep_adapter_inputs_in_compute_dtype(model, launch) -> bool:
     """Under mixed precision, no float32 copy of each adapted layer's input (and dropout's second one), forward
-    and backward, for the same numbers:
+    and backward:
     - where the forward runs under autocast (`launch.autocasts`), peft's cast of the input to the adapter's
-      float32 is switched off: autocast runs the adapter's matmuls in 16 bits either way; the weights stay
-      float32 for the optimizer;
+      float32 is switched off: autocast runs the adapter's matmuls in 16 bits either way (the same numbers);
+      the weights stay float32 for the optimizer;
     - under DeepSpeed's bf16 / fp16 (no autocast) the adapters take DeepSpeed's dtype, as DeepSpeed gives every
       other weight, keeping their float32 master copy in its optimizer: ZeRO-3 leaves in float32 the adapters
-      peft adds after its zero.Init (ZeRO-1/2 cast them themselves).
+      peft adds after its zero.Init, where ZeRO-1/2 cast them themselves (ZeRO-3 now computes as they do).
     True where either applies."""
     if launch.autocasts:
         from peft.tuners.tuners_utils import BaseTunerLayer
