@@ -29,6 +29,9 @@ import threading
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts" / "measure"))
+from data_speed import rank_of  # noqa: E402  (a process's RANK, from its environment)
+
 MIB = 2 ** 20
 
 
@@ -40,15 +43,6 @@ def rollup(pid: int) -> dict:
     high = re.search(r"VmHWM:\s+(\d+)", Path(f"/proc/{pid}/status").read_text())
     return {"uss": fields["Private_Clean"] + fields["Private_Dirty"], "anonymous": fields["Anonymous"],
             "rss": fields["Rss"], "vm_hwm": int(high.group(1)) * 1024 if high else 0}
-
-
-def rank_of(pid: int) -> int | None:
-    try:
-        environment = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    except OSError:
-        return None
-    rank = next((item[5:] for item in environment if item.startswith(b"RANK=")), None)
-    return int(rank) if rank is not None else None
 
 
 def children_of(pid: int) -> list[int]:
