@@ -76,8 +76,8 @@ def layer_activation_bytes_per_token(shape: ModelShape, method: str, strategy: s
         lora = [name for name in consumers if name in adapted]
         if not lora:
             return 0
-        if dropout or dt["adapter_cast"] or x_bytes != c:
-            return len(lora) * (dt["adapter"] + (1 if dropout else 0)) * width
+        if dropout or x_bytes != c:
+            return len(lora) * (c + (1 if dropout else 0)) * width
         return 0 if kept_already else c * width
 
     norms = 2 * (4 * h + 4 + (r * h if full else 0))
@@ -87,7 +87,7 @@ def layer_activation_bytes_per_token(shape: ModelShape, method: str, strategy: s
               + saved_input(["o_proj"], q, c, kept_already=kernel_keeps_output) / t
               + saved_input(["gate_proj", "up_proj"], h, r)
               + saved_input(["down_proj"], f, m) / t)
-    lora_outputs = dt["adapter"] * lora_rank * len(adapted & set(LINEAR_NAMES))
+    lora_outputs = c * lora_rank * len(adapted & set(LINEAR_NAMES))
     if dora:
         widths = {"q_proj": q, "k_proj": kv, "v_proj": kv, "o_proj": h, "gate_proj": f, "up_proj": f, "down_proj": h}
         lora_outputs += (m + c) * sum(width for name, width in widths.items() if name in adapted)
@@ -190,8 +190,6 @@ def dora_workspace(shape: ModelShape, lora_targets="all-linear") -> int:
     """The float32 tensors DoRA builds in each adapted linear's forward to take its weight's norm (read from
     peft's code, not measured): an identity of the input width i through the adapter, i*i, and two weight-sized
     matrices, 2*i*o, for the widest adapted linear; one at a time, whatever the batch."""
-    h, f, q, kv = shape.hidden, shape.ffn, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
-    shapes = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h), "gate_proj": (h, f),
-              "up_proj": (h, f), "down_proj": (f, h)}
     adapted = set(lora_target_names(lora_targets))
-    return max((4 * (i * i + 2 * i * o) for name, (i, o) in shapes.items() if name in adapted), default=0)
+    return max((4 * (i * i + 2 * i * o) for name, (i, o) in shape.linear_shapes().items() if name in adapted),
+               default=0)

@@ -58,9 +58,10 @@ def state_bytes_per_parameter(method: str, strategy: str, precision: str = "bf16
     frozen = 4 if precision == "fp32" else 2
     if method == "qlora" and precision == "bf16" and strategy in ("ddp", "model_parallel", "pipeline"):
         frozen = 4
-    # ZeRO-3 in bf16, measured (deepspeed 0.19.8, scripts/measure/plan_at_scale.py): the gradient the step sees is
-    # the fp32 copy DeepSpeed casts its reduced bf16 partition into. peft's adapters, created after zero.Init, are
-    # cast to bf16 by the recipes as DeepSpeed casts every other weight (modeling.keep_adapter_inputs_in_compute_dtype).
+    # ZeRO-3 in bf16, measured (deepspeed 0.19.8, scripts/measure/plan_at_scale.py): the gradient the step sees
+    # is the fp32 copy DeepSpeed casts its reduced bf16 partition into. peft's adapters, created after zero.Init,
+    # are cast to bf16 by the recipes as DeepSpeed casts every other weight
+    # (modeling.keep_adapter_inputs_in_compute_dtype).
     zero3_bf16 = precision == "bf16" and strategy in ("zero3", "zero3_offload")
     return {
         "trained_weight": 2 if deepspeed_bf16 else 4,
@@ -81,10 +82,6 @@ def compute_dtypes(method: str, strategy: str, precision: str = "bf16") -> dict:
       the upcast), otherwise c.
     - `linear_out` m: the outputs of the block linears: c, except QLoRA on DDP / model parallel,
       whose 4-bit linears return their input's dtype (fp32).
-    - `adapter_cast`: peft casts each adapted module's input to the adapters' fp32 (one copy per module):
-      nowhere in bf16, where the recipes keep the adapters' inputs in bf16 (modeling.
-      keep_adapter_inputs_in_compute_dtype: under autocast, or DeepSpeed's adapters in bf16).
-    - `adapter`: the bytes the adapters compute in, which their saved input and output take: c.
     - `autocast_copies`: autocast's bf16 copies of the fp32 trained weights (DDP / model parallel;
       tp / fsdp_tp: of each rank's tensor parallel part), saved for the backward.
     - `logits`: dtype of the logits the step keeps in `outputs` (accelerate converts the outputs of
@@ -92,16 +89,13 @@ def compute_dtypes(method: str, strategy: str, precision: str = "bf16") -> dict:
     """
     _check(method, strategy, precision)
     if precision == "fp32":
-        return dict(compute=4, residual=4, linear_out=4, adapter_cast=False, adapter=4, autocast_copies=False,
-                    logits=4)
+        return dict(compute=4, residual=4, linear_out=4, autocast_copies=False, logits=4)
     autocast = strategy in ("ddp", "model_parallel", "pipeline", "tp", "fsdp_tp")  # accelerate's autocast over fp32 weights
     fp32_embedding = autocast and method in ("full", "qlora")
     return dict(
         compute=2,
         residual=4 if fp32_embedding else 2,
         linear_out=4 if autocast and method == "qlora" else 2,
-        adapter_cast=False,
-        adapter=2,
         autocast_copies=autocast,
         logits=2 if strategy in DEEPSPEED else 4,
     )

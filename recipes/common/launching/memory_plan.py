@@ -25,7 +25,7 @@ def planner_inputs(args, recipe: str, launch) -> tuple:
                   precision="bf16" if launch.precision in ("bf16", "fp16") else "fp32")
     if recipe != "full":
         inputs.update(lora_rank=args.lora_r, lora_targets=args.lora_targets, lora_dropout=args.lora_dropout,
-                      dora=getattr(args, "use_dora", False))
+                      dora=args.use_dora)
     return shape, inputs
 
 

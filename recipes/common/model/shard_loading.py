@@ -115,7 +115,8 @@ def read_shards(model: torch.nn.Module, name: str, trust_remote_code: bool) -> N
 def refresh_dora_magnitudes(model: torch.nn.Module) -> None:
     """DoRA's magnitude vectors from the weights just read. peft set each to its base weight's row norms when it
     built the adapter, from the weights still unread then; the adapter adds nothing yet (its B is zero), so the
-    norms of the rows read are peft's values (a resumed run loads its own over them). A shard keeps the same rows of a weight and of its magnitude."""
+    norms of the rows read are peft's values (a resumed run loads its own over them). A shard keeps the same
+    rows of a weight and of its magnitude."""
     from torch.distributed.tensor import DTensor
 
     def local(tensor):

@@ -42,7 +42,8 @@ class StageModule(torch.nn.Module):
         super().__init__()
         self.model = model
         self.layout = layout
-        self.autocast = autocast  # the launch's mixed precision: the schedule calls the parts outside accelerate's forward
+        # the launch's mixed precision: the schedule calls the parts outside accelerate's forward
+        self.autocast = autocast
         self.micro_batches: list[dict] = []
         self.base_and_decoder = keep_stage(model, layout)  # a tuple: not registered twice as submodules
         # the schedule's stages: one per part this process runs (a list: not registered as submodules either)
