@@ -15,7 +15,12 @@ import torch
 
 from conftest import TINY_MODEL, assert_no_traceback_of_ours, assert_the_refusal_ends_the_output, launch, long_test
 from test_equivalence import max_relative_difference
+from test_preflight import launched_with  # (puts recipes/ on sys.path)
 from test_recipes_read_well import launch_edited_copy
+
+from common.launching import settle  # noqa: E402
+from common.launching.args import parse_args, recipe_flags  # noqa: E402
+from common.launching.preflight import Refusal  # noqa: E402
 
 STEPS = 8
 PAIRS_PER_STEP = 8
@@ -181,12 +186,6 @@ def test_what_it_cannot_run_is_refused_before_loading(tmp_path):
 def test_the_same_checks_refuse_the_other_flags(tmp_path, flags, refusal):
     """The launch above shows a refusal reaching the end of the launcher's output; these are the same checks,
     run as the recipe runs them (dpo.py settles as LoRA)."""
-    from test_preflight import launched_with
-
-    from common.launching import settle
-    from common.launching.args import parse_args, recipe_flags
-    from common.launching.preflight import Refusal
-
     args = parse_args(recipe_flags("dpo"), ["--max-steps", "1", "--output-dir", str(tmp_path / "out"), *flags])
     with launched_with("ddp", 2), pytest.raises(Refusal, match=re.escape(refusal)):
         settle.settle_launch(args, "lora")
