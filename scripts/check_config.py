@@ -125,6 +125,8 @@ def check(config_file: Path, recipe: str = "lora", recipe_argv: list[str] = (), 
         preflight.check_strategy(run, recipe, launch)  # FSDP's layer classes against the model, ...
         if launch.kind == TENSOR_PARALLEL:  # what the recipe can split (its model's heads, LoRA's targets)
             preflight.check_tensor_parallel(run, recipe, launch)
+        if launch.sequence_parallel > 1:  # the recipe, its model's heads, packing against the attention
+            preflight.check_sequence_parallel(run, launch)
         run, batch_line = settle_batch(run, recipe, launch)  # the file's train_batch_size must split over the ranks
         preflight.check_pipeline_micro_batches(run, launch)
         if launch.kind == DEEPSPEED:  # as the recipe, once the Accelerator exists: the engine's exact config
@@ -133,7 +135,7 @@ def check(config_file: Path, recipe: str = "lora", recipe_argv: list[str] = (), 
             check_engine_config(config, run, launch.precision, Path(source).name)
     lines = [f"config: {'; '.join(notes)}"] if notes else []
     lines += [batch_line] if batch_line else []
-    runs_as = launch.name if launch.pipeline_stages > 1 else launch.planner_strategy
+    runs_as = launch.name if launch.pipeline_stages > 1 or launch.sequence_parallel > 1 else launch.planner_strategy
     return lines + [f"ok: {recipe} runs as {runs_as} on {launch.gpus} process(es), precision {launch.precision}"]
 
 

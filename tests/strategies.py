@@ -18,13 +18,16 @@ CPU_STRATEGIES = {
     "zero2": ("DEEPSPEED", 2, False),
     "zero3": ("DEEPSPEED", 2, True),
     "zero3_offload": ("DEEPSPEED", 2, True),
+    "sp": ("DEEPSPEED", 2, True),  # ZeRO-3 x 2-way sequence parallel: both ranks slice the same rows
 }
+# ranks that share their micro-batches (a sequence parallel group): the rest train on their own
+SEQUENCE_PARALLEL = {"sp": 2}
 RECIPES = ("full", "lora", "qlora")
 # Launched by every suite run: each config with at least one recipe, each recipe with the one-process
-# reference, DDP, an FSDP and a ZeRO config (15 launches). RECIPES_LONG_TESTS=1 launches all 27.
+# reference, DDP, an FSDP and a ZeRO config (15 launches). RECIPES_LONG_TESTS=1 launches all 30.
 EVERY_RUN = {
     "full": ("model_parallel", "ddp", "fsdp", "zero1", "zero3"),
-    "lora": ("model_parallel", "ddp", "fsdp", "fsdp_grad_op", "zero2", "zero3"),
+    "lora": ("model_parallel", "ddp", "fsdp", "fsdp_grad_op", "zero2", "zero3", "sp"),
     "qlora": ("model_parallel", "ddp", "fsdp_offload", "zero3_offload"),
 }
 # The sharded configs whose adapters are compared with DDP's, per recipe (all in EVERY_RUN).
@@ -34,7 +37,7 @@ MERGED_IN = "ddp"
 # What the start-up memory plan calls each launch (model parallel on CPU: one process, no GPUs to spread over).
 PLANNER_NAME = {"model_parallel": "ddp", "ddp": "ddp", "fsdp": "fsdp_full_shard", "fsdp_grad_op": "fsdp_grad_op",
                 "fsdp_offload": "fsdp_offload", "zero1": "zero1", "zero2": "zero2", "zero3": "zero3",
-                "zero3_offload": "zero3_offload"}
+                "zero3_offload": "zero3_offload", "sp": "zero3"}
 GLOBAL_BATCH = 16  # rows per optimizer step, the same on every strategy
 GRAD_ACCUM = 2
 STEPS = 8
@@ -49,9 +52,9 @@ def matrix_cases(configs=tuple(CPU_STRATEGIES)) -> list:
 
 def matrix_args(recipe: str, config: str) -> list[str]:
     """The same seed and global batch everywhere: the one-process launch takes the whole batch."""
-    processes = CPU_STRATEGIES[config][1]
+    data_parallel = CPU_STRATEGIES[config][1] // SEQUENCE_PARALLEL.get(config, 1)
     args = ["--max-steps", str(STEPS), "--grad-accum", str(GRAD_ACCUM), "--log-every", "4",
-            "--batch-size", str(GLOBAL_BATCH // GRAD_ACCUM // processes), "--save-every", str(SAVE_EVERY)]
+            "--batch-size", str(GLOBAL_BATCH // GRAD_ACCUM // data_parallel), "--save-every", str(SAVE_EVERY)]
     if recipe == "full":
         return args + ["--lr", "2e-3"]
     # Dropout draws differ between one process and several; without it the curves must agree.

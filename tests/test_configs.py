@@ -14,7 +14,7 @@ from conftest import CONFIGS, REPO
 
 ALL_CONFIGS = sorted(CONFIGS.glob("*.yaml"))
 EXPECTED = {"model_parallel", "ddp", "fsdp", "fsdp_grad_op", "fsdp_hybrid", "fsdp_offload",
-            "zero1", "zero2", "zero3", "zero3_offload", "multi_node", "tp", "fsdp_tp", "pipeline"}
+            "zero1", "zero2", "zero3", "zero3_offload", "multi_node", "tp", "fsdp_tp", "pipeline", "sp"}
 
 
 def test_every_strategy_has_its_config():

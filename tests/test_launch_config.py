@@ -111,7 +111,7 @@ def test_a_value_accelerate_would_choke_on_is_refused(changes, message):
 
 @pytest.mark.parametrize("size, message", [
     ("PARALLELISM_CONFIG_CP_SIZE", "context parallel (parallelism_config_cp_size: 2) is not supported"),
-    ("PARALLELISM_CONFIG_SP_SIZE", "sequence parallel (ALST/Ulysses) (parallelism_config_sp_size: 2) is not supported"),
+    ("PARALLELISM_CONFIG_SP_SIZE", "sequence parallel (parallelism_config_sp_size: 2) runs under DeepSpeed"),
 ])
 def test_sequence_sharding_is_refused_on_every_machine(size, message):
     for on_gpu in (False, True):

@@ -1,7 +1,7 @@
 """The recipes under every strategy that runs on CPU: 2 processes through `accelerate launch`.
 
 Each run of the suite launches every config with at least one recipe and every recipe with DDP,
-an FSDP and a ZeRO config (tests/strategies.py); RECIPES_LONG_TESTS=1 launches all 27 pairs.
+an FSDP and a ZeRO config (tests/strategies.py); RECIPES_LONG_TESTS=1 launches all 30 pairs.
 
 Each launch must (1) really run the asked strategy (several launches exit 0 without
 distributing), (2) lower the loss, and (3) leave artifacts that reload in plain transformers /

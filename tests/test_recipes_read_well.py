@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, launch
+from conftest import REPO, launch, long_test
 from strategies import CPU_STRATEGIES, STEPS, matrix_args
 
 sys.path.insert(0, str(REPO / "recipes"))
@@ -106,11 +106,12 @@ def test_a_copied_recipe_edited_in_its_loss_and_schedule_trains_on_the_edits(tra
 DOUBLED_LOSS = ("    return losses.view_as(targets)", "    return 2.0 * losses.view_as(targets)  # every token twice")
 
 
-@pytest.mark.parametrize("config", ["ddp", "fsdp", "zero3", "pipeline"])
+@pytest.mark.parametrize("config", ["ddp", "fsdp", "zero3", "pipeline", pytest.param("sp", marks=long_test)])
 def test_an_edited_loss_trains_under_every_strategy(config, trained, tmp_path):
     """The loss is written once, in the recipe's token_losses, and every path that trains uses it (the
-    plain loop, ZeRO's engine, pipeline parallel's schedule): doubled in a copy, the first step's loss
-    (before any update) is twice the one-process recipe's on the same global batch."""
+    plain loop, ZeRO's engine, pipeline parallel's schedule, each rank's slice under sequence parallel):
+    doubled in a copy, the first step's loss (before any update) is twice the one-process recipe's on the
+    same global batch."""
     run = launch_edited_copy([DOUBLED_LOSS], tmp_path / "out", steps=1, config=config)
     assert run.losses()[0] == pytest.approx(2 * trained("lora", "model_parallel").losses()[0], rel=1e-5)
 

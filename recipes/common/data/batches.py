@@ -70,6 +70,41 @@ class WithTargetPositions:
         return batch
 
 
+class SequenceSlice:
+    """Sequence parallel: this rank's slice of every sequence of `collate`'s micro-batches, `rank` of the `size`
+    ranks that share them. The batch is padded to a multiple of `size` positions; the rank keeps its
+    `length / size` positions of `input_ids` and `position_ids` (numbered in the whole sequence: the attention
+    gathers the slices back) and of `labels` one more, so that `labels[:, 1:]` are the targets of exactly its
+    positions, the next slice's first token included. No attention mask: the attention over the gathered
+    sequence is causal, and a row's padding, at its end, is attended to by nothing real. Its target positions
+    are its slice's own."""
+
+    def __init__(self, collate, rank: int, size: int):
+        self.collate, self.rank, self.size = collate, rank, size
+
+    def __call__(self, rows: list[dict]) -> dict:
+        batch = self.collate(rows)
+        labels = batch.pop("labels")
+        count, length = labels.shape
+        piece = -(-length // self.size)  # positions per rank
+        start, end = self.rank * piece, (self.rank + 1) * piece
+        extra = piece * self.size - length
+        positions = batch.pop("position_ids", None)
+        if positions is None:
+            positions = torch.arange(length).expand(count, length)
+        sliced = {}
+        for key, value in batch.items():  # the sequences' tensors sliced; the batch's others (none here) kept
+            if key in ("attention_mask", "target_positions"):
+                continue
+            sequence = torch.is_tensor(value) and value.dim() > 1 and value.shape[1] == length
+            sliced[key] = torch.nn.functional.pad(value, (0, extra))[:, start:end] if sequence else value
+        # padding: positions counting on, so that the gathered positions still rise along each row
+        sliced["position_ids"] = torch.cat([positions, positions[:, -1:] + torch.arange(1, extra + 1)], 1)[:, start:end]
+        sliced["labels"] = torch.nn.functional.pad(labels, (0, extra + 1), value=IGNORE)[:, start:end + 1]
+        sliced["target_positions"] = positions_with_targets(sliced["labels"][:, 1:])
+        return sliced
+
+
 def make_loaders(train, evaluation, collate, batch_size: int, workers: int | None = None):
     """Shuffled training batches (the ragged last batch dropped) and ordered evaluation batches,
     each micro-batch made by `collate` (a list of rows -> a dict of tensors), with its target positions

@@ -53,6 +53,10 @@ class Launch:
     tensor_parallel: int = 1  # ranks that split each layer's weights (and see the same batches)
     pipeline_stages: int = 1  # --pipeline-stages: ranks that each run a part of the layers on the same batches
     pipeline_chunks: int = 1  # parts of the layers each of them runs (the interleaved schedule's --pipeline-chunks)
+    # DeepSpeed's sequence parallel (ALST / Ulysses, parallelism_config_sp_size): ranks that each hold a slice of
+    # every sequence of the same micro-batches, and the attention implementation that runs on the gathered heads
+    sequence_parallel: int = 1
+    sequence_attention: str | None = None
     # FSDP and ZeRO-3: one of the loadings above (None: transformers' own, ZeRO-3's 4-bit weights).
     # fsdp_cpu_ram_efficient_loading asks for one copy of the weights in host RAM: each process reads its
     # shards where the model's files allow it (settle.settle_loading), else the main process reads them and
@@ -96,8 +100,8 @@ class Launch:
     @property
     def data_parallel_size(self) -> int:
         """Ranks that each train on their own micro-batches: all of them, except that the ranks of a
-        tensor parallel group, or of a pipeline, share theirs."""
-        return self.processes // self.tensor_parallel // self.pipeline_stages
+        tensor parallel group, of a pipeline, or of a sequence parallel group share theirs."""
+        return self.processes // self.tensor_parallel // self.pipeline_stages // self.sequence_parallel
 
     @property
     def gpus(self) -> int:
@@ -139,6 +143,8 @@ class Launch:
             return f"{groups}{self.tensor_parallel}-way tensor parallel"
         if self.pipeline_stages > 1:
             return f"{self.pipeline_stages}-stage pipeline x {self.data_parallel_size} replica(s)"
+        if self.sequence_parallel > 1:
+            return f"{self.planner_strategy} x {self.sequence_parallel}-way sequence parallel"
         return self.planner_strategy
 
     def as_record(self) -> dict:
@@ -163,6 +169,18 @@ def tensor_parallel_size(env) -> int:
     return number(env, "PARALLELISM_CONFIG_TP_SIZE")
 
 
+def sequence_parallel_size(env) -> int:
+    if not flag(env, "ACCELERATE_USE_PARALLELISM_CONFIG"):
+        return 1
+    return number(env, "PARALLELISM_CONFIG_SP_SIZE")
+
+
+def sequence_attention(env) -> str | None:
+    """parallelism_config_sp_attn_implementation as the launcher passed it (None where the file names none)."""
+    value = env.get("PARALLELISM_CONFIG_SP_ATTN_IMPLEMENTATION", "None")
+    return None if value == "None" else value
+
+
 def describe(env=None, on_gpu: bool | None = None) -> Launch:
     """The launch described by `env` (default: this process's environment, as adapt_launch left it)."""
     env = os.environ if env is None else env
@@ -178,7 +196,9 @@ def describe(env=None, on_gpu: bool | None = None) -> Launch:
         stage = int(zero.get("stage", 0))
         # read as accelerate's DeepSpeedPlugin reads it (absent: on for stage 3)
         one_copy = str_to_bool(env.get("ACCELERATE_DEEPSPEED_ZERO3_INIT", "true")) == 1
-        return Launch(DEEPSPEED, **common, zero_stage=stage,
+        sequence = sequence_parallel_size(env)
+        return Launch(DEEPSPEED, **common, zero_stage=stage, sequence_parallel=sequence,
+                      sequence_attention=sequence_attention(env) if sequence > 1 else None,
                       loading=(MAIN_PROCESS_SENDS if one_copy else EVERY_PROCESS_READS) if stage == 3 else None,
                       offload_parameters=(zero.get("offload_param") or {}).get("device", "none") != "none",
                       offload_optimizer=(zero.get("offload_optimizer") or {}).get("device", "none") != "none")

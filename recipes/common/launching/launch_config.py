@@ -23,7 +23,7 @@ from pathlib import Path
 from ..refusal import refuse
 from ..strict_reading import DuplicateKey, StrictLoader, mapping_without_repeats
 from .deepspeed_config import deepspeed_source, settle_deepspeed
-from .launch import number, tensor_parallel_size
+from .launch import number, sequence_attention, sequence_parallel_size, tensor_parallel_size
 from .settled import Run
 
 TRUE = ("true", "1", "yes", "on", "y", "t")
@@ -219,17 +219,61 @@ def translate_dynamo(env, run: Run) -> tuple[Run, list[str]]:
 
 
 def refuse_unsupported_parallelism(env, on_gpu: bool) -> None:
-    """Sequence sharding needs loop changes these recipes do not make; hybrid sharding needs GPUs."""
+    """Context parallel needs loop changes these recipes do not make; sequence parallel runs under DeepSpeed
+    (`settle_sequence_parallel`); hybrid sharding needs GPUs."""
     if env.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() != "true":
         return
-    fix = "delete it from parallelism_config (for long sequences use --gradient-checkpointing and fsdp.yaml)"
-    for name, what in (("CP", "context parallel"), ("SP", "sequence parallel (ALST/Ulysses)")):
-        size = number(env, f"PARALLELISM_CONFIG_{name}_SIZE")
-        if size > 1:
-            refuse(f"{what} (parallelism_config_{name.lower()}_size: {size}) is not supported by these recipes, "
-                   f"which keep each sequence on one rank; {fix}")
+    size = number(env, "PARALLELISM_CONFIG_CP_SIZE")
+    if size > 1:
+        refuse(f"context parallel (parallelism_config_cp_size: {size}) is not supported by these recipes; for long "
+               "sequences use sequence parallel (accelerate_configs/sp.yaml: parallelism_config_sp_size under DeepSpeed)")
+    size = sequence_parallel_size(env)
+    if size > 1 and env.get("ACCELERATE_USE_DEEPSPEED", "false").lower() != "true":
+        refuse(f"sequence parallel (parallelism_config_sp_size: {size}) runs under DeepSpeed (its ALST / Ulysses), "
+               "not this config's strategy; use accelerate_configs/sp.yaml, or delete sp_size from parallelism_config")
     if number(env, "PARALLELISM_CONFIG_DP_REPLICATE_SIZE") > 1 and not on_gpu:
         refuse_hybrid_on_cpu()
+
+
+# what DeepSpeed's Ulysses runs on the gathered heads (a hub kernel, "owner/name", too); eager and flex refused
+SEQUENCE_ATTENTION = ("sdpa", "flash_attention_2", "flash_attention_3")
+
+
+def settle_sequence_parallel(env, run: Run) -> tuple[Run, list[str]]:
+    """Sequence parallel (sp.yaml): every sequence split over `parallelism_config_sp_size` ranks by DeepSpeed's
+    Ulysses, which accelerate sets up from the file. The file's attention implementation is the model's
+    (`--attention`); where the file names none, the run's (sdpa by default) is handed to accelerate, which
+    cannot start without one."""
+    size = sequence_parallel_size(env)
+    processes = int(env.get("WORLD_SIZE", "1"))
+    backend = env.get("PARALLELISM_CONFIG_SP_BACKEND", "deepspeed")
+    if backend != "deepspeed":
+        refuse(f"parallelism_config_sp_backend {backend!r} is not one accelerate knows; set it to deepspeed")
+    if processes % size:
+        refuse(f"parallelism_config_sp_size {size} does not divide the {processes} processes; launch a multiple of "
+               f"{size} (--num_processes) or change sp_size")
+    shard = number(env, "PARALLELISM_CONFIG_DP_SHARD_SIZE")
+    if shard not in (1, processes // size):
+        refuse(f"parallelism_config_dp_shard_size {shard} x sp_size {size} is not the {processes} processes; under "
+               f"DeepSpeed the groups are all processes / sp_size = {processes // size}: set dp_shard_size to that or 1")
+    # accelerate counts DeepSpeed's train_batch_size over dp_shard_size (1 where the file names none)
+    env["PARALLELISM_CONFIG_DP_SHARD_SIZE"] = str(processes // size)
+    named = sequence_attention(env)
+    attention = named or run.attention or "sdpa"
+    if named and run.attention and run.attention != named:
+        refuse(f"--attention {run.attention} but parallelism_config_sp_attn_implementation {named}: sequence parallel "
+               "runs the model's attention on the gathered heads; make them the same")
+    if attention not in SEQUENCE_ATTENTION and "/" not in attention:
+        refuse(f"sequence parallel cannot split {attention} attention (it needs the whole mask); use "
+               f"--attention sdpa or flash_attention_2 (parallelism_config_sp_attn_implementation)")
+    notes = [f"sequence parallel: each sequence split over {size} ranks (DeepSpeed Ulysses, {attention} attention), "
+             f"{processes // size} data-parallel group(s)"]
+    if named is None:
+        env["PARALLELISM_CONFIG_SP_ATTN_IMPLEMENTATION"] = attention
+    if run.attention != attention:
+        run = run.settled({"attention": (attention, "parallelism_config_sp_attn_implementation in the accelerate config"
+                                         if named else "sequence parallel's attention")})
+    return run, notes
 
 
 # transformers shards a model over FSDP and tensor parallel together from this version on
@@ -459,4 +503,7 @@ def adapt_launch(run: Run, env=None, config_file: Path | None | str = "launcher"
         notes += [f"renamed in {Path(source).name}: {', '.join(renamed)}"] if renamed else []
         run, settled = settle_deepspeed(config, source, run, env, on_gpu)
         notes += settled
+        if sequence_parallel_size(env) > 1:
+            run, sequence = settle_sequence_parallel(env, run)
+            notes += sequence
     return run, notes

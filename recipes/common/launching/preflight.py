@@ -19,7 +19,7 @@ from ..data.mixture import sources_of
 from ..model.model_config import is_default_model, meta_model, module_kinds, quantizable_weights
 from ..model.pipeline_layout import check_layout, unstageable
 from ..refusal import Refusal, refuse  # noqa: F401  (preflight.refuse and preflight.Refusal, as the recipes and tests use them)
-from .args import lora_targets
+from .args import PREFERENCE_RECIPES, lora_targets
 from .launch import DDP, FSDP
 from .launch import flag as env_flag  # (`flag` names the flags in the checks below)
 from .memory_plan import size
@@ -393,6 +393,33 @@ def check_speed_options(args, on_gpu: bool) -> None:
     tracker_package = {"wandb": "wandb", "trackio": "trackio", "tensorboard": "tensorboard"}.get(args.report_to)
     if tracker_package and find_spec(tracker_package) is None:
         refuse(f"--report-to {args.report_to} needs `pip install {tracker_package}`; or use --report-to none")
+
+
+def check_sequence_parallel(args, launch) -> None:
+    """What sequence parallel can split: the SFT recipes' token losses, over heads that divide among the ranks."""
+    size = launch.sequence_parallel
+    if args.recipe in PREFERENCE_RECIPES:
+        refuse(f"sequence parallel is not built for {args.recipe}.py: a pair's loss needs each row's whole "
+               "log-probability, which each rank holds a slice of; use accelerate_configs/zero3.yaml")
+    if args.packing and launch.sequence_attention == "sdpa":
+        refuse("--packing under sequence parallel needs flash_attention_2: sdpa runs the gathered sequence without "
+               "a mask, so packed rows would attend to each other; drop --packing, or on GPUs set "
+               "parallelism_config_sp_attn_implementation: flash_attention_2")
+    config = model_config(args.model)
+    if config is None:  # a hub model not in the cache: DeepSpeed checks the heads after loading
+        return
+    config = {**config.get("text_config", {}), **config}
+    heads, groups = config.get("num_attention_heads"), config.get("num_key_value_heads")
+    if heads and heads % size:
+        fits = [n for n in range(2, heads + 1) if heads % n == 0 and (not groups or groups % n == 0 or n % groups == 0)]
+        refuse(f"sequence parallel over {size} ranks splits the attention heads, but {args.model} has {heads}; set "
+               f"parallelism_config_sp_size to {' or '.join(map(str, fits[:4])) or '1'}")
+    if groups and groups % size and size % groups:
+        refuse(f"sequence parallel over {size} ranks splits the key-value heads, but {args.model} has {groups}, "
+               f"neither a multiple nor a divisor of {size}; change parallelism_config_sp_size")
+    if config.get("output_router_logits"):
+        refuse("a mixture of experts' router loss over a slice of each sequence is not the sequence's; set "
+               "output_router_logits false in the model's config, or use accelerate_configs/zero3.yaml")
 
 
 def model_config(model: str) -> dict | None:

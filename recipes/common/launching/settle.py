@@ -43,6 +43,8 @@ def settle_launch(args: Run, recipe: str) -> tuple[Run, Launch]:
     launch = preflight.check_pipeline(run, recipe, launch)
     if launch.kind == TENSOR_PARALLEL:
         preflight.check_tensor_parallel(run, recipe, launch)
+    if launch.sequence_parallel > 1:
+        preflight.check_sequence_parallel(run, launch)
     if run.recipe in PREFERENCE_RECIPES:
         preflight.check_preference_run(run, launch)
     run, batch_line = settle_batch(run, recipe, launch)  # --batch-size auto, --global-batch-size

@@ -22,7 +22,7 @@ from accelerate import Accelerator, DataLoaderConfiguration, DeepSpeedPlugin
 from accelerate.utils import (DistributedDataParallelKwargs, DistributedType, FullyShardedDataParallelPlugin,
                                GradientAccumulationPlugin, InitProcessGroupKwargs)
 
-from ..data.batches import target_tokens
+from ..data.batches import SequenceSlice, target_tokens
 from ..launching import deepspeed_config
 from ..launching.launch import DEEPSPEED, FSDP, TENSOR_PARALLEL, Launch
 from ..model.shard_loading import read_shards
@@ -69,6 +69,8 @@ def make_accelerator(args, launch: Launch) -> Accelerator:
         with parallelism_config_hidden():  # accelerate refuses it on CPU processes: added after
             accelerator = Accelerator(**kwargs)
         enable_tensor_parallel_on_cpu(accelerator)
+    elif launch.sequence_parallel > 1:
+        accelerator = SequenceParallelAccelerator(launch.sequence_parallel, launch.zero_stage, **kwargs)
     elif launch.reads_shards:
         if not on_cpu:
             kwargs["fsdp_plugin"] = FullyShardedDataParallelPlugin(cpu_ram_efficient_loading=False)
@@ -135,6 +137,58 @@ class ShardReadingAccelerator(Accelerator):
         for thing in prepared if len(objects) > 1 else (prepared,):
             if isinstance(thing, torch.nn.Module):
                 read_shards(thing, self.model_name, self.trust_remote_code)
+        return prepared
+
+
+class SequenceParallelAccelerator(Accelerator):
+    """accelerate's Accelerator under DeepSpeed's sequence parallel (sp.yaml): `prepare` sets Ulysses up as
+    accelerate does (the model's attention all-to-all over each group of `size` consecutive ranks, DeepSpeed's
+    groups), but hands out the loaders itself. A training loader (full micro-batches only, `drop_last`: Ulysses
+    runs a fixed number of rows) goes to each group whole, split over the groups as data parallel, and each
+    rank keeps its slice of every sequence (`SequenceSlice`): every rank of the step sees its slice of the same
+    rows, so the loop, its token count and resume are those of every other strategy. (accelerate's own adapter
+    gathers the group's batches and takes them in turn, several forwards per micro-batch.) An evaluation loader
+    is split over all ranks: in eval mode Ulysses steps aside (accelerate registers it so) and each rank runs
+    its sequences whole, without gradients.
+
+    Each rank's loss is its slice's own, and the gradient is their sum over all ranks; the recipes scale it
+    as if the all-reduce took the mean over all ranks. ZeRO-3 does; ZeRO-1 and 2 divide by the data-parallel
+    groups only (they expect every rank of a group to hold the whole sequence's loss), so `backward` divides
+    by the group's size there."""
+
+    def __init__(self, size: int, zero_stage: int, **kwargs):
+        super().__init__(**kwargs)
+        self.sequence_parallel = size
+        self.gradient_excess = size if zero_stage < 3 else 1
+
+    def backward(self, loss, **kwargs):
+        super().backward(loss / self.gradient_excess if self.gradient_excess > 1 else loss, **kwargs)
+
+    def prepare(self, *objects, **kwargs):
+        others = [thing for thing in objects if not isinstance(thing, torch.utils.data.DataLoader)]
+        config = self.state.deepspeed_plugin.deepspeed_config
+        for loader in objects:  # what accelerate reads from the loaders it is no longer given (Ulysses' rows too)
+            if isinstance(loader, torch.utils.data.DataLoader) and loader.drop_last:
+                if config.get("train_micro_batch_size_per_gpu", "auto") == "auto":
+                    config["train_micro_batch_size_per_gpu"] = loader.batch_size
+        prepared = super().prepare(*others, **kwargs) if others else ()
+        prepared = iter(prepared if len(others) > 1 else (prepared,))
+        result = [self.sequence_loader(thing) if isinstance(thing, torch.utils.data.DataLoader) else next(prepared)
+                  for thing in objects]
+        return result[0] if len(result) == 1 else tuple(result)
+
+    def sequence_loader(self, loader):
+        if not loader.drop_last:
+            return self.prepare_data_loader(loader)
+        from accelerate.data_loader import prepare_data_loader
+
+        size = self.sequence_parallel
+        loader.collate_fn = SequenceSlice(loader.collate_fn, self.process_index % size, size)
+        prepared = prepare_data_loader(loader, self.device, num_processes=self.num_processes // size,
+                                       process_index=self.process_index // size, put_on_device=True,
+                                       rng_types=self.rng_types.copy(), use_seedable_sampler=True,
+                                       data_seed=self.dataloader_config.data_seed, non_blocking=self.non_blocking)
+        self._dataloaders.append(prepared)
         return prepared
 
 

@@ -1,0 +1,242 @@
+"""Sequence parallel (accelerate_configs/sp.yaml: DeepSpeed's ALST / Ulysses through accelerate's
+ParallelismConfig): each sequence split over the ranks of a group trains the curve of one process, loss and
+gradient norm, under ZeRO-1, 2 and 3; what it cannot split is refused in one line before the model loads.
+
+The matrix (tests/strategies.py) launches sp.yaml with every recipe: its loss curve against one process
+(test_equivalence), its resume (test_resume), its artifacts (test_matrix). Here: the gradient norms, the
+ZeRO stages that divide the gradients differently, the data-parallel groups, rows ten times the bundled
+model's context, and the refusals."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import sys
+from unittest import mock
+
+import pytest
+import torch
+import yaml
+
+from conftest import CONFIGS, REPO, TINY_MODEL, assert_the_refusal_ends_the_output, launch, long_test
+from strategies import matrix_args
+from test_preflight import launched_with
+
+sys.path.insert(0, str(REPO / "recipes"))
+sys.path.insert(0, str(REPO / "scripts"))
+
+import check_config  # noqa: E402
+from common.data.batches import IGNORE, PadToLongest, SequenceSlice, WithTargetPositions, target_tokens  # noqa: E402
+from common.launching import settle  # noqa: E402
+from common.launching.args import parse_args, recipe_flags  # noqa: E402
+from common.launching.preflight import Refusal  # noqa: E402
+
+
+def figures(run) -> list[tuple[float, float]]:
+    return [(record["loss"], record["grad_norm"]) for record in run.metrics()]
+
+
+def assert_same_curve(reference, other) -> None:
+    assert reference.returncode == other.returncode == 0, other.output[-3000:]
+    for (loss_a, norm_a), (loss_b, norm_b) in zip(figures(reference), figures(other), strict=True):
+        assert abs(loss_a - loss_b) <= 1e-5 * abs(loss_a), (figures(reference), figures(other))
+        assert abs(norm_a - norm_b) <= 1e-5 * abs(norm_a), (figures(reference), figures(other))
+
+
+def sp_config(tmp_path, zero_stage: int = 3, **parallelism) -> str:
+    """sp.yaml with another ZeRO stage or parallelism_config."""
+    config = yaml.safe_load((CONFIGS / "sp.yaml").read_text())
+    config["deepspeed_config"]["zero_stage"] = zero_stage
+    if zero_stage != 3:
+        del config["deepspeed_config"]["zero3_init_flag"]
+    config["parallelism_config"].update(parallelism)
+    path = tmp_path / f"sp_zero{zero_stage}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return str(path)
+
+
+# --- the slices ---------------------------------------------------------------------------------
+
+
+def random_rows(count: int, seed: int, packed: bool = False) -> list[dict]:
+    generator = random.Random(seed)
+    rows = []
+    for _ in range(count):
+        length = generator.randint(1, 23)
+        labels = [IGNORE if generator.random() < 0.3 else generator.randint(4, 300) for _ in range(length)]
+        row = {"input_ids": [generator.randint(4, 300) for _ in range(length)], "labels": labels}
+        if packed:
+            cut = generator.randint(0, length)
+            row["position_ids"] = list(range(cut)) + list(range(length - cut))
+        rows.append(row)
+    return rows
+
+
+@pytest.mark.parametrize("size", [2, 3, 4])
+@pytest.mark.parametrize("packed", [False, True])
+def test_the_slices_of_a_batch_are_the_batch(size, packed):
+    """Side by side, the ranks' slices hold the batch's tokens, its positions and every target once, each
+    target at the position that predicts it; the padding added to divide the length is no target."""
+    collate = WithTargetPositions(PadToLongest(pad_token_id=3))
+    for seed in range(20):
+        rows = random_rows(5, seed, packed)
+        whole = collate(rows)
+        slices = [SequenceSlice(collate, rank, size)(rows) for rank in range(size)]
+        length = whole["input_ids"].shape[1]
+        assert len({piece["input_ids"].shape[1] for piece in slices}) == 1
+        ids = torch.cat([piece["input_ids"] for piece in slices], 1)
+        assert ids.shape[1] % size == 0 and ids.shape[1] - length < size
+        assert torch.equal(ids[:, :length], whole["input_ids"])
+        positions = torch.cat([piece["position_ids"] for piece in slices], 1)
+        expected = whole["position_ids"] if packed else torch.arange(length).expand(len(rows), length)
+        assert torch.equal(positions[:, :length], expected)
+        assert (positions[:, length:] > positions[:, length - 1:length]).all()  # the padding counts on
+        targets = torch.cat([piece["labels"][:, 1:] for piece in slices], 1)
+        assert torch.equal(targets[:, :length - 1], whole["labels"][:, 1:]) and (targets[:, length - 1:] == IGNORE).all()
+        assert sum(int(target_tokens(piece)) for piece in slices) == int(target_tokens(whole))
+        for piece in slices:
+            assert "attention_mask" not in piece
+            expected_positions = (piece["labels"][:, 1:] != IGNORE).any(0).nonzero().squeeze(1)
+            assert torch.equal(piece["target_positions"], expected_positions)
+
+
+# --- launches -----------------------------------------------------------------------------------
+
+
+def test_sequence_parallel_keeps_the_gradient_norm(trained):
+    """sp.yaml (ZeRO-3) against one process, with gradient accumulation: the gradient norms agree too."""
+    assert_same_curve(trained("lora", "model_parallel"), trained("lora", "sp"))
+
+
+@pytest.mark.parametrize("zero_stage", [1, pytest.param(2, marks=long_test)])
+def test_zero_1_and_2_give_the_gradient_of_one_process(zero_stage, trained, tmp_path):
+    """ZeRO-1 and 2 divide the summed gradients by the data-parallel groups, not by every rank: without
+    the accelerator's correction the gradient norm comes out twice one process's (Adam hides it in the loss)."""
+    run = launch("lora", tmp_path / "out", *matrix_args("lora", "sp"), config=sp_config(tmp_path, zero_stage))
+    assert f"zero{zero_stage} x 2-way sequence parallel" in run.output
+    assert_same_curve(trained("lora", "model_parallel"), run)
+
+
+@long_test
+@pytest.mark.parametrize("zero_stage", [1, 3])
+def test_two_groups_of_two(zero_stage, trained, tmp_path):
+    """4 processes: 2 data-parallel groups x 2-way sequence parallel, the same global batch."""
+    args = matrix_args("lora", "sp")
+    args[args.index("--batch-size") + 1] = str(int(args[args.index("--batch-size") + 1]) // 2)
+    run = launch("lora", tmp_path / "out", *args, config=sp_config(tmp_path, zero_stage), processes=4, timeout=900)
+    assert "2 data-parallel group(s)" in run.output
+    assert_same_curve(trained("lora", "model_parallel"), run)
+
+
+def long_rows(tmp_path, tokens_per_row: int = 15_000):
+    """The bundled model with a longer context (its positions are rotary: nothing learned to extend) and
+    plain-text rows of about `tokens_per_row` tokens."""
+    model = tmp_path / "long-model"
+    shutil.copytree(TINY_MODEL, model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 32768}))
+    words = ["sort", "copy", "reverse", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
+    generator = random.Random(0)
+    data = tmp_path / "long.jsonl"
+    with open(data, "w") as file:  # ~4.75 tokens a word with the bundled tokenizer
+        for _ in range(6):
+            file.write(json.dumps({"text": " ".join(generator.choice(words) for _ in range(tokens_per_row * 4 // 19))})
+                       + "\n")
+    return model, data
+
+
+@long_test
+def test_rows_of_sixteen_thousand_tokens(tmp_path):
+    """README's command: --max-length 16384 under sp.yaml on 2 processes trains the curve of one process."""
+    model, data = long_rows(tmp_path)
+    common = ["--model", str(model), "--dataset", str(data), "--eval-dataset", str(data), "--max-length", "16384",
+              "--batch-size", "1", "--grad-accum", "2", "--max-steps", "2", "--lora-dropout", "0"]
+    one = launch("lora", tmp_path / "one", *common, timeout=900)
+    split = launch("lora", tmp_path / "sp", *common, config="sp", timeout=900)
+    assert_same_curve(one, split)
+    assert min(record["tokens"] for record in split.metrics()) > 2 * 12_000
+
+
+def test_a_refusal_ends_the_launch_output(tmp_path):
+    run = launch("lora", tmp_path / "out", "--packing", config="sp")
+    assert run.returncode != 0
+    assert_the_refusal_ends_the_output(run.output, "error: --packing under sequence parallel needs flash_attention_2: "
+                                       "sdpa runs the gathered sequence without a mask, so packed rows would attend "
+                                       "to each other; drop --packing, or on GPUs set "
+                                       "parallelism_config_sp_attn_implementation: flash_attention_2")
+
+
+# --- refusals, in-process -------------------------------------------------------------------------
+
+
+def settle_under(config: str, processes: int, recipe: str = "lora", argv=(), env=None):
+    args = parse_args(recipe_flags(recipe), [*argv, "--output-dir", "/tmp/never-written"])
+    with launched_with(config, processes), mock.patch.dict(os.environ, env or {}):
+        return settle.settle_launch(args, recipe)
+
+
+def test_sp_yaml_settles_as_zero3_with_two_groups():
+    run, launch_ = settle_under("sp", 4)
+    assert (launch_.sequence_parallel, launch_.data_parallel_size, launch_.zero_stage) == (2, 2, 3)
+    assert launch_.name == "zero3 x 2-way sequence parallel" and run.attention == "sdpa"
+
+
+def test_the_files_attention_is_the_models():
+    """The file's attention settles the run's; a file naming none gets the run's (accelerate cannot start
+    without one)."""
+    from common.launching.launch_config import settle_sequence_parallel
+    from common.launching.settled import Run
+
+    def settled(named: str, *argv: str):
+        env = {"WORLD_SIZE": "2", "ACCELERATE_USE_PARALLELISM_CONFIG": "true", "PARALLELISM_CONFIG_SP_SIZE": "2",
+               "PARALLELISM_CONFIG_SP_ATTN_IMPLEMENTATION": named}
+        run, _ = settle_sequence_parallel(env, Run.of(parse_args(recipe_flags("lora"), list(argv))))
+        return run, env["PARALLELISM_CONFIG_SP_ATTN_IMPLEMENTATION"]
+
+    run, handed = settled("None", "--attention", "flash_attention_2")
+    assert run.attention == handed == "flash_attention_2"
+    run, handed = settled("flash_attention_2")
+    assert run.attention == handed == "flash_attention_2" and "sp_attn_implementation" in run.settled_from["attention"]
+    run, handed = settled("None")
+    assert run.attention == handed == "sdpa"
+
+
+@pytest.mark.parametrize("recipe, processes, argv, env, message", [
+    ("dpo", 2, [], {}, "sequence parallel is not built for dpo.py"),
+    ("dpo_full", 2, [], {}, "sequence parallel is not built for dpo_full.py"),
+    ("lora", 2, ["--packing"], {}, "--packing under sequence parallel needs flash_attention_2"),
+    ("lora", 2, ["--attention", "eager"], {}, "--attention eager but parallelism_config_sp_attn_implementation sdpa"),
+    ("lora", 2, [], {"PARALLELISM_CONFIG_SP_ATTN_IMPLEMENTATION": "eager"}, "sequence parallel cannot split eager"),
+    ("lora", 3, [], {}, "parallelism_config_sp_size 2 does not divide the 3 processes"),
+    ("lora", 4, [], {"PARALLELISM_CONFIG_DP_SHARD_SIZE": "4"}, "dp_shard_size 4 x sp_size 2 is not the 4 processes"),
+    ("lora", 2, [], {"PARALLELISM_CONFIG_SP_BACKEND": "ring"}, "parallelism_config_sp_backend 'ring'"),
+    ("lora", 2, ["--pipeline-stages", "2"], {}, "--pipeline-stages runs on a plain multi-process launch"),
+])
+def test_what_sequence_parallel_cannot_split_is_refused(recipe, processes, argv, env, message):
+    with pytest.raises(Refusal) as refusal:
+        settle_under("sp", processes, recipe, argv, env)
+    assert message in str(refusal.value), refusal.value
+
+
+@pytest.mark.parametrize("size, message", [(4, "has 6; set parallelism_config_sp_size to 3 or 6"),
+                                           (2, "splits the key-value heads, but")])
+def test_heads_that_do_not_divide_are_refused(size, message, tmp_path):
+    model = tmp_path / "six-heads"
+    shutil.copytree(TINY_MODEL, model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "num_attention_heads": 6, "num_key_value_heads": 3,
+                                                   "head_dim": 16}))
+    with pytest.raises(Refusal, match=message):
+        settle_under("sp", 4, argv=["--model", str(model)], env={"PARALLELISM_CONFIG_SP_SIZE": str(size)})
+
+
+def test_sequence_parallel_outside_deepspeed_is_refused():
+    with pytest.raises(Refusal, match="runs under DeepSpeed .* use accelerate_configs/sp.yaml"):
+        settle_under("fsdp", 2, env={"ACCELERATE_USE_PARALLELISM_CONFIG": "true", "PARALLELISM_CONFIG_SP_SIZE": "2"})
+
+
+def test_check_config_names_the_split():
+    verdict = check_config.check(CONFIGS / "sp.yaml", "lora", num_processes=4, on_gpu=True)[-1]
+    assert verdict.startswith("ok: lora runs as zero3 x 2-way sequence parallel on 4 process(es)"), verdict
