@@ -243,7 +243,10 @@ def seconds(value: float) -> str:
 
 
 def pipeline_layout(run: dict, gpus: int) -> str:
-    """How a pipeline run splits the GPUs ('' for the other strategies)."""
+    """How a pipeline or sequence parallel run splits the GPUs ('' for the other strategies)."""
+    if "sequence_parallel" in run:
+        group = run["sequence_parallel"]
+        return f"rows split over groups of {group}" + (f", {gpus // group} groups" if group < gpus else "")
     if "pipeline_stages" not in run:
         return ""
     stages, chunks = run["pipeline_stages"], run["pipeline_chunks"]
@@ -307,6 +310,8 @@ def recommended_launch(rec: dict, args) -> str:
         launcher.append(f"--parallelism_config_tp_size {tp}")
         if strategy == "fsdp_tp":
             launcher.append(f"--parallelism_config_dp_shard_size {gpus // tp}")
+    if strategy == "sp":  # the group that splits each row (the file's is 2)
+        launcher.append(f"--parallelism_config_sp_size {rec['sequence_parallel']}")
     if args.precision == "fp32":  # the configs set mixed_precision: bf16
         launcher.append("--mixed_precision no")
     recipe = [f"--model {model_flag(args)}", f"--dataset {DATASET_PLACEHOLDER}", f"--batch-size {rec['micro_batch']}"]
@@ -344,7 +349,8 @@ def what_changed(rec: dict, plan: dict, args) -> str:
     """The flags the recommendation changes, said once."""
     changes = []
     if args.global_batch_size:
-        ranks = planner.data_parallel_size(rec["strategy"], rec["gpus"], rec.get("pipeline_stages"))
+        ranks = planner.data_parallel_size(rec["strategy"], rec["gpus"], rec.get("pipeline_stages"),
+                                           rec.get("sequence_parallel"))
         changes.append(f"micro-batch {rec['micro_batch']} x {rec['grad_accum']} accumulation x {ranks} data-parallel "
                        f"process{'es' if ranks > 1 else ''}")
     elif rec["micro_batch"] != args.batch_size:

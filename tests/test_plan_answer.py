@@ -161,6 +161,8 @@ def test_every_strategys_launch_line_parses(strategy):
            "grad_accum": 4, "gradient_checkpointing": 2, "global_batch": 32}
     if strategy == "pipeline":
         rec.update(pipeline_stages=2, pipeline_chunks=2)
+    if strategy == "sp":
+        rec.update(sequence_parallel=4)
     launcher, recipe, run = pasted(plan_cli.recommended_launch(rec, args))
     assert recipe == method and run.global_batch_size == 32 and run.gradient_checkpointing == 2
     assert launcher.mixed_precision == "no" and run.attention == "flash_attention_2"
@@ -168,6 +170,8 @@ def test_every_strategys_launch_line_parses(strategy):
         tp = planner.tensor_parallel_size(strategy, 4)
         assert launcher.parallelism_config_tp_size == tp
         assert (launcher.parallelism_config_dp_shard_size or 1) * tp == 4
+    if strategy == "sp":  # the group the plan chose, over the file's 2
+        assert launcher.parallelism_config_sp_size == 4
     if method == "lora":
         assert (run.lora_r, run.lora_targets) == (8, "q_proj,k_proj")
 
@@ -270,7 +274,9 @@ def test_a_global_batch_a_config_cannot_split_marks_its_row_as_the_recipes_refus
 
 
 def test_a_global_batch_no_config_can_run_is_one_line():
-    done = run_plan("--gpus", "16", "--global-batch-size", "6")
+    # (the bundled model's 4 heads: sequence parallel's groups of 2 or 4 leave 8 or 4 data-parallel processes;
+    # a model whose heads a group of all 16 GPUs divides runs any global batch that way)
+    done = run_plan("--model", "tiny-llama", "--gpus", "16", "--global-batch-size", "6")
     assert done.returncode == 2 and not done.stdout
     assert done.stderr.strip() == f"plan.py: {planner.uneven_global_batch(6, 16)}"
     both = run_plan("--global-batch-size", "64", "--grad-accum", "2")

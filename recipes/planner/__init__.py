@@ -49,7 +49,8 @@ as ("a 48 GB L40S", "an 80 GB H100"), which is GiB in practice.
 
 from .activations import activation_bytes, layer_activation_bytes_per_token
 from .choose import (
-    pipeline_layout_of,
+    layout_of,
+    layouts_of,
     HEADROOM,
     MARGIN,
     MAX_MICRO_BATCH,
@@ -126,6 +127,7 @@ from .strategies import (
     offered_strategies,
     pipeline_layouts,
     possible_strategies,
+    sequence_layouts,
     tensor_parallel_size,
     uneven_global_batch,
 )
@@ -133,7 +135,7 @@ from .timing import Machine, data_parallel_size, epoch_time, flops_per_token, re
 
 __all__ = [
     "DEFAULT_GPU", "DEFAULT_MFU", "GPUS", "GPUS_PER_MACHINE", "INTERCONNECTS", "NETWORK", "MARGIN", "Gpu",
-    "Machine", "best_run", "fastest_of", "pipeline_layout_of", "pipeline_layouts",
+    "Machine", "best_run", "fastest_of", "layout_of", "layouts_of", "pipeline_layouts", "sequence_layouts",
     "RAN_ON_GPU", "card_of_device", "cards_of_memory", "gpu_evidence", "gpu_key",
     "collective_bandwidth", "data_parallel_size", "epoch_time", "flops_per_token", "rank_key", "step_time",
     "reference_pass_time",

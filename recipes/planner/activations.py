@@ -9,7 +9,7 @@ import math
 from .dtypes import compute_dtypes
 from .resident import Stage, _stage_parameters
 from .shapes import LINEAR_NAMES, ModelShape, lora_target_names
-from .strategies import _check, tensor_parallel_size
+from .strategies import ZERO3, _check, tensor_parallel_size
 
 
 def layer_activation_bytes_per_token(shape: ModelShape, method: str, strategy: str, seq_len: int,
@@ -105,7 +105,7 @@ def chunked_loss(shape: ModelShape, method: str, strategy: str) -> bool:
     """Whether the recipes' loss runs a chunk of positions at a time over the last hidden states
     (model/loss_head.settle; a pipeline's last stage in its schedule): not where the logits are more than the
     head's output, or for full fine-tuning under ZeRO-3 (the trained head's weight is partitioned)."""
-    zero3_trained_head = method == "full" and strategy in ("zero3", "zero3_offload")
+    zero3_trained_head = method == "full" and strategy in ZERO3
     return not shape.logits_after_head and not zero3_trained_head
 
 

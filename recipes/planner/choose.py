@@ -21,6 +21,7 @@ from .strategies import (
     impossible,
     offered_strategies,
     pipeline_layouts,
+    sequence_layouts,
     uneven_global_batch,
 )
 from .timing import Machine, data_parallel_size, epoch_time, reference_pass_time, step_time
@@ -41,7 +42,8 @@ def per_gpu_bytes(shape: ModelShape, method: str, strategy: str, gpus: int, batc
                   seq_len: int = 512, gradient_checkpointing: int = 0, lora_rank: int = 16,
                   lora_targets="all-linear", precision: str = "bf16", attention: str = "sdpa",
                   lora_dropout: float = 0.0, grad_accum: int = 1, pipeline_stages: int | None = None,
-                  pipeline_chunks: int = 1, pairs: bool = False, dora: bool = False) -> dict:
+                  pipeline_chunks: int = 1, pairs: bool = False, dora: bool = False,
+                  sequence_parallel: int | None = None) -> dict:
     """Memory of the busiest GPU: {"weights", "gradients", "optimizer", "activations", "total"} in
     bytes; the total is their sum, except for full fine-tuning without a gradient wrapper (one process,
     model parallel), where gradients replace activations in the backward. `batch_size` is the micro-batch per GPU (the recipes' --batch-size), `seq_len` the
@@ -52,7 +54,9 @@ def per_gpu_bytes(shape: ModelShape, method: str, strategy: str, gpus: int, batc
     once it has passed every later stage); under the interleaved schedule up to min(v m, (v - 1) p +
     2 (p - 1 - k) + 1) parts of 1/v of its layers each, torch's warm-up plus one. With `pairs`, `batch_size`
     counts preference pairs: two rows each in one forward (a LoRA reference's forward, without gradients,
-    keeps less than the training forward does)."""
+    keeps less than the training forward does). Sequence parallel (sp) holds zero3's state and the activations
+    of its slice, `seq_len / sequence_parallel` positions (a group of 2 by default, sp.yaml's): its attention
+    runs the whole sequence on 1/group of the heads, the same bytes."""
     _check(method, strategy, precision, attention)
     if gpus < 1 or batch_size < 1 or seq_len < 1:
         raise ValueError("gpus, batch_size and seq_len must be >= 1")
@@ -63,6 +67,12 @@ def per_gpu_bytes(shape: ModelShape, method: str, strategy: str, gpus: int, batc
     p, v = (pipeline_stages or gpus, pipeline_chunks) if strategy == "pipeline" else (gpus, 1)
     if strategy == "pipeline":
         check_pipeline_layout(gpus, p, v, shape.layers)
+    if strategy == "sp":
+        group = sequence_parallel or 2
+        if group not in sequence_layouts(gpus, shape):
+            raise ValueError(f"a sequence parallel group of {group} does not run on {gpus} GPUs and "
+                             f"{shape.heads} / {shape.kv_heads} heads")
+        seq_len = -(-seq_len // group)
     stages = model_parallel_stages(shape, p) if staged else [Stage(shape.layers)]
     best = None
     for index, stage in enumerate(stages):
@@ -111,7 +121,7 @@ def max_micro_batch(shape: ModelShape, method: str, strategy: str, gpus: int, gp
                     **pipeline_layout) -> int:
     """The largest micro-batch (1..256) that fits, by bisection (memory grows with the batch);
     0 when not even one sequence fits. `pipeline_layout`: `per_gpu_bytes`'s pipeline_stages and
-    pipeline_chunks."""
+    pipeline_chunks, or sequence_parallel."""
     def ok(batch: int) -> bool:
         total = per_gpu_bytes(shape, method, strategy, gpus, batch, seq_len, gradient_checkpointing, lora_rank,
                               lora_targets, precision, attention, lora_dropout, grad_accum,
@@ -150,13 +160,13 @@ def best_run(shape: ModelShape, method: str, strategy: str, gpus: int, gpu_memor
     schedule's 2 parts per stage), each with the micro-batches its schedule takes (1F1B: at least one
     per stage; interleaved: a multiple of the stages); the run names its `pipeline_stages` and
     `pipeline_chunks`, and a layout within `TIE` of the fastest gives way to a simpler one (one pipeline
-    over all the GPUs, 1F1B)."""
+    over all the GPUs, 1F1B). Sequence parallel tries its groups (`sequence_layouts`), the smallest the
+    simplest; the run names its `sequence_parallel`."""
     runs = []
     gradient_checkpointing = int(gradient_checkpointing)
-    layouts = pipeline_layouts(gpus, shape.layers) if strategy == "pipeline" else [(None, 1)]
-    for order, (stages, chunks) in enumerate(layouts):
-        layout = dict(pipeline_stages=stages, pipeline_chunks=chunks) if stages else {}
-        ranks = data_parallel_size(strategy, gpus, stages)
+    for order, layout in enumerate(layouts_of(strategy, gpus, shape)):
+        stages, chunks = layout.get("pipeline_stages"), layout.get("pipeline_chunks", 1)
+        ranks = data_parallel_size(strategy, gpus, stages, layout.get("sequence_parallel"))
         if global_batch and global_batch % ranks:  # as the recipes refuse
             continue
         per_rank = global_batch // ranks if global_batch else batch_size * grad_accum
@@ -180,14 +190,16 @@ def best_run(shape: ModelShape, method: str, strategy: str, gpus: int, gpu_memor
     return simplest_of_the_fastest(runs)[1] if runs else None
 
 
-def global_batch_refusal(strategy: str, gpus: int, global_batch: int, layers: int | None = None) -> str | None:
+def global_batch_refusal(strategy: str, gpus: int, global_batch: int, shape: ModelShape | None = None) -> str | None:
     """Why `strategy` on `gpus` GPUs cannot run `global_batch` rows per step, in one line naming the fix,
     as the recipes would refuse it (None: it can). The rows must split evenly over the data-parallel
-    processes (a pipeline's replicas), and a pipeline needs a micro-batch per stage at least."""
-    layouts = pipeline_layouts(gpus, layers) if strategy == "pipeline" else [(None, 1)]
+    processes (a pipeline's replicas, sequence parallel's groups), and a pipeline needs a micro-batch per
+    stage at least (`shape`: the model, whose layers and heads bound the layouts)."""
+    layouts = layouts_of(strategy, gpus, shape)
     reasons = []
-    for stages, _ in layouts:
-        ranks = data_parallel_size(strategy, gpus, stages)
+    for layout in layouts:
+        stages = layout.get("pipeline_stages")
+        ranks = data_parallel_size(strategy, gpus, stages, layout.get("sequence_parallel"))
         uneven = uneven_global_batch(global_batch, ranks)
         if uneven:
             reasons.append(uneven)
@@ -199,9 +211,21 @@ def global_batch_refusal(strategy: str, gpus: int, global_batch: int, layers: in
     return reasons[0] if reasons else None
 
 
-def pipeline_layout_of(run: dict) -> dict:
-    """A pipeline run's layout as `per_gpu_bytes` takes it ({} for the other strategies)."""
-    return {key: run[key] for key in ("pipeline_stages", "pipeline_chunks") if key in run}
+def layouts_of(strategy: str, gpus: int, shape: ModelShape | None = None) -> list[dict]:
+    """The layouts `strategy` is tried in on `gpus` GPUs, simplest first, as `per_gpu_bytes` takes them: a
+    pipeline's (`pipeline_layouts`), sequence parallel's groups (`sequence_layouts`), {} for the others."""
+    if strategy == "pipeline":
+        return [dict(pipeline_stages=stages, pipeline_chunks=chunks)
+                for stages, chunks in pipeline_layouts(gpus, shape.layers if shape else None)]
+    if strategy == "sp":
+        return [dict(sequence_parallel=group) for group in sequence_layouts(gpus, shape)]
+    return [{}]
+
+
+def layout_of(run: dict) -> dict:
+    """A run's layout as `per_gpu_bytes` takes it: a pipeline's stages and parts, sequence parallel's group
+    ({} for the other strategies)."""
+    return {key: run[key] for key in ("pipeline_stages", "pipeline_chunks", "sequence_parallel") if key in run}
 
 
 def rank_key(run: dict) -> tuple:
@@ -258,7 +282,7 @@ def plan(shape: ModelShape, method: str, gpus: int, gpu_memory_gb: float, batch_
     asked = dict(settings, grad_accum=grad_accum, global_batch=global_batch)
 
     def recommend(strategy: str, run: dict, n: int) -> dict:
-        layout = pipeline_layout_of(run)
+        layout = layout_of(run)
         batch = max_micro_batch(shape, method, strategy, n, gpu_memory_gb, seq_len, run["gradient_checkpointing"],
                                 **memory, grad_accum=run["grad_accum"], **layout)
         reference = ({"reference_pass_seconds": reference_pass_time(shape, strategy, n, machine, rows, seq_len, precision)}
@@ -282,18 +306,19 @@ def plan(shape: ModelShape, method: str, gpus: int, gpu_memory_gb: float, batch_
     strategies, runs_on_all = [], {}
     for strategy in runnable(gpus):
         run = runs_on_all[strategy] = best_run(shape, method, strategy, gpus, gpu_memory_gb, machine, **asked)
-        # at the asked micro-batch; a pipeline in the layout its run chose (default: one over all the GPUs)
-        layout = pipeline_layout_of(run) if run else {}
+        # at the asked micro-batch; a pipeline or sequence parallel in the layout its run chose (default: the
+        # simplest that runs on these GPUs and this model)
+        layout = layout_of(run) if run else layouts_of(strategy, gpus, shape)[0]
         accum = grad_accum
         if global_batch:  # the accumulation that makes the global batch at the asked micro-batch
-            ranks = data_parallel_size(strategy, gpus, layout.get("pipeline_stages"))
+            ranks = data_parallel_size(strategy, gpus, layout.get("pipeline_stages"), layout.get("sequence_parallel"))
             accum = max(1, global_batch // ranks // batch_size)
         usage = per_gpu_bytes(shape, method, strategy, gpus, **settings, grad_accum=accum, **layout)
         largest = max_micro_batch(shape, method, strategy, gpus, gpu_memory_gb, seq_len, gradient_checkpointing,
                                   **memory, grad_accum=accum, **layout)
         if run:
             run = dict(run, seconds_per_epoch=epoch_time(run["time"], rows))
-        refusal = global_batch and global_batch_refusal(strategy, gpus, global_batch, shape.layers)
+        refusal = global_batch and global_batch_refusal(strategy, gpus, global_batch, shape)
         strategies.append({"strategy": strategy, "config": STRATEGIES[strategy], "per_gpu_bytes": usage,
                            "fits": fits(usage["total"], gpu_memory_gb), "max_micro_batch": largest, "run": run,
                            "refusal": refusal or None})

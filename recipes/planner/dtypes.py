@@ -19,7 +19,7 @@ weights: a trained parameter costs weight 4 + grad 4 + master 4 + AdamW 8 = 20 B
 
 from __future__ import annotations
 
-from .strategies import DEEPSPEED, _check
+from .strategies import DEEPSPEED, ZERO3, _check
 
 # NF4 with double quantisation (bitsandbytes, blocksize 64): 4 bits per weight, one 8-bit absmax
 # per 64 weights, and one fp32 scale per 256 absmax blocks.
@@ -62,7 +62,7 @@ def state_bytes_per_parameter(method: str, strategy: str, precision: str = "bf16
     # is the fp32 copy DeepSpeed casts its reduced bf16 partition into. peft's adapters, created after zero.Init,
     # are cast to bf16 by the recipes as DeepSpeed casts every other weight
     # (modeling.keep_adapter_inputs_in_compute_dtype).
-    zero3_bf16 = precision == "bf16" and strategy in ("zero3", "zero3_offload")
+    zero3_bf16 = precision == "bf16" and strategy in ZERO3
     return {
         "trained_weight": 2 if deepspeed_bf16 else 4,
         "trained_grad": 2 if deepspeed_bf16 and not zero3_bf16 else 4,

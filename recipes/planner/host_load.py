@@ -22,9 +22,8 @@ from __future__ import annotations
 from .dtypes import quantized_bytes_per_weight
 from .resident import Stage, _stage_parameters
 from .shapes import ModelShape
-from .strategies import DEEPSPEED, FSDP, TENSOR_PARALLEL
+from .strategies import DEEPSPEED, FSDP, TENSOR_PARALLEL, ZERO3
 
-ZERO3 = ("zero3", "zero3_offload")
 ONE_COPY_A_MACHINE = (*FSDP, *ZERO3, *TENSOR_PARALLEL, "pipeline", "model_parallel")
 
 

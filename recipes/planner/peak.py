@@ -8,7 +8,7 @@ from __future__ import annotations
 from .dtypes import quantized_bytes_per_weight, state_bytes_per_parameter
 from .resident import Stage, _stage_parameters, resident_bytes
 from .shapes import ModelShape
-from .strategies import DEEPSPEED, FSDP, _check, tensor_parallel_size
+from .strategies import DEEPSPEED, FSDP, ZERO3, _check, tensor_parallel_size
 
 # DeepSpeed's gradient reduce bucket: accelerate's generated DeepSpeed config leaves
 # `reduce_bucket_size` unset, so DeepSpeed's default of 5e8 elements applies.
@@ -67,7 +67,7 @@ def in_flight_weight_bytes(shape: ModelShape, method: str, strategy: str, precis
         flight = sum(largest_units()[-2:])
     elif strategy == "fsdp_tp":
         flight = sum(largest_units()[-2:]) / tensor_parallel_size(strategy, gpus)
-    elif strategy in ("zero3", "zero3_offload"):
+    elif strategy in ZERO3:
         layers = min(LAYERS_IN_FLIGHT, shape.layers)
         blocks = _unsharded_bytes(shape, method, precision, layers, False, False, lora_rank, lora_targets)
         edges = max(_unsharded_bytes(shape, method, precision, 0, True, False, lora_rank, lora_targets),

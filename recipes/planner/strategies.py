@@ -14,6 +14,7 @@ STRATEGIES = {
     "fsdp_hybrid": "accelerate_configs/fsdp_hybrid.yaml",
     "fsdp_full_shard": "accelerate_configs/fsdp.yaml",
     "zero3": "accelerate_configs/zero3.yaml",
+    "sp": "accelerate_configs/sp.yaml",  # with parallelism_config_sp_size = its group
     "tp": "accelerate_configs/tp.yaml",
     "fsdp_tp": "accelerate_configs/fsdp_tp.yaml",
     "fsdp_offload": "accelerate_configs/fsdp_offload.yaml",
@@ -34,6 +35,9 @@ STRATEGIES = {
 # - fsdp_full_shard ~ zero3: all-gather P in the forward, again in the backward, reduce-scatter
 #   G: ~2P + G, every layer waiting on its all-gather. For LoRA, P is the whole frozen base
 #   while G is only the adapters: sharding costs far more than it does for full fine-tuning.
+# - sp: zero3 over all the GPUs, each sequence split over a group of them (DeepSpeed's Ulysses): per block,
+#   all-to-alls of the attention's inputs and output in the forward and again in the backward, on the
+#   critical path; zero3's gathers serve 1/group of the tokens per GPU. It divides the activations.
 # - tp: no weight traffic, but two all-reduces of the activations (b*s*h each) per block in the
 #   forward and two in the backward, on the critical path: fine over NVLink within a machine,
 #   slow across machines. It divides what sharding does not: the activations of the split
@@ -46,7 +50,8 @@ STRATEGIES = {
 # - model_parallel: little traffic, but the layers run one GPU after the other, so only ~1/N of
 #   the GPUs compute at any time.
 SPEED_ORDER = tuple(STRATEGIES)
-DEEPSPEED = ("zero1", "zero2", "zero3", "zero3_offload")
+DEEPSPEED = ("zero1", "zero2", "zero3", "zero3_offload", "sp")  # sp: sp.yaml, ZeRO-3 under sequence parallel
+ZERO3 = ("zero3", "zero3_offload", "sp")
 FSDP = ("fsdp_full_shard", "fsdp_grad_op", "fsdp_hybrid", "fsdp_offload")
 TENSOR_PARALLEL = ("tp", "fsdp_tp")
 METHODS = ("full", "lora", "qlora")
@@ -86,6 +91,14 @@ def pipeline_layouts(gpus: int, layers: int | None = None) -> list[tuple[int, in
             for chunks in (1, 2) if layers is None or stages * chunks <= layers]
 
 
+def sequence_layouts(gpus: int, shape=None) -> list[int]:
+    """The group sizes sequence parallel runs on `gpus` GPUs, smallest first: 2 or more, dividing the GPUs and
+    the attention heads, and the key-value heads or divided by them (DeepSpeed's Ulysses replicates those)."""
+    return [size for size in range(2, gpus + 1) if gpus % size == 0
+            and (shape is None or (shape.heads % size == 0
+                                   and (shape.kv_heads % size == 0 or size % shape.kv_heads == 0)))]
+
+
 def check_pipeline_layout(gpus: int, stages: int, chunks: int, layers: int | None = None) -> None:
     if (stages, chunks) not in pipeline_layouts(gpus, layers):
         raise ValueError(f"a pipeline of {stages} stages x {chunks} part(s) does not run on {gpus} GPUs"
@@ -99,6 +112,12 @@ def impossible(method: str, strategy: str, gpus: int, shape=None, lora_targets="
             return "pipeline needs 2 GPUs or more (one stage each)"
         if not pipeline_layouts(gpus, shape.layers if shape is not None else None):
             return f"no pipeline of 2 to {shape.layers} stages divides {gpus} GPUs"
+        return None
+    if strategy == "sp":
+        if gpus < 2:
+            return "sequence parallel needs 2 GPUs or more (a group)"
+        if not sequence_layouts(gpus, shape):
+            return f"no group of 2 to {gpus} GPUs divides {shape.heads} attention heads"
         return None
     if strategy not in TENSOR_PARALLEL:
         return None
@@ -134,10 +153,10 @@ ONE_GPU = ("ddp", "fsdp_offload", "zero3_offload")
 def offered_strategies(method: str, gpus: int, shape=None, lora_targets="all-linear",
                        pairs: bool = False) -> tuple[str, ...]:
     """The strategies the planner weighs for `method` on `gpus` GPUs: those the recipes run
-    (`possible_strategies`; with `pairs`, the preference recipes, which run no pipeline), on one GPU only
-    those of `ONE_GPU`."""
+    (`possible_strategies`; with `pairs`, the preference recipes, which run no pipeline and no sequence
+    parallel), on one GPU only those of `ONE_GPU`."""
     return tuple(s for s in possible_strategies(method, gpus, shape, lora_targets)
-                 if (gpus > 1 or s in ONE_GPU) and not (pairs and s == "pipeline"))
+                 if (gpus > 1 or s in ONE_GPU) and not (pairs and s in ("pipeline", "sp")))
 
 
 def uneven_global_batch(global_batch: int, ranks: int) -> str | None:

@@ -10,7 +10,8 @@ The model, per micro-batch on each GPU:
   only: a frozen weight gets none) and twice the attention for LoRA / QLoRA, + 6 per adapter
   parameter; gradient checkpointing adds the forward of the recomputed blocks (in full fine-tuning
   without their last linear, which torch's checkpoint need not redo). Tensor parallel divides it by
-  its size T.
+  its size T, sequence parallel by its group (each GPU a slice of every sequence, the attention over
+  the whole sequence for its share of the heads).
 - communication: the bytes a ring collective moves per GPU (all-reduce 2(n-1)/n x size, all-gather
   and reduce-scatter (n-1)/n) over the link's bus bandwidth. Where the strategy overlaps it with
   compute (FSDP's and ZeRO-3's prefetched gathers, DDP's and ZeRO's gradient reduction during the
@@ -165,14 +166,18 @@ def gather(size: float, ranks: int) -> float:
     return (ranks - 1) / ranks * size if ranks > 1 else 0.0
 
 
-def data_parallel_size(strategy: str, gpus: int, pipeline_stages: int | None = None) -> int:
+def data_parallel_size(strategy: str, gpus: int, pipeline_stages: int | None = None,
+                       sequence_parallel: int | None = None) -> int:
     """Processes that each run their own micro-batch: all of them, except tensor parallel's groups
-    (tp: 1, fsdp_tp: gpus / T), model parallel (one process) and a pipeline's stages (its replicas:
-    gpus / stages, one pipeline over all the GPUs by default)."""
+    (tp: 1, fsdp_tp: gpus / T), model parallel (one process), a pipeline's stages (its replicas:
+    gpus / stages, one pipeline over all the GPUs by default) and sequence parallel's groups (gpus / group,
+    a group of 2 by default, as sp.yaml's)."""
     if strategy == "model_parallel":
         return 1
     if strategy == "pipeline":
         return gpus // (pipeline_stages or gpus)
+    if strategy == "sp":
+        return gpus // (sequence_parallel or 2)
     return gpus // tensor_parallel_size(strategy, gpus)
 
 
@@ -198,7 +203,8 @@ class Traffic:
 
 def traffic(shape: ModelShape, method: str, strategy: str, gpus: int, machine: Machine, tokens: int,
             gradient_checkpointing: int = 0, lora_rank: int = 16, lora_targets="all-linear",
-            precision: str = "bf16", pipeline_stages: int | None = None, reference_forward: bool = False) -> Traffic:
+            precision: str = "bf16", pipeline_stages: int | None = None, reference_forward: bool = False,
+            sequence_parallel: int | None = None) -> Traffic:
     """What `strategy` moves between the GPUs in a step whose micro-batches hold `tokens` tokens each
     (the module's docstring lists it per strategy; a pipeline has `pipeline_stages` stages, default one per
     GPU, replicated over the rest). `reference_forward`: each micro-batch runs one more forward, without
@@ -246,6 +252,16 @@ def traffic(shape: ModelShape, method: str, strategy: str, gpus: int, machine: M
             moved.hidden_per_micro = seconds(gather(((forwards + 1) * gathered + gradients) / tp, groups), gpus)
             moved.exposed_per_micro += seconds(gather(forwards * first_units / tp, groups), gpus)
         return moved
+    if strategy == "sp":  # zero3's gathers, and per block the attention's all-to-alls: queries, keys, values
+        # in and the output back, in the forward, again in the backward and in each recomputed forward; a
+        # GPU's share is its slice of the micro-batch's tokens
+        group = sequence_parallel or 2
+        moved = traffic(shape, method, "zero3", gpus, machine, tokens, gradient_checkpointing, lora_rank,
+                        lora_targets, precision, reference_forward=reference_forward)
+        exchanged = tokens / group * (2 * shape.heads + 2 * shape.kv_heads) * shape.head_dim * c
+        passes = 2 * forwards + recomputed_share(shape, gradient_checkpointing)
+        moved.exposed_per_micro += seconds(shape.layers * passes * gather(exchanged, group), group)
+        return moved
     if strategy == "model_parallel":  # the hidden state to the next GPU, its gradient back
         return Traffic(exposed_per_micro=seconds((forwards + 1) * (gpus - 1) * activation, gpus))
     if strategy == "pipeline":  # each stage: a micro-batch's hidden state out, its gradient back, per time slot;
@@ -259,27 +275,30 @@ def traffic(shape: ModelShape, method: str, strategy: str, gpus: int, machine: M
 def step_time(shape: ModelShape, method: str, strategy: str, gpus: int, machine: Machine, batch_size: int = 8,
               grad_accum: int = 1, seq_len: int = 512, gradient_checkpointing: int = 0, lora_rank: int = 16,
               lora_targets="all-linear", precision: str = "bf16", pipeline_stages: int | None = None,
-              pipeline_chunks: int = 1, pairs: bool = False) -> dict:
+              pipeline_chunks: int = 1, pairs: bool = False, sequence_parallel: int | None = None) -> dict:
     """Seconds of one optimizer step, estimated (see the module's docstring), split into
     {"compute", "communication", "other", "step"} plus "idle_share" (the share of GPU time no GPU
     computes: model parallel's (n-1)/n, a pipeline's bubble), "global_batch" (sequences per step) and
     "tokens_per_s". A pipeline: `pipeline_stages` stages (default: one per GPU) of `pipeline_chunks`
     parts each (the interleaved schedule's), replicated over the rest of the GPUs. With `pairs`,
-    `batch_size` counts preference pairs (the module's docstring says what they add); "global_batch" too."""
+    `batch_size` counts preference pairs (the module's docstring says what they add); "global_batch" too.
+    Sequence parallel: groups of `sequence_parallel` GPUs (default 2) share each micro-batch."""
     _check(method, strategy, precision)
-    if pairs and strategy == "pipeline":
-        raise ValueError("the preference recipes do not run pipeline parallel")
+    if pairs and strategy in ("pipeline", "sp"):
+        raise ValueError("the preference recipes run neither pipeline nor sequence parallel")
+    group = (sequence_parallel or 2) if strategy == "sp" else 1
     stages = (pipeline_stages or gpus) if strategy == "pipeline" else None
+    global_batch = batch_size * grad_accum * data_parallel_size(strategy, gpus, stages, group)
     rows_per_example = 2 if pairs else 1
     reference_forward = pairs and method != "full"
     tokens = batch_size * rows_per_example * seq_len
     flops = flops_per_token(shape, method, seq_len, gradient_checkpointing, lora_rank, lora_targets)
     total = flops["total"] + (flops["base_forward"] if reference_forward else 0)
-    flops_per_gpu = tokens * total / tensor_parallel_size(strategy, gpus)
+    flops_per_gpu = tokens * total / tensor_parallel_size(strategy, gpus) / group
     compute = flops_per_gpu / (machine.peak_flops(precision) * machine.mfu)
     backward = compute * (flops["backward"] + flops["recompute"]) / total
     moved = traffic(shape, method, strategy, gpus, machine, tokens, gradient_checkpointing, lora_rank, lora_targets,
-                    precision, stages, reference_forward)
+                    precision, stages, reference_forward, sequence_parallel=group)
 
     other_per_micro = 0.0
     if method == "qlora":
@@ -296,7 +315,6 @@ def step_time(shape: ModelShape, method: str, strategy: str, gpus: int, machine:
     else:
         optimizer = local_trained * OPTIMIZER_BYTES_TOUCHED / (machine.gpu.memory_gb_s * 1e9)
 
-    global_batch = batch_size * grad_accum * data_parallel_size(strategy, gpus, stages)
     if strategy == "pipeline":  # the stages' v parts each compute 1/(p v) of every micro-batch, in v m + p - 1 slots
         parts, slots = stages * pipeline_chunks, pipeline_chunks * grad_accum + stages - 1
         step = (slots * (compute / parts + moved.exposed_per_micro + other_per_micro / parts) + optimizer / stages
