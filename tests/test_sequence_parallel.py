@@ -240,3 +240,51 @@ def test_sequence_parallel_outside_deepspeed_is_refused():
 def test_check_config_names_the_split():
     verdict = check_config.check(CONFIGS / "sp.yaml", "lora", num_processes=4, on_gpu=True)[-1]
     assert verdict.startswith("ok: lora runs as zero3 x 2-way sequence parallel on 4 process(es)"), verdict
+
+
+# --- the planner ----------------------------------------------------------------------------------
+
+
+def test_the_planner_names_sequence_parallel_where_only_it_fits_without_recomputing():
+    """`plan.py --seq-len 65536` for an 8B model on 8 x 80 GB: every other config runs only with gradient
+    checkpointing (or not at all); sp.yaml splits each row over a group and is the fastest. At 1,024 tokens
+    it is never the pick (its all-to-alls and its gathers serve 1/group of the tokens)."""
+    import planner
+
+    shape = planner.load_shape("llama-3.1-8b")
+    long = planner.plan(shape, "lora", 8, 80, batch_size=1, seq_len=65536, global_batch=8)
+    pick = long["recommendation"]["fastest"]
+    assert pick["strategy"] == "sp" and pick["config"] == "accelerate_configs/sp.yaml"
+    assert pick["sequence_parallel"] in planner.sequence_layouts(8, shape) and not pick["gradient_checkpointing"]
+    others = [entry["run"] for entry in long["strategies"] if entry["strategy"] != "sp" and entry["run"]]
+    assert others and all(run["gradient_checkpointing"] for run in others)
+    short = planner.plan(shape, "lora", 8, 80, batch_size=1, seq_len=1024, global_batch=8)
+    assert short["recommendation"]["fastest"]["strategy"] != "sp"
+
+
+def test_a_rank_of_a_group_plans_a_slice_of_the_rows():
+    """sp's memory is zero3's at seq / group: the weights, gradients and optimizer sharded over all the GPUs,
+    the activations of each rank's slice; the groups are its data-parallel processes."""
+    import planner
+
+    shape = planner.load_shape("llama-3.1-8b")
+    for group in (2, 4, 8):
+        split = planner.per_gpu_bytes(shape, "lora", "sp", 8, 1, 32768, sequence_parallel=group)
+        assert split == planner.per_gpu_bytes(shape, "lora", "zero3", 8, 1, 32768 // group)
+        assert planner.data_parallel_size("sp", 8, sequence_parallel=group) == 8 // group
+    assert planner.sequence_layouts(8, shape) == [2, 4, 8]  # 32 heads, 8 key-value heads
+    assert planner.sequence_layouts(16, planner.load_shape("tiny-llama")) == [2, 4]  # 4 heads
+    assert planner.impossible("lora", "sp", 1, shape) and planner.offered_strategies("lora", 8, shape, pairs=True)
+    assert "sp" not in planner.offered_strategies("lora", 8, shape, pairs=True)
+
+
+def test_plan_py_launches_the_group_it_planned():
+    import subprocess
+
+    done = subprocess.run([sys.executable, str(REPO / "scripts" / "plan.py"), "--model", "llama-3.1-8b", "--gpus",
+                           "8", "--gpu", "h100", "--seq-len", "65536", "--batch-size", "1", "--global-batch-size",
+                           "8"], capture_output=True, text=True, cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    launch_line = next(line for line in done.stdout.splitlines() if line.startswith("Launch: "))
+    assert "--config_file accelerate_configs/sp.yaml --num_processes 8 --parallelism_config_sp_size 8" in launch_line
+    assert "Estimate only: sp has not run on a GPU" in done.stdout
