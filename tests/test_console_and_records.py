@@ -74,3 +74,14 @@ def test_a_runs_plan_hint_names_its_card_as_plan_py_takes_it(device, card):
         done = subprocess.run([sys.executable, str(REPO / "scripts" / "plan.py"), "--model", "tinyllama-1.1b",
                                "--gpus", "1", *shlex.split(flags)], capture_output=True, text=True)
         assert done.returncode == 0, done.stderr
+
+
+def test_a_long_sample_is_one_short_console_line():
+    """A row of 16,000 tokens as its own reference (plain text, no prompt) printed whole filled pages of the
+    console; the line keeps its start and its end (samples.jsonl keeps it whole)."""
+    from common.outputs.report import shortened
+
+    text = "start " + "word " * 20_000 + "end"
+    line = shortened(text)
+    assert len(line) <= 130 and line.startswith("start ") and line.endswith("end") and " ... " in line
+    assert shortened("1 2 4") == "1 2 4"

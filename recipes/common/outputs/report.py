@@ -32,9 +32,15 @@ def sample_generations(accelerator, launch, model, stages, tokenizer, eval_set, 
         with open(Path(output_dir) / "samples.jsonl", "w") as file:
             for sample in samples:
                 file.write(json.dumps(sample) + "\n")
-        for sample in samples:
-            print(f"sample: {sample['prompt']!r} -> {sample['generated']!r} (reference {sample['reference']!r})")
+        for sample in samples:  # (samples.jsonl holds them whole; a console line a few hundred characters)
+            print(f"sample: {shortened(sample['prompt'])!r} -> {shortened(sample['generated'])!r} "
+                  f"(reference {shortened(sample['reference'])!r})")
     return samples
+
+
+def shortened(text: str, keep: int = 120) -> str:
+    """`text`, or its start and end around an ellipsis when it is longer than `keep` characters."""
+    return text if len(text) <= keep else f"{text[:keep // 2]} ... {text[-keep // 2:]}"
 
 
 def generate_one(accelerator, generator, tokenizer, row, max_new_tokens: int, sharded: bool, stages=None) -> dict:
