@@ -3,7 +3,8 @@ TinyLlama-1.1B's shape cut to 2 layers: the loss goes down, run.json says what r
 saved reloads in plain transformers / peft to the trained model's logits.
 
 On one GPU the multi-process configs run with one process (FSDP and ZeRO still shard, over one
-rank); fsdp_hybrid and a real model-parallel split need two GPUs or more and are skipped otherwise.
+rank); fsdp_hybrid, sequence parallel (sp.yaml) and a real model-parallel split need two GPUs or more and are
+skipped otherwise.
 Runs where CUDA is available (scripts/measure/gpu_check.py); skipped elsewhere, with the reason.
 """
 
@@ -31,6 +32,7 @@ CONFIGS = {
     "fsdp_hybrid": ("fsdp", 4),
     "zero1": ("deepspeed", 1), "zero2": ("deepspeed", 1), "zero3": ("deepspeed", 1), "zero3_offload": ("deepspeed", 1),
     "tp": ("tensor_parallel", 4), "fsdp_tp": ("tensor_parallel", 4),  # the files' meshes: 4-way; 2 x 2
+    "sp": ("deepspeed", 2),  # a group of 2 splits each row: one GPU cannot hold a group
 }
 # What the recipes refuse under tensor parallel (tests/test_preflight.py), and LoRA's column-split targets there.
 REFUSED = {("qlora", "tp"), ("qlora", "fsdp_tp"), ("lora", "fsdp_tp")}
