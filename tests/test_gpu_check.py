@@ -28,8 +28,8 @@ def test_the_entry_point_writes_a_summary_with_every_gpu_case_skipped_and_why(tm
     assert done.returncode == 0, done.stdout + done.stderr
     record = json.loads((tmp_path / "results.json").read_text())
     cases = record["results"]["recipes"]["cases"]
-    # 3 recipes x 12 configs (those a recipe refuses are skipped with the reason), less the 9 of the core part
-    assert len(cases) == 27 and not {case["name"] for case in cases} & CORE_NAMES
+    # 3 recipes x 13 configs (those a recipe refuses are skipped with the reason), less the 9 of the core part
+    assert len(cases) == 30 and not {case["name"] for case in cases} & CORE_NAMES
     assert all(case["outcome"].startswith("skipped: ") for case in cases)
     assert any("needs a CUDA GPU" in case["outcome"] for case in cases)
     summary = (tmp_path / "summary.md").read_text()
