@@ -37,7 +37,7 @@ MERGED_IN = "ddp"
 # What the start-up memory plan calls each launch (model parallel on CPU: one process, no GPUs to spread over).
 PLANNER_NAME = {"model_parallel": "ddp", "ddp": "ddp", "fsdp": "fsdp_full_shard", "fsdp_grad_op": "fsdp_grad_op",
                 "fsdp_offload": "fsdp_offload", "zero1": "zero1", "zero2": "zero2", "zero3": "zero3",
-                "zero3_offload": "zero3_offload", "sp": "zero3"}
+                "zero3_offload": "zero3_offload", "sp": "sp"}
 GLOBAL_BATCH = 16  # rows per optimizer step, the same on every strategy
 GRAD_ACCUM = 2
 STEPS = 8

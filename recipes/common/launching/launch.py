@@ -125,6 +125,8 @@ class Launch:
             return "pipeline"
         if self.kind == TENSOR_PARALLEL:
             return "tp" if self.data_parallel_size == 1 else "fsdp_tp"
+        if self.kind == DEEPSPEED and self.sequence_parallel > 1 and self.zero_stage == 3:
+            return "sp"  # sp.yaml (ZeRO-1 and 2 under sequence parallel plan as their stage at a slice's length)
         if self.kind == DEEPSPEED:
             return "zero3_offload" if self.zero_stage == 3 and self.offload_parameters else f"zero{self.zero_stage}"
         if self.kind == FSDP:
@@ -144,7 +146,7 @@ class Launch:
         if self.pipeline_stages > 1:
             return f"{self.pipeline_stages}-stage pipeline x {self.data_parallel_size} replica(s)"
         if self.sequence_parallel > 1:
-            return f"{self.planner_strategy} x {self.sequence_parallel}-way sequence parallel"
+            return f"zero{self.zero_stage} x {self.sequence_parallel}-way sequence parallel"
         return self.planner_strategy
 
     def as_record(self) -> dict:

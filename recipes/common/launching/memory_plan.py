@@ -21,11 +21,12 @@ def planner_inputs(args, recipe: str, launch) -> tuple:
     Raises when the shape cannot be read (an offline hub id, an unknown architecture)."""
     source = "tiny-llama" if is_default_model(args.model) else args.model  # before its first build
     shape = planner.load_shape(source)
-    # sequence parallel: each rank's activations are those of its slice (the attention's gathered sequence
-    # holds 1/sp of the heads: the same bytes)
-    inputs = dict(seq_len=-(-args.max_length // launch.sequence_parallel),
-                  gradient_checkpointing=args.gradient_checkpointing,
+    inputs = dict(seq_len=args.max_length, gradient_checkpointing=args.gradient_checkpointing,
                   precision="bf16" if launch.precision in ("bf16", "fp16") else "fp32")
+    if launch.planner_strategy == "sp":  # the planner's sp: zero3 at the length of each rank's slice
+        inputs["sequence_parallel"] = launch.sequence_parallel
+    elif launch.sequence_parallel > 1:  # ZeRO-1 or 2 under sequence parallel: their stage at a slice's length
+        inputs["seq_len"] = -(-args.max_length // launch.sequence_parallel)
     if recipe != "full":
         inputs.update(lora_rank=args.lora_r, lora_targets=args.lora_targets, lora_dropout=args.lora_dropout,
                       dora=args.use_dora)
@@ -67,7 +68,8 @@ def announce_plan(args, recipe: str, launch) -> None:
     ran = getattr(args, "recipe", recipe)
     name = recipe if ran == recipe else f"{ran} ({recipe})"  # dpo.py settled as LoRA: "dpo (lora)"
     per = "per GPU" if launch.on_gpu else "per process (a GPU's share, planned as on a GPU)"
-    sliced = f" ({inputs['seq_len']} positions a rank)" if launch.sequence_parallel > 1 else ""
+    sliced = (f" ({-(-args.max_length // launch.sequence_parallel)} positions a rank)"
+              if launch.sequence_parallel > 1 else "")
     line = (f"plan: {name} with {strategy} on {gpus} process(es): {size(need['total'])} {per} ({parts}) "
             f"at --max-length {args.max_length}{' (two rows a pair)' if pairs else ''}{sliced}; host RAM to load the weights: {size(load['bytes'])} on this "
             f"machine ({load['why']})")

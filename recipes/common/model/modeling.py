@@ -80,7 +80,7 @@ def load_model(name: str, accelerator, launch, *, frozen: bool, quantization=Non
 
     # where loading frees layers as it goes (read or sent as shards, partitioned, quantized) or leaves unread
     # weights behind: their memory is given back rather than reused, page by page, by later steps
-    if (launch.reads_shards or launch.main_process_loads or launch.planner_strategy in ("zero3", "zero3_offload")
+    if (launch.reads_shards or launch.main_process_loads or launch.zero_stage == 3
             or quantization is not None):
         hand_freed_tensors_back_to_the_host()
     kwargs = dict(dtype=launch.float_dtype(frozen), use_safetensors=True, trust_remote_code=trust_remote_code)
