@@ -130,6 +130,17 @@ def test_two_groups_of_two(zero_stage, trained, tmp_path):
     assert_same_curve(trained("lora", "model_parallel"), run)
 
 
+@long_test
+@pytest.mark.parametrize("flag", ["--gradient-checkpointing", "--use-dora"])
+def test_recomputed_layers_and_dora_split_too(flag, tmp_path):
+    """Checkpointed layers recompute their all-to-alls in the backward; DoRA's magnitudes see every rank's
+    slice: both train the curve of one process."""
+    common = ["--max-steps", "3", "--lora-dropout", "0", flag]
+    one = launch("lora", tmp_path / "one", *common, config=None)
+    split = launch("lora", tmp_path / "sp", *common, config="sp")
+    assert_same_curve(one, split)
+
+
 def long_rows(tmp_path, tokens_per_row: int = 15_000):
     """The bundled model with a longer context (its positions are rotary: nothing learned to extend) and
     plain-text rows of about `tokens_per_row` tokens."""
