@@ -22,7 +22,11 @@ def test_packed_chat_data_trains_under_ddp(tmp_path):
     assert "data format: messages" in run.output
     assert "data cache: " in run.output  # where a rerun reads the tokenised rows from
     packing = next(line for line in run.output.splitlines() if line.startswith("packing: "))
-    assert re.fullmatch(r"packing: 48\d training rows into \d+ sequences of up to 128 tokens, \d+\.\d% full", packing), packing
+    assert re.fullmatch(r"packing: 48\d training rows into \d+ sequences of up to 128 tokens, \d+\.\d% full; a "
+                        r"micro-batch of 2 holds ~\d+ rows \(~\d+ tokens\): the memory of 2 full sequences, so a "
+                        r"smaller --batch-size keeps an unpacked run's", packing), packing
+    rows, sequences = map(int, re.findall(r"([\d,]+) (?:training rows|sequences)", packing)[:2])
+    assert f"holds ~{2 * rows / sequences:,.0f} rows" in packing
     losses = run.losses()
     assert sum(losses[-3:]) < sum(losses[:3]), losses
     # Packed: each micro-batch of 2 sequences carries many rows' targets.

@@ -97,8 +97,12 @@ def prepare(accelerator, tokenizer, args, launch):
             rows = len(train_set)
             train_set, fill = pack(train_set, args.max_length)
         if accelerator.is_main_process:
+            # a packed micro-batch is --batch-size full-length sequences: its activations are those, not the rows'
+            per_batch = args.batch_size * rows / max(len(train_set), 1)
             print(f"packing: {rows:,} training rows into {len(train_set):,} sequences of up to {args.max_length:,} "
-                  f"tokens, {fill:.1%} full", flush=True)
+                  f"tokens, {fill:.1%} full; a micro-batch of {args.batch_size} holds ~{per_batch:,.0f} rows "
+                  f"(~{args.batch_size * fill * args.max_length:,.0f} tokens): the memory of {args.batch_size} full "
+                  "sequences, so a smaller --batch-size keeps an unpacked run's", flush=True)
     batches.steps_per_epoch(len(train_set) // args.batch_size // launch.data_parallel_size, args.grad_accum)
     return train_set, eval_set, DataFormat("+".join(sorted({part.fmt for part in train_parts})),
                                            shared_system_prompt(train_parts))
