@@ -194,6 +194,15 @@ def test_sp_yaml_settles_as_zero3_with_two_groups():
     assert launch_.name == "zero3 x 2-way sequence parallel" and run.attention == "sdpa"
 
 
+def test_a_global_batch_splits_over_the_groups(capsys):
+    """--global-batch-size counts the groups as the data-parallel processes: 4 processes in groups of 2 take
+    8 rows a step as 2 groups x micro-batch 2 x accumulation 2, and the batch line says so."""
+    run, _ = settle_under("sp", 4, argv=["--global-batch-size", "8", "--batch-size", "2"])
+    assert run.grad_accum == 2
+    assert ("batch: 2 per group of 2 processes x --grad-accum 2 x 2 group(s) = 8 sequences per step"
+            in capsys.readouterr().out)
+
+
 def test_the_files_attention_is_the_models():
     """The file's attention settles the run's; a file naming none gets the run's (accelerate cannot start
     without one)."""

@@ -102,8 +102,11 @@ def settle(run: Run, recipe: str, launch) -> tuple[Run, str | None]:
                                                               "global_batch_size": target},
                                                     **({"planner": plan} if plan else {})})
     why = (f" (the plan fits {plan['fits']} in {plan['memory_gib']:.3g} GiB, {plan['device']})" if plan else "")
-    return run, (f"batch: {micro} per process{why} x --grad-accum {accum} x {ranks} process(es) = "
-            f"{micro * accum * ranks} sequences per step")
+    # under sequence parallel the processes of a group share their micro-batches, each a slice of every row
+    each, ranks_of = ((f"group of {launch.sequence_parallel} processes", "group(s)") if launch.sequence_parallel > 1
+                      else ("process", "process(es)"))
+    return run, (f"batch: {micro} per {each}{why} x --grad-accum {accum} x {ranks} {ranks_of} = "
+                 f"{micro * accum * ranks} sequences per step")
 
 
 def back_off(fits_step, start: int, per_rank: int | None) -> int:
