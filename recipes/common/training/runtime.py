@@ -178,6 +178,8 @@ class SequenceParallelAccelerator(Accelerator):
         return result[0] if len(result) == 1 else tuple(result)
 
     def sequence_loader(self, loader):
+        """A training loader (`drop_last`) for this rank's group, each batch sliced to this rank's positions;
+        any other loader split over all the ranks, whole sequences."""
         if not loader.drop_last:
             return self.prepare_data_loader(loader)
         from accelerate.data_loader import prepare_data_loader
