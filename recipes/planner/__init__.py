@@ -126,6 +126,7 @@ from .strategies import (
     impossible,
     offered_strategies,
     pipeline_layouts,
+    group_splits_heads,
     possible_strategies,
     sequence_layouts,
     tensor_parallel_size,
@@ -135,7 +136,7 @@ from .timing import Machine, data_parallel_size, epoch_time, flops_per_token, re
 
 __all__ = [
     "DEFAULT_GPU", "DEFAULT_MFU", "GPUS", "GPUS_PER_MACHINE", "INTERCONNECTS", "NETWORK", "MARGIN", "Gpu",
-    "Machine", "best_run", "fastest_of", "layout_of", "layouts_of", "pipeline_layouts", "sequence_layouts",
+    "Machine", "best_run", "fastest_of", "layout_of", "layouts_of", "pipeline_layouts", "sequence_layouts", "group_splits_heads",
     "RAN_ON_GPU", "card_of_device", "cards_of_memory", "gpu_evidence", "gpu_key",
     "collective_bandwidth", "data_parallel_size", "epoch_time", "flops_per_token", "rank_key", "step_time",
     "reference_pass_time",

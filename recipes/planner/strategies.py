@@ -91,12 +91,17 @@ def pipeline_layouts(gpus: int, layers: int | None = None) -> list[tuple[int, in
             for chunks in (1, 2) if layers is None or stages * chunks <= layers]
 
 
+def group_splits_heads(size: int, heads: int, kv_heads: int) -> bool:
+    """Whether DeepSpeed's Ulysses splits a model's heads over a sequence parallel group of `size`: the group
+    divides the attention heads, and the key-value heads or is divided by them (it replicates those)."""
+    return heads % size == 0 and (kv_heads % size == 0 or size % kv_heads == 0)
+
+
 def sequence_layouts(gpus: int, shape=None) -> list[int]:
-    """The group sizes sequence parallel runs on `gpus` GPUs, smallest first: 2 or more, dividing the GPUs and
-    the attention heads, and the key-value heads or divided by them (DeepSpeed's Ulysses replicates those)."""
+    """The group sizes sequence parallel runs on `gpus` GPUs, smallest first: 2 or more, dividing the GPUs,
+    that split the model's heads (`group_splits_heads`)."""
     return [size for size in range(2, gpus + 1) if gpus % size == 0
-            and (shape is None or (shape.heads % size == 0
-                                   and (shape.kv_heads % size == 0 or size % shape.kv_heads == 0)))]
+            and (shape is None or group_splits_heads(size, shape.heads, shape.kv_heads))]
 
 
 def check_pipeline_layout(gpus: int, stages: int, chunks: int, layers: int | None = None) -> None:

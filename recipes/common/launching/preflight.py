@@ -411,10 +411,10 @@ def check_sequence_parallel(args, launch) -> None:
     config = {**config.get("text_config", {}), **config}
     heads, groups = config.get("num_attention_heads"), config.get("num_key_value_heads")
     if heads and heads % size:
-        fits = [n for n in range(2, heads + 1) if heads % n == 0 and (not groups or groups % n == 0 or n % groups == 0)]
+        fits = [n for n in range(2, heads + 1) if planner.group_splits_heads(n, heads, groups or heads)]
         refuse(f"sequence parallel over {size} ranks splits the attention heads, but {args.model} has {heads}; set "
                f"parallelism_config_sp_size to {' or '.join(map(str, fits[:4])) or '1'}")
-    if groups and groups % size and size % groups:
+    if groups and not planner.group_splits_heads(size, heads or size, groups):  # (the query heads passed above)
         refuse(f"sequence parallel over {size} ranks splits the key-value heads, but {args.model} has {groups}, "
                f"neither a multiple nor a divisor of {size}; change parallelism_config_sp_size")
     if config.get("output_router_logits"):
