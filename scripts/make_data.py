@@ -47,7 +47,7 @@ MAX_ITEMS = 4
 ALPHABET = "0123456789"
 
 VOCAB_SIZE = 512
-MODEL_MAX_LENGTH = 1024
+MODEL_MAX_LENGTH = 32768  # long rows split over a sequence parallel group fit (rotary positions: nothing learned)
 BOS_TOKEN = "<s>"
 EOS_TOKEN = "</s>"
 PAD_TOKEN = "<pad>"

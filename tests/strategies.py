@@ -55,6 +55,8 @@ def matrix_args(recipe: str, config: str) -> list[str]:
     data_parallel = CPU_STRATEGIES[config][1] // SEQUENCE_PARALLEL.get(config, 1)
     args = ["--max-steps", str(STEPS), "--grad-accum", str(GRAD_ACCUM), "--log-every", "4",
             "--batch-size", str(GLOBAL_BATCH // GRAD_ACCUM // data_parallel), "--save-every", str(SAVE_EVERY)]
+    if config in SEQUENCE_PARALLEL:  # README's command: a group takes rows 16 times the bundled ones' cut
+        args += ["--max-length", "16384"]
     if recipe == "full":
         return args + ["--lr", "2e-3"]
     # Dropout draws differ between one process and several; without it the curves must agree.

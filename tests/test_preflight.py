@@ -68,7 +68,7 @@ def recipe_args(*argv: str) -> argparse.Namespace:
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--max-length", "4096"], "--max-length 4096 is beyond the model's context of 1024 tokens; pass --max-length 1024"),
+    (["--max-length", "65536"], "--max-length 65536 is beyond the model's context of 32768 tokens; pass --max-length 32768"),
     (["--batch-size", "0"], "--batch-size must be >= 1, got 0"),
     (["--grad-accum", "-1"], "--grad-accum must be >= 1, got -1"),
     (["--max-steps", "-5"], "--max-steps must be >= 0, got -5"),
@@ -129,7 +129,7 @@ def test_random_launches_get_a_clean_start_or_one_refusal(tmp_path, monkeypatch,
         {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_GRADIENT_CLIPPING": "0.5"},
     ]
     flag_choices = {
-        "--batch-size": ["0", "1", "8", "-2"], "--grad-accum": ["1", "2", "0"], "--max-length": ["16", "1024", "5000"],
+        "--batch-size": ["0", "1", "8", "-2"], "--grad-accum": ["1", "2", "0"], "--max-length": ["16", "1024", "50000"],
         "--max-steps": ["0", "5", "-1"], "--epochs": ["0", "1", "0.5"], "--max-grad-norm": ["1.0", "0.5"],
         "--model": [None, "/missing/model", "org/some-hub-model"], "--dataset": [None, "/missing/data.jsonl"],
         "--lora-targets": ["all-linear", "q_proj,v_proj"],

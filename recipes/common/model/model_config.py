@@ -20,10 +20,15 @@ def is_default_model(name: str) -> bool:
 
 
 def default_model_needs_building() -> bool:
-    """Not built yet, or built before the bundled tokenizer changed (its rows would tokenise differently)."""
+    """Not built yet, or built before the bundled tokenizer or config changed (its rows would tokenise
+    differently, or its shape or context would not be the bundled one)."""
     saved = DEFAULT_MODEL / "tokenizer.json"
     bundled = REPO_ROOT / "data" / "tokenizer" / "tokenizer.json"
-    return not (DEFAULT_MODEL / "config.json").exists() or not saved.exists() or saved.read_bytes() != bundled.read_bytes()
+    if not (DEFAULT_MODEL / "config.json").exists() or not saved.exists() or saved.read_bytes() != bundled.read_bytes():
+        return True
+    built = json.loads((DEFAULT_MODEL / "config.json").read_text())
+    wanted = json.loads((REPO_ROOT / "data" / "tiny-llama-config.json").read_text())
+    return any(built.get(key) != value for key, value in wanted.items())
 
 
 def weight_files(name: str) -> dict[str, str] | None:
