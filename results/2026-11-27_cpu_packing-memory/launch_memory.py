@@ -110,12 +110,14 @@ class RankPeaks:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    split = argv.index("--")
+    split = argv.index("--") if "--" in argv else len(argv)  # --help, or no command: argparse answers
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--interval", type=float, default=0.05, help="seconds between samples (default 0.05)")
     args = parser.parse_args(argv[:split])
     command = argv[split + 1:]
+    if not command:
+        parser.error("give the command to watch after --")
     started = time.perf_counter()
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
     peaks = RankPeaks(process.pid, args.interval)
