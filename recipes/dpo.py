@@ -48,16 +48,19 @@ from common.training import runtime
 from common.training.evaluation import evaluate_pairs
 
 
-def sequence_logps(model, batch, head):
+def sequence_logps(accelerator, model, batch, head):
     """Each row's log-probability of its target tokens (their sum: the probability of the whole reply),
     how many target tokens it has, and a mixture of experts' router loss (None for other models). Rows are a
     micro-batch's chosen sides, then its rejected sides. `head`: the run's way to the logits (loss_head.py),
     only where some row has a target and a chunk of positions at a time."""
     targets, positions = batch["labels"][:, 1:], batch["target_positions"]  # position t predicts token t + 1
-    outputs = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"), use_cache=False,
-                    **head.forward_arguments(positions))
+    outputs = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"),
+                    position_ids=batch.get("position_ids"), use_cache=False, **head.forward_arguments(positions))
     token_logps = head.apply(target_logps, outputs, targets, positions)
-    return token_logps.sum(1), (targets != IGNORE).sum(1).to(token_logps.device), outputs.get("aux_loss")
+    # Under sequence parallel each rank holds a slice of every row: the sums are its group's (runtime.py).
+    logps = runtime.whole_row_sums(accelerator, model, token_logps.sum(1))
+    tokens = runtime.whole_row_sums(accelerator, model, (targets != IGNORE).sum(1).to(token_logps.device))
+    return logps, tokens, outputs.get("aux_loss")
 
 
 def target_logps(logits, targets):
@@ -96,8 +99,8 @@ def score_pairs(accelerator, model, batch, run, head):
     reference_logps = None
     if run.loss != "simpo":  # the reference: the base, i.e. this model with its adapters switched off
         with torch.no_grad(), modeling.adapters_off(accelerator.unwrap_model(model)):
-            reference_logps = sequence_logps(model, batch, head)[0]
-    logps, tokens, router_loss = sequence_logps(model, batch, head)
+            reference_logps = sequence_logps(accelerator, model, batch, head)[0]
+    logps, tokens, router_loss = sequence_logps(accelerator, model, batch, head)
     losses, chosen_rewards, rejected_rewards = pair_losses(logps, reference_logps, tokens, run)
     chosen_logps, rejected_logps = logps.detach().chunk(2)
     won = (chosen_rewards > rejected_rewards).to(chosen_rewards.dtype)
@@ -190,7 +193,7 @@ def main():
     epoch, micro_batches = next(steps)
     step_tokens = sync.count_tokens(micro_batches)  # the target tokens of both sides, for the logs
     # A step's loss is the mean over the pairs of the global batch: every micro-batch holds --batch-size
-    # pairs, on every rank (a tensor-parallel group's ranks each count the group's pairs).
+    # pairs, on every rank (a tensor- or sequence-parallel group's ranks each count the group's pairs).
     step_pairs = run.batch_size * run.grad_accum * accelerator.num_processes
     for step in range(start_step + 1, total_steps + 1):
         step_loss, step_figures, step_router_loss = 0.0, 0.0, 0.0

@@ -16,6 +16,7 @@ import torch
 from conftest import TINY_MODEL, assert_no_traceback_of_ours, assert_the_refusal_ends_the_output, launch, long_test
 from test_equivalence import max_relative_difference
 from test_preflight import launched_with  # (puts recipes/ on sys.path)
+from strategies import SEQUENCE_PARALLEL
 from test_recipes_read_well import launch_edited_copy
 
 from common.launching import settle  # noqa: E402
@@ -26,16 +27,18 @@ STEPS = 8
 PAIRS_PER_STEP = 8
 # config -> processes; the one-process launch is the reference every other must match
 PROCESSES = {"model_parallel": 1, "ddp": 2, "fsdp": 2, "fsdp_grad_op": 2, "fsdp_offload": 2, "zero1": 2, "zero2": 2,
-             "zero3": 2, "zero3_offload": 2}
+             "zero3": 2, "zero3_offload": 2, "sp": 2}
 # (recipe, config, flags): each suite run launches these; RECIPES_LONG_TESTS=1 the rest
-EVERY_RUN = {("dpo", "ddp", ()), ("dpo", "fsdp", ()), ("dpo", "zero3", ()), ("dpo_full", "zero3", ())}
+EVERY_RUN = {("dpo", "ddp", ()), ("dpo", "fsdp", ()), ("dpo", "zero3", ()), ("dpo_full", "zero3", ()), ("dpo", "sp", ())}
 DISTRIBUTED = [config for config in PROCESSES if config != "model_parallel"]
 CASES = [*(("dpo", config, ()) for config in DISTRIBUTED), *(("dpo_full", config, ()) for config in DISTRIBUTED),
          ("dpo", "ddp", ("--bits", "4")), ("dpo", "fsdp_offload", ("--bits", "4")), ("dpo", "zero3_offload", ("--bits", "4"))]
 
 
-def run_args(recipe: str, processes: int, *extra: str) -> list[str]:
-    args = ["--max-steps", str(STEPS), "--grad-accum", "2", "--batch-size", str(PAIRS_PER_STEP // 2 // processes),
+def run_args(recipe: str, processes: int, *extra: str, sequence_parallel: int = 1) -> list[str]:
+    """The same pairs a step on `processes` processes (`sequence_parallel` of them sharing each micro-batch)."""
+    data_parallel = processes // sequence_parallel
+    args = ["--max-steps", str(STEPS), "--grad-accum", "2", "--batch-size", str(PAIRS_PER_STEP // 2 // data_parallel),
             "--log-every", "4", "--save-every", "4", *extra]
     # dropout draws differ between one process and several; without it the curves must agree
     return args + (["--lr", "1e-3"] if recipe == "dpo_full" else ["--lr", "5e-3", "--lora-dropout", "0"])
@@ -49,7 +52,8 @@ def trained(tmp_path_factory):
         if (recipe, config, flags) not in runs:
             processes = PROCESSES[config]
             output_dir = tmp_path_factory.mktemp(f"{recipe}-{config}") / "out"
-            runs[recipe, config, flags] = launch(recipe, output_dir, *run_args(recipe, processes, *flags),
+            runs[recipe, config, flags] = launch(recipe, output_dir, *run_args(recipe, processes, *flags,
+                                                                              sequence_parallel=SEQUENCE_PARALLEL.get(config, 1)),
                                                  config=config, processes=processes)
         return runs[recipe, config, flags]
 
@@ -99,6 +103,36 @@ def test_same_curve_as_one_process(trained, recipe, config, flags):
     assert curve(reference, "rewards/accuracies")[1:] == curve(other, "rewards/accuracies")[1:]
 
 
+@pytest.mark.parametrize("recipe", ["dpo", pytest.param("dpo_full", marks=long_test)])
+def test_a_sequence_parallel_group_gives_the_gradient_of_one_process(trained, recipe):
+    """sp.yaml: each rank holds a slice of every row, the group sums the rows' log-probabilities, and each rank's
+    backward takes the group's gradient for its slice: the gradient norm is one process's too."""
+    reference, split = trained(recipe, "model_parallel"), trained(recipe, "sp")
+    assert split.returncode == 0, split.output[-3000:]
+    assert "2-way sequence parallel" in split.output
+    assert max_relative_difference(curve(reference, "grad_norm"), curve(split, "grad_norm")) <= 1e-5
+    # evaluation: each rank scores whole rows (Ulysses steps aside in eval mode), every held-out pair once
+    (one_eval,), (split_eval,) = reference.metrics("eval"), split.metrics("eval")
+    assert split_eval["eval_loss"] == pytest.approx(one_eval["eval_loss"], rel=1e-5)
+    assert split_eval["eval_rewards/margins"] == pytest.approx(one_eval["eval_rewards/margins"], abs=1e-6)
+
+
+@long_test
+@pytest.mark.parametrize("zero_stage, processes", [(1, 2), (2, 2), (3, 4)])
+def test_sequence_parallel_under_zero_1_and_2_and_with_two_groups(trained, tmp_path, zero_stage, processes):
+    """ZeRO-1 and 2 divide the gradients by the data-parallel groups only (the accelerator divides by the group's
+    size); 4 processes make 2 groups of 2, each its own pairs: the curve and gradient norm of one process."""
+    from test_sequence_parallel import sp_config
+
+    run = launch("dpo", tmp_path / "out", *run_args("dpo", processes, sequence_parallel=2),
+                 config=sp_config(tmp_path, zero_stage), processes=processes, timeout=900)
+    reference = trained("dpo", "model_parallel")
+    assert run.returncode == 0, run.output[-3000:]
+    assert f"zero{zero_stage} x 2-way sequence parallel" in run.output
+    for name in ("loss", "grad_norm", "logps/chosen"):
+        assert max_relative_difference(curve(reference, name), curve(run, name)) <= 1e-5, name
+
+
 @long_test
 @pytest.mark.parametrize("loss", ["ipo", "simpo"])
 def test_other_losses_train_alike_on_one_process_and_two(trained, loss):
@@ -114,14 +148,15 @@ DOUBLED_PAIR_LOSS = ("    return losses, run.beta * chosen_ratio.detach(), run.b
 
 
 @pytest.mark.parametrize("recipe, config", [
-    ("dpo", "ddp"), *(pytest.param("dpo", config, marks=long_test) for config in ("fsdp", "zero3", "fsdp_offload")),
-    *(pytest.param("dpo_full", config, marks=long_test) for config in ("ddp", "fsdp", "zero3"))])
+    ("dpo", "ddp"), *(pytest.param("dpo", config, marks=long_test) for config in ("fsdp", "zero3", "fsdp_offload", "sp")),
+    *(pytest.param("dpo_full", config, marks=long_test) for config in ("ddp", "fsdp", "zero3", "sp"))])
 def test_an_edited_pair_loss_trains_under_every_strategy(trained, tmp_path, recipe, config):
     """The loss is written once, in the recipe's pair_losses, and both the logged loss and the backward use
     it under every strategy: doubled in a copy, step 1 (before any update) logs twice the recipe's loss and
     twice its gradient norm on the same pairs."""
     edited = launch_edited_copy([DOUBLED_PAIR_LOSS], tmp_path / "out", steps=1, config=config, recipe=recipe,
-                                flags=run_args(recipe, PROCESSES[config]), processes=PROCESSES[config])
+                                flags=run_args(recipe, PROCESSES[config], sequence_parallel=SEQUENCE_PARALLEL.get(config, 1)),
+                                processes=PROCESSES[config])
     untouched = trained(recipe, config)
     assert untouched.returncode == 0, untouched.output[-3000:]
     (first,) = edited.metrics()

@@ -219,8 +219,6 @@ def test_the_files_attention_is_the_models():
 
 
 @pytest.mark.parametrize("recipe, processes, argv, env, message", [
-    ("dpo", 2, [], {}, "sequence parallel is not built for dpo.py"),
-    ("dpo_full", 2, [], {}, "sequence parallel is not built for dpo_full.py"),
     ("lora", 2, ["--packing"], {}, "--packing under sequence parallel needs flash_attention_2"),
     ("lora", 2, ["--attention", "eager"], {}, "--attention eager but parallelism_config_sp_attn_implementation sdpa"),
     ("lora", 2, [], {"PARALLELISM_CONFIG_SP_ATTN_IMPLEMENTATION": "eager"}, "sequence parallel cannot split eager"),
@@ -275,6 +273,13 @@ def test_the_planner_names_sequence_parallel_where_only_it_fits_without_recomput
     assert others and all(run["gradient_checkpointing"] for run in others)
     short = planner.plan(shape, "lora", 8, 80, batch_size=1, seq_len=1024, global_batch=8)
     assert short["recommendation"]["fastest"]["strategy"] != "sp"
+    # preference pairs: two rows in each forward, the same split; dpo_full's reference pass scores whole rows on
+    # every GPU, as zero3's does
+    pairs = planner.plan(shape, "lora", 8, 80, batch_size=1, seq_len=32768, global_batch=4, pairs=True)
+    assert pairs["recommendation"]["fastest"]["strategy"] == "sp"
+    machine = planner.Machine.of("h100")
+    assert (planner.reference_pass_time(shape, "sp", 8, machine, 1000, 4096)
+            == planner.reference_pass_time(shape, "zero3", 8, machine, 1000, 4096))
 
 
 def test_a_rank_of_a_group_plans_a_slice_of_the_rows():
@@ -289,8 +294,8 @@ def test_a_rank_of_a_group_plans_a_slice_of_the_rows():
         assert planner.data_parallel_size("sp", 8, sequence_parallel=group) == 8 // group
     assert planner.sequence_layouts(8, shape) == [2, 4, 8]  # 32 heads, 8 key-value heads
     assert planner.sequence_layouts(16, planner.load_shape("tiny-llama")) == [2, 4]  # 4 heads
-    assert planner.impossible("lora", "sp", 1, shape) and planner.offered_strategies("lora", 8, shape, pairs=True)
-    assert "sp" not in planner.offered_strategies("lora", 8, shape, pairs=True)
+    assert planner.impossible("lora", "sp", 1, shape)
+    assert "sp" in planner.offered_strategies("lora", 8, shape, pairs=True)  # (the preference recipes split rows too)
 
 
 def test_plan_py_launches_the_group_it_planned():

@@ -158,10 +158,10 @@ ONE_GPU = ("ddp", "fsdp_offload", "zero3_offload")
 def offered_strategies(method: str, gpus: int, shape=None, lora_targets="all-linear",
                        pairs: bool = False) -> tuple[str, ...]:
     """The strategies the planner weighs for `method` on `gpus` GPUs: those the recipes run
-    (`possible_strategies`; with `pairs`, the preference recipes, which run no pipeline and no sequence
-    parallel), on one GPU only those of `ONE_GPU`."""
+    (`possible_strategies`; with `pairs`, the preference recipes, which run no pipeline), on one GPU only
+    those of `ONE_GPU`."""
     return tuple(s for s in possible_strategies(method, gpus, shape, lora_targets)
-                 if (gpus > 1 or s in ONE_GPU) and not (pairs and s in ("pipeline", "sp")))
+                 if (gpus > 1 or s in ONE_GPU) and not (pairs and s == "pipeline"))
 
 
 def uneven_global_batch(global_batch: int, ranks: int) -> str | None:

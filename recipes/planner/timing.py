@@ -259,7 +259,7 @@ def traffic(shape: ModelShape, method: str, strategy: str, gpus: int, machine: M
         moved = traffic(shape, method, "zero3", gpus, machine, tokens, gradient_checkpointing, lora_rank,
                         lora_targets, precision, reference_forward=reference_forward)
         exchanged = tokens / group * (2 * shape.heads + 2 * shape.kv_heads) * shape.head_dim * c
-        passes = 2 * forwards + recomputed_share(shape, gradient_checkpointing)
+        passes = forwards + 1 + recomputed_share(shape, gradient_checkpointing)  # (a reference's: forward only)
         moved.exposed_per_micro += seconds(shape.layers * passes * gather(exchanged, group), group)
         return moved
     if strategy == "model_parallel":  # the hidden state to the next GPU, its gradient back
@@ -284,8 +284,8 @@ def step_time(shape: ModelShape, method: str, strategy: str, gpus: int, machine:
     `batch_size` counts preference pairs (the module's docstring says what they add); "global_batch" too.
     Sequence parallel: groups of `sequence_parallel` GPUs (default 2) share each micro-batch."""
     _check(method, strategy, precision)
-    if pairs and strategy in ("pipeline", "sp"):
-        raise ValueError("the preference recipes run neither pipeline nor sequence parallel")
+    if pairs and strategy == "pipeline":
+        raise ValueError("the preference recipes run no pipeline")
     group = (sequence_parallel or 2) if strategy == "sp" else 1
     stages = (pipeline_stages or gpus) if strategy == "pipeline" else None
     global_batch = batch_size * grad_accum * data_parallel_size(strategy, gpus, stages, group)
@@ -343,9 +343,11 @@ def step_time(shape: ModelShape, method: str, strategy: str, gpus: int, machine:
 def reference_pass_time(shape: ModelShape, strategy: str, gpus: int, machine: Machine, pairs: int,
                         seq_len: int = 512, precision: str = "bf16") -> float:
     """Seconds dpo_full.py's reference takes to score `pairs` pairs once before training: the forward of
-    both rows of each, spread over the data-parallel processes (tensor parallel's groups split theirs)."""
+    both rows of each, spread over the data-parallel processes (tensor parallel's groups split theirs; sequence
+    parallel's ranks each score whole rows, in eval mode)."""
     forward = flops_per_token(shape, "full", seq_len)["base_forward"]
-    flops_per_gpu = 2 * pairs * seq_len * forward / data_parallel_size(strategy, gpus) / tensor_parallel_size(strategy, gpus)
+    scoring = gpus if strategy == "sp" else data_parallel_size(strategy, gpus)
+    flops_per_gpu = 2 * pairs * seq_len * forward / scoring / tensor_parallel_size(strategy, gpus)
     return flops_per_gpu / (machine.peak_flops(precision) * machine.mfu)
 
 

@@ -19,7 +19,7 @@ from ..data.mixture import sources_of
 from ..model.model_config import is_default_model, meta_model, module_kinds, quantizable_weights
 from ..model.pipeline_layout import check_layout, unstageable
 from ..refusal import Refusal, refuse  # noqa: F401  (preflight.refuse and preflight.Refusal, as the recipes and tests use them)
-from .args import PREFERENCE_RECIPES, lora_targets
+from .args import lora_targets
 from .launch import DDP, FSDP
 from .launch import flag as env_flag  # (`flag` names the flags in the checks below)
 from .memory_plan import size
@@ -396,11 +396,9 @@ def check_speed_options(args, on_gpu: bool) -> None:
 
 
 def check_sequence_parallel(args, launch) -> None:
-    """What sequence parallel can split: the SFT recipes' token losses, over heads that divide among the ranks."""
+    """What sequence parallel can split: attention heads that divide among the ranks, rows without packing on sdpa,
+    no router loss."""
     size = launch.sequence_parallel
-    if args.recipe in PREFERENCE_RECIPES:
-        refuse(f"sequence parallel is not built for {args.recipe}.py: a pair's loss needs each row's whole "
-               "log-probability, which each rank holds a slice of; use accelerate_configs/zero3.yaml")
     if args.packing and launch.sequence_attention == "sdpa":
         refuse("--packing under sequence parallel needs flash_attention_2: sdpa runs the gathered sequence without "
                "a mask, so packed rows would attend to each other; drop --packing, or on GPUs set "

@@ -24,6 +24,7 @@ from accelerate.utils import (DistributedDataParallelKwargs, DistributedType, Fu
 
 from ..data.batches import SequenceSlice, target_tokens
 from ..launching import deepspeed_config
+from ..launching.args import PREFERENCE_RECIPES
 from ..launching.launch import DEEPSPEED, FSDP, TENSOR_PARALLEL, Launch
 from ..model.shard_loading import read_shards
 
@@ -70,7 +71,9 @@ def make_accelerator(args, launch: Launch) -> Accelerator:
             accelerator = Accelerator(**kwargs)
         enable_tensor_parallel_on_cpu(accelerator)
     elif launch.sequence_parallel > 1:
-        accelerator = SequenceParallelAccelerator(launch.sequence_parallel, launch.zero_stage, **kwargs)
+        accelerator = SequenceParallelAccelerator(launch.sequence_parallel, launch.zero_stage,
+                                                  rows_per_example=2 if args.recipe in PREFERENCE_RECIPES else 1,
+                                                  **kwargs)
     elif launch.reads_shards:
         if not on_cpu:
             kwargs["fsdp_plugin"] = FullyShardedDataParallelPlugin(cpu_ram_efficient_loading=False)
@@ -154,12 +157,16 @@ class SequenceParallelAccelerator(Accelerator):
     Each rank's loss is its slice's own, and the gradient is their sum over all ranks; the recipes scale it
     as if the all-reduce took the mean over all ranks. ZeRO-3 does; ZeRO-1 and 2 divide by the data-parallel
     groups only (they expect every rank of a group to hold the whole sequence's loss), so `backward` divides
-    by the group's size there."""
+    by the group's size there.
 
-    def __init__(self, size: int, zero_stage: int, **kwargs):
+    Ulysses checks that every training forward has the rows it was registered with: a micro-batch's examples x
+    `rows_per_example` (a preference pair is two rows), which DeepSpeed takes as its micro-batch size."""
+
+    def __init__(self, size: int, zero_stage: int, rows_per_example: int = 1, **kwargs):
         super().__init__(**kwargs)
         self.sequence_parallel = size
         self.gradient_excess = size if zero_stage < 3 else 1
+        self.rows_per_example = rows_per_example
 
     def backward(self, loss, **kwargs):
         super().backward(loss / self.gradient_excess if self.gradient_excess > 1 else loss, **kwargs)
@@ -169,8 +176,10 @@ class SequenceParallelAccelerator(Accelerator):
         config = self.state.deepspeed_plugin.deepspeed_config
         for loader in objects:  # what accelerate reads from the loaders it is no longer given (Ulysses' rows too)
             if isinstance(loader, torch.utils.data.DataLoader) and loader.drop_last:
-                if config.get("train_micro_batch_size_per_gpu", "auto") == "auto":
-                    config["train_micro_batch_size_per_gpu"] = loader.batch_size
+                # a file's own value is --batch-size already (settle_deepspeed), counted in examples
+                config["train_micro_batch_size_per_gpu"] = loader.batch_size * self.rows_per_example
+                if "train_batch_size" in config:  # (checked against the recipe's batch, in examples)
+                    config["train_batch_size"] = "auto"
         prepared = super().prepare(*others, **kwargs) if others else ()
         prepared = iter(prepared if len(others) > 1 else (prepared,))
         result = [self.sequence_loader(thing) if isinstance(thing, torch.utils.data.DataLoader) else next(prepared)
@@ -192,6 +201,40 @@ class SequenceParallelAccelerator(Accelerator):
                                        data_seed=self.dataloader_config.data_seed, non_blocking=self.non_blocking)
         self._dataloaders.append(prepared)
         return prepared
+
+
+def whole_row_sums(accelerator: Accelerator, model: torch.nn.Module, sums: torch.Tensor) -> torch.Tensor:
+    """`sums` (one figure a row: its log-probability, its target tokens) over the whole rows. Under sequence
+    parallel a training forward gives each rank of a group a slice of every row, so the group's slices are
+    summed, differentiably: every rank of the group then computes the same pair losses, and the backward's
+    all-reduce hands each rank the group's gradient for its slice (the recipes count each pair once a rank,
+    as tensor parallel's groups do, which that factor cancels). Elsewhere, and in eval mode (Ulysses runs each
+    row whole on one rank), `sums` as they are."""
+    # (the model's own mode: DeepSpeed's engine keeps `training` True through eval())
+    if not isinstance(accelerator, SequenceParallelAccelerator) or not accelerator.unwrap_model(model).training:
+        return sums
+    from deepspeed.utils import groups
+
+    return GroupSum.apply(sums, groups._get_sequence_parallel_group())
+
+
+class GroupSum(torch.autograd.Function):
+    """The sum of a tensor over a process group, whose backward sums the gradients over it too: each rank's
+    loss reads the total, so each rank's part gets the group's gradient. (torch's own differentiable all-reduce
+    moves between modules across the versions the recipes support.)"""
+
+    @staticmethod
+    def forward(ctx, tensor, group):
+        ctx.group = group
+        total = tensor.clone()
+        torch.distributed.all_reduce(total, group=group)
+        return total
+
+    @staticmethod
+    def backward(ctx, gradient):
+        total = gradient.clone()
+        torch.distributed.all_reduce(total, group=ctx.group)
+        return total, None
 
 
 def enable_fsdp_on_cpu(accelerator: Accelerator, main_process_sends: bool) -> None:
