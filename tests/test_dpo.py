@@ -134,6 +134,35 @@ def test_sequence_parallel_under_zero_1_and_2_and_with_two_groups(trained, tmp_p
 
 
 @long_test
+@pytest.mark.parametrize("recipe", ["dpo", "dpo_full"])
+def test_pairs_of_fourteen_thousand_tokens_split_over_a_group(recipe, tmp_path):
+    """The case sequence parallel is for: pairs whose rows are ~14,000 tokens (a long shared prompt, replies of a
+    few hundred), each split over a group of 2, give one process's curve and gradient norm."""
+    import json
+    import random
+
+    words = ["sort", "copy", "reverse", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
+    generator = random.Random(0)
+
+    def text(tokens: int) -> str:  # ~4.75 tokens a word with the bundled tokenizer
+        return " ".join(generator.choice(words) for _ in range(tokens * 4 // 19))
+
+    data = tmp_path / "long-pairs.jsonl"
+    data.write_text("".join(json.dumps({"prompt": text(13_500), "chosen": text(400), "rejected": text(300)}) + "\n"
+                            for _ in range(4)))
+    common = ["--dataset", str(data), "--eval-dataset", str(data), "--max-length", "16384", "--batch-size", "1",
+              "--grad-accum", "2", "--max-steps", "2", "--eval-every", "0",
+              *(["--lr", "1e-3"] if recipe == "dpo_full" else ["--lr", "5e-3", "--lora-dropout", "0"])]
+    one = launch(recipe, tmp_path / "one", *common, config="model_parallel", processes=1, timeout=900)
+    split = launch(recipe, tmp_path / "sp", *common, config="sp", processes=2, timeout=900)
+    assert one.returncode == split.returncode == 0, split.output[-3000:]
+    # two pairs a step, their replies whole (~700 target tokens a pair): no row was cut or dropped
+    assert min(record["tokens"] for record in split.metrics()) > 2 * 600
+    for name in ("loss", "grad_norm", "logps/chosen", "logps/rejected"):
+        assert max_relative_difference(curve(one, name), curve(split, name)) <= 1e-5, name
+
+
+@long_test
 @pytest.mark.parametrize("loss", ["ipo", "simpo"])
 def test_other_losses_train_alike_on_one_process_and_two(trained, loss):
     one, two = trained("dpo", "model_parallel", "--loss", loss), trained("dpo", "ddp", "--loss", loss)
@@ -175,7 +204,8 @@ def test_accumulation_does_not_change_the_updates(tmp_path):
     assert max_relative_difference(curve(whole, "grad_norm"), curve(accumulated, "grad_norm")) <= 1e-4
 
 
-@pytest.mark.parametrize("recipe, config", [("dpo", "ddp"), ("dpo_full", "zero3")])
+@pytest.mark.parametrize("recipe, config", [("dpo", "ddp"), ("dpo_full", "zero3"),
+                                            pytest.param("dpo", "sp", marks=long_test)])
 def test_a_resumed_run_continues_the_same_curve(trained, tmp_path, recipe, config):
     """From step 4's checkpoint to step 8: the same losses as the run that went through (full tuning's
     reference scores are read back, not recomputed by the model that has already moved)."""
@@ -184,7 +214,8 @@ def test_a_resumed_run_continues_the_same_curve(trained, tmp_path, recipe, confi
     resumed_dir = tmp_path / "resumed"
     shutil.copytree(first.output_dir, resumed_dir)
     shutil.rmtree(resumed_dir / "checkpoints" / "step-8")
-    resumed = launch(recipe, resumed_dir, *run_args(recipe, 2, "--resume", "auto"), config=config)
+    resumed = launch(recipe, resumed_dir, *run_args(recipe, 2, "--resume", "auto",
+                                                    sequence_parallel=SEQUENCE_PARALLEL.get(config, 1)), config=config)
     assert resumed.returncode == 0, resumed.output[-3000:]
     assert curve(resumed, "loss") == curve(first, "loss")
 
