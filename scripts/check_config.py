@@ -31,7 +31,7 @@ from common.launching import launch_config, preflight  # noqa: E402
 from common.launching.deepspeed_config import check_engine_config, deepspeed_source, edit_deepspeed  # noqa: E402
 from common.launching.launch import DEEPSPEED, TENSOR_PARALLEL, describe  # noqa: E402
 from common.launching.args import parse_args as parse_recipe_args  # noqa: E402
-from common.launching.args import recipe_flags  # noqa: E402
+from common.launching.args import PREFERENCE_RECIPES, recipe_flags  # noqa: E402
 from common.launching.batch_size import settle as settle_batch  # noqa: E402
 
 
@@ -96,6 +96,10 @@ def refuse_what_the_launcher_chokes_on(path: Path) -> None:
             preflight.refuse(f"{path.name}: {key} is {config[key]!r}; write a whole number without quotes")
 
 
+# The start-up checks a preference recipe runs as: dpo.py as LoRA (QLoRA with --bits), dpo_full.py as full tuning.
+SETTLED_AS = {"dpo": "lora", "dpo_full": "full"}
+
+
 def check(config_file: Path, recipe: str = "lora", recipe_argv: list[str] = (), num_processes: int | None = None,
           on_gpu: bool | None = None) -> list[str]:
     """The lines the recipe would print at start-up for this config file; raises `preflight.Refusal`."""
@@ -111,6 +115,8 @@ def check(config_file: Path, recipe: str = "lora", recipe_argv: list[str] = (), 
         lines = str(error).strip().splitlines() or [type(error).__name__]
         preflight.refuse(f"{path.name}: {problem}" if problem else f"accelerate cannot launch {path.name}: {lines[0]}")
     args = parse_recipe_args(recipe_flags(recipe), list(recipe_argv))
+    shown = recipe  # the recipe named; the checks below run as the one it settles as
+    recipe = "qlora" if recipe == "dpo" and args.bits else SETTLED_AS.get(recipe, recipe)
     on_gpu = (__import__("torch").cuda.is_available()) if on_gpu is None else on_gpu
     with mock.patch.dict(os.environ, env, clear=True), mock.patch("torch.cuda.is_available", return_value=on_gpu):
         run, notes = launch_config.adapt_launch(args, config_file=None if is_deepspeed_json(path) else path,
@@ -127,6 +133,8 @@ def check(config_file: Path, recipe: str = "lora", recipe_argv: list[str] = (), 
             preflight.check_tensor_parallel(run, recipe, launch)
         if launch.sequence_parallel > 1:  # the recipe, its model's heads, packing against the attention
             preflight.check_sequence_parallel(run, launch)
+        if shown in PREFERENCE_RECIPES:  # what pairs cannot run (packing, pipeline stages, --batch-size auto)
+            preflight.check_preference_run(run, launch)
         run, batch_line = settle_batch(run, recipe, launch)  # the file's train_batch_size must split over the ranks
         preflight.check_pipeline_micro_batches(run, launch)
         if launch.kind == DEEPSPEED:  # as the recipe, once the Accelerator exists: the engine's exact config
@@ -136,7 +144,7 @@ def check(config_file: Path, recipe: str = "lora", recipe_argv: list[str] = (), 
     lines = [f"config: {'; '.join(notes)}"] if notes else []
     lines += [batch_line] if batch_line else []
     runs_as = launch.name if launch.pipeline_stages > 1 or launch.sequence_parallel > 1 else launch.planner_strategy
-    return lines + [f"ok: {recipe} runs as {runs_as} on {launch.gpus} process(es), precision {launch.precision}"]
+    return lines + [f"ok: {shown} runs as {runs_as} on {launch.gpus} process(es), precision {launch.precision}"]
 
 
 def main(argv=None) -> int:
@@ -147,7 +155,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=summary, epilog=details,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("config_file", type=Path, help="an accelerate config file (.yaml or .json)")
-    parser.add_argument("--recipe", choices=("full", "lora", "qlora"), default="lora", help="default: lora")
+    parser.add_argument("--recipe", choices=("full", "lora", "qlora", *PREFERENCE_RECIPES), default="lora",
+                        help="default: lora")
     parser.add_argument("--num-processes", type=int, default=None, help="as the launcher's --num_processes")
     parser.add_argument("--gpu", action="store_true", help="check as on a machine with CUDA GPUs")
     args = parser.parse_args(argv)

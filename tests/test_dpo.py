@@ -9,14 +9,16 @@ from __future__ import annotations
 import math
 import re
 import shutil
+import sys
 
 import pytest
 import torch
 
-from conftest import TINY_MODEL, assert_no_traceback_of_ours, assert_the_refusal_ends_the_output, launch, long_test
+from conftest import (CONFIGS, REPO, TINY_MODEL, assert_no_traceback_of_ours, assert_the_refusal_ends_the_output, launch,
+                      long_test)
+from strategies import SEQUENCE_PARALLEL
 from test_equivalence import max_relative_difference
 from test_preflight import launched_with  # (puts recipes/ on sys.path)
-from strategies import SEQUENCE_PARALLEL
 from test_recipes_read_well import launch_edited_copy
 
 from common.launching import settle  # noqa: E402
@@ -255,6 +257,22 @@ def test_the_same_checks_refuse_the_other_flags(tmp_path, flags, refusal):
     args = parse_args(recipe_flags("dpo"), ["--max-steps", "1", "--output-dir", str(tmp_path / "out"), *flags])
     with launched_with("ddp", 2), pytest.raises(Refusal, match=re.escape(refusal)):
         settle.settle_launch(args, "lora")
+
+
+def test_check_config_answers_for_the_preference_recipes():
+    """scripts/check_config.py --recipe dpo / dpo_full: the checks those recipes run, under the settings they
+    settle as (LoRA, QLoRA with --bits, full tuning), and the refusals of pairs."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    import check_config
+
+    verdict = check_config.check(CONFIGS / "sp.yaml", "dpo_full", num_processes=4, on_gpu=True)[-1]
+    assert verdict.startswith("ok: dpo_full runs as zero3 x 2-way sequence parallel on 4 process(es)"), verdict
+    assert check_config.check(CONFIGS / "zero3.yaml", "dpo", ["--bits", "4"], num_processes=2,
+                              on_gpu=False)[-1].startswith("ok: dpo runs as zero3")
+    with pytest.raises(Refusal, match="a preference pair is scored as two whole rows"):
+        check_config.check(CONFIGS / "fsdp.yaml", "dpo", ["--packing"], num_processes=2, on_gpu=False)
+    with pytest.raises(Refusal, match="dpo_full.py does not run pipeline stages"):
+        check_config.check(CONFIGS / "pipeline.yaml", "dpo_full", ["--pipeline-stages", "2"], on_gpu=True)
 
 
 def test_full_tuning_reads_its_reference_scores_back_on_a_rerun(trained, tmp_path):
