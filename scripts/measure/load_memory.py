@@ -109,14 +109,19 @@ def launch(spec: str, model: str, dataset: Path, folder: Path, index: int) -> di
 
 
 def table(rows: list[dict]) -> str:
-    replica = max(next(row for row in rows if (row["recipe"], row["launch"]) == ("lora", "ddp"))["load_peak_gib_by_rank"])
+    ddp = next((row for row in rows if (row["recipe"], row["launch"]) == ("lora", "ddp")), None)
+    replica = max(ddp["load_peak_gib_by_rank"]) if ddp else None  # without a lora/ddp launch: no ratios
+
+    def share(gib: float) -> str:
+        return f"{gib / replica:.0%}" if replica else "(no ddp launch)"
+
     lines = ["| recipe | launch | processes | peak host RAM per rank at load (GiB) | largest / DDP replica | others / DDP replica "
              "| seconds to start |", "|---|---|---|---|---|---|---|"]
     for row in rows:
         peaks = row["load_peak_gib_by_rank"]
         largest, others = max(peaks), sorted(peaks)[:-1]
         lines.append(f"| {row['recipe']} | {row['launch']} | {row['processes']} | {' / '.join(f'{p:.2f}' for p in peaks)} | "
-                     f"{largest / replica:.0%} | {max(others) / replica:.0%} | {row['seconds_to_start']} |")
+                     f"{share(largest)} | {share(max(others, default=largest))} | {row['seconds_to_start']} |")
     return "\n".join(lines)
 
 
