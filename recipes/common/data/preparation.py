@@ -38,16 +38,32 @@ def shared_system_prompt(parts) -> str | None:
     return found.pop() if len(found) == 1 else None
 
 
-def opening_system_prompts(rows) -> set | None:
+def opening_system_prompts(rows, batch_rows: int = 1_000) -> set | None:
     """The texts of the system turns the rows open with (empty rows left out); None when a row opens with
-    another turn. Read in C where every turn is {role, content} text (or ShareGPT's {from, value}), else each
-    cell as `conversation` reads it (JSON text, content in parts)."""
+    another turn. Read `batch_rows` rows at a time (the rows are a selection over memory-mapped files: taking
+    the whole column would copy every conversation into memory), and no further once two texts differ. Read
+    in C where every turn is {role, content} text (or ShareGPT's {from, value}), else each cell as
+    `conversation` reads it (JSON text, content in parts)."""
+    keys = text_turn_keys(rows.data.schema.field("messages").type)
+    found = set()
+    for batch in rows.select_columns(["messages"]).with_format("arrow" if keys else None).iter(batch_rows):
+        texts = first_system_texts(batch["messages"], keys)
+        if texts is None:
+            return None
+        found |= texts
+        if len(found) > 1:  # no one shared text: nothing more to learn
+            break
+    return found
+
+
+def first_system_texts(column, keys: tuple[str, str] | None) -> set | None:
+    """The texts of the system turns a batch of conversations opens with; None when one opens with another
+    turn. `column`: Arrow lists of turns whose role and content are text under `keys`, or (keys None) cells
+    as `conversation` reads them."""
     import pyarrow.compute as pc
 
-    column = rows.with_format("arrow")["messages"]  # the split's rows, not the whole table beneath
-    keys = text_turn_keys(column.type)
     if keys is None:
-        firsts = [turns[0] for turns in map(conversation, rows["messages"]) if turns]
+        firsts = [turns[0] for turns in map(conversation, column) if turns]
         if any(turn["role"] != "system" or not isinstance(turn["content"], str) for turn in firsts):
             return None
         return {turn["content"] for turn in firsts}
@@ -55,7 +71,7 @@ def opening_system_prompts(rows) -> set | None:
     first = pc.list_element(column, 0)
     roles = set(pc.unique(pc.utf8_lower(pc.struct_field(first, keys[0]))).to_pylist())
     texts = set(pc.unique(pc.struct_field(first, keys[1])).to_pylist())
-    if {SPEAKERS.get(role, role) for role in roles} != {"system"} or None in texts:
+    if {SPEAKERS.get(role, role) for role in roles} - {"system"} or None in texts:
         return None
     return texts
 
