@@ -32,25 +32,25 @@ def counted(tokenized, unit: str = "row") -> str:
     """`1,000 rows: 960 used (12 of them cut to --max-length), 40 dropped (too long: 30, empty target: 10)`,
     then the stop signal replies end with and any prompt/target boundary inside a token (`unit`: what a
     row is, "pair" for preference pairs)."""
-    from collections import Counter
+    import pyarrow.compute as pc
 
-    tokenized = report_columns(tokenized)
-    rows = len(tokenized["dropped"])
-    reasons = Counter(reason for reason in tokenized["dropped"] if reason)
+    table = report_columns(tokenized)
+    rows = table.num_rows
+    reasons = dropped_reasons(table)
     dropped = sum(reasons.values())
     line = f"{many(rows, unit)}: {rows - dropped:,} used"
-    cut = sum(tokenized["cut"])
+    cut = trues(table["cut"])
     if cut:
         line += f" ({cut:,} of them cut to --max-length)"
     if dropped:
         line += f", {dropped:,} dropped ({', '.join(f'{why}: {n:,}' for why, n in reasons.most_common())})"
-    added = sum(tokenized["eos_added"])
-    stops = Counter(stop for row_stops in tokenized["stops"] for stop in row_stops)
+    added = trues(table["eos_added"])
+    stops = counts(pc.list_flatten(table["stops"]))
     if added:
         line += f"; EOS added after {added:,} replies (the chat template ends them with no special token)"
     elif stops:
         line += f"; replies end with {' / '.join(stop for stop, _ in stops.most_common(2))}"
-    boundary = sum(tokenized["boundary"])
+    boundary = trues(table["boundary"])
     if boundary:
         line += (f"; in {boundary:,} {unit}s one token holds the prompt's end and the target's start "
                  "(trained as target, as the whole text tokenises)")
@@ -71,14 +71,16 @@ def fixes(tokenized) -> list[str]:
     """What to change, one entry per kind of cause among the dropped rows, the commonest first."""
     from collections import Counter
 
-    tokenized = report_columns(tokenized)
+    import pyarrow.compute as pc
+
+    table = report_columns(tokenized)
     kinds = Counter()
-    for why in tokenized["dropped"]:
-        if why:
-            kinds["length" if why.startswith("too long") else "template" if why.startswith("the chat template")
-                  else "rows"] += 1
-    too_long = [needs for needs, why in zip(tokenized["needs"], tokenized["dropped"]) if why.startswith("too long")]
-    fix = {"length": f"pass --max-length {min(too_long or [0])} or more (the shortest row needs that many tokens)",
+    for why, n in dropped_reasons(table).items():  # (in the order each reason first appears)
+        kinds["length" if why.startswith("too long") else "template" if why.startswith("the chat template")
+              else "rows"] += n
+    reasons = pc.fill_null(table["dropped"], "")
+    shortest = pc.min(pc.filter(table["needs"], pc.starts_with(reasons, "too long"))).as_py()
+    fix = {"length": f"pass --max-length {shortest or 0} or more (the shortest row needs that many tokens)",
            "template": "the chat template cannot render these rows: pass --chat-template FILE with one that can "
                        "(or drop the turns it refuses)",
            "rows": "fix the rows, or map your columns with --columns"}
@@ -87,18 +89,43 @@ def fixes(tokenized) -> list[str]:
 
 def kept_rows(tokenized):
     """The rows that can train, without the columns the data line counts."""
-    import numpy as np
+    import pyarrow.compute as pc
 
-    dropped = tokenized.select_columns(["dropped"])[:]["dropped"]
+    dropped = pc.fill_null(tokenized.select_columns(["dropped"]).with_format("arrow")[:]["dropped"], "")
     # an array, not a list: datasets hashes the indices for the cache key, a list of 200,000 ints slowly
-    kept = np.array([i for i, why in enumerate(dropped) if not why], dtype=np.int64)
+    kept = np.flatnonzero(pc.equal(dropped, "").to_numpy(zero_copy_only=False)).astype(np.int64)
     return tokenized.select(kept).remove_columns(REPORT_COLUMNS)
 
 
-def report_columns(tokenized) -> dict:
-    """{column: list of values} of the columns the data line counts, read in one go: a column read row
-    by row (datasets 5's lazy columns) costs seconds at 200,000 rows."""
-    return tokenized.select_columns(REPORT_COLUMNS)[:]
+def report_columns(tokenized):
+    """The columns the data line counts, as an Arrow table (a few bytes a row), counted in C: as Python lists
+    they cost seconds and hundreds of MB at 2,000,000 rows."""
+    return tokenized.select_columns(REPORT_COLUMNS).with_format("arrow")[:]
+
+
+def dropped_reasons(table):
+    """Counter of why rows were dropped (none for the rows kept), in the order each reason first appears."""
+    import pyarrow.compute as pc
+
+    reasons = pc.fill_null(table["dropped"], "")
+    return counts(pc.filter(reasons, pc.not_equal(reasons, "")))
+
+
+def counts(values):
+    """Counter of an Arrow array's values, in the order each first appears (Counter.most_common keeps it
+    among equal counts, as counting row by row did)."""
+    from collections import Counter
+
+    import pyarrow.compute as pc
+
+    return Counter({entry["values"]: entry["counts"] for entry in pc.value_counts(values).to_pylist()})
+
+
+def trues(column) -> int:
+    """How many rows a boolean column marks."""
+    import pyarrow.compute as pc
+
+    return pc.sum(column).as_py() or 0
 
 
 ROWS_PER_PROCESS = 10_000  # about this many rows a process: below, a process of its own costs more than it saves
