@@ -10,4 +10,4 @@ a=new.index('def opening_system_prompts('); b=new.index('def text_turn_keys(')
 i=s.index('def opening_system_prompts('); j=s.index('def text_turn_keys(')
 open(p,'w').write(s[:i]+new[a:b]+s[j:])
 PY
-bash $S/probe.sh p$rev
+bash "$(dirname "$0")/probe.sh" p$rev
