@@ -10,7 +10,7 @@ from unittest import mock
 
 import pytest
 
-from conftest import CONFIGS, REPO, assert_no_traceback_of_ours, launch
+from conftest import CONFIGS, REPO, TINY_MODEL, assert_no_traceback_of_ours, launch
 
 sys.path.insert(0, str(REPO / "recipes"))
 from common.launching import preflight, settle  # noqa: E402
@@ -234,3 +234,23 @@ def test_check_config_answers_for_what_tensor_parallel_can_split():
         check_config.check(CONFIGS / "fsdp_tp.yaml", "qlora", on_gpu=False)
     with pytest.raises(Refusal, match="splits the attention heads"):  # the bundled model: 2 key-value heads, 4-way
         check_config.check(CONFIGS / "tp.yaml", "full", on_gpu=False)
+
+
+def test_the_bundled_model_is_rebuilt_when_its_config_changes(tmp_path, monkeypatch):
+    """A model built from an older data/tiny-llama-config.json (another context, another shape) is built again;
+    a key the installed transformers saves under another name is no reason to (else every start rebuilt it)."""
+    import json
+    import shutil
+
+    from common.model import model_config
+
+    built = tmp_path / "tiny-llama"
+    shutil.copytree(TINY_MODEL, built)
+    monkeypatch.setattr(model_config, "DEFAULT_MODEL", built)
+    config = json.loads((built / "config.json").read_text())
+    assert not model_config.default_model_needs_building()
+    (built / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 1024}))
+    assert model_config.default_model_needs_building()
+    renamed = {key: value for key, value in config.items() if key != "rope_parameters"}
+    (built / "config.json").write_text(json.dumps({**renamed, "rope_scaling": config["rope_parameters"]}))
+    assert not model_config.default_model_needs_building()

@@ -28,7 +28,8 @@ def default_model_needs_building() -> bool:
         return True
     built = json.loads((DEFAULT_MODEL / "config.json").read_text())
     wanted = json.loads((REPO_ROOT / "data" / "tiny-llama-config.json").read_text())
-    return any(built.get(key) != value for key, value in wanted.items())
+    # (a key the installed transformers saves under another name is no change: no rebuild at every start)
+    return any(key in built and built[key] != value for key, value in wanted.items())
 
 
 def weight_files(name: str) -> dict[str, str] | None:
