@@ -8,8 +8,10 @@ How a row of each format becomes text lives in formats.py; where its targets are
 from __future__ import annotations
 
 import os
+from collections import Counter
 
 import numpy as np
+import pyarrow.compute as pc
 
 from ..refusal import refuse
 from .formats import IGNORE, detect_format, filled_columns, unread_columns
@@ -32,8 +34,6 @@ def counted(tokenized, unit: str = "row") -> str:
     """`1,000 rows: 960 used (12 of them cut to --max-length), 40 dropped (too long: 30, empty target: 10)`,
     then the stop signal replies end with and any prompt/target boundary inside a token (`unit`: what a
     row is, "pair" for preference pairs)."""
-    import pyarrow.compute as pc
-
     table = report_columns(tokenized)
     rows = table.num_rows
     reasons = dropped_reasons(table)
@@ -69,17 +69,12 @@ def usable(tokenized, split: str, args, source: str = "", unit: str = "row"):
 
 def fixes(tokenized) -> list[str]:
     """What to change, one entry per kind of cause among the dropped rows, the commonest first."""
-    from collections import Counter
-
-    import pyarrow.compute as pc
-
     table = report_columns(tokenized)
     kinds = Counter()
     for why, n in dropped_reasons(table).items():  # (in the order each reason first appears)
         kinds["length" if why.startswith("too long") else "template" if why.startswith("the chat template")
               else "rows"] += n
-    reasons = pc.fill_null(table["dropped"], "")
-    shortest = pc.min(pc.filter(table["needs"], pc.starts_with(reasons, "too long"))).as_py()
+    shortest = pc.min(pc.filter(table["needs"], pc.starts_with(table["dropped"], "too long"))).as_py()
     fix = {"length": f"pass --max-length {shortest or 0} or more (the shortest row needs that many tokens)",
            "template": "the chat template cannot render these rows: pass --chat-template FILE with one that can "
                        "(or drop the turns it refuses)",
@@ -89,9 +84,7 @@ def fixes(tokenized) -> list[str]:
 
 def kept_rows(tokenized):
     """The rows that can train, without the columns the data line counts."""
-    import pyarrow.compute as pc
-
-    dropped = pc.fill_null(tokenized.select_columns(["dropped"]).with_format("arrow")[:]["dropped"], "")
+    dropped = tokenized.select_columns(["dropped"]).with_format("arrow")[:]["dropped"]  # "" for a row kept
     # an array, not a list: datasets hashes the indices for the cache key, a list of 200,000 ints slowly
     kept = np.flatnonzero(pc.equal(dropped, "").to_numpy(zero_copy_only=False)).astype(np.int64)
     return tokenized.select(kept).remove_columns(REPORT_COLUMNS)
@@ -104,27 +97,18 @@ def report_columns(tokenized):
 
 
 def dropped_reasons(table):
-    """Counter of why rows were dropped (none for the rows kept), in the order each reason first appears."""
-    import pyarrow.compute as pc
-
-    reasons = pc.fill_null(table["dropped"], "")
-    return counts(pc.filter(reasons, pc.not_equal(reasons, "")))
+    """Counter of why rows were dropped ("" for the rows kept), in the order each reason first appears."""
+    return counts(pc.filter(table["dropped"], pc.not_equal(table["dropped"], "")))
 
 
 def counts(values):
     """Counter of an Arrow array's values, in the order each first appears (Counter.most_common keeps it
     among equal counts, as counting row by row did)."""
-    from collections import Counter
-
-    import pyarrow.compute as pc
-
     return Counter({entry["values"]: entry["counts"] for entry in pc.value_counts(values).to_pylist()})
 
 
 def trues(column) -> int:
-    """How many rows a boolean column marks."""
-    import pyarrow.compute as pc
-
+    """How many rows a boolean column marks (a count column: its sum, a pair's two sides)."""
     return pc.sum(column).as_py() or 0
 
 
