@@ -31,6 +31,11 @@ Refused here (not for pairs yet): --packing --pipeline-stages --pipeline-schedul
 import math
 
 import common.quiet  # noqa: F401  (first: silences library notices nobody can act on)
+from common.launching import args as cli
+
+if __name__ == "__main__":  # --help answered now: the libraries below take seconds to load
+    cli.answer_help("dpo", __doc__)
+
 import torch
 import torch.nn.functional as F
 from accelerate.utils import set_seed
@@ -39,7 +44,6 @@ from transformers import get_cosine_schedule_with_warmup
 
 from common.data import batches, preferences
 from common.data.formats import IGNORE
-from common.launching import args as cli
 from common.launching import deepspeed_config, preflight, settle
 from common.model import loss_head, modeling
 from common.outputs import checkpoint, report

@@ -23,12 +23,16 @@ Speed: --compile --liger --attention --dataloader-workers
 import math
 
 import common.quiet  # noqa: F401  (first: silences library notices nobody can act on)
+from common.launching import args as cli
+
+if __name__ == "__main__":  # --help answered now: the libraries below take seconds to load
+    cli.answer_help("full", __doc__)
+
 import torch
 from accelerate.utils import set_seed
 from transformers import get_cosine_schedule_with_warmup
 
 from common.data import batches, preparation
-from common.launching import args as cli
 from common.launching import batch_size, deepspeed_config, preflight, settle
 from common.model import loss_head, modeling
 from common.outputs import checkpoint, report

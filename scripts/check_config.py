@@ -27,12 +27,28 @@ from unittest import mock
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT / "recipes"))
 
+from common.launching.args import PREFERENCE_RECIPES, answer_help_with, recipe_flags  # noqa: E402
+from common.launching.args import parse_args as parse_recipe_args  # noqa: E402
+
+
+def flags() -> argparse.ArgumentParser:
+    summary, _, details = __doc__.partition("\n")
+    parser = argparse.ArgumentParser(description=summary, epilog=details,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("config_file", type=Path, help="an accelerate config file (.yaml or .json)")
+    parser.add_argument("--recipe", choices=("full", "lora", "qlora", *PREFERENCE_RECIPES), default="lora",
+                        help="default: lora")
+    parser.add_argument("--num-processes", type=int, default=None, help="as the launcher's --num_processes")
+    parser.add_argument("--gpu", action="store_true", help="check as on a machine with CUDA GPUs")
+    return parser
+
+
+answer_help_with(flags)  # before the checks' libraries load (seconds)
+
 from common.launching import launch_config, preflight  # noqa: E402
+from common.launching.batch_size import settle as settle_batch  # noqa: E402
 from common.launching.deepspeed_config import check_engine_config, deepspeed_source, edit_deepspeed  # noqa: E402
 from common.launching.launch import DEEPSPEED, TENSOR_PARALLEL, describe  # noqa: E402
-from common.launching.args import parse_args as parse_recipe_args  # noqa: E402
-from common.launching.args import PREFERENCE_RECIPES, recipe_flags  # noqa: E402
-from common.launching.batch_size import settle as settle_batch  # noqa: E402
 
 
 def is_deepspeed_json(path: Path) -> bool:
@@ -151,15 +167,7 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     recipe_argv = argv[argv.index("--") + 1:] if "--" in argv else []
     argv = argv[:argv.index("--")] if "--" in argv else argv
-    summary, _, details = __doc__.partition("\n")
-    parser = argparse.ArgumentParser(description=summary, epilog=details,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("config_file", type=Path, help="an accelerate config file (.yaml or .json)")
-    parser.add_argument("--recipe", choices=("full", "lora", "qlora", *PREFERENCE_RECIPES), default="lora",
-                        help="default: lora")
-    parser.add_argument("--num-processes", type=int, default=None, help="as the launcher's --num_processes")
-    parser.add_argument("--gpu", action="store_true", help="check as on a machine with CUDA GPUs")
-    args = parser.parse_args(argv)
+    args = flags().parse_args(argv)
     if not args.config_file.is_file():
         print(f"error: {args.config_file} does not exist", file=sys.stderr)
         return 2

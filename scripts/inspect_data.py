@@ -38,19 +38,18 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT / "recipes"))
 
 import common.quiet  # noqa: E402,F401  (first: the recipes' filter of library notices)
-from common.data import checked_rows, data_files, formats, pairs, preferences, tokens  # noqa: E402
-from common.launching import preflight  # noqa: E402
-from common.model import model_config, modeling  # noqa: E402
+from common.launching.args import answer_help_with  # noqa: E402
+from common.paths import DEFAULT_MODEL  # noqa: E402
 
 BUNDLED_TOKENIZER = REPO_ROOT / "data" / "tokenizer"  # what the bundled model is built with
 VISIBLE = {" ": "␣", "\n": "↵\n", "\t": "→", "\r": "␍"}
 TRAINED_ON, TRAINED_OFF = "\x1b[1;30;42m", "\x1b[0m"
 
 
-def parse_args(argv=None):
+def flags() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=__doc__.split("\n", 1)[1],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=str(model_config.DEFAULT_MODEL),
+    parser.add_argument("--model", default=str(DEFAULT_MODEL),
                         help="hub id or local folder whose tokenizer (and chat template) the rows go through "
                              "(default: the bundled tiny Llama)")
     parser.add_argument("--dataset", default=None, help="as the recipes take it (default: the bundled data/)")
@@ -62,7 +61,18 @@ def parse_args(argv=None):
                         help="show the first K rows (default: 5; with --json every row)")
     parser.add_argument("--json", action="store_true", help="one JSON object a row: input_ids, labels, dropped")
     parser.add_argument("--trust-remote-code", action="store_true", help="as the recipes take it")
-    return parser.parse_args(argv)
+    return parser
+
+
+answer_help_with(flags)  # before the tokenizer's libraries load (seconds)
+
+from common.data import checked_rows, data_files, formats, pairs, preferences, tokens  # noqa: E402
+from common.launching import preflight  # noqa: E402
+from common.model import model_config, modeling  # noqa: E402
+
+
+def parse_args(argv=None):
+    return flags().parse_args(argv)
 
 
 def tokenizer_of(model: str, trust_remote_code: bool = False, chat_template: str | None = None):
@@ -74,6 +84,14 @@ def tokenizer_of(model: str, trust_remote_code: bool = False, chat_template: str
                          "enough) or a hub id")
     return modeling.load_tokenizer(str(Path(model).expanduser()) if Path(model).expanduser().exists() else model,
                                    trust_remote_code, chat_template)
+
+
+def length_note(row: dict) -> str:
+    """How long a row dropped for its length is: where its first trained token sits (a row's tokens after
+    --max-length are cut, so that is what decides)."""
+    if not row["dropped"].startswith("too long") or not row.get("needs"):
+        return ""
+    return f" (its first trained token is token {row['needs']:,}: --max-length {row['needs']} or more keeps it)"
 
 
 def tokenised_splits(args, tokenizer, log=sys.stdout):
@@ -157,7 +175,7 @@ def main(argv=None) -> int:
     for name, rows in splits:
         for number, row in enumerate(rows, 1):
             if row["dropped"]:
-                dropped.append(f"{name} row {number}: {row['dropped']}")
+                dropped.append(f"{name} row {number}: {row['dropped']}{length_note(row)}")
                 continue
             if limit is not None and shown >= limit:
                 continue

@@ -20,6 +20,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "recipes"))
+from common.paths import DEFAULT_MODEL  # noqa: E402
 
 
 class MemorySampler:
@@ -45,14 +46,14 @@ class MemorySampler:
 
 
 def main(argv=None) -> int:
-    from common.data import checked_rows, packing, tokens
-    from common.model import model_config, modeling
-
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dataset", required=True)
-    parser.add_argument("--model", default=str(model_config.DEFAULT_MODEL))
+    parser.add_argument("--model", default=str(DEFAULT_MODEL))
     parser.add_argument("--max-length", type=int, default=1024)
     args = parser.parse_args(argv)
+    from common.data import checked_rows, packing, tokens  # after the flags: --help answers at once
+    from common.model import modeling
+
     sampler = MemorySampler()
     tokenizer = modeling.load_tokenizer(args.model)
     train, _ = checked_rows.load_splits(args.dataset, 42, None)

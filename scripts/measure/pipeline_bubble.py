@@ -25,7 +25,6 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "recipes"))
-from lora import token_losses  # noqa: E402  (the recipes' loss: the schedule times what they run)
 
 
 def parse_args(argv=None):
@@ -41,6 +40,11 @@ def parse_args(argv=None):
     parser.add_argument("--steps", type=int, default=3, help="timed steps after one warm-up step")
     parser.add_argument("--out", default=None, help="folder for results.json and table.md")
     return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+    parse_args()  # --help answered before the recipe below loads torch and transformers (seconds)
+from lora import token_losses  # noqa: E402  (the recipes' loss: the schedule times what they run)
 
 
 def build_model(args):

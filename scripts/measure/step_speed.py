@@ -264,9 +264,9 @@ def category_of(name: str) -> str:
 
 
 def main(argv=None) -> dict:
+    args = parse_args(argv)  # first: --help answers before torch loads
     import torch
 
-    args = parse_args(argv)
     device = torch.device("cpu" if args.cpu or not torch.cuda.is_available() else "cuda")
 
     built = time.perf_counter()

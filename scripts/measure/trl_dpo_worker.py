@@ -29,6 +29,10 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "recipes"))
 
 from common.launching import args as cli  # noqa: E402
+
+if __name__ == "__main__":
+    cli.answer_help("dpo", __doc__)  # before the libraries below load (seconds)
+
 from common.model import modeling  # noqa: E402
 
 LOGGED = ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",

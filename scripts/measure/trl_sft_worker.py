@@ -48,16 +48,25 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "recipes"))  # the recipe's own flags, data loading and rendering
 
 from common.launching import args as cli  # noqa: E402
+
+
+def flags():
+    parser = cli.recipe_parser(__doc__)
+    cli.add_lora_args(parser)
+    return parser
+
+
+if __name__ == "__main__":
+    cli.answer_help_with(flags)  # before the libraries below load (seconds)
+
 from common.data import batches, checked_rows, formats, preparation, tokens  # noqa: E402
+from common.launching.preflight import refuse  # noqa: E402
 from common.model import modeling  # noqa: E402
 from common.training import runtime  # noqa: E402
-from common.launching.preflight import refuse  # noqa: E402
 
 
 def parse_args(argv=None):
-    parser = cli.recipe_parser(__doc__)
-    cli.add_lora_args(parser)
-    return parser.parse_args(argv)
+    return flags().parse_args(argv)
 
 
 def recipe_rows(args, tokenizer):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..model.model_config import DEFAULT_MODEL
+from ..paths import DEFAULT_MODEL
 from ..refusal import refuse
 from ..strict_reading import DuplicateKey, StrictLoader
 from .settled import Run
@@ -186,6 +186,20 @@ def recipe_flags(recipe: str, doc: str = "recipe\n") -> argparse.ArgumentParser:
     else:
         add_qlora_args(parser)
     return parser
+
+
+def answer_help(recipe: str, doc: str, argv: list[str] | None = None) -> None:
+    """`--help` printed (and the process ended) before the recipe imports torch, transformers and peft,
+    which take seconds to load; any other command line goes on to the recipe's own parse_args."""
+    answer_help_with(lambda: recipe_flags(recipe, doc), argv)
+
+
+def answer_help_with(make_parser, argv: list[str] | None = None) -> None:
+    """The same for a script: `make_parser()` builds its flags (and imports nothing heavy)."""
+    argv = sys.argv[1:] if argv is None else argv
+    argv = argv[:argv.index("--")] if "--" in argv else argv  # what follows `--` is another program's
+    if "-h" in argv or "--help" in argv:
+        make_parser().parse_args(["--help"])
 
 
 def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> Run:

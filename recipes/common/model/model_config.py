@@ -11,8 +11,7 @@ from pathlib import Path
 
 import torch
 
-REPO_ROOT = Path(__file__).resolve().parents[3]
-DEFAULT_MODEL = REPO_ROOT / "models" / "tiny-llama"
+from ..paths import DEFAULT_MODEL, REPO_ROOT
 
 
 def is_default_model(name: str) -> bool:
