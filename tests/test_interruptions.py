@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from conftest import assert_no_traceback_of_ours, launch, start
+from conftest import assert_no_traceback_of_ours, launch, long_test, start
 
 ARGS = ["--max-steps", "8", "--save-every", "2", "--save-total-limit", "2", "--batch-size", "2", "--lr", "5e-3"]
 
@@ -96,9 +96,13 @@ def test_a_killed_rank_restarts_the_job_from_its_checkpoint(whole, tmp_path):
     assert restarted.losses() == whole.losses()
 
 
-def test_ctrl_c_checkpoints_at_the_step_and_stops_with_one_line(whole, tmp_path):
+@pytest.mark.parametrize("config, extra", [("ddp", []), pytest.param("fsdp", [], marks=long_test),
+                                           pytest.param("zero3", [], marks=long_test),
+                                           pytest.param("ddp", ["--pipeline-stages", "2", "--grad-accum", "2"], marks=long_test)])
+def test_ctrl_c_checkpoints_at_the_step_and_stops_with_one_line(whole, tmp_path, config, extra):
+    """Named Ctrl-C on every strategy (the launcher passes it on to each rank)."""
     output_dir = tmp_path / "out"
-    job = start("lora", output_dir, *ARGS[:1], "100000", *ARGS[2:], config="ddp", terminal=True)
+    job = start("lora", output_dir, *ARGS[:1], "100000", *ARGS[2:], *extra, config=config, terminal=True)
     deadline = time.time() + 300
     while time.time() < deadline and not (output_dir / "metrics.jsonl").exists():
         time.sleep(0.2)

@@ -133,13 +133,17 @@ def test_a_step_ends_with_one_all_reduce_of_loss_next_tokens_and_stop(handlers_r
     assert next_tokens.dtype == torch.int64  # it divides the next step's loss
 
 
-@pytest.mark.parametrize("where, signum, name", [("here", signal.SIGTERM, "SIGTERM"),
-                                                  ("here", signal.SIGINT, "Ctrl-C"),
-                                                  ("other rank", signal.SIGTERM, "SIGTERM")])
-def test_a_signal_on_any_rank_stops_every_rank_at_the_same_step(handlers_restored, where, signum, name):
-    other = [0, 0, 0, float(signum == signal.SIGTERM), float(signum == signal.SIGINT)] if where != "here" else [0] * 5
+@pytest.mark.parametrize("here, other_rank, name", [
+    ([signal.SIGTERM], [], "SIGTERM"),  # a scheduler's stop
+    ([signal.SIGINT], [], "Ctrl-C"),
+    ([], [signal.SIGTERM], "SIGTERM"),
+    ([signal.SIGINT, signal.SIGTERM], [], "Ctrl-C"),  # a second Ctrl-C: the launcher adds SIGTERM
+    ([signal.SIGTERM], [signal.SIGINT], "Ctrl-C"),  # ranks that took the two signals in another order
+])
+def test_a_signal_on_any_rank_stops_every_rank_at_the_same_step(handlers_restored, here, other_rank, name):
+    other = [0, 0, 0, float(signal.SIGTERM in other_rank), float(signal.SIGINT in other_rank)]
     sync = StepSync(TwoRanks(other))
-    if where == "here":
+    for signum in here:
         signal.raise_signal(signum)  # the handler StepSync installed takes it
     assert sync.end_of_step(torch.tensor(0.0), [], [0.0])[2] is True
     assert sync.signal_name == name

@@ -323,8 +323,9 @@ class StepSync:
 
     SIGTERM (how SLURM pre-empts a job) or Ctrl-C asks the run to checkpoint and stop at the end of
     the step. The signal may reach one rank before another; the sum tells every rank at the same step.
-    (On Ctrl-C each rank gets SIGINT twice, from the terminal and from the launcher, which kills the
-    ranks that have not finished 30 s later.)
+    (On Ctrl-C the launcher passes SIGINT on to each rank and kills those that have not finished 30 s
+    later; a second Ctrl-C makes it send SIGTERM as well. SIGINT on any rank is therefore a Ctrl-C,
+    whatever came after it: a scheduler's stop sends SIGTERM alone.)
     """
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -332,13 +333,13 @@ class StepSync:
     def __init__(self, accelerator, counts_tokens: bool = True):
         self.accelerator = accelerator
         self.counts_tokens = counts_tokens  # False: a rank whose batches another rank counts (pipeline stages)
-        self.received = None
+        self.received = set()  # every stop signal this rank got
         self.signal_name = None
         for signum in self.SIGNALS:
             signal.signal(signum, self._on_signal)
 
     def _on_signal(self, signum, frame) -> None:
-        self.received = self.received or signum  # the first one names the stop
+        self.received.add(signum)
 
     def local_tokens(self, micro_batches) -> torch.Tensor:
         zero = torch.zeros((), dtype=torch.int64, device=self.accelerator.device)
@@ -353,7 +354,7 @@ class StepSync:
         of the next step on all ranks, whether any rank was asked to stop, and `other_sums` summed over all
         ranks (a mixture of experts' router losses; a preference step's rewards and log-probabilities)."""
         device = self.accelerator.device
-        signals = [float(self.received == signum) for signum in self.SIGNALS]
+        signals = [float(signum in self.received) for signum in self.SIGNALS]
         others = [torch.as_tensor(value, device=device, dtype=torch.float64).reshape(1) for value in other_sums]
         local = torch.cat([torch.as_tensor(loss_sum, device=device, dtype=torch.float64).reshape(1),
                            self.local_tokens(next_micro_batches).to(device, torch.float64).reshape(1),
@@ -362,7 +363,7 @@ class StepSync:
         values = total.tolist()  # the step's one wait for the device
         stops = values[2 + len(others):]
         if any(stops):
-            self.signal_name = "SIGTERM" if stops[0] else "Ctrl-C"
+            self.signal_name = "Ctrl-C" if stops[1] else "SIGTERM"
         return values[0], total[1].round().long(), any(stops), values[2:2 + len(others)]
 
 
