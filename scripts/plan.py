@@ -47,8 +47,8 @@ import planner  # noqa: E402  (recipes/planner/: pure Python, no torch)
 RECIPE_DEFAULTS = {"lora_r": 16, "lora_targets": "all-linear", "lora_dropout": 0.0, "max_length": 512,
                    "batch_size": 8, "grad_accum": 1}
 # The recipes' default data is the bundled toy task: a Launch line asks for the user's, in a word the shell
-# leaves as it is (the recipes refuse it, unreplaced, in one line: no such file, folder or hub id).
-DATASET_PLACEHOLDER = "YOUR_DATA"
+# leaves as it is (the recipes refuse it, unreplaced, in one line naming the fix, before anything asks the hub).
+DATASET_PLACEHOLDER = planner.DATASET_PLACEHOLDER
 # --attention as the recipes spell it; sdpa is their default (transformers' choice).
 RECIPE_ATTENTION = {"flash": "flash_attention_2", "eager": "eager"}
 

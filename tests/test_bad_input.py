@@ -366,3 +366,104 @@ def test_a_local_folder_named_like_a_hub_id_is_checked_and_recorded_whole(tmp_pa
     with pytest.raises(Refusal, match="org/encoder is a bert encoder"):
         preflight.check_model_folder("org/encoder")  # transformers would load this folder, not the hub's
     preflight.check_model_folder("org/not-here")  # a hub id: checked when it loads
+
+
+# What a pasted Launch line asks of the network: nothing before its words are checked, one request after
+
+UNREACHABLE_HUB = {"HF_HUB_OFFLINE": "0", "HF_DATASETS_OFFLINE": "0", "TRANSFORMERS_OFFLINE": "0",
+                   "HF_ENDPOINT": "http://127.0.0.1:9"}  # nothing listens there: refused at once, every time
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--dataset", "YOUR_DATA", "--dataset YOUR_DATA is the word plan.py's Launch line asks you to replace: give your "
+                               "data instead"),
+    ("--dataset", "my_data.jsonl", "--dataset my_data.jsonl does not exist; give a .jsonl"),
+    ("--eval-dataset", "held_out/", "--eval-dataset held_out/ does not exist"),
+    ("--model", "YOUR_MODEL", "--model YOUR_MODEL is the word plan.py's Launch line asks you to replace"),
+])
+def test_a_placeholder_or_a_missing_path_is_refused_before_the_hub_is_asked(flag, value, message, tmp_path,
+                                                                             monkeypatch):
+    asked = []
+    monkeypatch.setattr(preflight, "hub_unanswered", lambda: asked.append("hub") or None)
+    monkeypatch.chdir(tmp_path)
+    argv = ["--output-dir", str(tmp_path / "out"), "--model", "org/some-model", flag, value]
+    with pytest.raises(Refusal, match=message) as refusal:
+        settle.settle_launch(args_of(*argv), "lora")
+    assert "\n" not in refusal.value.message and asked == []
+    from common.data.data_files import read_splits  # scripts/inspect_data.py reads --dataset with it, as the recipes do
+
+    if flag == "--dataset":
+        with pytest.raises(Refusal, match=message):
+            read_splits(value)
+
+
+def test_a_hub_dataset_the_cache_lacks_offline_names_the_fix(monkeypatch):
+    from huggingface_hub import constants
+
+    from common.data.data_files import read_splits
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)  # as the recipes set it when the hub does not answer
+    with pytest.raises(Refusal, match=r"^--dataset someorg/somedata is not in this machine's cache and the hub .* is "
+                                      "not read here .*; load it once where the hub can be reached"):
+        read_splits("someorg/somedata")
+
+
+def test_the_plans_launch_line_with_its_placeholder_stops_in_one_line_without_the_network(tmp_path):
+    """plan.py's Launch line for CodeLlama-34B pasted as printed (a pipeline of 2 here, on 2 CPU processes), with
+    a hub that does not answer: the placeholder is refused on every rank before anything asks the hub. It used to
+    try the model's config.json 6 times over ~25 s on each rank first (`Retrying in 1s [Retry 1/5]`)."""
+    run = launch("lora", tmp_path / "out", "--model", "codellama/CodeLlama-34b-hf", "--dataset", "YOUR_DATA",
+                 "--batch-size", "1", "--max-length", "512", "--pipeline-stages", "2", "--grad-accum", "8",
+                 config="pipeline", env=UNREACHABLE_HUB)
+    errors = [line for line in run.output.splitlines() if line.startswith("error: ")]
+    assert run.returncode != 0 and len(errors) == 1, run.output[-3000:]
+    assert errors[0].startswith("error: --dataset YOUR_DATA is the word plan.py's Launch line asks you to replace")
+    assert "Retrying" not in run.output and "127.0.0.1:9" not in run.output, run.output[-3000:]
+    assert_no_traceback_of_ours(run.output)
+    assert_the_refusal_ends_the_output(run.output, errors[0])
+
+
+def test_a_hub_that_does_not_answer_is_asked_once_and_a_model_it_lacks_is_one_line(tmp_path):
+    run = launch("lora", tmp_path / "out", "--model", "org/not-downloaded", "--max-steps", "2",
+                 "--pipeline-stages", "2", "--grad-accum", "2", config="pipeline",
+                 env={**UNREACHABLE_HUB, "HF_HUB_CACHE": str(tmp_path / "hub")})
+    errors = [line for line in run.output.splitlines() if line.startswith("error: ")]
+    assert run.returncode != 0 and len(errors) == 1, run.output[-3000:]
+    assert errors[0].startswith("error: --model org/not-downloaded is not in this machine's hub cache and the hub "
+                                "(http://127.0.0.1:9) did not answer: ")
+    assert "hf download org/not-downloaded" in errors[0]
+    assert "Retrying" not in run.output and "Loading weights" not in run.output, run.output[-3000:]
+    assert_the_refusal_ends_the_output(run.output, errors[0])
+
+
+def test_a_model_in_the_hub_cache_trains_when_the_hub_does_not_answer(tmp_path):
+    """A hub id the cache holds (the bundled tiny model, laid out as huggingface_hub caches a download) trains
+    from the cache alone: one request finds the hub silent, the start-up says so once, and no read retries."""
+    import shutil
+
+    commit = "0" * 40
+    repo = tmp_path / "hub" / "models--org--tiny"
+    shutil.copytree(TINY_MODEL, repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    run = launch("lora", tmp_path / "out", "--model", "org/tiny", "--max-steps", "2", "--batch-size", "2",
+                 config="ddp", env={**UNREACHABLE_HUB, "HF_HUB_CACHE": str(tmp_path / "hub")})
+    assert run.returncode == 0, run.output[-3000:]
+    said = [line for line in run.output.splitlines() if line.startswith("hub: ")]
+    assert said == ["hub: http://127.0.0.1:9 did not answer ([Errno 111] Connection refused); reading org/tiny from "
+                    "this machine's cache only, as HF_HUB_OFFLINE=1 would"], run.output[-3000:]
+    assert "Retrying" not in run.output and run.run_json()["arguments"]["model"] == "org/tiny"
+
+
+def test_every_hub_id_a_launch_line_names_is_taken_as_one():
+    """plan.py launches an alias's hub id; a name with a dot in it (Qwen/Qwen2.5-7B, meta-llama/Llama-3.1-8B) was
+    read as a file name and refused as a path that does not exist. Data files with a folder stay paths."""
+    import planner
+
+    from common.data.data_files import looks_local
+
+    for alias, hub_id in planner.HUB_IDS.items():
+        if alias != "tiny-llama":  # (the bundled model's folder)
+            assert not looks_local(hub_id), hub_id
+            preflight.check_paths(args_of("--model", hub_id))
+    assert all(looks_local(path) for path in ("data/train.jsonl", "runs/rows.json.gz", "held_out/", "/abs", "x"))

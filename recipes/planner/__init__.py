@@ -103,6 +103,7 @@ from .resident import (
 )
 from .shapes import (
     ALIASES,
+    DATASET_PLACEHOLDER,
     HUB_IDS,
     LINEAR_NAMES,
     MODEL_PLACEHOLDER,
@@ -140,7 +141,7 @@ __all__ = [
     "RAN_ON_GPU", "card_of_device", "cards_of_memory", "gpu_evidence", "gpu_key",
     "collective_bandwidth", "data_parallel_size", "epoch_time", "flops_per_token", "rank_key", "step_time",
     "reference_pass_time",
-    "ALIASES", "HUB_IDS", "MODEL_PLACEHOLDER", "ONE_GPU", "global_batch_refusal", "launch_model",
+    "ALIASES", "DATASET_PLACEHOLDER", "HUB_IDS", "MODEL_PLACEHOLDER", "ONE_GPU", "global_batch_refusal", "launch_model",
     "offered_strategies", "uneven_global_batch",
     "ATTENTIONS", "DEEPSPEED", "DEEPSPEED_REDUCE_BUCKET", "FSDP", "HEADROOM", "LAYERS_IN_FLIGHT",
     "LINEAR_NAMES", "MAX_MICRO_BATCH", "METHODS", "NF4_BITS_PER_WEIGHT", "OFFLOADED", "REPO_ROOT", "SPEED_ORDER",

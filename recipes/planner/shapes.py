@@ -34,6 +34,9 @@ HUB_IDS = {
 }
 # A config .json is no model: its Launch line asks for the model it describes, in a word the shell leaves as it is.
 MODEL_PLACEHOLDER = "YOUR_MODEL"
+# Every Launch line asks for the user's data in this word (the recipes' default is the bundled toy task); the
+# recipes refuse it, unreplaced, before anything reads the network.
+DATASET_PLACEHOLDER = "YOUR_DATA"
 
 # The seven linears of a Llama block, as transformers names them (peft's LoRA targets).
 LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

@@ -13,6 +13,8 @@ import json
 import os
 from pathlib import Path
 
+import planner
+
 from ..refusal import refuse
 from ..strict_reading import DuplicateKey, mapping_without_repeats
 from .formats import TEXT_COLUMNS
@@ -27,6 +29,38 @@ DELIMITERS = {".csv": ",", ".tsv": "\t"}
 SPLIT_NAMES = {"train": ("train", "training"), "eval": ("eval", "evaluation"),
                "validation": ("validation", "valid", "val", "dev"), "test": ("test",)}
 EVAL_SPLIT_NAMES = ("eval", "validation", "test")
+
+
+def looks_local(name: str) -> bool:
+    """A path rather than a hub id (`org/name`; a name may hold dots: Qwen/Qwen2.5-7B, meta-llama/Llama-3.1-8B)."""
+    org, _, repo = name.partition("/")
+    return (name.startswith((".", "/", "~")) or name.count("/") != 1 or not (org and repo)
+            or suffix(Path(name)) in FILE_LOADERS)  # data/train.jsonl
+
+
+def missing_source(flag: str, spec: str) -> str | None:
+    """The refusal of a --dataset / --eval-dataset that names nothing here and is no hub id: plan.py's
+    placeholder left in, or a path that does not exist (None: a file or folder here, or a hub id). Known
+    without the network, so it comes before anything asks the hub."""
+    if not spec or Path(spec).expanduser().exists() or not looks_local(spec):
+        return None
+    if spec == planner.DATASET_PLACEHOLDER:
+        return (f"{flag} {spec} is the word plan.py's Launch line asks you to replace: give your data instead, "
+                "a .jsonl/.json/.parquet/.txt/.csv/.tsv file, a folder of them, or a hub id (org/name)")
+    return f"{flag} {spec} does not exist; give a .jsonl/.json/.parquet/.txt/.csv/.tsv file, a folder of them, or a hub id"
+
+
+def hub_not_read(spec: str, error: BaseException) -> str | None:
+    """The refusal of a hub dataset that could not load because this process may not ask the hub (offline
+    mode: HF_HUB_OFFLINE, or set at start-up when the hub did not answer) and it is not cached here; None for
+    any other failure."""
+    from huggingface_hub import constants, is_offline_mode
+
+    if not (is_offline_mode() and isinstance(error, ConnectionError)):  # datasets' "Couldn't reach ... on the Hub"
+        return None
+    return (f"--dataset {spec} is not in this machine's cache and the hub ({constants.ENDPOINT}) is not read here "
+            "(offline, or it did not answer); load it once where the hub can be reached (the cache is "
+            "HF_HOME), or give a local file or folder")
 
 
 def suffix(path: Path) -> str:
@@ -243,6 +277,9 @@ def read_splits(spec: str | None, columns: str | None = None):
 
     spec = os.path.expanduser(str(spec or DEFAULT_DATASET))
     path = Path(spec)
+    missing = missing_source("--dataset", spec)
+    if missing:  # datasets would ask the hub for it first (and retry)
+        refuse(missing)
     if path.is_file() and path.stat().st_size == 0:
         refuse(f"--dataset {spec} is an empty file; point it at a file or folder with training data")
     verbosity = datasets.logging.get_verbosity()
@@ -262,7 +299,8 @@ def read_splits(spec: str | None, columns: str | None = None):
             loaded = datasets.load_dataset(spec)
     except Exception as error:  # datasets / pyarrow / the hub on data they cannot read: one line, not a traceback
         files = sorted(path.iterdir()) if path.is_dir() else [path] if path.is_file() else []
-        refuse(duplicate_key(files) or f"--dataset {spec} cannot be read: {root_cause(error)}")
+        offline = None if path.exists() else hub_not_read(spec, error)  # datasets' own words name no fix
+        refuse(duplicate_key(files) or offline or f"--dataset {spec} cannot be read: {root_cause(error)}")
     finally:
         datasets.logging.set_verbosity(verbosity)
     train = loaded["train"] if "train" in loaded else next(iter(loaded.values()))

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import planner
 
+from ..data.data_files import looks_local, missing_source  # noqa: F401  (preflight.looks_local, as scripts use it)
 from ..data.mixture import sources_of
 from ..model.model_config import is_default_model, meta_model, module_kinds, quantizable_weights
 from ..model.pipeline_layout import check_layout, unstageable
@@ -48,17 +49,87 @@ def check_flags(args, recipe: str) -> None:
                "not write: add --merge, or drop --save-dtype (adapter/ keeps the adapter as trained)")
 
 
-def check_inputs(args) -> None:
-    """The model and the data exist where they are given, and the model can take --max-length tokens."""
-
+def check_paths(args) -> None:
+    """--model, --dataset and --eval-dataset each name something here or a hub id: plan.py's placeholder words
+    left in, and paths that do not exist, are refused before anything asks the hub (which tries a missing
+    name 6 times over ~25 s, on every rank, before failing)."""
+    if args.model == planner.MODEL_PLACEHOLDER and not Path(args.model).exists():
+        refuse(f"--model {args.model} is the word plan.py's Launch line asks you to replace: give the hub id or "
+               "folder of the model's weights")
     if looks_local(args.model) and not Path(args.model).expanduser().exists() and not is_default_model(args.model):
         refuse(f"--model {args.model} does not exist; give a local folder or a hub id such as "
                "TinyLlama/TinyLlama-1.1B-Chat-v1.0")
     given = [("--dataset", source.spec) for source in sources_of(args.dataset)]  # a weight that is no weight: refused
     for flag, spec in given + [("--eval-dataset", getattr(args, "eval_dataset", None))]:
-        if spec and looks_local(spec) and not Path(spec).expanduser().exists():
-            refuse(f"{flag} {spec} does not exist; give a .jsonl/.json/.parquet/.txt/.csv/.tsv file, "
-                   "a folder of them, or a hub id")
+        missing = missing_source(flag, spec)
+        if missing:
+            refuse(missing)
+
+
+def hub_ids(args, model: str) -> dict[str, str]:
+    """{flag: hub id} of what this run would ask the hub for: `model` (the model, or an adapter's base) and the
+    data sources that are neither files nor folders here."""
+    found = {}
+    if not (looks_local(model) or Path(model).expanduser().exists() or is_default_model(model)):
+        found["--model"] = model
+    given = [("--dataset", source.spec) for source in sources_of(args.dataset)]
+    for flag, spec in given + [("--eval-dataset", getattr(args, "eval_dataset", None))]:
+        if spec and not looks_local(spec) and not Path(spec).expanduser().exists():
+            found.setdefault(flag, spec)
+    return found
+
+
+def check_hub(args, model: str) -> None:
+    """A run that reads the hub asks it once whether it answers (one request, no retries). When it does not,
+    this process goes offline (huggingface_hub's and datasets' HF_HUB_OFFLINE), so every later read takes the
+    cache at once instead of retrying each file for ~25 s, and a model the cache lacks is refused here, in one
+    line. With HF_HUB_OFFLINE already set, only the cache is checked."""
+    wanted = hub_ids(args, model)
+    if not wanted:
+        return
+    from huggingface_hub import constants, is_offline_mode, try_to_load_from_cache
+
+    reason = None if is_offline_mode() else hub_unanswered()
+    if reason:
+        go_offline()
+    if is_offline_mode() and "--model" in wanted and not isinstance(try_to_load_from_cache(model, "config.json"), str):
+        why = f"the hub ({constants.ENDPOINT}) did not answer: {reason}" if reason else "HF_HUB_OFFLINE is set"
+        refuse(f"--model {model} is not in this machine's hub cache and {why}; download it where the hub can be "
+               f"reached (`hf download {model}`, into HF_HOME), or give a local folder")
+    if reason and int(os.environ.get("RANK", "0")) == 0:  # (a hub dataset's cache is datasets': data_files says)
+        print(f"hub: {constants.ENDPOINT} did not answer ({reason}); reading {', '.join(wanted.values())} from this "
+              "machine's cache only, as HF_HUB_OFFLINE=1 would", flush=True)
+
+
+def hub_unanswered() -> str | None:
+    """Why the hub did not answer one request (no retries), in a few words; None when it answered (any HTTP
+    status: an answer is all this asks)."""
+    from huggingface_hub import constants
+    from huggingface_hub.utils import get_session
+
+    try:
+        get_session().head(constants.ENDPOINT, timeout=constants.HF_HUB_ETAG_TIMEOUT)
+    except Exception as error:  # no answer at all: name resolution, refused, timed out, a proxy, TLS
+        text = str(error).strip()
+        return text.splitlines()[0] if text else type(error).__name__
+    return None
+
+
+def go_offline() -> None:
+    """HF_HUB_OFFLINE=1 for the rest of this process and those it starts: huggingface_hub (and transformers
+    through it) and datasets read the variable when they are imported, so their copies are set too."""
+    import datasets.config
+    from huggingface_hub import constants
+
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    constants.HF_HUB_OFFLINE = True
+    datasets.config.HF_HUB_OFFLINE = True
+
+
+def check_inputs(args) -> None:
+    """The model and the data exist where they are given (check_paths), and the model can take --max-length
+    tokens."""
+    check_paths(args)
     check_model_folder(args.model)
     context = context_length(args.model)
     if context and args.max_length > context:
@@ -524,8 +595,3 @@ def refuse_if_disk_too_small(args, recipe: str) -> None:
     if free < need:
         refuse(f"{folder} has {size(free)} free but this run writes about {size(need)}; free some disk or "
                "choose another --output-dir")
-
-
-def looks_local(name: str) -> bool:
-    """A path rather than a hub id (`org/name`)."""
-    return name.startswith((".", "/", "~")) or name.count("/") != 1 or Path(name).suffix != ""

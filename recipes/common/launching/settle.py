@@ -38,6 +38,8 @@ def settle_launch(args: Run, recipe: str) -> tuple[Run, Launch]:
     launch = describe()
     launch_config.check_process_count(launch)
     preflight.check_flags(run, recipe)
+    preflight.check_paths(run)  # before anything below asks the hub
+    preflight.check_hub(run, adapter_base(run.model) or run.model)
     preflight.check_speed_options(run, launch.on_gpu)
     run = settle_model(run)  # a LoRA adapter as --model: its base with the adapter merged in
     launch = preflight.check_pipeline(run, recipe, launch)
