@@ -72,7 +72,7 @@ def parse_args(argv=None) -> argparse.Namespace:
              "the peak and the usual link")
     add("--gpu-memory", type=float, default=None,
         help="memory of one GPU in GB, as sold, instead of the --gpu's (needs --gpu: the card's peak and link "
-             "come with it)")
+             "come with it; the plan divides what CUDA gives of it, at the card's own ratio)")
     add("--interconnect", choices=planner.INTERCONNECTS, default=None,
         help="the link between the GPUs (default: the --gpu's usual one; network: between machines)")
     add("--bandwidth", type=float, default=None, metavar="GB_S",
@@ -139,6 +139,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error("--gpu-memory must be > 0")
     if float(args.gpu_memory).is_integer():
         args.gpu_memory = int(args.gpu_memory)
+    args.memory_gib = args.machine.gpu.memory_gib(args.gpu_memory)  # what the arithmetic divides
     return args
 
 
@@ -195,9 +196,9 @@ def describe(shape, args) -> list[str]:
         f"model: {shape.name} ({count(shape.parameters)} parameters); method: {method}",
         f"workload: {micro} x {args.seq_len} tokens per GPU{accum}, {args.precision}, "
         f"{args.attention} attention, {checkpointing}",
-        f"GPUs: {args.gpus} x {args.machine.gpu.name} with {args.gpu_memory:g} GiB; a plan may use "
-        f"{gib(planner.usable_bytes(args.gpu_memory))} GiB of each (10% stays free for the CUDA context and "
-        "fragmentation)",
+        f"GPUs: {args.gpus} x {args.machine.gpu.name}, {args.gpu_memory:g} GB each ({args.memory_gib:.2f} GiB as CUDA "
+        f"gives it); a plan may use {gib(planner.usable_bytes(args.memory_gib))} GiB of each (10% stays free for the "
+        "CUDA context and fragmentation)",
     ]
 
 
@@ -276,7 +277,7 @@ def time_table(plan: dict, args) -> list[str]:
         if time["idle_share"]:
             note.append(f"{1 - time['idle_share']:.0%} of GPU time busy")
         if run["tight"]:
-            note.append(f"tight: {run['total_bytes'] / planner.usable_bytes(args.gpu_memory):.0%} of usable memory")
+            note.append(f"tight: {run['total_bytes'] / planner.usable_bytes(args.memory_gib):.0%} of usable memory")
         rows.append([entry["strategy"], runs_as(run, args.gpus), str(run["global_batch"]), seconds(time["compute"]),
                      seconds(time["communication"]), seconds(time["other"]), seconds(time["step"]),
                      seconds(run["seconds_per_epoch"]), "; ".join(note)])
@@ -447,7 +448,7 @@ def main(argv=None) -> int:
     settings = dict(seq_len=args.seq_len, gradient_checkpointing=args.gradient_checkpointing, lora_rank=args.lora_r,
                     lora_targets=args.lora_targets, precision=args.precision, attention=args.attention,
                     lora_dropout=args.lora_dropout, dora=args.use_dora and args.method != "full")
-    plan = planner.plan(shape, args.method, args.gpus, args.gpu_memory, batch_size=args.batch_size,
+    plan = planner.plan(shape, args.method, args.gpus, args.memory_gib, batch_size=args.batch_size,
                         grad_accum=args.grad_accum, machine=args.machine, rows=args.rows,
                         global_batch=args.global_batch_size, host_ram_gb=args.host_ram, pairs=args.pairs, **settings)
     refusals = [entry["refusal"] for entry in plan["strategies"]]
@@ -460,6 +461,7 @@ def main(argv=None) -> int:
             ran = planner.RAN_ON_GPU.get(rec["strategy"])  # None: an estimate only
             rec["ran_on_gpu"] = {"gpus": ran.gpus, "results": ran.results} if ran else None
     if args.json:
+        plan["gpu_memory_gb"] = args.gpu_memory  # as sold; the plan divides gpu_memory_gib
         plan["host_ram_at_load"] = {entry["strategy"]: host_load(shape, args, entry["strategy"], args.gpus)
                                     for entry in plan["strategies"]}
         print(json.dumps(plan, indent=2))

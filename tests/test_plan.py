@@ -485,14 +485,15 @@ def test_cli_json_has_the_documented_shape(tmp_path):
                     cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     plan = json.loads(done.stdout)
-    assert set(plan) == {"model", "method", "gpus", "gpu_memory_gb", "global_batch_size", "machine", "strategies",
-                         "recommendation", "host_ram_at_load", "cannot_load", "pairs"}
+    assert set(plan) == {"model", "method", "gpus", "gpu_memory_gb", "gpu_memory_gib", "global_batch_size", "machine",
+                         "strategies", "recommendation", "host_ram_at_load", "cannot_load", "pairs"}
     assert set(plan["host_ram_at_load"]) == {e["strategy"] for e in plan["strategies"]}
     assert plan["cannot_load"] == {}  # no --host-ram: not weighed
     assert plan["global_batch_size"] is None  # not asked: each config keeps --batch-size x --grad-accum per GPU
     assert plan["machine"] == {"gpu": "H100 SXM", "link": "NVLink", "bandwidth_gb_s": 360, "peak_tflops": 989,
                                "mfu": 0.4, "rows": 1024, "gpus_per_machine": 8, "network_gb_s": 10}
     assert (plan["model"], plan["method"], plan["gpus"], plan["gpu_memory_gb"]) == ("codellama-34b", "qlora", 2, 48)
+    assert plan["gpu_memory_gib"] == pytest.approx(planner.GPUS["h100"].cuda_gib * 48 / 80)  # the H100's share of it
     # every strategy the recipes run for QLoRA: not the tensor parallel ones, which cannot split 4-bit weights
     assert [e["strategy"] for e in plan["strategies"]] == [s for s in planner.SPEED_ORDER if "tp" not in s]
     for entry in plan["strategies"]:

@@ -411,3 +411,29 @@ def test_a_gpu_memory_without_its_card_is_refused_in_one_line():
     assert "(all: " in run_plan("--gpu-memory", "32").stderr  # no known card of 32 GB
     plan, _ = answer(["--model", "codellama-34b", "--gpu", "rtx6000-ada", "--gpu-memory", "40"])
     assert plan["gpu_memory_gb"] == 40 and plan["machine"]["gpu"] == "RTX 6000 Ada"
+
+
+@pytest.mark.parametrize("card", sorted(planner.GPUS))
+def test_a_card_is_printed_as_sold_and_planned_as_cuda_gives_it(card):
+    """A 48 GB card is "48 GB" (it was "48 GiB"), and the plan divides what CUDA gives of it (47.50 GiB of an RTX
+    6000 Ada, 44.4 of an L40S with its ECC on), 90% of it usable; --gpu-memory is GB as sold, planned at the card's
+    own ratio."""
+    sold = planner.GPUS[card]
+    plan, text = answer(["--gpu", card, "--gpus", "2"])
+    assert plan["gpu_memory_gb"] == sold.memory_gb and plan["gpu_memory_gib"] == sold.cuda_gib < sold.memory_gb
+    usable = planner.usable_bytes(sold.cuda_gib) / planner.GiB
+    assert (f"GPUs: 2 x {sold.name}, {sold.memory_gb:g} GB each ({sold.cuda_gib:.2f} GiB as CUDA gives it); a plan "
+            f"may use {usable:.2f} GiB of each ") in text
+    assert not re.search(rf"(?<![\d.]){sold.memory_gb:g} GiB", text)  # the size sold is never GiB
+    for entry in plan["strategies"]:  # each verdict against what CUDA gives, not the size sold
+        assert entry["fits"] == (entry["per_gpu_bytes"]["total"] <= usable * planner.GiB)
+    smaller, _ = answer(["--gpu", card, "--gpus", "2", "--gpu-memory", f"{sold.memory_gb / 2:g}"])
+    assert smaller["gpu_memory_gib"] == pytest.approx(sold.cuda_gib / 2)
+
+
+def test_the_memory_cuda_gave_the_lent_gpus_is_what_the_planner_plans():
+    """The H100 and H200 this project ran on: CUDA gave 79.2 and 139.8 GiB of 80 and 141 GB."""
+    for card, results in (("h100", "results/2026-11-26_h100_call1"), ("h200", "results/2026-11-27_h200_call1")):
+        measured = json.loads((REPO / results / "results.json").read_text())
+        found = re.findall(r'"gpu_memory_gib": ([0-9.]+)', json.dumps(measured))
+        assert found and planner.GPUS[card].cuda_gib == float(found[0]), card

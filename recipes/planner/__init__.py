@@ -43,8 +43,9 @@ One module per job (every public name of each is importable from `planner` itsel
 - `choose`: the busiest GPU's total, what fits, the largest micro-batch, each strategy's fastest run
   of the asked global batch (`best_run`), and `plan()`.
 
-Sizes are bytes; the tables print GiB (2**30), and `gpu_memory_gb` is the size a GPU is sold
-as ("a 48 GB L40S", "an 80 GB H100"), which is GiB in practice.
+Sizes are bytes; the tables print GiB (2**30). A GPU's memory is what CUDA gives of it (`gpu_memory_gib`:
+torch's `total_memory` / 2**30), below the size it is sold as (`Gpu.memory_gb`: "a 48 GB L40S" gives 44.4 GiB
+with its ECC on; `Gpu.memory_gib` converts).
 """
 
 from .activations import activation_bytes, layer_activation_bytes_per_token

@@ -2,8 +2,8 @@
 `fits`), the largest micro-batch that fits (`max_micro_batch`), and `plan()`, which evaluates every
 strategy and recommends two of them.
 
-Sizes are bytes; the tables print GiB (2**30), and `gpu_memory_gb` is the size a GPU is sold
-as ("a 48 GB L40S", "an 80 GB H100"), which is GiB in practice.
+Sizes are bytes; the tables print GiB (2**30), and `gpu_memory_gib` is one GPU's memory as CUDA gives it
+(torch's `total_memory` / 2**30: 79.2 for an 80 GB H100, 47.5 for a 48 GB RTX 6000 Ada; `Gpu.memory_gib`).
 """
 
 from __future__ import annotations
@@ -104,17 +104,17 @@ def per_gpu_bytes(shape: ModelShape, method: str, strategy: str, gpus: int, batc
     return best
 
 
-def usable_bytes(gpu_memory_gb: float) -> float:
+def usable_bytes(gpu_memory_gib: float) -> float:
     """What a plan may use of a GPU: `HEADROOM` (90%) of its memory, GiB-sized."""
-    return gpu_memory_gb * GiB * HEADROOM
+    return gpu_memory_gib * GiB * HEADROOM
 
 
-def fits(total_bytes: int, gpu_memory_gb: float) -> bool:
+def fits(total_bytes: int, gpu_memory_gib: float) -> bool:
     """total <= 0.9 * GPU memory: 10% stays free for the CUDA context, NCCL and fragmentation."""
-    return total_bytes <= usable_bytes(gpu_memory_gb)
+    return total_bytes <= usable_bytes(gpu_memory_gib)
 
 
-def max_micro_batch(shape: ModelShape, method: str, strategy: str, gpus: int, gpu_memory_gb: float,
+def max_micro_batch(shape: ModelShape, method: str, strategy: str, gpus: int, gpu_memory_gib: float,
                     seq_len: int = 512, gradient_checkpointing: int = 0, lora_rank: int = 16,
                     lora_targets="all-linear", precision: str = "bf16", attention: str = "sdpa",
                     lora_dropout: float = 0.0, grad_accum: int = 1, pairs: bool = False, dora: bool = False,
@@ -126,7 +126,7 @@ def max_micro_batch(shape: ModelShape, method: str, strategy: str, gpus: int, gp
         total = per_gpu_bytes(shape, method, strategy, gpus, batch, seq_len, gradient_checkpointing, lora_rank,
                               lora_targets, precision, attention, lora_dropout, grad_accum,
                               **pipeline_layout, pairs=pairs, dora=dora)["total"]
-        return fits(total, gpu_memory_gb)
+        return fits(total, gpu_memory_gib)
 
     if not ok(1):
         return 0
@@ -143,7 +143,7 @@ def _divisors_descending(n: int) -> list[int]:
     return [d for d in range(n, 0, -1) if n % d == 0]
 
 
-def best_run(shape: ModelShape, method: str, strategy: str, gpus: int, gpu_memory_gb: float, machine: Machine,
+def best_run(shape: ModelShape, method: str, strategy: str, gpus: int, gpu_memory_gib: float, machine: Machine,
              batch_size: int = 8, grad_accum: int = 1, seq_len: int = 512, gradient_checkpointing: int = 0,
              global_batch: int | None = None, **settings) -> dict | None:
     """The fastest way `strategy` runs the asked step on `gpus` GPUs, or None when nothing fits.
@@ -178,14 +178,14 @@ def best_run(shape: ModelShape, method: str, strategy: str, gpus: int, gpu_memor
                     continue
                 total = per_gpu_bytes(shape, method, strategy, gpus, micro, seq_len, every, **settings,
                                       grad_accum=accum, **layout)["total"]
-                if not fits(total, gpu_memory_gb):
+                if not fits(total, gpu_memory_gib):
                     continue
                 time = step_time(shape, method, strategy, gpus, machine, micro, accum, seq_len, every,
                                  settings.get("lora_rank", 16), settings.get("lora_targets", "all-linear"),
                                  settings.get("precision", "bf16"), **layout, pairs=settings.get("pairs", False))
                 runs.append((order, {"micro_batch": micro, "grad_accum": accum, "gradient_checkpointing": every,
                                      "global_batch": time["global_batch"], "total_bytes": total,
-                                     "tight": total > MARGIN * usable_bytes(gpu_memory_gb), "time": time,
+                                     "tight": total > MARGIN * usable_bytes(gpu_memory_gib), "time": time,
                                      **layout}))
     return simplest_of_the_fastest(runs)[1] if runs else None
 
@@ -249,13 +249,13 @@ def simplest_of_the_fastest(candidates: list[tuple[int, dict]]) -> tuple[int, di
     return min(close, key=lambda pair: (pair[0], rank_key(pair[1])))
 
 
-def plan(shape: ModelShape, method: str, gpus: int, gpu_memory_gb: float, batch_size: int = 8,
+def plan(shape: ModelShape, method: str, gpus: int, gpu_memory_gib: float, batch_size: int = 8,
          seq_len: int = 512, gradient_checkpointing: int = 0, lora_rank: int = 16,
          lora_targets="all-linear", precision: str = "bf16", attention: str = "sdpa",
          lora_dropout: float = 0.0, grad_accum: int = 1, machine: Machine | None = None, rows: int = 1024,
          global_batch: int | None = None, host_ram_gb: float | None = None, pairs: bool = False,
          dora: bool = False) -> dict:
-    """Every strategy on `gpus` GPUs of `gpu_memory_gb`, its time on `machine` (default: H100s over
+    """Every strategy on `gpus` GPUs of `gpu_memory_gib`, its time on `machine` (default: H100s over
     NVLink), and the two recommendations.
 
     Each strategy's entry has its memory at the asked micro-batch (`per_gpu_bytes`, `fits`), the largest
@@ -283,7 +283,7 @@ def plan(shape: ModelShape, method: str, gpus: int, gpu_memory_gb: float, batch_
 
     def recommend(strategy: str, run: dict, n: int) -> dict:
         layout = layout_of(run)
-        batch = max_micro_batch(shape, method, strategy, n, gpu_memory_gb, seq_len, run["gradient_checkpointing"],
+        batch = max_micro_batch(shape, method, strategy, n, gpu_memory_gib, seq_len, run["gradient_checkpointing"],
                                 **memory, grad_accum=run["grad_accum"], **layout)
         reference = ({"reference_pass_seconds": reference_pass_time(shape, strategy, n, machine, rows, seq_len, precision)}
                      if pairs and method == "full" else {})
@@ -305,7 +305,7 @@ def plan(shape: ModelShape, method: str, gpus: int, gpu_memory_gb: float, batch_
 
     strategies, runs_on_all = [], {}
     for strategy in runnable(gpus):
-        run = runs_on_all[strategy] = best_run(shape, method, strategy, gpus, gpu_memory_gb, machine, **asked)
+        run = runs_on_all[strategy] = best_run(shape, method, strategy, gpus, gpu_memory_gib, machine, **asked)
         # at the asked micro-batch; a pipeline or sequence parallel in the layout its run chose (default: the
         # simplest that runs on these GPUs and this model)
         layout = layout_of(run) if run else layouts_of(strategy, gpus, shape)[0]
@@ -314,13 +314,13 @@ def plan(shape: ModelShape, method: str, gpus: int, gpu_memory_gb: float, batch_
             ranks = data_parallel_size(strategy, gpus, layout.get("pipeline_stages"), layout.get("sequence_parallel"))
             accum = max(1, global_batch // ranks // batch_size)
         usage = per_gpu_bytes(shape, method, strategy, gpus, **settings, grad_accum=accum, **layout)
-        largest = max_micro_batch(shape, method, strategy, gpus, gpu_memory_gb, seq_len, gradient_checkpointing,
+        largest = max_micro_batch(shape, method, strategy, gpus, gpu_memory_gib, seq_len, gradient_checkpointing,
                                   **memory, grad_accum=accum, **layout)
         if run:
             run = dict(run, seconds_per_epoch=epoch_time(run["time"], rows))
         refusal = global_batch and global_batch_refusal(strategy, gpus, global_batch, shape)
         strategies.append({"strategy": strategy, "config": STRATEGIES[strategy], "per_gpu_bytes": usage,
-                           "fits": fits(usage["total"], gpu_memory_gb), "max_micro_batch": largest, "run": run,
+                           "fits": fits(usage["total"], gpu_memory_gib), "max_micro_batch": largest, "run": run,
                            "refusal": refusal or None})
 
     running = [(entry["strategy"], entry["run"]) for entry in strategies if entry["run"]]
@@ -330,7 +330,7 @@ def plan(shape: ModelShape, method: str, gpus: int, gpu_memory_gb: float, batch_
 
     fewest = None
     for n in range(1, gpus + 1):
-        runs = [(s, runs_on_all[s] if n == gpus else best_run(shape, method, s, n, gpu_memory_gb, machine, **asked))
+        runs = [(s, runs_on_all[s] if n == gpus else best_run(shape, method, s, n, gpu_memory_gib, machine, **asked))
                 for s in runnable(n)]
         runs = [(s, run) for s, run in runs if run and loads(s, n)]
         if runs:
@@ -350,15 +350,15 @@ def plan(shape: ModelShape, method: str, gpus: int, gpu_memory_gb: float, batch_
     elif fewest is None or fastest is None:
         smallest = min(strategies, key=lambda entry: entry["per_gpu_bytes"]["total"])
         recommendation["reason"] = (
-            f"nothing fits {gpus} x {gpu_memory_gb:g} GiB at micro-batch {batch_size}{' pairs' if pairs else ''} x {seq_len} tokens: the "
+            f"nothing fits {gpus} x {round(gpu_memory_gib, 1):g} GiB at micro-batch {batch_size}{' pairs' if pairs else ''} x {seq_len} tokens: the "
             f"smallest need is {smallest['per_gpu_bytes']['total'] / GiB:.1f} GiB per GPU ({smallest['strategy']}) "
-            f"for {usable_bytes(gpu_memory_gb) / GiB:.1f} GiB usable, and no smaller micro-batch"
+            f"for {usable_bytes(gpu_memory_gib) / GiB:.1f} GiB usable, and no smaller micro-batch"
             + ("" if gradient_checkpointing else " or gradient checkpointing") + " fits either; try "
             + "a shorter sequence length, "
             + ("qlora, " if method != "qlora" else "")
             + "or more GPUs"
         )
-    return {"model": shape.name, "method": method, "gpus": gpus, "gpu_memory_gb": gpu_memory_gb,
+    return {"model": shape.name, "method": method, "gpus": gpus, "gpu_memory_gib": gpu_memory_gib,
             "global_batch_size": global_batch, "pairs": pairs,
             "machine": {"gpu": machine.gpu.name, "link": machine.link, "bandwidth_gb_s": machine.bandwidth_gb_s,
                         "peak_tflops": machine.peak_flops(precision) / 1e12, "mfu": machine.mfu, "rows": rows,

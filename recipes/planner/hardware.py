@@ -21,7 +21,7 @@ class Gpu:
     is what PyTorch's bf16 matmuls use; `fp32_tflops` without TF32 (PyTorch's default for matmuls)."""
 
     name: str
-    memory_gb: float
+    memory_gb: float  # as the card is sold ("48 GB"): what the plan prints
     bf16_tflops: float
     fp32_tflops: float
     memory_gb_s: float  # HBM / GDDR bandwidth: the optimizer step and QLoRA's dequantisation are bound by it
@@ -29,17 +29,30 @@ class Gpu:
     nvlink_gb_s: float = 0.0  # NCCL bus bandwidth over NVLink (~80% of the link's rate per direction)
     peer_to_peer: bool = True  # PCIe peer-to-peer; without it NCCL stages every transfer in host memory
     pcie_gen: int = 4
+    # What CUDA gives a process of it, in GiB (torch.cuda.get_device_properties().total_memory / 2**30): what the
+    # plan divides. Below the size sold: the driver keeps a part, and ECC on GDDR memory keeps 1/16.
+    cuda_gib: float = 0.0
+
+    def memory_gib(self, memory_gb: float | None = None) -> float:
+        """GiB CUDA gives of this card, or of one like it sold with `memory_gb` (--gpu-memory): at the card's own
+        ratio of given to sold."""
+        if memory_gb is None or memory_gb == self.memory_gb:
+            return self.cuda_gib
+        return self.cuda_gib * memory_gb / self.memory_gb
 
 
+# cuda_gib: measured on this project's lent GPUs (H100 79.2, H200 139.8: results/2026-11-26_h100_call1,
+# results/2026-11-27_h200_call1); for the others the figure CUDA reports as their total capacity, with ECC as
+# the cards ship (off on the workstation cards, on on the L40S: 46,068 of 49,140 MiB).
 GPUS = {
-    "h100": Gpu("H100 SXM", 80, 989, 67, 3350, "nvlink", nvlink_gb_s=360, pcie_gen=5),
-    "h200": Gpu("H200 SXM", 141, 989, 67, 4800, "nvlink", nvlink_gb_s=360, pcie_gen=5),
-    "a100": Gpu("A100 SXM 80GB", 80, 312, 19.5, 2039, "nvlink", nvlink_gb_s=240),
-    "a6000": Gpu("RTX A6000", 48, 154.8, 38.7, 768, "pcie"),
+    "h100": Gpu("H100 SXM", 80, 989, 67, 3350, "nvlink", nvlink_gb_s=360, pcie_gen=5, cuda_gib=79.2),
+    "h200": Gpu("H200 SXM", 141, 989, 67, 4800, "nvlink", nvlink_gb_s=360, pcie_gen=5, cuda_gib=139.8),
+    "a100": Gpu("A100 SXM 80GB", 80, 312, 19.5, 2039, "nvlink", nvlink_gb_s=240, cuda_gib=79.2),
+    "a6000": Gpu("RTX A6000", 48, 154.8, 38.7, 768, "pcie", cuda_gib=47.5),
     # The Ada workstation and GeForce cards run NCCL without PCIe peer-to-peer (through host memory).
-    "rtx6000-ada": Gpu("RTX 6000 Ada", 48, 364.2, 91.1, 960, "pcie", peer_to_peer=False),
-    "l40s": Gpu("L40S", 48, 362, 91.6, 864, "pcie"),
-    "4090": Gpu("RTX 4090", 24, 165.2, 82.6, 1008, "pcie", peer_to_peer=False),
+    "rtx6000-ada": Gpu("RTX 6000 Ada", 48, 364.2, 91.1, 960, "pcie", peer_to_peer=False, cuda_gib=47.5),
+    "l40s": Gpu("L40S", 48, 362, 91.6, 864, "pcie", cuda_gib=44.4),
+    "4090": Gpu("RTX 4090", 24, 165.2, 82.6, 1008, "pcie", peer_to_peer=False, cuda_gib=23.6),
 }
 DEFAULT_GPU = "h100"
 
