@@ -212,19 +212,28 @@ def aligned(header: list[str], rows: list[list[str]], left: set[int]) -> list[st
     return [line(header)] + [line(row) for row in rows]
 
 
-def table(plan: dict) -> list[str]:
-    header = ["strategy", "config", "weights", "grads", "optimizer", "activations", "total", "fits", "max micro-batch"]
+def checkpointing(every: int) -> str:
+    return "no" if not every else "yes" if every == 1 else f"1 in {every}"
+
+
+def table(plan: dict, args) -> list[str]:
+    header = ["strategy", "config", "checkpointing", "weights", "grads", "optimizer", "activations", "total", "fits",
+              "max micro-batch"]
     rows = []
     for entry in plan["strategies"]:
         usage = entry["per_gpu_bytes"]
-        rows.append([entry["strategy"], entry["config"], gib(usage["weights"]), gib(usage["gradients"]),
-                     gib(usage["optimizer"]), gib(usage["activations"]), gib(usage["total"]),
-                     "yes" if entry["fits"] else "no", str(entry["max_micro_batch"] or "-")])
-    title = "GiB per GPU (the busiest one):"
+        rows.append([entry["strategy"], entry["config"], checkpointing(entry["gradient_checkpointing"]),
+                     gib(usage["weights"]), gib(usage["gradients"]), gib(usage["optimizer"]),
+                     gib(usage["activations"]), gib(usage["total"]), "yes" if entry["fits"] else "no",
+                     str(entry["max_micro_batch"] or "-")])
+    # the time table's checkpointing, so that neither says what the other does not plan
+    title = (f"GiB per GPU (the busiest one) at micro-batch {args.batch_size}, each config with the gradient "
+             "checkpointing its time below is planned with"
+             + ("" if args.gradient_checkpointing else " (one that does not fit: with it)"))
     if plan["gpus"] == 1:
-        title = ("GiB per GPU (one GPU runs ddp.yaml as a single process, or an offload config: ZeRO, FSDP's "
-                 "sharding and model parallel have nothing to divide on one):")
-    return [title] + aligned(header, rows, {0, 1, 7})
+        title += ("; one GPU runs ddp.yaml as a single process, or an offload config: ZeRO, FSDP's sharding and "
+                  "model parallel have nothing to divide on one")
+    return [title + ":"] + aligned(header, rows, {0, 1, 2, 8})
 
 
 def plural(gpus: int) -> str:
@@ -346,6 +355,19 @@ def global_batch(rec: dict, args) -> str:
     return f"global batch {rec['global_batch']} {examples(args)} a step"
 
 
+def batch_of(rec: dict, args) -> str:
+    """A recommendation's batch as it runs, and the largest micro-batch its GPUs hold at its checkpointing (on
+    fewer GPUs than the tables' rows, so said with its GPUs)."""
+    every = rec["gradient_checkpointing"]
+    recomputed = f", gradient checkpointing{'' if every == 1 else f' of one layer in {every}'}" if every else ""
+    ranks = planner.data_parallel_size(rec["strategy"], rec["gpus"], rec.get("pipeline_stages"),
+                                       rec.get("sequence_parallel"))
+    unit = (" pair" if rec["micro_batch"] == 1 else " pairs") if args.pairs else ""
+    return (f"micro-batch {rec['micro_batch']}{unit} x {rec['grad_accum']} accumulation x {ranks} data-parallel "
+            f"process{'es' if ranks > 1 else ''}{recomputed}: {global_batch(rec, args)} (a micro-batch of up to "
+            f"{rec['max_micro_batch']} fits {'each of its GPUs' if rec['gpus'] > 1 else 'the GPU'} so)")
+
+
 def what_changed(rec: dict, plan: dict, args) -> str:
     """The flags the recommendation changes, said once."""
     changes = []
@@ -402,8 +424,7 @@ def sentences(shape, plan: dict, args) -> list[str]:
                      f"{seconds(fastest['reference_pass_seconds'])} (once; a rerun or resume reads the scores back).")
     if fewest is not None:
         lines.append(f"Fewest GPUs: {plural(fewest['gpus'])} with {fewest['strategy']} ({fewest['config']}), "
-                     f"micro-batch up to {fewest['max_micro_batch']}, {global_batch(fewest, args)}, an estimated "
-                     f"{seconds(fewest['seconds_per_epoch'])} per epoch. "
+                     f"{batch_of(fewest, args)}, an estimated {seconds(fewest['seconds_per_epoch'])} per epoch. "
                      + planner.gpu_evidence(fewest["strategy"], fewest["gpus"]))
         if fewest["gpus"] < fastest["gpus"]:
             lines.append(f"    or: {recommended_launch(fewest, args)}")
@@ -466,7 +487,7 @@ def main(argv=None) -> int:
                                     for entry in plan["strategies"]}
         print(json.dumps(plan, indent=2))
         return 0
-    print("\n".join(describe(shape, args) + [""] + table(plan) + [""] + time_table(plan, args) + [""]
+    print("\n".join(describe(shape, args) + [""] + table(plan, args) + [""] + time_table(plan, args) + [""]
                     + sentences(shape, plan, args)))
     return 0
 

@@ -397,13 +397,43 @@ def test_tinyllama_lora_recommends_ddp_on_one_gpu(tinyllama):
 
 def test_codellama_lora_needs_sharding_and_checkpointing(codellama):
     sharded = {"fsdp_grad_op", "fsdp_hybrid", "fsdp_full_shard", "zero3"}
+    ddp = planner.per_gpu_bytes(codellama, "lora", "ddp", 4, 4, 1024)
+    assert not planner.fits(ddp["total"], 48) and ddp["weights"] > 62 * GIB  # 67.5 GB of bf16 base
+    # 4 x 1024 tokens of activations alone exceed 48 GB without checkpointing
+    assert not any(planner.fits(planner.per_gpu_bytes(codellama, "lora", s, 4, 4, 1024)["total"], 48) for s in sharded)
     plain = {e["strategy"]: e for e in planner.plan(codellama, "lora", 4, 48, 4, 1024)["strategies"]}
-    assert not plain["ddp"]["fits"] and plain["ddp"]["per_gpu_bytes"]["weights"] > 62 * GIB  # 67.5 GB of bf16 base
-    assert not any(plain[s]["fits"] for s in sharded)  # 4 x 1024 tokens of activations alone exceed 48 GB
+    for s in sharded:  # judged as planned: with checkpointing where its run adds it
+        run = plain[s]["run"]
+        assert plain[s]["gradient_checkpointing"] == (run["gradient_checkpointing"] if run else 1)
     plan = planner.plan(codellama, "lora", 4, 48, 4, 1024, gradient_checkpointing=True)
     fits = {e["strategy"]: e["fits"] for e in plan["strategies"]}
     assert fits["fsdp_full_shard"] and fits["zero3"] and not fits["ddp"]
     assert plan["recommendation"]["fastest"]["strategy"] in sharded
+
+
+@pytest.mark.parametrize("asked", [0, 1])
+def test_the_memory_of_each_config_is_judged_with_the_checkpointing_its_time_is_planned_with(codellama, tinyllama,
+                                                                                             asked):
+    """Issue 63: the memory table judged FSDP without checkpointing (does not fit) beside a time planned with it.
+    One decision feeds both: each entry's memory, its verdict and its largest micro-batch are at the checkpointing
+    of its run (without a run: checkpointing, the least memory tried, unless it was asked for)."""
+    machine = planner.Machine.of("rtx6000-ada")
+    judged_with = set()
+    for shape, batch, seq in ((codellama, 8, 512), (codellama, 4, 1024), (tinyllama, 16, 1024)):
+        plan = planner.plan(shape, "lora", 4, 47.5, batch, seq, asked, machine=machine)
+        for entry in plan["strategies"]:
+            every, run, strategy = entry["gradient_checkpointing"], entry["run"], entry["strategy"]
+            layout = planner.layout_of(run) if run else planner.layouts_of(strategy, 4, shape)[0]
+            assert every == (run["gradient_checkpointing"] if run else asked or 1), strategy
+            assert entry["per_gpu_bytes"] == planner.per_gpu_bytes(shape, "lora", strategy, 4, batch, seq, every,
+                                                                   **layout)
+            assert entry["fits"] == planner.fits(entry["per_gpu_bytes"]["total"], 47.5)
+            assert entry["max_micro_batch"] == planner.max_micro_batch(shape, "lora", strategy, 4, 47.5, seq, every,
+                                                                       **layout)
+            if run:
+                assert entry["max_micro_batch"] >= run["micro_batch"]
+            judged_with.add(every)
+    assert judged_with == ({0, 1} if not asked else {1})  # both kinds met: the check means something
 
 
 def test_codellama_qlora_fits_one_48_gb_gpu_with_ddp(codellama):
@@ -497,7 +527,8 @@ def test_cli_json_has_the_documented_shape(tmp_path):
     # every strategy the recipes run for QLoRA: not the tensor parallel ones, which cannot split 4-bit weights
     assert [e["strategy"] for e in plan["strategies"]] == [s for s in planner.SPEED_ORDER if "tp" not in s]
     for entry in plan["strategies"]:
-        assert set(entry) == {"strategy", "config", "per_gpu_bytes", "fits", "max_micro_batch", "run", "refusal"}
+        assert set(entry) == {"strategy", "config", "gradient_checkpointing", "per_gpu_bytes", "fits", "max_micro_batch",
+                              "run", "refusal"}
         assert entry["refusal"] is None and entry["max_micro_batch"] >= 2
         run = entry["run"]
         assert run["micro_batch"] * run["grad_accum"] == 2 and run["gradient_checkpointing"] == 1

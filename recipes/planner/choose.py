@@ -259,7 +259,8 @@ def plan(shape: ModelShape, method: str, gpus: int, gpu_memory_gib: float, batch
     NVLink), and the two recommendations.
 
     Each strategy's entry has its memory at the asked micro-batch (`per_gpu_bytes`, `fits`), the largest
-    micro-batch that fits (`max_micro_batch`) and `run`: the fastest way it runs the asked step
+    micro-batch that fits (`max_micro_batch`), both with the `gradient_checkpointing` its run uses (none asked
+    and no run: every layer's, the least memory tried), and `run`: the fastest way it runs the asked step
     (`best_run`: batch_size x grad_accum rows per process, or `global_batch` rows per step on every
     strategy alike), with its estimated seconds per step and per epoch of `rows` sequences (None when
     nothing fits, or when `refusal` says why the global batch cannot run on it).
@@ -313,15 +314,20 @@ def plan(shape: ModelShape, method: str, gpus: int, gpu_memory_gib: float, batch
         if global_batch:  # the accumulation that makes the global batch at the asked micro-batch
             ranks = data_parallel_size(strategy, gpus, layout.get("pipeline_stages"), layout.get("sequence_parallel"))
             accum = max(1, global_batch // ranks // batch_size)
-        usage = per_gpu_bytes(shape, method, strategy, gpus, **settings, grad_accum=accum, **layout)
-        largest = max_micro_batch(shape, method, strategy, gpus, gpu_memory_gib, seq_len, gradient_checkpointing,
+        # One decision feeds the memory and the time: the checkpointing the run is planned with (none asked and
+        # no run: checkpointing every layer, the least memory tried), so a config is never judged without
+        # checkpointing beside a time planned with it.
+        every = run["gradient_checkpointing"] if run else gradient_checkpointing or 1
+        usage = per_gpu_bytes(shape, method, strategy, gpus, **dict(settings, gradient_checkpointing=every),
+                              grad_accum=accum, **layout)
+        largest = max_micro_batch(shape, method, strategy, gpus, gpu_memory_gib, seq_len, every,
                                   **memory, grad_accum=accum, **layout)
         if run:
             run = dict(run, seconds_per_epoch=epoch_time(run["time"], rows))
         refusal = global_batch and global_batch_refusal(strategy, gpus, global_batch, shape)
-        strategies.append({"strategy": strategy, "config": STRATEGIES[strategy], "per_gpu_bytes": usage,
-                           "fits": fits(usage["total"], gpu_memory_gib), "max_micro_batch": largest, "run": run,
-                           "refusal": refusal or None})
+        strategies.append({"strategy": strategy, "config": STRATEGIES[strategy], "gradient_checkpointing": every,
+                           "per_gpu_bytes": usage, "fits": fits(usage["total"], gpu_memory_gib),
+                           "max_micro_batch": largest, "run": run, "refusal": refusal or None})
 
     running = [(entry["strategy"], entry["run"]) for entry in strategies if entry["run"]]
     cannot_load = {strategy: host_bytes(strategy, gpus) for strategy, _ in running if not loads(strategy, gpus)}
