@@ -230,6 +230,41 @@ def test_prepare_pairs_counts_what_it_drops_in_the_data_line(tok, tmp_path, caps
                     f"evaluation {held} pairs: {held} used")
 
 
+def test_the_pairs_system_prompt_is_the_one_every_conversational_pair_opened_with(tok, tmp_path):
+    """What run.json records for a preference run (prepare_pairs' format carries it), as for chat rows: the one
+    system text every conversational pair opens with (its prompt's first turn; an implicit prompt's, the chosen
+    conversation's); none when a pair opens without one, the texts differ, or the pairs are text."""
+    import datasets
+
+    system = fixtures.SYSTEM_PROMPTS[0]
+
+    def pair(opening: str | None, i: int, explicit: bool = True) -> dict:
+        prompt = ([{"role": "system", "content": opening}] if opening else []) + [{"role": "user", "content": f"Sort: {i} 1"}]
+        chosen, rejected = [{"role": "assistant", "content": f"1 {i}"}], [{"role": "assistant", "content": f"{i} 1"}]
+        return {"prompt": prompt, "chosen": chosen, "rejected": rejected} if explicit else \
+            {"chosen": prompt + chosen, "rejected": prompt + rejected}
+
+    def shared(*sources) -> str | None:
+        parts = []
+        for rows in sources:
+            dataset = datasets.Dataset.from_list(rows)
+            parts.append(checked_rows.SourceRows("data", pairs.pair_format_of(dataset, "rows"), dataset, None))
+        return preferences.shared_system_prompt(parts)
+
+    same = [pair(system, i) for i in range(20)]
+    text = [{"prompt": f"Sort: {i} 1\n", "chosen": f"1 {i}", "rejected": f"{i} 1"} for i in range(5)]
+    assert shared(same) == system
+    assert shared([pair(system, i, explicit=False) for i in range(5)]) == system
+    assert shared(same, text) == system  # a mixture's conversational sources
+    assert shared(same + [pair(None, 99)]) is None
+    assert shared(same + [pair("Another.", 99)]) is None
+    assert shared(text) is None
+    path = write_jsonl(tmp_path / "pairs.jsonl", same * 2)
+    *_, fmt = preferences.prepare_pairs(OneProcess(), tok, run_of(str(path)), SimpleNamespace(data_parallel_size=1))
+    assert (fmt, fmt.system_prompt) == (formats.PAIRS_CONVERSATIONAL, system)
+    assert json.loads(json.dumps({"data_format": fmt})) == {"data_format": formats.PAIRS_CONVERSATIONAL}
+
+
 def test_no_pair_left_is_one_line_naming_the_fix(tok, tmp_path):
     rows = [{"chosen": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "a" * 200}],
              "rejected": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "b" * 200}]}] * 4

@@ -132,6 +132,28 @@ def pair_problem(row: dict, fmt: str) -> str | None:
     return found if isinstance(found, str) else None
 
 
+def opening_system_texts(rows, fmt: str, batch_rows: int = 1_000) -> set | None:
+    """The texts of the system turns conversational pairs open with (their prompt's first turn; with an implicit
+    prompt, the chosen conversation's); None when a pair opens with another turn; empty for text pairs. Read
+    `batch_rows` pairs at a time (the rows are a selection over memory-mapped files), and no further once two
+    texts differ."""
+    conversational, explicit = PAIR_FORMATS[fmt]
+    if not conversational:
+        return set()
+    column = "prompt" if explicit else "chosen"
+    found = set()
+    for batch in rows.select_columns([column]).iter(batch_rows):
+        for turns in map(conversation, batch[column]):
+            if not turns:
+                continue
+            if turns[0]["role"] != "system" or not isinstance(turns[0]["content"], str):
+                return None
+            found.add(turns[0]["content"])
+        if len(found) > 1:  # no one shared text: nothing more to learn
+            break
+    return found
+
+
 def shared_turns(chosen: list, rejected: list) -> tuple[list, list, list]:
     """(prompt, chosen reply, rejected reply): the turns both conversations open with, and the rest."""
     shared = 0

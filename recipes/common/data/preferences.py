@@ -12,7 +12,7 @@ from __future__ import annotations
 from . import batches
 from .checked_rows import load_sources
 from .data_files import DEFAULT_PAIRS
-from .pairs import SIDES, pair_sides, side_format
+from .pairs import SIDES, opening_system_texts, pair_sides, side_format
 from .targets import NO_TOKENS, require_offsets, tokenize_rows
 from .tokens import (
     REPORT_COLUMNS,
@@ -33,7 +33,8 @@ def prepare_pairs(accelerator, tokenizer, args, launch):
     """(train set, eval set, format name) of preference pairs, as preparation.prepare makes them of
     supervised rows: every rank reads and checks the files, rank 0 tokenises first and the others reuse
     its cache, pairs that cannot train are dropped and counted in the `data (...)` line, none left is a
-    refusal naming the fix. No packing: a pair's two sides are one example."""
+    refusal naming the fix. No packing: a pair's two sides are one example. The format carries the system
+    turn every conversational pair opened with (run.json records it, as for chat rows)."""
     given = args.dataset or [str(DEFAULT_PAIRS)]  # the bundled pairs by default
     train_parts, eval_parts = load_sources(given, args.seed, args.columns, getattr(args, "eval_dataset", None),
                                            pairs=True)
@@ -43,7 +44,32 @@ def prepare_pairs(accelerator, tokenizer, args, launch):
         eval_tokens = [tokenize_pairs(part.rows, part.fmt, tokenizer, args.max_length) for part in eval_parts]
     train_set, eval_set = training_sets(accelerator, args, train_parts, train_tokens, eval_parts, eval_tokens, "pair")
     batches.steps_per_epoch(len(train_set) // args.batch_size // launch.data_parallel_size, args.grad_accum)
-    return train_set, eval_set, "+".join(sorted({part.fmt for part in train_parts}))
+    return train_set, eval_set, PairsFormat("+".join(sorted({part.fmt for part in train_parts})),
+                                            shared_system_prompt(train_parts))
+
+
+class PairsFormat(str):
+    """The pairs' format name (a str, handed on to run.json as it is), carrying the system turn every
+    conversational pair opened with, which run.json records too: preparation.DataFormat's counterpart (that
+    module sits above this one)."""
+
+    def __new__(cls, name: str, system_prompt: str | None = None):
+        made = super().__new__(cls, name)
+        made.system_prompt = system_prompt
+        return made
+
+
+def shared_system_prompt(parts) -> str | None:
+    """The text of the system turn every conversational pair of the training sources opens with, when it is
+    one text; None when a pair opens without one, their texts differ, or no source is conversational. As for
+    chat rows (preparation.shared_system_prompt): scripts/generate.py puts it before a prompt by default."""
+    found = set()
+    for part in parts:
+        texts = opening_system_texts(part.rows, part.fmt)
+        if texts is None:
+            return None
+        found |= texts
+    return found.pop() if len(found) == 1 else None
 
 
 def tokenize_pairs(dataset, fmt: str, tokenizer, max_length: int):
