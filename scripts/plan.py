@@ -407,29 +407,61 @@ def ranked_for(args) -> str:
             "another config first.")
 
 
+def launched(plan: dict) -> list[dict]:
+    """The recommendations a Launch or `or:` line launches, first the one launched first: on all the GPUs the
+    fastest or the fastest that has run on a GPU (the other beside it), then the fewest GPUs' when fewer."""
+    rec = plan["recommendation"]
+    if rec["fastest"] is None:
+        return []
+    pair = [rec["fastest"]] + ([rec["tested"]] if rec["tested"] else [])
+    runs = pair[::-1] if rec["first"] == "tested" else pair
+    fewest = rec["fewest_gpus"]
+    return runs + ([fewest] if fewest and fewest["gpus"] < rec["fastest"]["gpus"] else [])
+
+
+def beside_line(first: dict, other: dict, args) -> str:
+    """Why the other of the fastest and the fastest tested is not launched first, in one line."""
+    ratio = other["seconds_per_epoch"] / first["seconds_per_epoch"]
+    rule = (f"a config no GPU has run here is launched first only when its estimate is {planner.CLEARLY_FASTER:g}x the "
+            "speed of the fastest that has run (where measured, the estimate's ratios came within 30%)")
+    if other["strategy"] in planner.RAN_ON_GPU:
+        ran = planner.RAN_ON_GPU[other["strategy"]]
+        return (f"Tested instead: {other['strategy']} ({other['config']}), {seconds(other['seconds_per_epoch'])} per "
+                f"epoch ({ratio:.2f}x slower by the estimate), {global_batch(other, args)}; it has run on "
+                f"{plural(ran.gpus)} in this project ({ran.results}), {first['strategy']} never: {rule}.")
+    return (f"Faster by the estimate: {other['strategy']} ({other['config']}), {seconds(other['seconds_per_epoch'])} "
+            f"per epoch ({1 / ratio:.2f}x faster), {global_batch(other, args)}; it has not run on a GPU in this project: "
+            f"{rule}.")
+
+
 def sentences(shape, plan: dict, args) -> list[str]:
     rec = plan["recommendation"]
-    fastest, fewest = rec["fastest"], rec["fewest_gpus"]
-    if fastest is None:
+    fewest = rec["fewest_gpus"]
+    if rec["fastest"] is None:
         return [rec["reason"][:1].upper() + rec["reason"][1:] + "."]
-    lines = [f"Launch: {recommended_launch(fastest, args)}", f"    {placeholders(args)}"]
-    changed = what_changed(fastest, plan, args)
-    lines.append(f"Fastest that fits on {plural(args.gpus)}: {fastest['strategy']} ({fastest['config']}), "
-                 f"{global_batch(fastest, args)}, an estimated {seconds(fastest['seconds_per_step'])} per step, "
-                 f"{seconds(fastest['seconds_per_epoch'])} per epoch" + (f"; {changed}" if changed else "") + ". "
-                 + planner.gpu_evidence(fastest["strategy"], fastest["gpus"]))
+    first, *others = launched(plan)
+    other = others[0] if rec["tested"] else None
+    lines = [f"Launch: {recommended_launch(first, args)}", f"    {placeholders(args)}"]
+    changed = what_changed(first, plan, args)
+    which = "Fastest that fits" if first is rec["fastest"] else "Fastest tested that fits"
+    lines.append(f"{which} on {plural(args.gpus)}: {first['strategy']} ({first['config']}), "
+                 f"{global_batch(first, args)}, an estimated {seconds(first['seconds_per_step'])} per step, "
+                 f"{seconds(first['seconds_per_epoch'])} per epoch" + (f"; {changed}" if changed else "") + ". "
+                 + planner.gpu_evidence(first["strategy"], first["gpus"]))
     lines.append(ranked_for(args))
-    if "reference_pass_seconds" in fastest:
+    if other:
+        lines += [beside_line(first, other, args), f"    or: {recommended_launch(other, args)}"]
+    if "reference_pass_seconds" in first:
         lines.append(f"Before its first step dpo_full.py scores the {args.rows:,} pairs with the model as loaded: about "
-                     f"{seconds(fastest['reference_pass_seconds'])} (once; a rerun or resume reads the scores back).")
+                     f"{seconds(first['reference_pass_seconds'])} (once; a rerun or resume reads the scores back).")
     if fewest is not None:
         lines.append(f"Fewest GPUs: {plural(fewest['gpus'])} with {fewest['strategy']} ({fewest['config']}), "
                      f"{batch_of(fewest, args)}, an estimated {seconds(fewest['seconds_per_epoch'])} per epoch. "
                      + planner.gpu_evidence(fewest["strategy"], fewest["gpus"]))
-        if fewest["gpus"] < fastest["gpus"]:
+        if fewest["gpus"] < first["gpus"]:
             lines.append(f"    or: {recommended_launch(fewest, args)}")
     said = set()
-    for rec in (fastest, fewest):
+    for rec in (first, fewest):
         if rec and rec["strategy"] in planner.OFFLOADED and (rec["strategy"], rec["gpus"]) not in said:
             said.add((rec["strategy"], rec["gpus"]))
             ram = planner.cpu_offload_bytes(shape, args.method, rec["strategy"], rec["gpus"], args.lora_r,
@@ -444,7 +476,7 @@ def sentences(shape, plan: dict, args) -> list[str]:
                      + ", ".join(f"{strategy} ({gib(size)} GiB per machine)" for strategy, size in cannot_load.items())
                      + ".")
     loaded = set()
-    for rec in (fastest, fewest):
+    for rec in (first, fewest):
         if rec and (rec["strategy"], rec["gpus"]) not in loaded:
             loaded.add((rec["strategy"], rec["gpus"]))
             load = host_load(shape, args, rec["strategy"], rec["gpus"])

@@ -541,6 +541,8 @@ def test_cli_json_has_the_documented_shape(tmp_path):
     keys = {"strategy", "config", "gpus", "max_micro_batch", "micro_batch", "grad_accum", "gradient_checkpointing",
             "global_batch", "tight", "seconds_per_step", "seconds_per_epoch", "launch", "ran_on_gpu"}
     assert set(rec["fewest_gpus"]) == keys and set(rec["fastest"]) == keys
+    assert set(rec) == {"fastest", "tested", "first", "fewest_gpus"} and rec["first"] in ("fastest", "tested")
+    assert rec["tested"] is None or set(rec["tested"]) == keys
     assert rec["fastest"]["config"].startswith("accelerate_configs/")
     assert rec["fastest"]["launch"].startswith(f"accelerate launch --config_file {rec['fastest']['config']} ")
 

@@ -17,8 +17,9 @@ numbers add what is only transient: gathered layers in flight, DDP's bucket copy
 reduce bucket, ZeRO-1's unpartitioned gradients of the backward, and the NF4 constants (which
 are not parameters).
 
-`plan()` evaluates every strategy of `accelerate_configs/`, estimates its time, and recommends two
-of them: the fastest one that fits on all the GPUs and the one that needs the fewest GPUs.
+`plan()` evaluates every strategy of `accelerate_configs/`, estimates its time, and recommends: on all the GPUs
+the fastest that fits, or the fastest of those that have run on a GPU in this project (`evidence`) unless the
+other is `CLEARLY_FASTER` by its estimate, and the one that needs the fewest GPUs.
 
 One module per job (every public name of each is importable from `planner` itself):
 
@@ -52,7 +53,9 @@ from .activations import activation_bytes, layer_activation_bytes_per_token
 from .choose import (
     layout_of,
     layouts_of,
+    CLEARLY_FASTER,
     HEADROOM,
+    TIE,
     MARGIN,
     MAX_MICRO_BATCH,
     GiB,
@@ -64,6 +67,7 @@ from .choose import (
     per_gpu_bytes,
     plan,
     rank_key,
+    tested_beside,
     usable_bytes,
 )
 from .dtypes import NF4_BITS_PER_WEIGHT, compute_dtypes, quantized_bytes_per_weight, state_bytes_per_parameter
@@ -138,7 +142,7 @@ from .timing import Machine, data_parallel_size, epoch_time, flops_per_token, re
 
 __all__ = [
     "DEFAULT_GPU", "DEFAULT_MFU", "GPUS", "GPUS_PER_MACHINE", "INTERCONNECTS", "NETWORK", "MARGIN", "Gpu",
-    "Machine", "best_run", "fastest_of", "layout_of", "layouts_of", "pipeline_layouts", "sequence_layouts", "group_splits_heads",
+    "Machine", "best_run", "fastest_of", "tested_beside", "CLEARLY_FASTER", "TIE", "layout_of", "layouts_of", "pipeline_layouts", "sequence_layouts", "group_splits_heads",
     "RAN_ON_GPU", "card_of_device", "cards_of_memory", "gpu_evidence", "gpu_key",
     "collective_bandwidth", "data_parallel_size", "epoch_time", "flops_per_token", "rank_key", "step_time",
     "reference_pass_time",

@@ -9,6 +9,7 @@ Sizes are bytes; the tables print GiB (2**30), and `gpu_memory_gib` is one GPU's
 from __future__ import annotations
 
 from .activations import activation_bytes
+from .evidence import RAN_ON_GPU
 from .host_load import load_bytes_per_machine
 from .peak import gradient_bytes, optimizer_bytes, weight_bytes
 from .resident import Stage, model_parallel_stages
@@ -36,6 +37,10 @@ MAX_MICRO_BATCH = 256
 MARGIN = 0.9
 # Estimates closer than 3% are a tie: an estimate does not split such hairs.
 TIE = 0.03
+# A config no GPU has run in this project is launched before the fastest one that has run only when its estimate
+# is this many times faster: where measured, the estimate's ratios came within 30% of the measured ones, so a
+# smaller lead could be the error of the two estimates (and an unrun config's own is unchecked).
+CLEARLY_FASTER = 2.0
 
 
 def per_gpu_bytes(shape: ModelShape, method: str, strategy: str, gpus: int, batch_size: int = 8,
@@ -234,13 +239,31 @@ def rank_key(run: dict) -> tuple:
 
 
 def fastest_of(runs: list[tuple[str, dict]]) -> tuple[str, dict]:
-    """The (strategy, run) to recommend: the first by `rank_key`, except that estimates within `TIE` of
-    it are a tie, which goes to the simpler config (the earlier in `SPEED_ORDER`)."""
-    order, run = simplest_of_the_fastest([(SPEED_ORDER.index(strategy), run) for strategy, run in runs])
-    return SPEED_ORDER[order], run
+    """The fastest (strategy, run): the first by `rank_key`, except that estimates within `TIE` of it are a
+    tie, which goes to a config that has run on a GPU in this project (`RAN_ON_GPU`), then to the simpler
+    (the earlier in `SPEED_ORDER`)."""
+    order, run = simplest_of_the_fastest([((strategy not in RAN_ON_GPU, SPEED_ORDER.index(strategy)), run)
+                                          for strategy, run in runs])
+    return SPEED_ORDER[order[1]], run
 
 
-def simplest_of_the_fastest(candidates: list[tuple[int, dict]]) -> tuple[int, dict]:
+def tested_beside(runs: list[tuple[str, dict]]) -> tuple[tuple[str, dict] | None, bool]:
+    """(the fastest run of a strategy that has run on a GPU here (`RAN_ON_GPU`), or None when the fastest of
+    `runs` is one itself or none of them is; whether to launch it first). It is launched first unless the
+    fastest, which has not run on a GPU, is `CLEARLY_FASTER` by the estimate; a tested run is weighed only
+    with as much memory margin as the fastest has."""
+    fastest = fastest_of(runs)
+    if fastest[0] in RAN_ON_GPU:
+        return None, False
+    tested = [(strategy, run) for strategy, run in runs if strategy in RAN_ON_GPU and run["tight"] <= fastest[1]["tight"]]
+    if not tested:
+        return None, False
+    pick = fastest_of(tested)
+    lead = fastest[1]["time"]["tokens_per_s"] / pick[1]["time"]["tokens_per_s"]
+    return pick, lead < CLEARLY_FASTER
+
+
+def simplest_of_the_fastest(candidates: list[tuple]) -> tuple:
     """Of (simplicity order, run) pairs, the one to pick: the first run by `rank_key`, except that runs within
     `TIE` of it (with as much margin) are a tie, which goes to the lowest order, the simpler one."""
     best = min((run for _, run in candidates), key=rank_key)
@@ -266,7 +289,11 @@ def plan(shape: ModelShape, method: str, gpus: int, gpu_memory_gib: float, batch
     nothing fits, or when `refusal` says why the global batch cannot run on it).
     - fastest: the run with the most tokens per second on all `gpus` GPUs, one with memory margin
       before any tight one;
-    - fewest_gpus: the smallest n in 1..gpus on which some strategy runs, and its fastest run there.
+    - tested: when the fastest is a strategy no GPU has run in this project (`RAN_ON_GPU`), the fastest of those
+      that have run (None otherwise); `first` says which to launch: "tested" unless the fastest's estimate is
+      `CLEARLY_FASTER` (`tested_beside`);
+    - fewest_gpus: the smallest n in 1..gpus on which some strategy runs, and the run launched first there (by
+      the same rule).
     Only the strategies the recipes run for this method, on one GPU only a single process or an offload
     config (`offered_strategies`). With `host_ram_gb` (each machine's RAM), neither is a config whose
     weights outgrow it while they load (`load_bytes_per_machine`; `cannot_load`: {strategy: bytes per machine}).
@@ -333,6 +360,7 @@ def plan(shape: ModelShape, method: str, gpus: int, gpu_memory_gib: float, batch
     cannot_load = {strategy: host_bytes(strategy, gpus) for strategy, _ in running if not loads(strategy, gpus)}
     running = [(strategy, run) for strategy, run in running if strategy not in cannot_load]
     fastest = recommend(*fastest_of(running), gpus) if running else None
+    tested, tested_first = tested_beside(running) if running else (None, False)
 
     fewest = None
     for n in range(1, gpus + 1):
@@ -340,10 +368,12 @@ def plan(shape: ModelShape, method: str, gpus: int, gpu_memory_gib: float, batch
                 for s in runnable(n)]
         runs = [(s, run) for s, run in runs if run and loads(s, n)]
         if runs:
-            fewest = recommend(*fastest_of(runs), n)
+            beside, first = tested_beside(runs)  # the same rule as on all the GPUs
+            fewest = recommend(*(beside if first else fastest_of(runs)), n)
             break
 
-    recommendation = {"fewest_gpus": fewest, "fastest": fastest}
+    recommendation = {"fewest_gpus": fewest, "fastest": fastest, "tested": tested and recommend(*tested, gpus),
+                      "first": "tested" if tested_first else "fastest"}
     refused = [entry["refusal"] for entry in strategies if entry["refusal"]]
     if fastest is None and refused and len(refused) == len(strategies):
         recommendation["reason"] = refused[0]
