@@ -44,14 +44,15 @@ from common.training import pipeline, runtime
 from common.training.evaluation import evaluate
 
 
-def token_losses(logits, targets):
-    """The loss of each target token, laid out like `targets`: the cross-entropy of the next token.
-    Prompt and padding targets are IGNORE and count 0. Every path that trains or evaluates computes
-    its loss here (the loop below, pipeline parallel's schedule, evaluation's eval_loss): to weight
-    tokens, multiply the result by weights laid out like `targets`."""
+def token_losses(logits, targets, weights=None):
+    """The loss of each target token, laid out like `targets`: the cross-entropy of the next token, times
+    its weight where the batch has weights. Prompt and padding targets are IGNORE and count 0. Every path
+    that trains or evaluates computes its loss here (the loop below, pipeline parallel's schedule,
+    evaluation's eval_loss), a chunk of positions or a slice of each row at a time: a weight that needs
+    the whole row comes from the collator (`weights=` below; docs/architecture.md)."""
     losses = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(),
-                                               ignore_index=batches.IGNORE, reduction="none")
-    return losses.view_as(targets)
+                                               ignore_index=batches.IGNORE, reduction="none").view_as(targets)
+    return losses if weights is None else losses * weights
 
 
 def parse_args():
@@ -102,7 +103,8 @@ def main():
         modeling.compile_layers(model)  # the first steps are slower while each shape compiles
 
     # Batches: shuffled micro-batches, each padded to its longest row; a fixed one to check reloads against.
-    # To batch differently, swap the collator: any function from a list of rows to a dict of tensors.
+    # To batch differently, swap the collator: any function from a list of rows to a dict of tensors. To weight
+    # tokens by their whole row, add weights=f: f(row) gives a weight per label (docs/architecture.md).
     collate = batches.PadToLongest(tokenizer.pad_token_id)
     train_loader, eval_loader = batches.make_loaders(train_set, eval_set, collate, run.batch_size,
                                                   run.dataloader_workers)
@@ -162,10 +164,11 @@ def main():
                 with accelerator.accumulate(model):
                     labels, positions = batch.pop("labels"), batch.pop("target_positions")
                     targets = labels[:, 1:]  # position t predicts token t + 1
+                    weights = batches.target_weights(batch.pop("loss_weights", None))  # the collator's, if any
                     # Logits only where some row has a target, a chunk of positions at a time: the loss of
                     # each chunk is kept, not its logits (loss_head.py). No KV cache in training.
                     outputs = model(**batch, use_cache=False, **head.forward_arguments(positions))
-                    token_loss = head.apply(token_losses, outputs, targets, positions)  # the loss, defined above
+                    token_loss = head.apply(token_losses, outputs, targets, positions, weights)  # defined above
                     router_loss = outputs.get("aux_loss")  # a mixture of experts' (None for other models)
                     del outputs
                     loss_sum = token_loss.sum()

@@ -90,7 +90,8 @@ def test_a_copied_recipe_edited_in_its_loss_and_schedule_trains_on_the_edits(tra
     first step's loss (before any update) is twice the untouched recipe's on the same batch, and
     the learning rate no longer follows the cosine."""
     run = launch_edited_copy([
-        ("    return losses.view_as(targets)", "    return 2.0 * losses.view_as(targets)  # every target token counts twice"),
+        ("    return losses if weights is None else losses * weights",
+         "    return 2.0 * (losses if weights is None else losses * weights)  # every target token counts twice"),
         ("from transformers import get_cosine_schedule_with_warmup", "from transformers import get_constant_schedule"),
         ("get_cosine_schedule_with_warmup(optimizer, int(run.warmup_ratio * total_steps), total_steps)",
          "get_constant_schedule(optimizer)"),
@@ -103,7 +104,8 @@ def test_a_copied_recipe_edited_in_its_loss_and_schedule_trains_on_the_edits(tra
     assert [record["lr"] for record in reference.metrics()[:3]] != [lr] * 3
 
 
-DOUBLED_LOSS = ("    return losses.view_as(targets)", "    return 2.0 * losses.view_as(targets)  # every token twice")
+DOUBLED_LOSS = ("    return losses if weights is None else losses * weights",
+                "    return 2.0 * (losses if weights is None else losses * weights)  # every token twice")
 
 
 @pytest.mark.parametrize("config", ["ddp", "fsdp", "zero3", "pipeline", pytest.param("sp", marks=long_test)])
@@ -137,7 +139,7 @@ def test_logits_chunked_at_target_positions_give_the_textbook_loss(trained, tmp_
     run = launch_edited_copy([
         ("outputs = model(**batch, use_cache=False, **head.forward_arguments(positions))",
          "outputs = model(**batch, use_cache=False)"),
-        ("token_loss = head.apply(token_losses, outputs, targets, positions)",
+        ("token_loss = head.apply(token_losses, outputs, targets, positions, weights)",
          "token_loss = token_losses(outputs.logits[:, :-1], labels[:, 1:])"),
     ], tmp_path / "out", steps=STEPS)
     assert run.losses() == pytest.approx(trained("lora", "model_parallel").losses(), rel=1e-5)

@@ -14,15 +14,23 @@ class PadToLongest:
 
     Packed rows have no attention mask: their padding gets positions of its own (a separate
     "row"), so nothing real attends to it, and its labels are ignored.
+
+    `weights`, a function of a whole row (its `input_ids`, `labels`, and a packed row's `position_ids`) giving
+    one weight per label: the batch also carries `loss_weights`, laid out like `labels` (float32, padding 0).
+    The loss sees a chunk of positions, or a slice of each row, at a time; these travel with the labels, so
+    `token_losses` gets the weights of exactly the targets it scores (docs/architecture.md).
     """
 
-    def __init__(self, pad_token_id: int):
+    def __init__(self, pad_token_id: int, weights=None):
         self.pad_token_id = pad_token_id
+        self.weights = weights
 
     def __call__(self, rows: list[dict]) -> dict:
         longest = max(len(row["input_ids"]) for row in rows)
         packed = "position_ids" in rows[0]
         batch = {"input_ids": [], "labels": [], ("position_ids" if packed else "attention_mask"): []}
+        if self.weights is not None:
+            batch["loss_weights"] = []
         for row in rows:
             length = len(row["input_ids"])
             pad = longest - length
@@ -32,7 +40,17 @@ class PadToLongest:
                 batch["position_ids"].append(row["position_ids"] + list(range(pad)))
             else:
                 batch["attention_mask"].append([1] * length + [0] * pad)
-        return {key: torch.tensor(value) for key, value in batch.items()}
+            if self.weights is not None:
+                batch["loss_weights"].append(self.row_weights(row) + [0.0] * pad)
+        return {key: torch.tensor(value, dtype=torch.float32 if key == "loss_weights" else None)
+                for key, value in batch.items()}
+
+    def row_weights(self, row: dict) -> list[float]:
+        weights = [float(weight) for weight in self.weights(row)]
+        if len(weights) != len(row["labels"]):
+            raise ValueError(f"{getattr(self.weights, '__name__', 'weights')} must give one weight per label: "
+                             f"{len(weights)} for a row of {len(row['labels'])} labels")
+        return weights
 
 
 class PadPairs:
@@ -75,9 +93,9 @@ class SequenceSlice:
     ranks that share them. The batch is padded to a multiple of `size` positions; the rank keeps its
     `length / size` positions of `input_ids` and `position_ids` (numbered in the whole sequence: the attention
     gathers the slices back) and of `labels` one more, so that `labels[:, 1:]` are the targets of exactly its
-    positions, the next slice's first token included. No attention mask: the attention over the gathered
-    sequence is causal, and a row's padding, at its end, is attended to by nothing real. Its target positions
-    are its slice's own."""
+    positions, the next slice's first token included (`loss_weights`, laid out like the labels, the same). No
+    attention mask: the attention over the gathered sequence is causal, and a row's padding, at its end, is
+    attended to by nothing real. Its target positions are its slice's own."""
 
     def __init__(self, collate, rank: int, size: int):
         self.collate, self.rank, self.size = collate, rank, size
@@ -90,6 +108,7 @@ class SequenceSlice:
         start, end = self.rank * piece, (self.rank + 1) * piece
         extra = piece * self.size - length
         positions = batch.pop("position_ids", None)
+        weights = batch.pop("loss_weights", None)
         if positions is None:
             positions = torch.arange(length).expand(count, length)
         sliced = {}
@@ -101,6 +120,8 @@ class SequenceSlice:
         # padding: positions counting on, so that the gathered positions still rise along each row
         sliced["position_ids"] = torch.cat([positions, positions[:, -1:] + torch.arange(1, extra + 1)], 1)[:, start:end]
         sliced["labels"] = torch.nn.functional.pad(labels, (0, extra + 1), value=IGNORE)[:, start:end + 1]
+        if weights is not None:  # laid out like the labels: the same slice, so the weights of its own targets
+            sliced["loss_weights"] = torch.nn.functional.pad(weights, (0, extra + 1))[:, start:end + 1]
         sliced["target_positions"] = positions_with_targets(sliced["labels"][:, 1:])
         return sliced
 
@@ -126,6 +147,11 @@ def make_loaders(train, evaluation, collate, batch_size: int, workers: int | Non
 def target_tokens(batch: dict) -> torch.Tensor:
     """How many tokens of the batch are predicted and scored (labels are shifted by one)."""
     return (batch["labels"][:, 1:] != IGNORE).sum()
+
+
+def target_weights(weights: torch.Tensor | None) -> torch.Tensor | None:
+    """A batch's `loss_weights` (laid out like its labels) for its targets, `labels[:, 1:]`; None without them."""
+    return None if weights is None else weights[:, 1:]
 
 
 def positions_with_targets(targets: torch.Tensor) -> torch.Tensor:

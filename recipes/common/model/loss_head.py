@@ -5,7 +5,8 @@ The logits are the step's largest tensor (rows x positions x vocabulary, in floa
 16 rows of 1,024 tokens over a 32,000-token vocabulary). Here no chunk's logits (256 MiB at most) outlive it:
 each chunk's loss is kept, and its logits are computed again in the backward (one more pass of the head over
 the positions, about 3% of a 1B model's step). Logits that fit one chunk are one, as a plain forward runs. Whatever `token_losses` computes is what trains: the recipe's
-own function runs on each chunk, so an edited loss trains under every strategy and option.
+own function runs on each chunk (with the chunk's own weights, where the collator gives weights), so an edited
+loss trains under every strategy and option.
 
 Where the model's logits are more than its head's output (a softcap or a scale after the head, Gemma-2's
 or Cohere's), checked on three tokens when the run starts, the model computes its own logits as it
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from dataclasses import dataclass
+from itertools import repeat
 from typing import Callable
 
 import torch
@@ -62,39 +64,47 @@ class LossHead:
             return {"logits_to_keep": positions.cpu()}
         return {"logits_to_keep": ONE_POSITION, "output_hidden_states": True}
 
-    def apply(self, figures: Callable, outputs, targets: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def apply(self, figures: Callable, outputs, targets: torch.Tensor, positions: torch.Tensor,
+              weights: torch.Tensor | None = None) -> torch.Tensor:
         """`figures(logits, targets)` (the recipe's `token_losses`, or any tensor laid out like its `targets`)
         at `positions`, laid out [rows, positions, ...]: the logits of a chunk of positions at a time
-        (`outputs`: the forward's, given `forward_arguments(positions)`)."""
+        (`outputs`: the forward's, given `forward_arguments(positions)`). With `weights` (laid out like
+        `targets`: the collator's, `batches.target_weights`), `figures(logits, targets, weights)`, each chunk
+        given its own."""
         if self.head is None:
             logits = outputs.logits
-            return figures(logits, targets[:, positions.to(targets.device)].to(logits.device))
-        return self.per_chunk(figures, outputs.hidden_states[-1], targets, positions)
+            return figures_of(figures, logits, at_positions(targets, positions, logits.device),
+                              at_positions(weights, positions, logits.device))
+        return self.per_chunk(figures, outputs.hidden_states[-1], targets, positions, weights)
 
     def per_chunk(self, figures: Callable, hidden: torch.Tensor, targets: torch.Tensor,
-                  positions: torch.Tensor) -> torch.Tensor:
+                  positions: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
         """`figures(logits, targets)` (a tensor laid out like `targets`) over `hidden`'s `positions`, a chunk of
-        positions at a time, concatenated along the positions. Under autograd each chunk keeps only its
-        result; its logits are recomputed in the backward. Where the whole batch's logits fit one chunk, they
-        are one, kept for the backward as a plain forward keeps them (nothing to save, nothing to recompute)."""
+        positions at a time, concatenated along the positions (`weights`: cut into the same chunks). Under
+        autograd each chunk keeps only its result; its logits are recomputed in the backward. Where the whole
+        batch's logits fit one chunk, they are one, kept for the backward as a plain forward keeps them
+        (nothing to save, nothing to recompute)."""
         hidden = hidden.index_select(1, positions.to(hidden.device))
-        targets = targets.index_select(1, positions.to(targets.device)).to(hidden.device)
+        targets = at_positions(targets, positions, hidden.device)
+        weights = at_positions(weights, positions, hidden.device)
         size = chunk_positions(hidden.shape[0], hidden.shape[1], vocabulary(self.head), self.chunk_bytes)
         if self.gathered is not None:
-            return GatheredChunks.apply(hidden, targets, self, figures, size)
+            return GatheredChunks.apply(hidden, targets, weights, self, figures, size)
         if size >= hidden.shape[1]:
-            return self.chunk_figures(figures, hidden, targets)
+            return self.chunk_figures(figures, hidden, targets, weights)
         pieces = []
-        for hidden_chunk, target_chunk in zip(hidden.split(size, 1), targets.split(size, 1)):
+        for hidden_chunk, target_chunk, weight_chunk in zip(hidden.split(size, 1), targets.split(size, 1),
+                                                            chunks_of(weights, size)):
             if torch.is_grad_enabled():  # no randomness in a head and a loss: no RNG state to keep
-                pieces.append(checkpoint(self.chunk_figures, figures, hidden_chunk, target_chunk,
+                pieces.append(checkpoint(self.chunk_figures, figures, hidden_chunk, target_chunk, weight_chunk,
                                          use_reentrant=False, preserve_rng_state=False))
             else:
-                pieces.append(self.chunk_figures(figures, hidden_chunk, target_chunk))
+                pieces.append(self.chunk_figures(figures, hidden_chunk, target_chunk, weight_chunk))
         return torch.cat(pieces, 1)
 
-    def chunk_figures(self, figures: Callable, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return figures(self.chunk_logits(hidden), targets)
+    def chunk_figures(self, figures: Callable, hidden: torch.Tensor, targets: torch.Tensor,
+                      weights: torch.Tensor | None = None) -> torch.Tensor:
+        return figures_of(figures, self.chunk_logits(hidden), targets, weights)
 
     def chunk_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         with self.autocast():
@@ -110,23 +120,42 @@ class GatheredChunks(torch.autograd.Function):
     on every rank, whatever its number of chunks."""
 
     @staticmethod
-    def forward(ctx, hidden, targets, loss_head, figures, size):
-        ctx.save_for_backward(hidden, targets)
+    def forward(ctx, hidden, targets, weights, loss_head, figures, size):
+        ctx.save_for_backward(hidden, targets, weights)
         ctx.loss_head, ctx.figures, ctx.size = loss_head, figures, size
         with torch.no_grad(), loss_head.gathered():  # (no position with a target: one empty chunk)
-            return torch.cat([figures(loss_head.chunk_logits(h), t)
-                              for h, t in zip(hidden.split(size, 1), targets.split(size, 1))], 1)
+            return torch.cat([figures_of(figures, loss_head.chunk_logits(h), t, w) for h, t, w
+                              in zip(hidden.split(size, 1), targets.split(size, 1), chunks_of(weights, size))], 1)
 
     @staticmethod
     def backward(ctx, grad):
-        hidden, targets = ctx.saved_tensors
+        hidden, targets, weights = ctx.saved_tensors
         pieces = []
         with ctx.loss_head.gathered():
-            for h, t, g in zip(hidden.split(ctx.size, 1), targets.split(ctx.size, 1), grad.split(ctx.size, 1)):
+            for h, t, w, g in zip(hidden.split(ctx.size, 1), targets.split(ctx.size, 1), chunks_of(weights, ctx.size),
+                                  grad.split(ctx.size, 1)):
                 with torch.enable_grad():
                     h = h.detach().requires_grad_()
-                    pieces.append(torch.autograd.grad(ctx.figures(ctx.loss_head.chunk_logits(h), t), h, g)[0])
-        return torch.cat(pieces, 1), None, None, None, None
+                    figures = figures_of(ctx.figures, ctx.loss_head.chunk_logits(h), t, w)
+                    pieces.append(torch.autograd.grad(figures, h, g)[0])
+        return torch.cat(pieces, 1), None, None, None, None, None
+
+
+def figures_of(figures: Callable, logits: torch.Tensor, targets: torch.Tensor,
+               weights: torch.Tensor | None) -> torch.Tensor:
+    """`figures(logits, targets)`, and the targets' weights too where the batch has some: a loss written without
+    weights runs as it always has."""
+    return figures(logits, targets) if weights is None else figures(logits, targets, weights)
+
+
+def at_positions(tensor: torch.Tensor | None, positions: torch.Tensor, device) -> torch.Tensor | None:
+    """`tensor`'s columns at `positions`, on `device` (None stays None: a batch without weights)."""
+    return None if tensor is None else tensor.index_select(1, positions.to(tensor.device)).to(device)
+
+
+def chunks_of(tensor: torch.Tensor | None, size: int):
+    """`tensor` cut into chunks of `size` positions; for None, None for every chunk."""
+    return repeat(None) if tensor is None else tensor.split(size, 1)
 
 
 def vocabulary(head: torch.nn.Module) -> int:

@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import torch
 
+from ..data.batches import target_weights
 from ..data.formats import IGNORE
+from ..model.loss_head import figures_of
 
 
 @torch.no_grad()
 def evaluate(accelerator, model, eval_loader, token_losses, head, stages) -> dict:
     """`eval_loss`: the recipe's `token_losses` over all target tokens (the quantity the training loss is);
-    `eval_exact_match`: rows whose every target token is the argmax. `head`: the run's `loss_head.LossHead`,
+    `eval_exact_match`: rows whose every target token is the argmax. The collator's weights, where it gives
+    some, weigh each token's loss as in training (the same denominator). `head`: the run's `loss_head.LossHead`,
     which gives the logits a chunk of positions at a time. `stages`: pipeline parallel's `pipeline.Pipeline`
     (None for every other strategy), which runs the batches through its stages.
 
@@ -26,8 +29,9 @@ def evaluate(accelerator, model, eval_loader, token_losses, head, stages) -> dic
         labels, positions = batch["labels"][:, 1:], batch["target_positions"]  # position t predicts token t + 1
         outputs = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False,
                         **head.forward_arguments(positions))
-        per_position = head.apply(lambda logits, chunk_labels: position_figures(logits, chunk_labels, token_losses),
-                                  outputs, labels, positions)
+        per_position = head.apply(lambda logits, chunk_labels, chunk_weights=None:
+                                  position_figures(logits, chunk_labels, token_losses, chunk_weights),
+                                  outputs, labels, positions, target_weights(batch.get("loss_weights")))
         per_row = accelerator.gather_for_metrics(rows_of(per_position))
         loss_sum += per_row[:, 0].sum().item()
         tokens += per_row[:, 1].sum().item()
@@ -37,12 +41,14 @@ def evaluate(accelerator, model, eval_loader, token_losses, head, stages) -> dic
     return {"eval_loss": loss_sum / max(tokens, 1), "eval_exact_match": exact / max(rows, 1)}
 
 
-def position_figures(logits: torch.Tensor, labels: torch.Tensor, token_losses) -> torch.Tensor:
-    """Per position (laid out like `labels`, 3 figures deep): its loss, 1 where it is a target, 1 where it is
-    not a target or its target is the argmax."""
+def position_figures(logits: torch.Tensor, labels: torch.Tensor, token_losses, weights=None) -> torch.Tensor:
+    """Per position (laid out like `labels`, 3 figures deep): its loss (weighted by `weights`, laid out like
+    `labels`, where the batch has some), 1 where it is a target, 1 where it is not a target or its target is
+    the argmax."""
     targets = labels != IGNORE
     correct = (logits.argmax(-1) == labels) | ~targets
-    return torch.stack([token_losses(logits.float(), labels), targets.float(), correct.float()], dim=-1)
+    losses = figures_of(token_losses, logits.float(), labels, weights)
+    return torch.stack([losses, targets.float(), correct.float()], dim=-1)
 
 
 def rows_of(per_position: torch.Tensor) -> torch.Tensor:
@@ -50,9 +56,10 @@ def rows_of(per_position: torch.Tensor) -> torch.Tensor:
     return torch.stack([per_position[..., 0].sum(1), per_position[..., 1].sum(1), per_position[..., 2].prod(1)], 1)
 
 
-def batch_figures(logits: torch.Tensor, labels: torch.Tensor, token_losses) -> torch.Tensor:
-    """(loss sum, target tokens, exact rows, rows) of a batch: logits at every position but the last."""
-    per_row = rows_of(position_figures(logits[:, :-1], labels, token_losses))
+def batch_figures(logits: torch.Tensor, labels: torch.Tensor, token_losses, weights=None) -> torch.Tensor:
+    """(loss sum, target tokens, exact rows, rows) of a batch: logits at every position but the last (`weights`:
+    laid out like `labels`, or None)."""
+    per_row = rows_of(position_figures(logits[:, :-1], labels, token_losses, weights))
     return torch.cat([per_row.sum(0), per_row.new_tensor([per_row.shape[0]])]).double()
 
 

@@ -25,7 +25,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from ..data.batches import IGNORE
+from ..data.batches import IGNORE, target_weights
 from ..model.loss_head import LossHead
 from ..model.pipeline_layout import PassThrough, PipelineLayout, decoder_of, keep_stage, layout_of
 from .evaluation import batch_figures
@@ -132,6 +132,8 @@ def pad_micro_batch(batch: dict, length: int, pad_token_id: int) -> dict:
     if "position_ids" in batch:  # packed rows: the padding is a row of its own
         tail = torch.arange(pad, dtype=batch["position_ids"].dtype).expand(rows, pad)
         padded["position_ids"] = torch.cat([batch["position_ids"], tail], 1)
+    if "loss_weights" in batch:  # laid out like the labels; the padding has no target
+        padded["loss_weights"] = torch.cat([batch["loss_weights"], batch["loss_weights"].new_zeros((rows, pad))], 1)
     return padded
 
 
@@ -222,12 +224,15 @@ class Pipeline:
 
     def loss(self, hidden, labels):
         """The micro-batch's summed token loss (the recipe's `token_losses`, over the last stage's hidden states a
-        chunk of positions at a time) over the global batch's target tokens."""
+        chunk of positions at a time) over the global batch's target tokens. The schedule hands over the labels
+        only: the targets' weights, where the collator gives some, come from the micro-batch being computed."""
         targets = labels[:, 1:]
+        index = self.module.chunks[-1].index
+        weights = target_weights(self.module.micro_batches[index].get("loss_weights"))
         every_position = torch.arange(targets.shape[1], device=hidden.device)
-        token_loss = self.head.per_chunk(self.token_losses, hidden, targets, every_position).sum()
+        token_loss = self.head.per_chunk(self.token_losses, hidden, targets, every_position, weights).sum()
         # by micro-batch: the stage's first, shape-finding forward (micro-batch 0 again) is overwritten
-        self.loss_sums[self.module.chunks[-1].index] = token_loss.detach()
+        self.loss_sums[index] = token_loss.detach()
         return token_loss / self.step_tokens
 
     def train_step(self, micro_batches: list[dict], step_tokens: int, token_losses) -> torch.Tensor:
@@ -327,7 +332,9 @@ class Pipeline:
         for batch in eval_loader:
             logits = self.forward_only(batch)
             if logits is not None and self.layout.replica == 0:
-                totals += batch_figures(logits.float(), batch["labels"][:, 1:].to(self.device), token_losses)
+                weights = target_weights(batch.get("loss_weights"))
+                totals += batch_figures(logits.float(), batch["labels"][:, 1:].to(self.device), token_losses,
+                                        None if weights is None else weights.to(self.device))
         self.module.train()
         dist.all_reduce(totals)
         loss_sum, tokens, exact, rows = totals.tolist()
