@@ -1,23 +1,25 @@
-"""Answer prompts with a trained run: its model/, merged/, or adapter/ on its base model.
+"""Answer prompts with a trained run (its model/, merged/, or adapter/ on its base model), or with any model.
 
     python scripts/generate.py outputs/quickstart --prompt "Sort: 3 1 2"
     printf 'Sort: 3 1 2\\nReverse: 1 2 3\\n' | python scripts/generate.py outputs/quickstart
 
     python scripts/generate.py outputs/chat --prompt "Sort: 3 1 2" --system "Answer in one line."
+    python scripts/generate.py outputs/dpo/merged --prompt "Sort: 3 1 2"
 
 Each prompt is wrapped the way the run's training rows were (run.json's data_format): an
 instruction in the "### Instruction: ... ### Response:" template, a chat message through the
 saved tokenizer's chat template as training rendered its rows (so is a mixture of formats with chat in
-it: `instruction+messages`), a prompt/completion or text prompt as it is (--raw: always as it is).
+it: `instruction+messages`, and preference pairs of chat messages), a prompt/completion or text prompt as it
+is (--raw: always as it is). A folder inside a run's folder (merged/, a merge written there) is that run's.
 A chat message follows a system turn when --system gives one, or by default when every training row
-opened with the same one (run.json's system_prompt; --system '' leaves it out). Greedy decoding by
-default; --temperature T > 0 samples (with --top-p, and --seed for answers that repeat). On a GPU when
-there is one.
+opened with the same one (run.json's system_prompt; --system '' leaves it out). A model without a run
+(a transformers folder, a merge written elsewhere, a hub id) takes each prompt through its tokenizer's chat
+template when it has one, else as typed, and says which. Greedy decoding by default; --temperature T > 0
+samples (with --top-p, and --seed for answers that repeat). On a GPU when there is one.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -26,10 +28,17 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT / "recipes"))
 
 import common.quiet  # noqa: E402,F401  (first: the recipes' filter of library notices)
+from common.outputs.script_flags import generate_flags, generate_problem  # noqa: E402  (no torch)
+
+if __name__ == "__main__":  # the flags read (--help, a mistyped one) before torch and transformers load: seconds
+    generate_flags(__doc__).parse_args()
+
 import torch  # noqa: E402
 
 from common.data.formats import IGNORE, PROMPT_TEMPLATE, RowProblem  # noqa: E402
+from common.data.pairs import PAIR_FORMATS, side_format  # noqa: E402
 from common.data.tokens import tokenize_row  # noqa: E402
+from common.model import adapters  # noqa: E402
 
 # Stands for the reply when a chat prompt is rendered as a training row: a word, as replies usually open, so
 # that the prompt's last tokens split as they did before the replies training saw ("\n\n" before a word is
@@ -41,37 +50,87 @@ def pick_artifact(output_dir: Path, wanted: str) -> Path:
     """model/ (full), merged/ or adapter/: the one asked for, or the first of them the run wrote."""
     names = ("model", "merged", "adapter") if wanted == "auto" else (wanted,)
     for name in names:
-        if (output_dir / name / "config.json").is_file() or (output_dir / name / "adapter_config.json").is_file():
+        if is_model_folder(output_dir / name):
             return output_dir / name
-    raise SystemExit(f"error: {output_dir} has no {' or '.join(f'{n}/' for n in names)}; "
-                     "train first, or pick another with --artifact")
+    raise ValueError(f"{output_dir} has no {' or '.join(f'{n}/' for n in names)}; train first, or pick another "
+                     "with --artifact")
 
 
-def load(output_dir: Path, artifact: Path, device: str):
-    """(model, tokenizer) of the artifact; an adapter goes on its base as the run trained it (4-bit for QLoRA)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def is_model_folder(path: Path) -> bool:
+    return (path / "config.json").is_file() or (path / adapters.ADAPTER_CONFIG).is_file()
 
-    run = json.loads((output_dir / "run.json").read_text())
+
+def find_model(target: str, wanted: str) -> tuple[dict | None, str]:
+    """(run.json of the run the model comes from, or None; the model: a folder, or a hub id). A run's folder
+    gives its artifact (`wanted`); a model folder inside a run's folder is that run's."""
+    path = Path(target).expanduser()
+    if (path / "run.json").is_file():
+        return json.loads((path / "run.json").read_text()), str(pick_artifact(path, wanted))
+    if wanted != "auto":
+        raise ValueError(f"--artifact picks what to load from a run's folder, and {target} holds no run.json: drop "
+                         "--artifact, or pass the run's --output-dir")
+    if is_model_folder(path):
+        beside = path.parent / "run.json"
+        return (json.loads(beside.read_text()) if beside.is_file() else None), str(path)
+    if path.exists():
+        raise ValueError(f"{target} holds no run.json, config.json or adapter_config.json; pass a run's --output-dir, "
+                         "a model folder or a hub id")
+    if target.startswith((".", "/", "~")) or target.count("/") > 1:  # a path, not a hub id's owner/name
+        raise ValueError(f"{target} does not exist; pass a run's --output-dir, a model folder or a hub id")
+    return None, target
+
+
+def load_tokenizer(model: str):
+    """The tokenizer saved with the model (an adapter's, else its base's)."""
+    from transformers import AutoTokenizer
+
+    base = adapters.adapter_base(model)
+    own = base is None or (Path(model) / "tokenizer_config.json").is_file()
+    return AutoTokenizer.from_pretrained(model if own else base)
+
+
+def load(model: str, run: dict | None, device: str):
+    """A model folder or hub id, loaded; an adapter goes on the base it names, quantized as its run trained it
+    (qlora.py's and dpo.py's --bits)."""
+    from transformers import AutoModelForCausalLM
+
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    tokenizer = AutoTokenizer.from_pretrained(artifact)
-    if artifact.name != "adapter":
-        return AutoModelForCausalLM.from_pretrained(artifact, dtype=dtype).to(device), tokenizer, run
+    base = adapters.adapter_base(model)
+    if base is None:
+        return AutoModelForCausalLM.from_pretrained(model, dtype=dtype).to(device)
     from peft import PeftModel
 
     from common.model.modeling import bits_config, keep_4bit_weights_unpacked_on_cpu
 
-    bits = run["arguments"].get("bits") if run["recipe"] == "qlora" else None
+    bits = run["arguments"].get("bits") if run else None
     kwargs = dict(quantization_config=bits_config(bits, dtype), device_map={"": device}) if bits else {}
-    base = AutoModelForCausalLM.from_pretrained(run["base_model"], dtype=dtype, **kwargs)
+    base_model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype, **kwargs)
     if bits and device == "cpu":
-        keep_4bit_weights_unpacked_on_cpu(base)  # as the recipes do on CPU
-    model = PeftModel.from_pretrained(base, artifact)
-    return (model if bits else model.to(device)), tokenizer, run
+        keep_4bit_weights_unpacked_on_cpu(base_model)  # as the recipes do on CPU
+    adapted = PeftModel.from_pretrained(base_model, model)
+    return adapted if bits else adapted.to(device)
+
+
+def wrapping(model: str, tokenizer, raw: bool) -> tuple[str, str]:
+    """(the format prompts are taken as, a line saying so) for a model without a run: chat through the
+    tokenizer's chat template when it has one, else text as typed."""
+    if raw:
+        return "text", "prompts: as typed (--raw)"
+    if tokenizer.chat_template:
+        return "messages", (f"prompts: through the chat template of {model} (no run.json to say how it was trained; "
+                            "--raw gives them as typed)")
+    return "text", f"prompts: as typed ({model} has no run.json, and its tokenizer no chat template)"
+
+
+def row_formats(data_format: str) -> list[str]:
+    """The supervised formats of a run's rows (a mixture's, one each); preference pairs as their sides are."""
+    return [side_format(fmt) if fmt in PAIR_FORMATS else fmt for fmt in data_format.split("+")]
 
 
 def is_chat(data_format: str, raw: bool) -> bool:
-    """Whether prompts go through the chat template: a chat run's (or a mixture's with chat in it), unless --raw."""
-    return "messages" in data_format.split("+") and not raw
+    """Whether prompts go through the chat template: a chat run's (or a mixture's with chat in it, or chat pairs'),
+    unless --raw."""
+    return "messages" in row_formats(data_format) and not raw
 
 
 def prompt_ids(prompt: str, tokenizer, data_format: str, raw: bool, system: str | None = None) -> list[int]:
@@ -86,7 +145,7 @@ def prompt_ids(prompt: str, tokenizer, data_format: str, raw: bool, system: str 
         turns += [{"role": "user", "content": prompt}, {"role": "assistant", "content": REPLY}]
         row = tokenize_row({"messages": turns}, tokenizer, "messages")
         return row["input_ids"][:next(i for i, label in enumerate(row["labels"]) if label != IGNORE)]
-    formats = data_format.split("+")
+    formats = row_formats(data_format)
     text = PROMPT_TEMPLATE.format(instruction=prompt) if formats == ["instruction"] and not raw else prompt
     return tokenizer(text)["input_ids"]
 
@@ -102,17 +161,18 @@ def answer(model, tokenizer, ids: list[int], max_new_tokens: int, device: str, t
     return tokenizer.decode(output[0, len(ids):], skip_special_tokens=True)
 
 
-def system_prompt(asked: str | None, run: dict, data_format: str, raw: bool) -> str | None:
+def system_prompt(asked: str | None, run: dict | None, data_format: str, raw: bool) -> str | None:
     """The system turn before each prompt: --system's (its '' none), else the one run.json recorded as every
-    training row's, said in one line on stderr. ValueError when --system is given to a run that is not chat."""
+    training row's, said in one line on stderr. ValueError when --system is given to prompts that are not chat."""
     if not is_chat(data_format, raw):
         if asked:
-            how = "--raw gives the prompts as typed" if raw else f"this run trained on {data_format} rows"
+            how = ("--raw gives the prompts as typed" if raw else f"this run trained on {data_format} rows" if run
+                   else "this model's tokenizer has no chat template")
             raise ValueError(f"--system applies to chat runs (their rows are `messages`); {how}: drop --system")
         return None
     if asked is not None:
         return asked or None
-    recorded = run.get("system_prompt")
+    recorded = (run or {}).get("system_prompt")
     if recorded:
         shown = recorded if len(recorded) <= 60 else recorded[:57] + "..."
         print(f"system prompt: the training rows' own, from run.json ({shown!r}); --system TEXT replaces it, "
@@ -121,54 +181,39 @@ def system_prompt(asked: str | None, run: dict, data_format: str, raw: bool) -> 
 
 
 def main(argv=None) -> int:
-    summary, _, details = __doc__.partition("\n")
-    parser = argparse.ArgumentParser(description=summary, epilog=details,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("output_dir", type=Path, help="a recipe's --output-dir (with run.json)")
-    parser.add_argument("--prompt", action="append", help="a prompt (repeatable); default: one per line of stdin")
-    parser.add_argument("--artifact", choices=("auto", "model", "merged", "adapter"), default="auto",
-                        help="what to load (default: auto, the first of model/, merged/, adapter/ the run wrote)")
-    parser.add_argument("--max-new-tokens", type=int, default=64, help="(default: 64)")
-    parser.add_argument("--raw", action="store_true", help="give the prompts to the model exactly as typed")
-    parser.add_argument("--system", default=None, metavar="TEXT",
-                        help="a chat run: the system turn before each prompt (default: the one every training row "
-                             "opened with, when run.json recorded one; '': none)")
-    parser.add_argument("--temperature", type=float, default=0.0,
-                        help="0: greedy (default); above 0: sample at this temperature")
-    parser.add_argument("--top-p", type=float, default=1.0, help="sampling: keep the smallest set of tokens whose "
-                        "probabilities add up to P (default: 1.0, all)")
-    parser.add_argument("--seed", type=int, default=None, help="sampling: the same seed gives the same answers")
-    args = parser.parse_args(argv)
-    problem = ("--max-new-tokens must be >= 1" if args.max_new_tokens < 1 else
-               "--temperature must be >= 0 (0: greedy)" if args.temperature < 0 else
-               "--top-p must be in (0, 1]" if not 0 < args.top_p <= 1 else
-               "--top-p and --seed apply to sampling: add --temperature T > 0" if args.temperature == 0 and (
-                   args.top_p != 1.0 or args.seed is not None) else None)
+    args = generate_flags(__doc__).parse_args(argv)
+    problem = generate_problem(args)
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
-    if not (args.output_dir / "run.json").is_file():
-        print(f"error: {args.output_dir} holds no run.json; pass the --output-dir of a finished run", file=sys.stderr)
-        return 2
     try:
-        artifact = pick_artifact(args.output_dir, args.artifact)
-    except SystemExit as refusal:
-        print(refusal, file=sys.stderr)
+        run, model = find_model(args.model, args.artifact)
+    except ValueError as refusal:
+        print(f"error: {refusal}", file=sys.stderr)
         return 2
     prompts = args.prompt or [line.rstrip("\n") for line in sys.stdin if line.strip()]
     if not prompts:
         print("error: no prompt; pass --prompt TEXT, or give prompts on standard input, one per line", file=sys.stderr)
         return 2
-    run = json.loads((args.output_dir / "run.json").read_text())
-    data_format = run.get("data_format", "text")
+    try:
+        tokenizer = load_tokenizer(model)
+    except OSError as failure:  # a hub id that is not there (or no network), a folder that is no model
+        print(f"error: {model} does not load ({str(failure).splitlines()[0]}); pass a run's --output-dir, a model "
+              "folder or a hub id", file=sys.stderr)
+        return 2
+    if run:
+        data_format = run.get("data_format", "text")
+    else:
+        data_format, said = wrapping(model, tokenizer, args.raw)
+        print(said, file=sys.stderr, flush=True)
     try:  # before the model loads
         system = system_prompt(args.system, run, data_format, args.raw)
     except ValueError as problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model, tokenizer, run = load(args.output_dir, artifact, device)
-    model.eval()
+    loaded = load(model, run, device)
+    loaded.eval()
     if args.seed is not None:
         torch.manual_seed(args.seed)  # and CUDA's generators: the sampled answers repeat
     for prompt in prompts:
@@ -178,7 +223,7 @@ def main(argv=None) -> int:
             fix = "; leave the system turn out with --system ''" if system else ""
             print(f"error: {problem}{fix}", file=sys.stderr)
             return 2
-        reply = answer(model, tokenizer, ids, args.max_new_tokens, device, args.temperature, args.top_p)
+        reply = answer(loaded, tokenizer, ids, args.max_new_tokens, device, args.temperature, args.top_p)
         print(f"{prompt!r} -> {reply!r}", flush=True)
     return 0
 

@@ -11,39 +11,39 @@ tokenizer and chat template, with scripts/generate.py. What `--merge` writes at 
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
 import common.quiet  # noqa: E402, F401  (the recipes' notice filter first, as in the recipes)
+from common.outputs.script_flags import merge_flags  # noqa: E402  (no torch)
+
+if __name__ == "__main__":  # the flags read (--help, a mistyped one) before torch and transformers load: seconds
+    merge_flags(__doc__).parse_args()
+
+import torch  # noqa: E402
 
 from common.launching.args import SAVE_DTYPES  # noqa: E402
 from common.model import adapters  # noqa: E402
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("adapter", help="the adapter/ folder a recipe saved")
-    parser.add_argument("output", help="where to write the merged model")
-    parser.add_argument("--dtype", default="auto", choices=("auto", *SAVE_DTYPES),
-                        help="dtype of the merged weights (default auto: the base's)")
-    parser.add_argument("--trust-remote-code", action="store_true")
-    args = parser.parse_args(argv)
+def main(argv=None) -> int:
+    args = merge_flags(__doc__).parse_args(argv)
     base = adapters.adapter_base(args.adapter)
     if base is None:
-        parser.error(f"{args.adapter} is not a LoRA adapter folder (no adapter_config.json naming its base); give "
-                     "the adapter/ folder a recipe saved")
+        print(f"error: {args.adapter} is not a LoRA adapter folder (no adapter_config.json naming its base); give "
+              "the adapter/ folder a recipe saved", file=sys.stderr)
+        return 2
     if Path(args.output).exists() and any(Path(args.output).iterdir()):
-        parser.error(f"{args.output} is not empty; give a new folder")
-    import torch
-
+        print(f"error: {args.output} is not empty; give a new folder", file=sys.stderr)
+        return 2
     four_bit = adapters.trained_on_4bit(args.adapter)
     adapters.merge(base, args.adapter, args.output, base_4bit=four_bit,
                    dtype=None if args.dtype == "auto" else getattr(torch, SAVE_DTYPES[args.dtype]),
                    trust_remote_code=args.trust_remote_code)
     print(f"merged {args.adapter} onto {base}{' (its 4-bit base, dequantized)' if four_bit else ''}: {args.output}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

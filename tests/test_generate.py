@@ -16,7 +16,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 sys.path.insert(0, str(REPO / "recipes"))
 import chat_fixtures as fixtures  # noqa: E402
 import generate  # noqa: E402
-from common.data import formats, preparation, tokens  # noqa: E402
+from common.data import formats, pairs, preparation, tokens  # noqa: E402
 from common.data.checked_rows import SourceRows  # noqa: E402
 from common.model import modeling  # noqa: E402
 
@@ -59,13 +59,33 @@ def test_answers_are_the_runs_own_sample_answers(recipe, artifact, trained, caps
     assert lines == [f"{i!r} -> {s['generated']!r}" for i, s in zip(instructions, samples)]
 
 
-def test_a_folder_without_a_run_is_one_line(tmp_path):
+def test_a_folder_without_a_model_is_one_line(tmp_path, capsys):
     done = subprocess.run([sys.executable, str(REPO / "scripts" / "generate.py"), str(tmp_path), "--prompt", "x"],
                           capture_output=True, text=True)
-    assert done.returncode == 2 and done.stderr.strip() == \
-        f"error: {tmp_path} holds no run.json; pass the --output-dir of a finished run"
+    assert done.returncode == 2 and done.stderr.strip() == (
+        f"error: {tmp_path} holds no run.json, config.json or adapter_config.json; pass a run's --output-dir, a model "
+        "folder or a hub id")
+    assert generate.main([str(tmp_path / "gone"), "--prompt", "x"]) == 2
+    assert capsys.readouterr().err.strip() == (f"error: {tmp_path / 'gone'} does not exist; pass a run's --output-dir, "
+                                               "a model folder or a hub id")
+    assert generate.main([str(TINY_MODEL), "--artifact", "merged", "--prompt", "x"]) == 2
+    assert capsys.readouterr().err.strip().startswith("error: --artifact picks what to load from a run's folder")
     (tmp_path / "run.json").write_text("{}")
     assert generate.main([str(tmp_path), "--artifact", "merged", "--prompt", "x"]) == 2
+    assert capsys.readouterr().err.strip() == f"error: {tmp_path} has no merged/; train first, or pick another with --artifact"
+
+
+@pytest.mark.parametrize("script", ["generate.py", "merge.py"])
+def test_help_answers_before_torch_loads(script):
+    """--help reads the flags alone: torch, transformers and peft (seconds to import) are not loaded."""
+    ask = ("import runpy, sys\n"
+           f"sys.argv = [{str(REPO / 'scripts' / script)!r}, '--help']\n"
+           "try:\n    runpy.run_path(sys.argv[0], run_name='__main__')\n"
+           "except SystemExit as stop:\n    assert stop.code in (0, None)\n"
+           "print(sorted(name for name in ('torch', 'transformers', 'peft', 'datasets') if name in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", ask], capture_output=True, text=True, cwd=REPO)
+    assert done.returncode == 0 and "usage:" in done.stdout, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "[]"
 
 
 def test_sampling_repeats_with_its_seed_and_differs_from_greedy(trained, capsys):
@@ -152,6 +172,70 @@ def test_the_runs_system_prompt_is_the_one_every_chat_row_opened_with():
     assert preparation.shared_system_prompt(parts(as_text)) == SYSTEM
     recorded = preparation.DataFormat("messages", SYSTEM)
     assert recorded == "messages" and json.loads(json.dumps({"data_format": recorded})) == {"data_format": "messages"}
+
+
+@pytest.mark.parametrize("fmt", [formats.PAIRS_CONVERSATIONAL, formats.PAIRS_IMPLICIT_CONVERSATIONAL,
+                                 f"{formats.PAIRS_CONVERSATIONAL}+{formats.PAIRS_TEXT}"])
+def test_a_chat_pair_prompt_is_what_training_rendered_for_the_pair(fmt, tokenizer):
+    """A preference run on chat pairs is a chat run: the prompt (after the system turn) in the tokens training
+    gave a pair's chosen side before its reply, its prompt turns as context."""
+    turns = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Sort: 3 1 2"}]
+    chosen, rejected = [{"role": "assistant", "content": "1 2 3"}], [{"role": "assistant", "content": "3 1 2"}]
+    pair = {"prompt": turns, "chosen": chosen, "rejected": rejected}
+    if formats.PAIRS_IMPLICIT_CONVERSATIONAL in fmt:
+        pair = {"chosen": turns + chosen, "rejected": turns + rejected}
+    side, _ = pairs.pair_sides(pair, fmt.split("+")[0])
+    (trained,) = tokens.tokenize_rows([side], tokenizer, "messages")
+    assert generate.is_chat(fmt, raw=False)
+    assert generate.prompt_ids("Sort: 3 1 2", tokenizer, fmt, raw=False, system=SYSTEM) == prompt_part(
+        {"input_ids": trained["input_ids"].tolist(), "labels": trained["labels"].tolist()})
+    # text pairs are prompt / completion rows: the prompt as typed
+    assert not generate.is_chat(formats.PAIRS_TEXT, raw=False)
+    assert generate.prompt_ids("Sort: 3 1 2", tokenizer, formats.PAIRS_TEXT, raw=False) == tokenizer("Sort: 3 1 2")["input_ids"]
+
+
+def said(err: str) -> str:
+    """generate.py's one line on how it wraps the prompts of a model without a run."""
+    [line] = [line for line in err.splitlines() if line.startswith("prompts:")]
+    return line
+
+
+def test_a_model_without_a_run_is_asked_through_its_chat_template_or_as_typed(trained, tmp_path, monkeypatch, capsys):
+    """A merged folder copied out of its run (what is served), and a transformers folder: prompts go through the
+    folder's chat template when its tokenizer has one, else as typed, said in one line; the merged model answers.
+    A merged folder inside its run is asked as the run's rows were: its own sample answers."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    run = trained("lora", "ddp")
+    assert run.returncode == 0, run.output[-3000:]
+    served = tmp_path / "served"
+    shutil.copytree(run.output_dir / "merged", served)
+    saved = AutoTokenizer.from_pretrained(served)
+    assert generate.main([str(served), "--prompt", "Sort: 3 1 2", "--max-new-tokens", "8"]) == 0
+    captured = capsys.readouterr()
+    assert said(captured.err) == (f"prompts: through the chat template of {served} (no run.json to say how it was "
+                                  "trained; --raw gives them as typed)")
+    assert captured.out.startswith("'Sort: 3 1 2' -> ")
+    code, asked = asked_ids(monkeypatch, [str(served), "--prompt", "Sort: 3 1 2"])
+    assert code == 0 and asked == [generate.prompt_ids("Sort: 3 1 2", saved, "messages", False)]
+    assert asked[0] != saved("Sort: 3 1 2")["input_ids"]  # wrapped, not as typed
+    code, asked = asked_ids(monkeypatch, [str(served), "--prompt", "Sort: 3 1 2", "--system", "Be brief."])
+    assert code == 0 and asked == [generate.prompt_ids("Sort: 3 1 2", saved, "messages", False, "Be brief.")]
+    capsys.readouterr()
+
+    code, asked = asked_ids(monkeypatch, [str(TINY_MODEL), "--prompt", "Sort: 3 1 2"])  # no chat template
+    assert code == 0 and asked == [AutoTokenizer.from_pretrained(TINY_MODEL)("Sort: 3 1 2")["input_ids"]]
+    assert said(capsys.readouterr().err) == f"prompts: as typed ({TINY_MODEL} has no run.json, and its tokenizer no chat template)"
+    monkeypatch.undo()
+
+    samples = [json.loads(line) for line in (run.output_dir / "samples.jsonl").read_text().splitlines()]
+    instructions = [s["prompt"].split("### Instruction:\n")[1].split("\n\n### Response:")[0] for s in samples]
+    argv = [str(run.output_dir / "merged"), "--max-new-tokens", "32"]
+    assert generate.main(argv + [arg for i in instructions for arg in ("--prompt", i)]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if " -> " in line]
+    assert lines == [f"{i!r} -> {s['generated']!r}" for i, s in zip(instructions, samples)]
 
 
 @pytest.fixture
