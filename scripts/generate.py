@@ -90,8 +90,8 @@ def load_tokenizer(model: str):
 
 
 def load(model: str, run: dict | None, device: str):
-    """A model folder or hub id, loaded; an adapter goes on the base it names, quantized as its run trained it
-    (qlora.py's and dpo.py's --bits)."""
+    """A model folder or hub id, loaded; an adapter goes on the base it names (found again beside it when the
+    two were moved together), quantized as its run trained it (qlora.py's and dpo.py's --bits)."""
     from transformers import AutoModelForCausalLM
 
     dtype = torch.bfloat16 if device == "cuda" else torch.float32

@@ -3,10 +3,11 @@
 
     python scripts/merge.py outputs/lora/adapter outputs/lora/merged [--dtype bf16]
 
-The base is the one the adapter names (its adapter_config.json); an adapter trained on a 4-bit base (qlora.py,
-or dpo.py --bits 4: its run.json beside it says so) is merged onto that base dequantized, the weights it was
-trained against. The merged folder loads with AutoModelForCausalLM.from_pretrained and, with the adapter's
-tokenizer and chat template, with scripts/generate.py. What `--merge` writes at the end of a run, later.
+The base is the one the adapter names (its adapter_config.json; a run's `base/` beside it is found there again
+after the run's folder moved); an adapter trained on a 4-bit base (qlora.py, or dpo.py --bits 4: its run.json
+beside it says so) is merged onto that base dequantized, the weights it was trained against. The merged folder
+loads with AutoModelForCausalLM.from_pretrained and, with the adapter's tokenizer and chat template, with
+scripts/generate.py. What `--merge` writes at the end of a run, later.
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from ..launching.args import SAVE_DTYPES
+from ..model import adapters
 from ..refusal import refuse
 
 STATE_FILE = "recipe_state.json"
@@ -325,11 +326,16 @@ def name_every_adapted_layer(config_file: Path, adapter: dict) -> None:
 def save_adapter(accelerator, model, stages, tokenizer, path: Path) -> None:
     """`adapter/`: loadable by `PeftModel.from_pretrained`, checked tensor by tensor.
 
-    peft's `save_pretrained` keeps only the adapter's tensors of the gathered state dict.
+    peft's `save_pretrained` keeps only the adapter's tensors of the gathered state dict. Trained on an adapter
+    merged into its base (an adapter as --model), it is then made to stand alone, without the merged copy in
+    the cache (model/adapters.py: `stand_alone`).
     """
     save_full_model(accelerator, model, stages, tokenizer, path)
     if accelerator.is_main_process:
         check_adapter(path)
+        how = adapters.stand_alone(Path(path))
+        if how:
+            print(how, flush=True)
 
 
 def check_adapter(path: Path) -> None:
@@ -352,9 +358,13 @@ def merge_adapter(accelerator, base_model: str, adapter, merged, base_4bit: bool
     --save-dtype name; auto: the base's).
 
     Done by the main process in a fresh Python (merge.py): a process outside the training's
-    process group loads the base without any FSDP or ZeRO-3 collective, so nothing can hang.
+    process group loads the base without any FSDP or ZeRO-3 collective, so nothing can hang. Where the run
+    trained on a merged adapter (`base_model` a merged start), the exported adapter names its own base
+    (save_adapter made it stand alone), and that is the base it merges onto.
     """
     if accelerator.is_main_process:
+        if adapters.merged_start(str(base_model)):
+            base_model = adapters.adapter_base(str(adapter))
         command = [sys.executable, str(Path(__file__).with_name("merge.py")),
                    "--base", str(base_model), "--adapter", str(adapter), "--output", str(merged)]
         clean_env = {k: v for k, v in os.environ.items() if not k.startswith(LAUNCH_ENV_PREFIXES)}

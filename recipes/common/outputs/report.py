@@ -9,6 +9,7 @@ import torch
 
 from ..data.formats import IGNORE
 from ..launching.args import PREFERENCE_RECIPES
+from ..model import adapters
 
 
 @torch.no_grad()
@@ -73,16 +74,21 @@ def write_model_card(accelerator, args, recipe: str, artifact: str, samples: lis
     lines = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
     train = [line for line in lines if line["type"] == "train"]
     evals = [line for line in lines if line["type"] == "eval"]
+    base = run["base_model"]
+    if artifact == "adapter":  # the base the saved adapter names: its own, never a cache (checkpoint.save_adapter)
+        base = adapters.adapter_base(str(output_dir / "adapter")) or base
     load = {
         "model": f'AutoModelForCausalLM.from_pretrained("{output_dir / "model"}")',
-        "adapter": (f'PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained("{args.model}"), '
-                    f'"{output_dir / "adapter"}")'),
+        "adapter": f'PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained("{base}"), "{output_dir / "adapter"}")',
     }[artifact]
     bundled = "bundled data/preferences/" if recipe in PREFERENCE_RECIPES else "bundled data/"  # the default --dataset
+    start = run.get("start_adapter")
+    origin = (f", started from the LoRA adapter `{start}` merged onto it" if start else
+              f" ({args.settled_from['model']})" if "model" in args.settled_from else "")
     card = [
-        f"# {Path(args.model).name} fine-tuned with {recipe}.py",
+        f"# {Path(run['base_model']).name} fine-tuned with {recipe}.py",
         "",
-        f"- base model: `{args.model}`" + (f" ({args.settled_from['model']})" if "model" in args.settled_from else ""),
+        f"- base model: `{run['base_model']}`{origin}",
         f"- data: {', '.join(f'`{spec}`' for spec in args.dataset or [bundled])} "
         f"({run['data_format']} format{', packed' if args.packing else ''})",
         f"- strategy: {run['distributed_type']} x {run['num_processes']} process(es) ({run['launch']['name']}), "

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from ..launching.deepspeed_config import schedule_settings
+from ..model.adapters import merged_start
 from ..model.modeling import parameter_counts
 
 LIBRARIES = ("torch", "transformers", "accelerate", "peft", "datasets", "bitsandbytes", "deepspeed")
@@ -167,13 +168,18 @@ class RunLog:
         self.held_parameters = counts["held_by_this_rank"]
         self.host_peak_at_start = host_peak_bytes()  # loaded and prepared: what loading needed of the host's RAM
         self.held_at_first_step = None
+        # An adapter as --model trains its base with it merged in, kept in a cache: recorded as what made it
+        # (the exported adapter names no cache either: checkpoint.save_adapter)
+        start = merged_start(self.args.model)
         self.record = {
             "recipe": self.recipe,
             "arguments": arguments_record(self.args, total_steps),
             "total_steps": total_steps,
-            "base_model": self.args.model,
+            "base_model": start["base"] if start else self.args.model,
+            "start_adapter": start["adapter"] if start else None,
             "data_format": data_format,
-            # the system turn every chat row opened with (preparation.shared_system_prompt): generate.py's default
+            # the system turn every chat row (or conversational pair) opened with (shared_system_prompt in
+            # data/preparation.py, data/preferences.py): generate.py's default
             "system_prompt": getattr(data_format, "system_prompt", None),
             "distributed_type": self.accelerator.distributed_type.value,
             "num_processes": self.accelerator.num_processes,
