@@ -211,7 +211,7 @@ class OneProcess:
 
 def run_of(dataset, max_length=512, **more):
     return SimpleNamespace(dataset=dataset, seed=0, columns=None, eval_dataset=None, max_length=max_length,
-                           batch_size=1, grad_accum=1, **more)
+                           batch_size=1, grad_accum=1, max_steps=1, epochs=1, **more)
 
 
 def test_prepare_pairs_counts_what_it_drops_in_the_data_line(tok, tmp_path, capsys):

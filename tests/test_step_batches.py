@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from conftest import REPO
+from conftest import REPO, launch
 
 sys.path.insert(0, str(REPO / "recipes"))
 
@@ -52,3 +52,18 @@ def test_an_unpadded_training_batch_comes_without_a_mask_and_the_model_computes_
     with torch.no_grad():
         torch.testing.assert_close(model(input_ids=ids).logits,
                                    model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits)
+
+
+def test_the_steps_line_says_how_epochs_and_the_batch_give_the_step_count(tmp_path):
+    """38 training rows (40, 2 held out), 8 a process on 2 processes: 2 steps an epoch, 6 rows left out of
+    each; --epochs 3 gives 6 steps, and the run says so before it trains, as it then runs."""
+    rows = (REPO / "data" / "train.jsonl").read_text().splitlines()[:40]
+    (tmp_path / "rows.jsonl").write_text("\n".join(rows) + "\n")
+    run = launch("lora", tmp_path / "out", "--dataset", str(tmp_path / "rows.jsonl"), "--epochs", "3",
+                 "--batch-size", "8", "--eval-every", "0", config="ddp")
+    assert run.returncode == 0, run.output[-3000:]
+    lines = [line for line in run.output.splitlines() if line.startswith("steps: ")]
+    assert lines == ["steps: 6 = --epochs 3 x 2 steps of 16 rows (--batch-size 8 x --grad-accum 1 x 2 processes) "
+                     "over 38 training rows; the 6 that do not fill a step sit out each epoch (each shuffles anew)"]
+    assert [record["step"] for record in run.metrics()] == list(range(1, 7))
+    assert run.run_json()["total_steps"] == 6

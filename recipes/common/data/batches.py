@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch.utils.data import DataLoader
 
@@ -192,6 +194,21 @@ def without_touching_the_global_rng(loader):
         return
     yield first
     yield from iterator
+
+
+def steps_line(examples: int, args, data_parallel: int, processes: int, unit: str = "rows") -> str:
+    """How the run's step count comes about: --max-steps, or --epochs times the steps the training `unit`s
+    fill, and what an epoch leaves out (the recipes count it the same way: ragged batches dropped)."""
+    per_step = args.batch_size * args.grad_accum * data_parallel
+    epoch = steps_per_epoch(examples // args.batch_size // data_parallel, args.grad_accum)
+    ranks = "processes" if data_parallel == processes else "data-parallel groups"
+    batch = f"{per_step:,} {unit} (--batch-size {args.batch_size} x --grad-accum {args.grad_accum} x {data_parallel} {ranks})"
+    if args.max_steps:
+        return f"steps: {args.max_steps:,} (--max-steps); an epoch of {examples:,} training {unit} is {epoch:,} steps of {batch}"
+    left = examples - epoch * per_step
+    leftover = f"; the {left:,} that do not fill a step sit out each epoch (each shuffles anew)" if left else ""
+    return (f"steps: {math.ceil(args.epochs * epoch):,} = --epochs {args.epochs:g} x {epoch:,} steps of {batch} "
+            f"over {examples:,} training {unit}{leftover}")
 
 
 def steps_per_epoch(batches_per_process: int, grad_accum: int) -> int:

@@ -43,7 +43,9 @@ def prepare_pairs(accelerator, tokenizer, args, launch):
         train_tokens = [tokenize_pairs(part.rows, part.fmt, tokenizer, args.max_length) for part in train_parts]
         eval_tokens = [tokenize_pairs(part.rows, part.fmt, tokenizer, args.max_length) for part in eval_parts]
     train_set, eval_set = training_sets(accelerator, args, train_parts, train_tokens, eval_parts, eval_tokens, "pair")
-    batches.steps_per_epoch(len(train_set) // args.batch_size // launch.data_parallel_size, args.grad_accum)
+    line = batches.steps_line(len(train_set), args, launch.data_parallel_size, accelerator.num_processes, "pairs")
+    if accelerator.is_main_process:  # (steps_line refuses a set too small for one step)
+        print(line, flush=True)
     return train_set, eval_set, PairsFormat("+".join(sorted({part.fmt for part in train_parts})),
                                             shared_system_prompt(train_parts))
 

@@ -119,7 +119,10 @@ def prepare(accelerator, tokenizer, args, launch):
                   f"tokens, {fill:.1%} full; a micro-batch of {args.batch_size} holds ~{per_batch:,.0f} rows "
                   f"(~{args.batch_size * fill * args.max_length:,.0f} tokens): the memory of {args.batch_size} full "
                   "sequences, so a smaller --batch-size keeps an unpacked run's", flush=True)
-    batches.steps_per_epoch(len(train_set) // args.batch_size // launch.data_parallel_size, args.grad_accum)
+    line = batches.steps_line(len(train_set), args, launch.data_parallel_size, accelerator.num_processes,
+                              "sequences" if args.packing else "rows")  # (refuses a set too small for one step)
+    if accelerator.is_main_process:
+        print(line, flush=True)
     return train_set, eval_set, DataFormat("+".join(sorted({part.fmt for part in train_parts})),
                                            shared_system_prompt(train_parts))
 
