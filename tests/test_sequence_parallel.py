@@ -305,6 +305,8 @@ def test_plan_py_launches_the_group_it_planned():
                            "8", "--gpu", "h100", "--seq-len", "65536", "--batch-size", "1", "--global-batch-size",
                            "8"], capture_output=True, text=True, cwd=REPO)
     assert done.returncode == 0, done.stderr
-    launch_line = next(line for line in done.stdout.splitlines() if line.startswith("Launch: "))
-    assert "--config_file accelerate_configs/sp.yaml --num_processes 8 --parallelism_config_sp_size 8" in launch_line
-    assert "Estimate only: sp has not run on a GPU" in done.stdout
+    # sp is faster by the estimate but has not run on a GPU: named beside the tested first pick, with its own line
+    sp_line = next(line for line in done.stdout.splitlines()
+                   if line.strip().startswith(("Launch: ", "or: ")) and "sp.yaml" in line)
+    assert "--config_file accelerate_configs/sp.yaml --num_processes 8 --parallelism_config_sp_size 8" in sp_line
+    assert "sp (accelerate_configs/sp.yaml)" in done.stdout and "it has not run on a GPU" in done.stdout
