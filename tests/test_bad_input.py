@@ -354,9 +354,10 @@ def test_a_resume_on_another_number_of_processes_says_so(tmp_path, capsys):
     folder = fake_checkpoint(tmp_path, 2)
     state = json.loads((folder / checkpoint.STATE_FILE).read_text())
     (folder / checkpoint.STATE_FILE).write_text(json.dumps({**state, "processes": 2}))
-    one_process = SimpleNamespace(num_processes=1, is_main_process=True)
+    one_process = SimpleNamespace(num_processes=1, is_main_process=True, distributed_type=SimpleNamespace(value="NO"))
     assert checkpoint.resume_point(one_process, args_of("--output-dir", str(tmp_path), "--resume", "auto")) == folder
-    assert "was written by 2 processes and resumes on 1: the data each rank sees changes" in capsys.readouterr().out
+    assert ("was written by 2 processes and resumes on 1: each step takes the rows it took before when the global "
+            "batch stays the same") in capsys.readouterr().out
 
 
 def test_a_local_folder_named_like_a_hub_id_is_checked_and_recorded_whole(tmp_path, monkeypatch):

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, launch, long_test
+from conftest import REPO, assert_the_refusal_ends_the_output, launch, long_test
 from strategies import CPU_STRATEGIES, SAVE_EVERY, STEPS, matrix_args
 
 sys.path.insert(0, str(REPO / "recipes"))
@@ -49,3 +49,45 @@ def test_a_fresh_run_does_not_mix_into_an_older_metrics_file(tmp_path):
         log.metrics.close()
         lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
         assert [json.loads(line)["step"] for line in lines] == kept
+
+
+def one_process_args(config: str) -> list[str]:
+    """The matrix launch's flags for one process with the same global batch: twice the micro-batch."""
+    args = matrix_args("lora", config)
+    at = args.index("--batch-size") + 1
+    return args[:at] + [str(int(args[at]) * CPU_STRATEGIES[config][1])] + args[at + 1:]
+
+
+@pytest.mark.parametrize("config", ["ddp", pytest.param("fsdp", marks=long_test)])
+def test_a_checkpoint_continues_on_fewer_processes_on_the_same_curve(config, trained, tmp_path):
+    """DDP's and FSDP2's checkpoints load at another process count; with the same global batch each step
+    takes the rows it took before (the shuffle is over the global batch), so the curve continues."""
+    whole = trained("lora", config)
+    assert whole.returncode == 0, whole.output[-3000:]
+    checkpoint = f"step-{SAVE_EVERY}"
+    shutil.copytree(whole.output_dir / "checkpoints" / checkpoint, tmp_path / "checkpoints" / checkpoint)
+    resumed = launch("lora", tmp_path, *one_process_args(config), "--resume", "auto", config=config, processes=1)
+    assert resumed.returncode == 0, resumed.output[-3000:]
+    assert f"was written by 2 processes and resumes on 1" in resumed.output
+    assert resumed.losses() == pytest.approx(whole.losses()[SAVE_EVERY:], rel=1e-6)
+
+
+@pytest.mark.parametrize("written, config, processes, refusal", [
+    ("zero3", "zero3", 1, "was written by DeepSpeed on 2 processes, which splits its optimizer state over them; "
+                          "resume it on 2 (--num_processes 2), or start in a new --output-dir"),
+    ("fsdp", "ddp", 2, "was written by an FSDP config (fsdp*.yaml) and this launch is ddp.yaml, model_parallel.yaml "
+                       "or one process: a checkpoint continues under the kind of strategy that wrote it; launch with "
+                       "that config, or start in a new --output-dir"),
+])
+def test_what_cannot_continue_is_refused_in_one_line(written, config, processes, refusal, trained, tmp_path):
+    """A checkpoint another kind of strategy wrote, or DeepSpeed's on another process count, stops in one line
+    before the model loads (each was a traceback from the loading)."""
+    whole = trained("lora", written)
+    assert whole.returncode == 0, whole.output[-3000:]
+    checkpoint = tmp_path / "checkpoints" / f"step-{SAVE_EVERY}"
+    shutil.copytree(whole.output_dir / "checkpoints" / checkpoint.name, checkpoint)
+    args = matrix_args("lora", config) if processes == 2 else one_process_args(config)
+    resumed = launch("lora", tmp_path, *args, "--resume", "auto", config=config, processes=processes)
+    assert resumed.returncode != 0
+    assert_the_refusal_ends_the_output(resumed.output, f"error: {checkpoint} {refusal}")
+    assert "Loading weights" not in resumed.output  # refused before the model loads

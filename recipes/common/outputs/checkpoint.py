@@ -178,9 +178,46 @@ def same_model(a: str, b: str) -> bool:
     return a == b or (Path(a).exists() and Path(b).exists() and Path(a).resolve() == Path(b).resolve())
 
 
-def choose_resume(args, processes: int | None = None) -> tuple[Path | None, list[str], str | None]:
+def written_as(path: Path) -> tuple[str, int | None]:
+    """The layout a checkpoint's files were written in, read from the files themselves (any checkpoint, of any
+    version): ("deepspeed", its processes), ("fsdp", None), ("split", None) for tensor parallel's, ("pipeline",
+    None), or ("whole", None): one process's files (one process, DDP, model parallel)."""
+    if (path / "pytorch_model").is_dir():  # DeepSpeed's engine: one file of optimizer state per process
+        return "deepspeed", len(list((path / "pytorch_model").glob("*_optim_states.pt"))) or None
+    if any(path.glob("pytorch_model_fsdp_*")):
+        return "fsdp", None
+    if (path / SPLIT_STATE).is_dir():
+        return "split", None
+    if (path / STAGES_STATE).is_dir():
+        return "pipeline", None
+    return "whole", None
+
+
+# What each layout is written by, as a refusal names it
+WRITTEN_BY = {"deepspeed": "a DeepSpeed config (zero*.yaml, sp.yaml)", "fsdp": "an FSDP config (fsdp*.yaml)",
+              "whole": "ddp.yaml, model_parallel.yaml or one process", "split": "tp.yaml",
+              "pipeline": "pipeline.yaml with --pipeline-stages"}
+
+
+def layout_refusal(path: Path, kind: str | None, processes: int | None) -> str | None:
+    """Why the checkpoint at `path` cannot continue under a launch that writes `kind` ("deepspeed", "fsdp", or
+    None for any other) on `processes` processes, or None. DDP's and FSDP2's files load at any process count;
+    DeepSpeed's optimizer state is split over the processes that wrote it, and no strategy reads another's."""
+    found, count = written_as(path)
+    if kind == found == "deepspeed" and processes is not None and count and count != processes:
+        return (f"{path} was written by DeepSpeed on {count} processes, which splits its optimizer state over them; "
+                f"resume it on {count} (--num_processes {count}), or start in a new --output-dir")
+    sharded = ("deepspeed", "fsdp")  # (whole, split and pipeline files: the settings and the files decide, as before)
+    if (kind in sharded or found in sharded) and found != kind:
+        return (f"{path} was written by {WRITTEN_BY[found]} and this launch is {WRITTEN_BY[kind or 'whole']}: a "
+                "checkpoint continues under the kind of strategy that wrote it; launch with that config, or start "
+                "in a new --output-dir")
+    return None
+
+
+def choose_resume(args, processes: int | None = None, kind: str | None = None) -> tuple[Path | None, list[str], str | None]:
     """(checkpoint to resume from, lines to print, refusal): the decision of `resume_point` for a run
-    of `processes` processes."""
+    of `processes` processes whose checkpoints are written as `kind` ("deepspeed", "fsdp", None: other)."""
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     wanted = args.resume or ("auto" if restarted else None)  # an elastic restart continues the run
     found = complete_checkpoints(args.output_dir)
@@ -229,10 +266,14 @@ def choose_resume(args, processes: int | None = None) -> tuple[Path | None, list
         if args.max_steps and state["step"] > args.max_steps:
             return None, lines, (f"{chosen} is at step {state['step']}, beyond --max-steps {args.max_steps}; raise "
                                  "--max-steps to train on, or use that run's own result")
+        refusal = layout_refusal(chosen, kind, processes)
+        if refusal:
+            return None, lines, refusal
         written_by = state.get("processes", processes)
         if processes is not None and written_by != processes:  # allowed (an elastic job may lose a machine), but said
-            lines.append(f"note: {chosen} was written by {written_by} processes and resumes on {processes}: the "
-                         "data each rank sees changes, and so does the global batch unless --global-batch-size keeps it")
+            lines.append(f"note: {chosen} was written by {written_by} processes and resumes on {processes}: each step "
+                         "takes the rows it took before when the global batch stays the same (--global-batch-size "
+                         "keeps it); another global batch changes the curve from here")
     return chosen, lines, None
 
 
@@ -242,7 +283,8 @@ def resume_point(accelerator, args) -> Path | None:
     so a refusal is the same line on every rank."""
     from accelerate.utils import broadcast_object_list
 
-    decision = [choose_resume(args, accelerator.num_processes) if accelerator.is_main_process else None]
+    kind = {"DEEPSPEED": "deepspeed", "FSDP": "fsdp"}.get(accelerator.distributed_type.value)
+    decision = [choose_resume(args, accelerator.num_processes, kind) if accelerator.is_main_process else None]
     if accelerator.num_processes > 1:
         broadcast_object_list(decision)
     chosen, lines, refusal = decision[0]
