@@ -437,6 +437,7 @@ def test_a_hub_that_does_not_answer_is_asked_once_and_a_model_it_lacks_is_one_li
     assert_the_refusal_ends_the_output(run.output, errors[0])
 
 
+@long_test  # (every run: the refusals when the hub does not answer)
 def test_a_model_in_the_hub_cache_trains_when_the_hub_does_not_answer(tmp_path):
     """A hub id the cache holds (the bundled tiny model, laid out as huggingface_hub caches a download) trains
     from the cache alone: one request finds the hub silent, the start-up says so once, and no read retries."""

@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import REPO, TINY_MODEL, launch
+from conftest import REPO, TINY_MODEL, launch, long_test
 
 sys.path.insert(0, str(REPO / "scripts"))
 sys.path.insert(0, str(REPO / "recipes"))
@@ -160,6 +160,7 @@ def test_a_dpo_run_from_an_adapter_stands_alone_without_the_cache_and_moved(sft,
         assert (probe_logits(AutoModelForCausalLM.from_pretrained(other), probe) - trained).abs().max() > 1e-2
 
 
+@long_test  # (the every-run suite keeps the folded case; this is the base/ one)
 def test_a_run_that_cannot_fold_keeps_the_model_it_trained_on(sft, data, tmp_path):
     """DoRA's magnitudes do not add: the merged SFT model is saved beside the adapter as base/, which the adapter
     names and which merge.py, generate.py and peft find there after the cache is deleted and the folder moved."""
