@@ -270,7 +270,7 @@ def test_one_process_trains_the_whole_row_weights(one_process):
 
 @pytest.mark.parametrize("config", [pytest.param("ddp", marks=long_test), pytest.param("fsdp", marks=long_test),
                                     pytest.param("zero3", marks=long_test), pytest.param("pipeline", marks=long_test),
-                                    "sp"])
+                                    pytest.param("sp", marks=long_test)])
 def test_every_strategy_trains_the_whole_row_weights(config, one_process, chat_data, tmp_path):
     """Step 1's loss is the plain computation's; step 2's loss and gradient norm (after an update from the
     weighted gradient) and the final eval_loss are one process's."""
