@@ -79,7 +79,7 @@ def tokenizer_of(model: str, trust_remote_code: bool = False, chat_template: str
     """The tokenizer a recipe trains with (modeling.load_tokenizer): the bundled model's before its first build."""
     if model_config.is_default_model(model) and not (Path(model) / "tokenizer.json").is_file():
         model = str(BUNDLED_TOKENIZER)
-    elif preflight.looks_local(model) and not Path(model).expanduser().exists():
+    elif data_files.looks_local(model) and not Path(model).expanduser().exists():
         preflight.refuse(f"--model {model} does not exist; give a model folder (a folder with its tokenizer is "
                          "enough) or a hub id")
     return modeling.load_tokenizer(str(Path(model).expanduser()) if Path(model).expanduser().exists() else model,
@@ -96,7 +96,7 @@ def length_note(row: dict) -> str:
 
 def tokenised_splits(args, tokenizer, log=sys.stdout):
     """[(split name, tokenised rows: input_ids / labels / dropped / needs / cut)], format, data line."""
-    if args.dataset and preflight.looks_local(args.dataset) and not Path(args.dataset).expanduser().exists():
+    if args.dataset and data_files.looks_local(args.dataset) and not Path(args.dataset).expanduser().exists():
         preflight.refuse(f"--dataset {args.dataset} does not exist; give a data file, a folder, or a hub id")
     with contextlib.redirect_stdout(log):  # the `files:` line of a folder
         loaded, spec = data_files.read_splits(args.dataset, args.columns)

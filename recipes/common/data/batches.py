@@ -196,6 +196,13 @@ def without_touching_the_global_rng(loader):
     yield from iterator
 
 
+def say_steps(accelerator, examples: int, args, data_parallel: int, unit: str = "rows") -> None:
+    """The `steps:` line, printed once (the main process); every rank refuses a set too small for one step."""
+    line = steps_line(examples, args, data_parallel, accelerator.num_processes, unit)
+    if accelerator.is_main_process:
+        print(line, flush=True)
+
+
 def steps_line(examples: int, args, data_parallel: int, processes: int, unit: str = "rows") -> str:
     """How the run's step count comes about: --max-steps, or --epochs times the steps the training `unit`s
     fill, and what an epoch leaves out (the recipes count it the same way: ragged batches dropped)."""

@@ -213,3 +213,14 @@ def first_row_lacking(table, key: str, other: str) -> int:
     import pyarrow.compute as pc
 
     return pc.index(pc.and_(pc.is_null(table.column(key)), pc.is_valid(table.column(other))), True).as_py()
+
+
+class DataFormat(str):
+    """The training rows' (or pairs') format name (a str, which the recipes hand on to run.json as it is),
+    carrying the system prompt the chat rows or conversational pairs were trained with (preparation's and
+    preferences' `shared_system_prompt`), which run.json records too."""
+
+    def __new__(cls, name: str, system_prompt: str | None = None):
+        made = super().__new__(cls, name)
+        made.system_prompt = system_prompt
+        return made

@@ -12,6 +12,7 @@ from __future__ import annotations
 from . import batches
 from .checked_rows import load_sources
 from .data_files import DEFAULT_PAIRS
+from .formats import DataFormat
 from .pairs import SIDES, opening_system_texts, pair_sides, side_format
 from .targets import NO_TOKENS, require_offsets, tokenize_rows
 from .tokens import (
@@ -43,22 +44,9 @@ def prepare_pairs(accelerator, tokenizer, args, launch):
         train_tokens = [tokenize_pairs(part.rows, part.fmt, tokenizer, args.max_length) for part in train_parts]
         eval_tokens = [tokenize_pairs(part.rows, part.fmt, tokenizer, args.max_length) for part in eval_parts]
     train_set, eval_set = training_sets(accelerator, args, train_parts, train_tokens, eval_parts, eval_tokens, "pair")
-    line = batches.steps_line(len(train_set), args, launch.data_parallel_size, accelerator.num_processes, "pairs")
-    if accelerator.is_main_process:  # (steps_line refuses a set too small for one step)
-        print(line, flush=True)
-    return train_set, eval_set, PairsFormat("+".join(sorted({part.fmt for part in train_parts})),
+    batches.say_steps(accelerator, len(train_set), args, launch.data_parallel_size, "pairs")
+    return train_set, eval_set, DataFormat("+".join(sorted({part.fmt for part in train_parts})),
                                             shared_system_prompt(train_parts))
-
-
-class PairsFormat(str):
-    """The pairs' format name (a str, handed on to run.json as it is), carrying the system turn every
-    conversational pair opened with, which run.json records too: preparation.DataFormat's counterpart (that
-    module sits above this one)."""
-
-    def __new__(cls, name: str, system_prompt: str | None = None):
-        made = super().__new__(cls, name)
-        made.system_prompt = system_prompt
-        return made
 
 
 def shared_system_prompt(parts) -> str | None:

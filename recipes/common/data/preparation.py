@@ -8,20 +8,10 @@ from __future__ import annotations
 
 from . import batches
 from .checked_rows import load_sources
-from .formats import SPEAKERS, conversation
+from .formats import SPEAKERS, DataFormat, conversation
 from .packing import pack
 from .targets import require_offsets
 from .tokens import kept_rows, tokenize_counted, training_sets
-
-
-class DataFormat(str):
-    """The training rows' format name (a str, which the recipes hand on to run.json as it is), carrying the
-    system prompt the chat rows were trained with (`shared_system_prompt`), which run.json records too."""
-
-    def __new__(cls, name: str, system_prompt: str | None = None):
-        made = super().__new__(cls, name)
-        made.system_prompt = system_prompt
-        return made
 
 
 def shared_system_prompt(parts) -> str | None:
@@ -119,10 +109,8 @@ def prepare(accelerator, tokenizer, args, launch):
                   f"tokens, {fill:.1%} full; a micro-batch of {args.batch_size} holds ~{per_batch:,.0f} rows "
                   f"(~{args.batch_size * fill * args.max_length:,.0f} tokens): the memory of {args.batch_size} full "
                   "sequences, so a smaller --batch-size keeps an unpacked run's", flush=True)
-    line = batches.steps_line(len(train_set), args, launch.data_parallel_size, accelerator.num_processes,
-                              "sequences" if args.packing else "rows")  # (refuses a set too small for one step)
-    if accelerator.is_main_process:
-        print(line, flush=True)
+    batches.say_steps(accelerator, len(train_set), args, launch.data_parallel_size,
+                      "sequences" if args.packing else "rows")
     return train_set, eval_set, DataFormat("+".join(sorted({part.fmt for part in train_parts})),
                                            shared_system_prompt(train_parts))
 

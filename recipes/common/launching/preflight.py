@@ -15,7 +15,7 @@ from pathlib import Path
 
 import planner
 
-from ..data.data_files import looks_local, missing_source  # noqa: F401  (preflight.looks_local, as scripts use it)
+from ..data.data_files import looks_local, missing_source
 from ..data.mixture import sources_of
 from ..model.model_config import is_default_model, meta_model, module_kinds, quantizable_weights
 from ..model.pipeline_layout import check_layout, unstageable
@@ -59,11 +59,17 @@ def check_paths(args) -> None:
     if looks_local(args.model) and not Path(args.model).expanduser().exists() and not is_default_model(args.model):
         refuse(f"--model {args.model} does not exist; give a local folder or a hub id such as "
                "TinyLlama/TinyLlama-1.1B-Chat-v1.0")
-    given = [("--dataset", source.spec) for source in sources_of(args.dataset)]  # a weight that is no weight: refused
-    for flag, spec in given + [("--eval-dataset", getattr(args, "eval_dataset", None))]:
+    for flag, spec in data_specs(args):
         missing = missing_source(flag, spec)
         if missing:
             refuse(missing)
+
+
+def data_specs(args) -> list[tuple[str, str | None]]:
+    """(flag, what it names) of each data source a run reads: every --dataset (a weight that is no weight is
+    refused here), then --eval-dataset."""
+    given = [("--dataset", source.spec) for source in sources_of(args.dataset)]
+    return given + [("--eval-dataset", getattr(args, "eval_dataset", None))]
 
 
 def hub_ids(args, model: str) -> dict[str, str]:
@@ -72,8 +78,7 @@ def hub_ids(args, model: str) -> dict[str, str]:
     found = {}
     if not (looks_local(model) or Path(model).expanduser().exists() or is_default_model(model)):
         found["--model"] = model
-    given = [("--dataset", source.spec) for source in sources_of(args.dataset)]
-    for flag, spec in given + [("--eval-dataset", getattr(args, "eval_dataset", None))]:
+    for flag, spec in data_specs(args):
         if spec and not looks_local(spec) and not Path(spec).expanduser().exists():
             found.setdefault(flag, spec)
     return found
