@@ -122,7 +122,7 @@ def main():
     args = parse_args()
     run, launch = settle.settle_launch(args, recipe="qlora" if args.bits else "lora")
     accelerator = runtime.make_accelerator(run, launch)
-    resume = checkpoint.resume_point(accelerator, run)  # the checkpoint to continue, checked before loading
+    resume = checkpoint.resume_point(accelerator, run, launch)  # the checkpoint to continue, checked before loading
     set_seed(run.seed)
 
     # Pairs, before the model: each side rendered and tokenised as the SFT recipes tokenise a row, its
@@ -185,7 +185,7 @@ def main():
     head = loss_head.settle(accelerator, model)
 
     log = RunLog(accelerator, run, recipe="dpo", launch=launch)
-    start_step = checkpoint.resume_from(accelerator, resume, None)
+    start_step = checkpoint.resume_from(accelerator, resume, model, optimizer, None)
     # after the resume: a failed load changes nothing
     log.write_run_json(model, None, data_format, optimizer, total_steps, head.description)
 
@@ -239,7 +239,7 @@ def main():
             log.log_eval(step, evaluate_pairs(accelerator, model, eval_loader,
                                               lambda batch: score_pairs(accelerator, model, batch, run, head)[1]))
         if stopping or (run.save_every and step % run.save_every == 0):
-            checkpoint.save_checkpoint(accelerator, run, step, None)
+            checkpoint.save_checkpoint(accelerator, run, launch, step, None)
         if stopping:
             log.close(f"stopped by {sync.signal_name} after step {step}; continue with --resume auto")
             return

@@ -117,7 +117,7 @@ def main():
     # line, before the model loads. Settled as full fine-tuning: every weight trains.
     run, launch = settle.settle_launch(parse_args(), recipe="full")
     accelerator = runtime.make_accelerator(run, launch)
-    resume = checkpoint.resume_point(accelerator, run)  # the checkpoint to continue, checked before loading
+    resume = checkpoint.resume_point(accelerator, run, launch)  # the checkpoint to continue, checked before loading
     set_seed(run.seed)
 
     # Pairs, before the model: each side rendered and tokenised as the SFT recipes tokenise a row, its
@@ -168,7 +168,7 @@ def main():
             accelerator, model, pairs, collate, run.batch_size, scores, key) for pairs in (train_set, eval_set))
 
     log = RunLog(accelerator, run, recipe="dpo_full", launch=launch)
-    start_step = checkpoint.resume_from(accelerator, resume, None)
+    start_step = checkpoint.resume_from(accelerator, resume, model, optimizer, None)
     # after the resume: a failed load changes nothing
     log.write_run_json(model, None, data_format, optimizer, total_steps, head.description)
 
@@ -222,7 +222,7 @@ def main():
             log.log_eval(step, evaluate_pairs(accelerator, model, eval_loader,
                                               lambda batch: score_pairs(accelerator, model, batch, run, head, eval_reference)[1]))
         if stopping or (run.save_every and step % run.save_every == 0):
-            checkpoint.save_checkpoint(accelerator, run, step, None)
+            checkpoint.save_checkpoint(accelerator, run, launch, step, None)
         if stopping:
             log.close(f"stopped by {sync.signal_name} after step {step}; continue with --resume auto")
             return

@@ -62,7 +62,7 @@ def main():
     # work is refused here, in one line, before the model loads.
     run, launch = settle.settle_launch(parse_args(), recipe="full")
     accelerator = runtime.make_accelerator(run, launch)
-    resume = checkpoint.resume_point(accelerator, run)  # the checkpoint to continue, checked before loading
+    resume = checkpoint.resume_point(accelerator, run, launch)  # the checkpoint to continue, checked before loading
     set_seed(run.seed)
 
     # Data, before the model: a file that cannot be read stops the run here (file:line), rows that
@@ -123,7 +123,7 @@ def main():
     head = loss_head.settle(accelerator, model, stages)
 
     log = RunLog(accelerator, run, recipe="full", launch=launch)
-    start_step = checkpoint.resume_from(accelerator, resume, stages)
+    start_step = checkpoint.resume_from(accelerator, resume, model, optimizer, stages)
     # after the resume: a failed load changes nothing
     log.write_run_json(model, stages, data_format, optimizer, total_steps, head.description)
 
@@ -187,7 +187,7 @@ def main():
         if step == total_steps or (run.eval_every and step % run.eval_every == 0):
             log.log_eval(step, evaluate(accelerator, model, eval_loader, token_losses, head, stages))
         if stopping or (run.save_every and step % run.save_every == 0):
-            checkpoint.save_checkpoint(accelerator, run, step, stages)
+            checkpoint.save_checkpoint(accelerator, run, launch, step, stages)
         if stopping:
             log.close(f"stopped by {sync.signal_name} after step {step}; continue with --resume auto")
             return

@@ -21,6 +21,7 @@ from common.data import checked_rows, tokens  # noqa: E402
 from common.launching import preflight, settle  # noqa: E402
 from common.outputs import checkpoint  # noqa: E402
 from common.launching.args import parse_args, recipe_flags  # noqa: E402
+from common.launching.launch import Launch  # noqa: E402
 from common.launching.preflight import Refusal  # noqa: E402
 
 
@@ -348,16 +349,26 @@ def test_paths_from_a_run_file_expand_the_home_folder(tmp_path, monkeypatch):
     assert args.output_dir == "~/runs/one"  # the parsed flags stay as given: the settled run is a new one
 
 
-def test_a_resume_on_another_number_of_processes_says_so(tmp_path, capsys):
+def plain(processes: int) -> Launch:
+    return Launch("ddp", processes=processes, on_gpu=False, visible_gpus=0, precision="no")
+
+
+@pytest.mark.parametrize("batch_size, said", [
+    ("16", "was written by 2 processes and resumes on 1 with the same global batch: each step takes the rows it "
+           "took before"),
+    ("8", "trained on 16 rows a step and this launch takes 8: the steps from here take other rows, so the curve "
+          "changes; --global-batch-size 16 keeps it")])
+def test_a_resume_on_another_number_of_processes_says_so(tmp_path, capsys, batch_size, said):
     from types import SimpleNamespace
 
     folder = fake_checkpoint(tmp_path, 2)
     state = json.loads((folder / checkpoint.STATE_FILE).read_text())
-    (folder / checkpoint.STATE_FILE).write_text(json.dumps({**state, "processes": 2}))
+    (folder / checkpoint.STATE_FILE).write_text(json.dumps({**state, "processes": 2, "global_batch": 16}))
     one_process = SimpleNamespace(num_processes=1, is_main_process=True, distributed_type=SimpleNamespace(value="NO"))
-    assert checkpoint.resume_point(one_process, args_of("--output-dir", str(tmp_path), "--resume", "auto")) == folder
-    assert ("was written by 2 processes and resumes on 1: each step takes the rows it took before when the global "
-            "batch stays the same") in capsys.readouterr().out
+    resume = checkpoint.resume_point(one_process, args_of("--output-dir", str(tmp_path), "--resume", "auto",
+                                                          "--batch-size", batch_size, "--grad-accum", "1"), plain(1))
+    assert resume == checkpoint.Resume(folder, by_name=False)
+    assert said in capsys.readouterr().out
 
 
 def test_a_local_folder_named_like_a_hub_id_is_checked_and_recorded_whole(tmp_path, monkeypatch):

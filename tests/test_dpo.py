@@ -222,6 +222,24 @@ def test_a_resumed_run_continues_the_same_curve(trained, tmp_path, recipe, confi
     assert curve(resumed, "loss") == curve(first, "loss")
 
 
+@pytest.mark.parametrize("recipe, written, config, processes", [
+    ("dpo", "zero3", "fsdp", 2), pytest.param("dpo_full", "zero3", "ddp", 1, marks=long_test),
+    pytest.param("dpo_full", "fsdp", "zero3", 2, marks=long_test)])
+def test_a_checkpoint_continues_under_another_strategy(trained, tmp_path, recipe, written, config, processes):
+    """The preference recipes' checkpoints continue under another strategy and process count on the same curve
+    (the trained state read by parameter name: tests/test_resume.py)."""
+    first = trained(recipe, written)
+    assert first.returncode == 0
+    resumed_dir = tmp_path / "resumed"
+    shutil.copytree(first.output_dir, resumed_dir)
+    shutil.rmtree(resumed_dir / "checkpoints" / "step-8")
+    resumed = launch(recipe, resumed_dir, *run_args(recipe, processes, "--resume", "auto"), config=config,
+                     processes=processes)
+    assert resumed.returncode == 0, resumed.output[-3000:]
+    assert "its trained state is read parameter by parameter into this launch" in resumed.output
+    assert max_relative_difference(curve(resumed, "loss"), curve(first, "loss")) <= 1e-5
+
+
 def test_the_adapter_reloads_with_plain_peft(trained):
     from peft import PeftModel
     from safetensors.torch import load_file

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from conftest import REPO, assert_the_refusal_ends_the_output, launch, long_test
-from strategies import CPU_STRATEGIES, SAVE_EVERY, STEPS, matrix_args
+from conftest import REPO, launch, long_test
+from strategies import CPU_STRATEGIES, GLOBAL_BATCH, GRAD_ACCUM, SAVE_EVERY, STEPS, matrix_args
 
 sys.path.insert(0, str(REPO / "recipes"))
 
@@ -58,10 +58,10 @@ def one_process_args(config: str) -> list[str]:
     return args[:at] + [str(int(args[at]) * CPU_STRATEGIES[config][1])] + args[at + 1:]
 
 
-@pytest.mark.parametrize("config", ["ddp", pytest.param("fsdp", marks=long_test)])
+@pytest.mark.parametrize("config", [pytest.param("ddp", marks=long_test), pytest.param("fsdp", marks=long_test)])
 def test_a_checkpoint_continues_on_fewer_processes_on_the_same_curve(config, trained, tmp_path):
-    """DDP's and FSDP2's checkpoints load at another process count; with the same global batch each step
-    takes the rows it took before (the shuffle is over the global batch), so the curve continues."""
+    """DDP's and FSDP2's checkpoints load as written at another process count; with the same global batch each
+    step takes the rows it took before (the shuffle is over the global batch), so the curve continues."""
     whole = trained("lora", config)
     assert whole.returncode == 0, whole.output[-3000:]
     checkpoint = f"step-{SAVE_EVERY}"
@@ -69,25 +69,80 @@ def test_a_checkpoint_continues_on_fewer_processes_on_the_same_curve(config, tra
     resumed = launch("lora", tmp_path, *one_process_args(config), "--resume", "auto", config=config, processes=1)
     assert resumed.returncode == 0, resumed.output[-3000:]
     assert f"was written by 2 processes and resumes on 1" in resumed.output
+    assert "read parameter by parameter" not in resumed.output  # read as written
     assert resumed.losses() == pytest.approx(whole.losses()[SAVE_EVERY:], rel=1e-6)
 
 
-@pytest.mark.parametrize("written, config, processes, refusal", [
-    ("zero3", "zero3", 1, "was written by DeepSpeed on 2 processes, which splits its optimizer state over them; "
-                          "resume it on 2 (--num_processes 2), or start in a new --output-dir"),
-    ("fsdp", "ddp", 2, "was written by an FSDP config (fsdp*.yaml) and this launch is ddp.yaml, model_parallel.yaml "
-                       "or one process: a checkpoint continues under the kind of strategy that wrote it; launch with "
-                       "that config, or start in a new --output-dir"),
-])
-def test_what_cannot_continue_is_refused_in_one_line(written, config, processes, refusal, trained, tmp_path):
-    """A checkpoint another kind of strategy wrote, or DeepSpeed's on another process count, stops in one line
-    before the model loads (each was a traceback from the loading)."""
-    whole = trained("lora", written)
+def same_global_batch(recipe: str, config: str, processes: int) -> list[str]:
+    """The matrix launch's flags for `config` on `processes` processes, each step the same 16 rows."""
+    args = matrix_args(recipe, config)
+    args[args.index("--batch-size") + 1] = str(GLOBAL_BATCH // GRAD_ACCUM // processes)
+    return args
+
+
+# (recipe, the strategy that wrote the checkpoint, the one that continues it, on how many processes): DDP, FSDP2
+# and ZeRO-3 into each other both ways, ZeRO-1 into ZeRO-2, full and LoRA, counts down (2 -> 1) and up (1 -> 4,
+# 2 -> 4). Two in every run; RECIPES_LONG_TESTS=1 all of them (the preference recipes: tests/test_dpo.py).
+CROSSINGS = [("lora", "zero3", "fsdp", 2), ("full", "fsdp", "zero3", 1), ("lora", "ddp", "fsdp", 2),
+             ("lora", "fsdp", "ddp", 2), ("full", "zero3", "ddp", 2), ("full", "ddp", "zero3", 2),
+             ("lora", "zero3", "zero3", 1), ("lora", "zero1", "zero2", 4), ("full", "model_parallel", "zero3", 4),
+             ("full", "zero3", "fsdp", 4), ("qlora", "ddp", "zero3_offload", 2)]
+EVERY_RUN_CROSSINGS = CROSSINGS[:2]
+
+
+@pytest.mark.parametrize("recipe, written, config, processes", [
+    pytest.param(*crossing, marks=() if crossing in EVERY_RUN_CROSSINGS else long_test) for crossing in CROSSINGS])
+def test_a_checkpoint_continues_under_another_strategy_on_the_same_curve(recipe, written, config, processes,
+                                                                        trained, tmp_path):
+    """Another strategy, or DeepSpeed on another process count: the trained state is read by parameter name and
+    the run goes on as the uninterrupted one did, within float round-off (each was a traceback or a refusal)."""
+    whole = trained(recipe, written)
     assert whole.returncode == 0, whole.output[-3000:]
     checkpoint = tmp_path / "checkpoints" / f"step-{SAVE_EVERY}"
     shutil.copytree(whole.output_dir / "checkpoints" / checkpoint.name, checkpoint)
-    args = matrix_args("lora", config) if processes == 2 else one_process_args(config)
-    resumed = launch("lora", tmp_path, *args, "--resume", "auto", config=config, processes=processes)
-    assert resumed.returncode != 0
-    assert_the_refusal_ends_the_output(resumed.output, f"error: {checkpoint} {refusal}")
-    assert "Loading weights" not in resumed.output  # refused before the model loads
+    resumed = launch(recipe, tmp_path, *same_global_batch(recipe, config, processes), "--resume", "auto",
+                     config=config, processes=processes)
+    assert resumed.returncode == 0, resumed.output[-3000:]
+    assert f"note: {checkpoint} was written by" in resumed.output
+    assert "its trained state is read parameter by parameter into this launch" in resumed.output
+    assert [record["step"] for record in resumed.metrics()] == list(range(SAVE_EVERY + 1, STEPS + 1))
+    assert resumed.losses() == pytest.approx(whole.losses()[SAVE_EVERY:], rel=1e-5)
+    assert not list((tmp_path / "checkpoints").glob(".*"))  # DeepSpeed's converted copy is gone
+
+
+@pytest.mark.parametrize("files, layout, refused", [
+    (["split_model_and_optimizer/.metadata"], "whole", "was written by tp.yaml and this launch is ddp.yaml"),
+    (["pipeline_stages/stage-0.pt"], "fsdp", "was written by pipeline.yaml with --pipeline-stages and this launch is"),
+    (["model.safetensors"], "split", "was written by ddp.yaml, model_parallel.yaml or one process and this launch is tp"),
+    (["pytorch_model/zero_pp_rank_0_mp_rank_00_model_states.pt"], "fsdp", None),
+    (["pytorch_model_fsdp_0/.metadata"], "zero", None),
+    (["model.safetensors"], "zero3", None),
+])
+def test_what_cannot_continue_is_refused_in_one_line(files, layout, refused, tmp_path):
+    """Tensor parallel's and a pipeline's checkpoints continue under their own strategy only; the rest anywhere."""
+    for name in files:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_bytes(b"")
+    from common.outputs import checkpoint
+
+    refusal = checkpoint.layout_refusal(tmp_path, layout)
+    if refused is None:
+        assert refusal is None
+        assert checkpoint.read_by_name(tmp_path, layout, 2)
+    else:
+        assert refusal.startswith(f"{tmp_path} {refused}")
+        assert refusal.endswith("launch with that config, or start in a new --output-dir")
+
+
+def test_deepspeed_reads_its_own_files_at_the_same_count_only(tmp_path):
+    for rank in range(2):
+        folder = tmp_path / "pytorch_model"
+        folder.mkdir(exist_ok=True)
+        (folder / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt").write_bytes(b"")
+        (folder / f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt").write_bytes(b"")
+    from common.outputs import checkpoint
+
+    assert checkpoint.written_as(tmp_path) == ("zero3", 2)
+    assert not checkpoint.read_by_name(tmp_path, "zero3", 2)
+    assert checkpoint.read_by_name(tmp_path, "zero3", 4)
+    assert checkpoint.read_by_name(tmp_path, "zero", 2)

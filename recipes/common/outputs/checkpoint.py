@@ -16,12 +16,14 @@ import signal
 import subprocess
 import sys
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from ..launching.args import SAVE_DTYPES
 from ..model import adapters
+from . import reshard
 from ..refusal import refuse
 
 STATE_FILE = "recipe_state.json"
@@ -53,7 +55,7 @@ def file_digests(folder: Path) -> dict:
     return digests
 
 
-def save_checkpoint(accelerator, args, step: int, stages) -> Path:
+def save_checkpoint(accelerator, args, launch, step: int, stages) -> Path:
     final = checkpoints_dir(args.output_dir) / f"step-{step}"
     partial = final.with_name(f".step-{step}.partial")
     if accelerator.is_main_process:
@@ -68,7 +70,7 @@ def save_checkpoint(accelerator, args, step: int, stages) -> Path:
     if accelerator.is_main_process:
         state = {"step": step, "recipe": args.recipe, "model": args.model, "files": file_digests(partial),
                  "settings": {name: getattr(args, name) for name in KEPT_SETTINGS if hasattr(args, name)},
-                 "processes": accelerator.num_processes}
+                 "processes": accelerator.num_processes, "global_batch": rows_per_step(args, launch)}
         (partial / STATE_FILE).write_text(json.dumps(state, indent=1) + "\n")  # last: the checkpoint is complete
         shutil.rmtree(final, ignore_errors=True)
         partial.rename(final)
@@ -180,10 +182,12 @@ def same_model(a: str, b: str) -> bool:
 
 def written_as(path: Path) -> tuple[str, int | None]:
     """The layout a checkpoint's files were written in, read from the files themselves (any checkpoint, of any
-    version): ("deepspeed", its processes), ("fsdp", None), ("split", None) for tensor parallel's, ("pipeline",
-    None), or ("whole", None): one process's files (one process, DDP, model parallel)."""
-    if (path / "pytorch_model").is_dir():  # DeepSpeed's engine: one file of optimizer state per process
-        return "deepspeed", len(list((path / "pytorch_model").glob("*_optim_states.pt"))) or None
+    version), and for DeepSpeed's the processes that wrote it: "zero" (ZeRO-1/2), "zero3", "fsdp", "split"
+    (tensor parallel's), "pipeline", or "whole": one process's files (one process, DDP, model parallel)."""
+    folder = path / "pytorch_model"
+    if folder.is_dir():  # DeepSpeed's engine: one file of optimizer state per process
+        stage = "zero3" if any(folder.glob("zero_pp_rank_*_model_states.pt")) else "zero"
+        return stage, len(list(folder.glob("*_optim_states.pt"))) or None
     if any(path.glob("pytorch_model_fsdp_*")):
         return "fsdp", None
     if (path / SPLIT_STATE).is_dir():
@@ -193,31 +197,54 @@ def written_as(path: Path) -> tuple[str, int | None]:
     return "whole", None
 
 
-# What each layout is written by, as a refusal names it
-WRITTEN_BY = {"deepspeed": "a DeepSpeed config (zero*.yaml, sp.yaml)", "fsdp": "an FSDP config (fsdp*.yaml)",
+def launch_layout(distributed_type: str, launch) -> str:
+    """The layout this launch writes its checkpoints in (the names of `written_as`)."""
+    if distributed_type == "DEEPSPEED":
+        return "zero3" if launch.zero_stage == 3 else "zero"
+    if distributed_type == "FSDP":
+        return "fsdp"
+    if launch.pipeline_stages > 1:
+        return "pipeline"
+    return "split" if launch.tensor_parallel > 1 else "whole"
+
+
+# Layouts whose trained state is read by parameter name into any of them, at any process count (reshard.py)
+BY_NAME = ("whole", "fsdp", "zero", "zero3")
+# What writes each layout, as a refusal names it
+WRITTEN_BY = {"zero": "DeepSpeed ZeRO-1/2", "zero3": "DeepSpeed ZeRO-3", "fsdp": "an FSDP config (fsdp*.yaml)",
               "whole": "ddp.yaml, model_parallel.yaml or one process", "split": "tp.yaml",
               "pipeline": "pipeline.yaml with --pipeline-stages"}
 
 
-def layout_refusal(path: Path, kind: str | None, processes: int | None) -> str | None:
-    """Why the checkpoint at `path` cannot continue under a launch that writes `kind` ("deepspeed", "fsdp", or
-    None for any other) on `processes` processes, or None. DDP's and FSDP2's files load at any process count;
-    DeepSpeed's optimizer state is split over the processes that wrote it, and no strategy reads another's."""
-    found, count = written_as(path)
-    if kind == found == "deepspeed" and processes is not None and count and count != processes:
-        return (f"{path} was written by DeepSpeed on {count} processes, which splits its optimizer state over them; "
-                f"resume it on {count} (--num_processes {count}), or start in a new --output-dir")
-    sharded = ("deepspeed", "fsdp")  # (whole, split and pipeline files: the settings and the files decide, as before)
-    if (kind in sharded or found in sharded) and found != kind:
-        return (f"{path} was written by {WRITTEN_BY[found]} and this launch is {WRITTEN_BY[kind or 'whole']}: a "
-                "checkpoint continues under the kind of strategy that wrote it; launch with that config, or start "
-                "in a new --output-dir")
+def layout_refusal(path: Path, layout: str) -> str | None:
+    """Why the checkpoint at `path` cannot continue under a launch that writes `layout`, or None. Tensor
+    parallel's and a pipeline's checkpoints continue under the same strategy only (and a pipeline's on the
+    same stages: a kept setting); the others under any of them, at any process count."""
+    found, _ = written_as(path)
+    if found != layout and not (found in BY_NAME and layout in BY_NAME):
+        return (f"{path} was written by {WRITTEN_BY[found]} and this launch is {WRITTEN_BY[layout]}: a tensor "
+                "parallel or pipeline checkpoint continues under the strategy that wrote it; launch with that "
+                "config, or start in a new --output-dir")
     return None
 
 
-def choose_resume(args, processes: int | None = None, kind: str | None = None) -> tuple[Path | None, list[str], str | None]:
-    """(checkpoint to resume from, lines to print, refusal): the decision of `resume_point` for a run
-    of `processes` processes whose checkpoints are written as `kind` ("deepspeed", "fsdp", None: other)."""
+def read_by_name(path: Path, layout: str, processes: int) -> bool:
+    """Whether the checkpoint at `path` is read parameter by parameter (reshard.py) rather than by the strategy
+    that wrote it: another layout, or DeepSpeed's partitions over another number of processes."""
+    found, count = written_as(path)
+    return found != layout or (found in ("zero", "zero3") and count is not None and count != processes)
+
+
+def rows_per_step(args, launch) -> int:
+    """The global batch: sequences (preference pairs) an optimizer step takes over all ranks."""
+    return args.batch_size * args.grad_accum * launch.data_parallel_size
+
+
+def choose_resume(args, processes: int | None = None, layout: str = "whole",
+                  global_batch: int | None = None) -> tuple[Path | None, list[str], str | None]:
+    """(checkpoint to resume from, lines to print, refusal): the decision of `resume_point` for a run of
+    `processes` processes taking `global_batch` rows a step, whose checkpoints are written as `layout`
+    (`launch_layout`)."""
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     wanted = args.resume or ("auto" if restarted else None)  # an elastic restart continues the run
     found = complete_checkpoints(args.output_dir)
@@ -266,46 +293,86 @@ def choose_resume(args, processes: int | None = None, kind: str | None = None) -
         if args.max_steps and state["step"] > args.max_steps:
             return None, lines, (f"{chosen} is at step {state['step']}, beyond --max-steps {args.max_steps}; raise "
                                  "--max-steps to train on, or use that run's own result")
-        refusal = layout_refusal(chosen, kind, processes)
+        refusal = layout_refusal(chosen, layout)
         if refusal:
             return None, lines, refusal
-        written_by = state.get("processes", processes)
-        if processes is not None and written_by != processes:  # allowed (an elastic job may lose a machine), but said
-            lines.append(f"note: {chosen} was written by {written_by} processes and resumes on {processes}: each step "
-                         "takes the rows it took before when the global batch stays the same (--global-batch-size "
-                         "keeps it); another global batch changes the curve from here")
+        written_by, was = state.get("processes", processes), state.get("global_batch", global_batch)
+        if global_batch is not None and was is not None and was != global_batch:  # allowed, and said
+            lines.append(f"note: {chosen} trained on {was} rows a step and this launch takes {global_batch}: the "
+                         f"steps from here take other rows, so the curve changes; --global-batch-size {was} keeps it")
+        elif processes is not None and written_by != processes:
+            lines.append(f"note: {chosen} was written by {written_by} processes and resumes on {processes} with the "
+                         "same global batch: each step takes the rows it took before")
     return chosen, lines, None
 
 
-def resume_point(accelerator, args) -> Path | None:
+@dataclass(frozen=True)
+class Resume:
+    path: Path  # the checkpoint
+    by_name: bool  # read parameter by parameter into this launch's layout (`read_by_name`)
+
+
+def resume_point(accelerator, args, launch) -> Resume | None:
     """The checkpoint this run continues from (None: a fresh start), chosen and checked before the
     model loads. The main process reads and hashes the files once; every rank gets its verdict,
     so a refusal is the same line on every rank."""
     from accelerate.utils import broadcast_object_list
 
-    kind = {"DEEPSPEED": "deepspeed", "FSDP": "fsdp"}.get(accelerator.distributed_type.value)
-    decision = [choose_resume(args, accelerator.num_processes, kind) if accelerator.is_main_process else None]
+    layout = launch_layout(accelerator.distributed_type.value, launch)
+    decision = [None]
+    if accelerator.is_main_process:
+        chosen, lines, refusal = choose_resume(args, accelerator.num_processes, layout, rows_per_step(args, launch))
+        by_name = chosen is not None and read_by_name(chosen, layout, accelerator.num_processes)
+        if by_name:
+            found, count = written_as(chosen)
+            lines.append(f"note: {chosen} was written by {WRITTEN_BY[found]}{f' on {count} processes' if count else ''}: "
+                         f"its trained state is read parameter by parameter into this launch")
+        decision = [(chosen and Resume(chosen, by_name), lines, refusal)]
     if accelerator.num_processes > 1:
         broadcast_object_list(decision)
-    chosen, lines, refusal = decision[0]
+    resume, lines, refusal = decision[0]
     if accelerator.is_main_process:
         for line in lines:
             print(line, flush=True)
     if refusal:
         refuse(refusal)
-    return chosen
+    return resume
 
 
-def resume_from(accelerator, path: Path | None, stages) -> int:
+def resume_from(accelerator, resume: Resume | None, model, optimizer, stages) -> int:
     """Restore the checkpoint `resume_point` chose and return its step (0 when starting fresh)."""
-    if path is None:
+    if resume is None:
         return 0
-    with split_weights_apart(accelerator, Path(path), saving=False), stages_apart(stages, accelerator, Path(path), saving=False):
-        accelerator.load_state(str(path))
-    step = json.loads((Path(path) / STATE_FILE).read_text())["step"]
+    path = Path(resume.path)
+    if resume.by_name:
+        with trained_state_apart(accelerator):
+            accelerator.load_state(str(path))  # schedule, random states, data order
+        layout, _ = written_as(path)
+        names = list(reshard.trained_names(accelerator.unwrap_model(model)))
+        with reshard.open_written(path, layout, names, accelerator.is_main_process, accelerator.wait_for_everyone) as (read, step):
+            reshard.load_trained_state(accelerator.unwrap_model(model), optimizer, read, step)
+        for scheduler in accelerator._schedulers:  # the learning rate the optimizer's state would have held
+            inner = getattr(scheduler, "scheduler", scheduler)
+            for group, rate in zip(inner.optimizer.param_groups, inner.get_last_lr()):
+                group["lr"] = rate
+    else:
+        with split_weights_apart(accelerator, path, saving=False), stages_apart(stages, accelerator, path, saving=False):
+            accelerator.load_state(str(path))
+    step = json.loads((path / STATE_FILE).read_text())["step"]
     if accelerator.is_main_process:
         print(f"resumed from {path} at step {step}", flush=True)
     return step
+
+
+@contextmanager
+def trained_state_apart(accelerator):
+    """accelerate's load_state without the models, optimizers and loss scaler: their state comes by name."""
+    kept = accelerator._models, accelerator._optimizers, accelerator.scaler
+    accelerator._models, accelerator._optimizers, accelerator.scaler = [], [], None
+    try:
+        yield
+    finally:
+        accelerator._models, accelerator._optimizers, accelerator.scaler = kept
 
 
 def save_full_model(accelerator, model, stages, tokenizer, path: Path, dtype: str = "auto") -> None:
