@@ -140,10 +140,9 @@ def test_stages_train_as_one_process(case, runs):
     assert len(samples) == 3 and samples == (one.output_dir / "samples.jsonl").read_text().splitlines()
 
 def test_a_resumed_pipeline_continues_the_same_curve(runs, tmp_path):
-    """Each stage's weights and optimizer state, the schedule and every rank's random state come back."""
+    """Each stage's weights and optimizer state (read by name), the schedule and every rank's random state
+    come back."""
     import shutil
-
-    from common.outputs import checkpoint
 
     _, piped, common = runs(EVERY_RUN)
     saved = piped.output_dir / "checkpoints" / f"step-{SAVE_EVERY}"
@@ -154,10 +153,27 @@ def test_a_resumed_pipeline_continues_the_same_curve(runs, tmp_path):
     assert resumed.returncode == 0, resumed.output[-3000:]
     assert [r["step"] for r in resumed.metrics()] == list(range(SAVE_EVERY + 1, STEPS + 1))
     assert resumed.losses() == piped.losses()[SAVE_EVERY:]
-    # another split of the layers cannot take these files
-    _, _, refusal = checkpoint.choose_resume(args_of("--output-dir", str(tmp_path / "resumed"), "--resume", "auto",
-                                                     "--lr", "5e-3", *common[common.index("--model"):][:2]))
-    assert "was trained with --pipeline-stages 2, --pipeline-schedule interleaved, which a resumed run keeps" in refusal
+
+
+@long_test
+@pytest.mark.parametrize("written", ["pipeline", "one"])
+def test_a_checkpoint_crosses_between_a_pipeline_and_one_process(written, runs, tmp_path):
+    """The interleaved pipeline's checkpoint continues on one process, and one process's under the pipeline
+    (each stage takes its layers by name), on the same curve."""
+    import shutil
+
+    one, piped, common = runs(EVERY_RUN)
+    source = piped if written == "pipeline" else one
+    saved = source.output_dir / "checkpoints" / f"step-{SAVE_EVERY}"
+    shutil.copytree(saved, tmp_path / "checkpoints" / saved.name)
+    if written == "pipeline":
+        resumed = launch("lora", tmp_path, *common, "--batch-size", "2", "--resume", "auto", processes=1)
+    else:
+        resumed = launch("lora", tmp_path, *common, "--batch-size", "2", "--pipeline-stages", "2",
+                         "--pipeline-schedule", "interleaved", "--resume", "auto", config="pipeline", processes=2)
+    assert resumed.returncode == 0, resumed.output[-3000:]
+    assert "its trained state is read parameter by parameter into this launch" in resumed.output
+    assert resumed.losses() == pytest.approx(source.losses()[SAVE_EVERY:], rel=1e-5)
 
 
 def args_of(*argv: str, recipe: str = "lora"):

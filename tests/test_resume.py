@@ -107,31 +107,27 @@ def test_a_checkpoint_continues_under_another_strategy_on_the_same_curve(recipe,
     assert "its trained state is read parameter by parameter into this launch" in resumed.output
     assert [record["step"] for record in resumed.metrics()] == list(range(SAVE_EVERY + 1, STEPS + 1))
     assert resumed.losses() == pytest.approx(whole.losses()[SAVE_EVERY:], rel=1e-5)
-    assert not list((tmp_path / "checkpoints").glob(".*"))  # DeepSpeed's converted copy is gone
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [f"step-{SAVE_EVERY}", f"step-{STEPS}"]
 
 
-@pytest.mark.parametrize("files, layout, refused", [
-    (["split_model_and_optimizer/.metadata"], "whole", "was written by tp.yaml and this launch is ddp.yaml"),
-    (["pipeline_stages/stage-0.pt"], "fsdp", "was written by pipeline.yaml with --pipeline-stages and this launch is"),
-    (["model.safetensors"], "split", "was written by ddp.yaml, model_parallel.yaml or one process and this launch is tp"),
-    (["pytorch_model/zero_pp_rank_0_mp_rank_00_model_states.pt"], "fsdp", None),
-    (["pytorch_model_fsdp_0/.metadata"], "zero", None),
-    (["model.safetensors"], "zero3", None),
+@pytest.mark.parametrize("files, written, read_as_written_by", [
+    (["model.safetensors", "optimizer.bin"], "whole", "whole"),
+    (["pytorch_model_fsdp_0/.metadata", "optimizer_0/.metadata"], "fsdp", "fsdp"),
+    (["split_model_and_optimizer/.metadata"], "split", "split"),
+    (["pipeline_stages/stage-0.pt", "pipeline_stages/stage-1.pt"], "pipeline", None),  # always by name
+    (["pytorch_model/mp_rank_00_model_states.pt", "pytorch_model/zero_pp_rank_0_mp_rank_00_optim_states.pt",
+      "pytorch_model/zero_pp_rank_1_mp_rank_00_optim_states.pt"], "zero", "zero"),
 ])
-def test_what_cannot_continue_is_refused_in_one_line(files, layout, refused, tmp_path):
-    """Tensor parallel's and a pipeline's checkpoints continue under their own strategy only; the rest anywhere."""
+def test_a_checkpoint_is_read_as_written_only_by_its_own_layout(files, written, read_as_written_by, tmp_path):
+    """The layout comes from the files; every other launch reads the checkpoint by name."""
     for name in files:
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_bytes(b"")
     from common.outputs import checkpoint
 
-    refusal = checkpoint.layout_refusal(tmp_path, layout)
-    if refused is None:
-        assert refusal is None
-        assert checkpoint.read_by_name(tmp_path, layout, 2)
-    else:
-        assert refusal.startswith(f"{tmp_path} {refused}")
-        assert refusal.endswith("launch with that config, or start in a new --output-dir")
+    assert checkpoint.written_as(tmp_path)[0] == written
+    for layout in ("whole", "fsdp", "split", "pipeline", "zero", "zero3"):
+        assert checkpoint.read_by_name(tmp_path, layout, 2) == (layout != read_as_written_by)
 
 
 def test_deepspeed_reads_its_own_files_at_the_same_count_only(tmp_path):

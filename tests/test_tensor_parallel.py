@@ -128,3 +128,21 @@ def test_a_resumed_run_continues_the_same_curve(config, tp_runs, tmp_path):
     assert resumed.returncode == 0, resumed.output[-3000:]
     assert [r["step"] for r in resumed.metrics()] == list(range(SAVE_EVERY + 1, STEPS + 1))
     assert resumed.losses() == whole.losses()[SAVE_EVERY:]
+
+
+@long_test
+@pytest.mark.parametrize("written, config", [("tp", "fsdp"), ("ddp", "tp"), ("fsdp_tp", "zero3")])
+def test_a_checkpoint_crosses_to_and_from_tensor_parallel(written, config, tp_runs, trained, tmp_path):
+    """Tensor parallel's split checkpoint continues under FSDP2, DDP's under tensor parallel, FSDP x TP's under
+    ZeRO-3 (read by parameter name), on the same curve."""
+    whole = tp_runs("full", written) if written in MESHES else trained("full", written)
+    assert whole.returncode == 0, whole.output[-3000:]
+    checkpoint = f"step-{SAVE_EVERY}"
+    shutil.copytree(whole.output_dir / "checkpoints" / checkpoint, tmp_path / "checkpoints" / checkpoint)
+    if config in MESHES:
+        resumed = tp_launch("full", config, tmp_path, "--resume", "auto")
+    else:
+        resumed = launch("full", tmp_path, *matrix_args("full", config), "--resume", "auto", config=config)
+    assert resumed.returncode == 0, resumed.output[-3000:]
+    assert "its trained state is read parameter by parameter into this launch" in resumed.output
+    assert resumed.losses() == pytest.approx(whole.losses()[SAVE_EVERY:], rel=1e-5)

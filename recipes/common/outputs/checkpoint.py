@@ -62,15 +62,18 @@ def save_checkpoint(accelerator, args, launch, step: int, stages) -> Path:
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
     accelerator.wait_for_everyone()
-    with split_weights_apart(accelerator, partial, saving=True), stages_apart(stages, accelerator, partial, saving=True):
+    with split_weights_apart(accelerator, partial, saving=True), stages_apart(stages, accelerator, partial):
         accelerator.save_state(str(partial))  # model, optimizer, scheduler, RNG: every rank writes its part
+    # the trained parameters' names in the optimizer's order: how accelerate's optimizer.bin is read by name
+    trained = list(reshard.trained_names(accelerator.unwrap_model(accelerator._models[0]))) if accelerator._models else None
     if os.environ.get("RECIPES_TEST_KILL_DURING_SAVE") == str(step):  # fault-injection hook for the tests
         os.kill(os.getpid(), signal.SIGKILL)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         state = {"step": step, "recipe": args.recipe, "model": args.model, "files": file_digests(partial),
                  "settings": {name: getattr(args, name) for name in KEPT_SETTINGS if hasattr(args, name)},
-                 "processes": accelerator.num_processes, "global_batch": rows_per_step(args, launch)}
+                 "processes": accelerator.num_processes, "global_batch": rows_per_step(args, launch),
+                 "trained": trained}
         (partial / STATE_FILE).write_text(json.dumps(state, indent=1) + "\n")  # last: the checkpoint is complete
         shutil.rmtree(final, ignore_errors=True)
         partial.rename(final)
@@ -122,29 +125,20 @@ STAGES_STATE = "pipeline_stages"  # each stage's trained weights and optimizer s
 
 
 @contextmanager
-def stages_apart(stages, accelerator, folder: Path, saving: bool):
+def stages_apart(stages, accelerator, folder: Path):
     """Pipeline parallel: each stage's trained weights and optimizer state, written by the first pipeline's
-    ranks (the replicas hold the same) and read by every rank of that stage; accelerate's save_state /
-    load_state do the rest inside (schedule, random states), as for one process. Elsewhere (`stages` None)
-    nothing."""
+    ranks (the replicas hold the same); accelerate's save_state writes the rest inside (schedule, random
+    states), as for one process. Read back by name (reshard.py). Elsewhere (`stages` None) nothing."""
     if stages is None:
         yield
         return
     optimizers = accelerator._optimizers
-    model = stages.module.model
-    file = folder / STAGES_STATE / f"stage-{stages.layout.stage}.pt"
-    if saving and stages.layout.replica == 0:
+    if stages.layout.replica == 0:
+        file = folder / STAGES_STATE / f"stage-{stages.layout.stage}.pt"
         file.parent.mkdir(exist_ok=True)
-        trained = {name: p.detach().cpu() for name, p in model.named_parameters() if p.requires_grad}
+        trained = {name: p.detach().cpu() for name, p in stages.module.model.named_parameters() if p.requires_grad}
         torch.save({"model": trained, "optimizer": optimizers[0].optimizer.state_dict()}, file)
-    if not saving:
-        state = torch.load(file, map_location="cpu", weights_only=True)
-        parameters = dict(model.named_parameters())
-        with torch.no_grad():
-            for name, value in state["model"].items():
-                parameters[name].copy_(value)
-        optimizers[0].optimizer.load_state_dict(state["optimizer"])
-    accelerator._optimizers = []  # accelerate would write or read the main process's stage only
+    accelerator._optimizers = []  # accelerate would write the main process's stage only
     try:
         yield
     finally:
@@ -169,11 +163,10 @@ def damage(path: Path) -> str | None:
     return None
 
 
-# Flags a resumed run cannot change: the adapter's shape and how a pipeline cuts the layers (the checkpoint
-# would not load), and what the optimizer and scheduler states restore over the flag (a new value would be
-# ignored without a word).
+# Flags a resumed run cannot change: the adapter's shape (the checkpoint would not load), and what the optimizer
+# and scheduler states restore over the flag (a new value would be ignored without a word).
 KEPT_SETTINGS = ("lora_r", "lora_alpha", "lora_targets", "use_dora", "use_rslora", "bits", "lr", "warmup_ratio",
-                 "weight_decay", "pipeline_stages", "pipeline_schedule", "pipeline_chunks")
+                 "weight_decay")
 
 
 def same_model(a: str, b: str) -> bool:
@@ -208,31 +201,17 @@ def launch_layout(distributed_type: str, launch) -> str:
     return "split" if launch.tensor_parallel > 1 else "whole"
 
 
-# Layouts whose trained state is read by parameter name into any of them, at any process count (reshard.py)
-BY_NAME = ("whole", "fsdp", "zero", "zero3")
-# What writes each layout, as a refusal names it
-WRITTEN_BY = {"zero": "DeepSpeed ZeRO-1/2", "zero3": "DeepSpeed ZeRO-3", "fsdp": "an FSDP config (fsdp*.yaml)",
-              "whole": "ddp.yaml, model_parallel.yaml or one process", "split": "tp.yaml",
-              "pipeline": "pipeline.yaml with --pipeline-stages"}
-
-
-def layout_refusal(path: Path, layout: str) -> str | None:
-    """Why the checkpoint at `path` cannot continue under a launch that writes `layout`, or None. Tensor
-    parallel's and a pipeline's checkpoints continue under the same strategy only (and a pipeline's on the
-    same stages: a kept setting); the others under any of them, at any process count."""
-    found, _ = written_as(path)
-    if found != layout and not (found in BY_NAME and layout in BY_NAME):
-        return (f"{path} was written by {WRITTEN_BY[found]} and this launch is {WRITTEN_BY[layout]}: a tensor "
-                "parallel or pipeline checkpoint continues under the strategy that wrote it; launch with that "
-                "config, or start in a new --output-dir")
-    return None
+# What writes each layout, as a note names it
+WRITTEN_BY = {"zero": "DeepSpeed ZeRO-1/2", "zero3": "DeepSpeed ZeRO-3", "fsdp": "FSDP", "split": "tensor parallel",
+              "whole": "one process, DDP or model parallel", "pipeline": "pipeline parallel"}
 
 
 def read_by_name(path: Path, layout: str, processes: int) -> bool:
     """Whether the checkpoint at `path` is read parameter by parameter (reshard.py) rather than by the strategy
-    that wrote it: another layout, or DeepSpeed's partitions over another number of processes."""
+    that wrote it: another layout, DeepSpeed's partitions over another number of processes, or a pipeline's
+    stages (each stage takes its layers' names from all of them: any cut of the layers reads them)."""
     found, count = written_as(path)
-    return found != layout or (found in ("zero", "zero3") and count is not None and count != processes)
+    return found != layout or found == "pipeline" or (found in ("zero", "zero3") and count != processes)
 
 
 def rows_per_step(args, launch) -> int:
@@ -293,9 +272,6 @@ def choose_resume(args, processes: int | None = None, layout: str = "whole",
         if args.max_steps and state["step"] > args.max_steps:
             return None, lines, (f"{chosen} is at step {state['step']}, beyond --max-steps {args.max_steps}; raise "
                                  "--max-steps to train on, or use that run's own result")
-        refusal = layout_refusal(chosen, layout)
-        if refusal:
-            return None, lines, refusal
         written_by, was = state.get("processes", processes), state.get("global_batch", global_batch)
         if global_batch is not None and was is not None and was != global_batch:  # allowed, and said
             lines.append(f"note: {chosen} trained on {was} rows a step and this launch takes {global_batch}: the "
@@ -346,17 +322,17 @@ def resume_from(accelerator, resume: Resume | None, model, optimizer, stages) ->
     path = Path(resume.path)
     if resume.by_name:
         with trained_state_apart(accelerator):
-            accelerator.load_state(str(path))  # schedule, random states, data order
+            accelerator.load_state(str(path))
         layout, _ = written_as(path)
-        names = list(reshard.trained_names(accelerator.unwrap_model(model)))
+        names = json.loads((path / STATE_FILE).read_text()).get("trained") or list(
+            reshard.trained_names(accelerator.unwrap_model(model)))  # (checkpoints before names were kept)
         with reshard.open_written(path, layout, names, accelerator.is_main_process, accelerator.wait_for_everyone) as (read, step):
             reshard.load_trained_state(accelerator.unwrap_model(model), optimizer, read, step)
-        for scheduler in accelerator._schedulers:  # the learning rate the optimizer's state would have held
-            inner = getattr(scheduler, "scheduler", scheduler)
-            for group, rate in zip(inner.optimizer.param_groups, inner.get_last_lr()):
-                group["lr"] = rate
+        for index, scheduler in enumerate(accelerator._schedulers):  # accelerate's file names
+            file = path / ("scheduler.bin" if index == 0 else f"scheduler_{index}.bin")
+            reshard.load_schedule(getattr(scheduler, "scheduler", scheduler), torch.load(file, weights_only=True))
     else:
-        with split_weights_apart(accelerator, path, saving=False), stages_apart(stages, accelerator, path, saving=False):
+        with split_weights_apart(accelerator, path, saving=False):
             accelerator.load_state(str(path))
     step = json.loads((path / STATE_FILE).read_text())["step"]
     if accelerator.is_main_process:
@@ -366,13 +342,14 @@ def resume_from(accelerator, resume: Resume | None, model, optimizer, stages) ->
 
 @contextmanager
 def trained_state_apart(accelerator):
-    """accelerate's load_state without the models, optimizers and loss scaler: their state comes by name."""
-    kept = accelerator._models, accelerator._optimizers, accelerator.scaler
-    accelerator._models, accelerator._optimizers, accelerator.scaler = [], [], None
+    """accelerate's load_state (random states, data order) without the models, optimizers, schedules and loss
+    scaler: their state comes by name."""
+    kept = accelerator._models, accelerator._optimizers, accelerator._schedulers, accelerator.scaler
+    accelerator._models, accelerator._optimizers, accelerator._schedulers, accelerator.scaler = [], [], [], None
     try:
         yield
     finally:
-        accelerator._models, accelerator._optimizers, accelerator.scaler = kept
+        accelerator._models, accelerator._optimizers, accelerator._schedulers, accelerator.scaler = kept
 
 
 def save_full_model(accelerator, model, stages, tokenizer, path: Path, dtype: str = "auto") -> None:

@@ -2,18 +2,20 @@
 
 Each strategy writes its checkpoint in its own layout, as fast as it can (checkpoint.py), and reads it back
 where the layout is the same. Where the launch differs, the trained parameters and their AdamW moments are
-read one parameter at a time as whole tensors, whatever wrote them, and handed to the launch's own layout:
+read one parameter at a time as whole tensors, whatever wrote them, and put into the launch's own layout:
 
 - one process / DDP / model parallel: accelerate's model.safetensors and optimizer.bin (the optimizer's
   entries in the order of the model's trained parameters, which the same recipe and flags make the same);
-- FSDP2: accelerate's torch.distributed.checkpoint folders, keyed by parameter name;
+- FSDP2 and tensor parallel: torch.distributed.checkpoint folders, keyed by parameter name;
+- pipeline parallel: each stage's file, its weights by name and its optimizer's entries in their order;
 - DeepSpeed ZeRO-1/2/3: DeepSpeed's own converter (`ds_to_universal`) joins the ranks' partitions into
   one folder per parameter, in a scratch folder beside the checkpoint, removed after the load.
 
-Into the launch: whole tensors copied (one process, DDP), this rank's shard cut from them (FSDP2's
-DTensors), or DeepSpeed's `safe_set_full_fp32_param` / `safe_set_full_optimizer_state`. One parameter's
-state is in memory at a time. Schedule, random states and the data position are accelerate's files as
-before (world-size free; a rank that did not exist has no random state to restore: nothing draws).
+Into the launch: whole tensors copied (one process, DDP, a pipeline stage's own layers), this rank's shard
+cut from them (DTensors: FSDP2, tensor parallel), or DeepSpeed's `safe_set_full_fp32_param` /
+`safe_set_full_optimizer_state`. One parameter's state is in memory at a time. The schedule is fitted to the
+launch's parameter groups; random states and the data position are accelerate's files as before (world-size
+free; a rank that did not exist has no random state to restore).
 """
 
 from __future__ import annotations
@@ -45,14 +47,19 @@ def open_written(path: Path, layout: str, names: list[str], is_main: bool, barri
         yield read_whole(path, names)
     elif layout == "fsdp":
         yield read_distributed(path / "pytorch_model_fsdp_0", "model.", path / "optimizer_0", "optimizer.state.")
+    elif layout == "split":  # tensor parallel's: model and optimizer in one folder
+        yield read_distributed(path / "split_model_and_optimizer", "model.", path / "split_model_and_optimizer",
+                               "optimizer.state.")
+    elif layout == "pipeline":
+        yield read_stages(path / "pipeline_stages")
     elif layout in ("zero", "zero3"):
         scratch = path.parent / f".{path.name}.by-name"
         if is_main:  # DeepSpeed's converter, run once: every rank then reads what it needs
             shutil.rmtree(scratch, ignore_errors=True)
-            to_universal(path / "pytorch_model", scratch)
+            to_universal(path / "pytorch_model", scratch / "universal")  # (it notes its name in scratch/)
         barrier()
         try:
-            yield read_universal(scratch / "zero")
+            yield read_universal(scratch / "universal" / "zero")
         finally:
             barrier()
             if is_main:
@@ -70,7 +77,8 @@ def read_whole(path: Path, names: list[str]):
     optimizer = torch.load(path / "optimizer.bin", map_location="cpu", weights_only=True, mmap=True)
     entries = [optimizer["state"][index] for group in optimizer["param_groups"] for index in group["params"]]
     if len(entries) != len(names):
-        raise ValueError(f"{path}: the optimizer holds {len(entries)} parameters' state, this model trains {len(names)}")
+        raise ValueError(f"{path}: its optimizer holds {len(entries)} parameters' state and does not name them (a "
+                         f"checkpoint of an earlier version); continue it on one process or DDP")
     by_name = dict(zip(names, entries))
 
     def read(name: str) -> dict:
@@ -79,6 +87,19 @@ def read_whole(path: Path, names: list[str]):
         return {"param": param, **{key: by_name[name][key] for key in MOMENTS}}
 
     return read, float(entries[0]["step"])
+
+
+def read_stages(folder: Path):
+    """A pipeline's files: each stage's trained weights by name, and its optimizer's state in their order."""
+    by_name, step = {}, None
+    for file in sorted(folder.glob("stage-*.pt")):
+        stage = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+        optimizer = stage["optimizer"]
+        entries = [optimizer["state"][index] for group in optimizer["param_groups"] for index in group["params"]]
+        for (name, param), entry in zip(stage["model"].items(), entries, strict=True):
+            by_name[name] = {"param": param, **{key: entry[key] for key in MOMENTS}}
+            step = entry["step"]
+    return by_name.__getitem__, float(step)
 
 
 def read_distributed(model_folder: Path, model_prefix: str, optimizer_folder: Path, state_prefix: str):
@@ -201,3 +222,14 @@ def set_in_deepspeed(param, state: dict) -> None:
     safe_set_full_fp32_param(param, state["param"])
     for key in MOMENTS:
         safe_set_full_optimizer_state(param, state[key], key)
+
+
+def load_schedule(scheduler, saved: dict) -> None:
+    """A learning-rate schedule's state, written with as many parameter groups as that launch had (tensor
+    parallel keeps its split weights in a group of their own; the recipes give every group one rate): fitted to
+    this launch's groups, and the rate it had set put back into them (the optimizer's state held it)."""
+    groups = len(scheduler.optimizer.param_groups)
+    scheduler.load_state_dict({key: [value[0]] * groups if isinstance(value, list) and value else value
+                               for key, value in saved.items()})
+    for group, rate in zip(scheduler.optimizer.param_groups, scheduler.get_last_lr()):
+        group["lr"] = rate
