@@ -73,6 +73,7 @@ def dpo(model: str, out, cache, *flags: str, processes: int = 2, steps: int = 2)
     return run
 
 
+@long_test  # four launches (~50 s); every run keeps a DPO run from the SFT adapter (chat_dpo, below)
 def test_dpo_from_the_sft_adapter_starts_from_the_sft_model_and_answers(sft, tmp_path):
     cache = tmp_path / "cache"
     from_adapter = dpo(str(sft / "adapter"), tmp_path / "from-adapter", cache)
