@@ -116,3 +116,54 @@ def test_ctrl_c_checkpoints_at_the_step_and_stops_with_one_line(whole, tmp_path,
     assert (output_dir / "checkpoints" / f"step-{step}" / "recipe_state.json").is_file()
     assert_no_traceback_of_ours(output)
     assert "KeyboardInterrupt" not in output
+
+
+# Imported by every process of the second machine (PYTHONPATH): once its rank sees the checkpoint folder it
+# names, in the first attempt only, the whole machine goes (kill -9 of its launcher and its rank).
+LOSE_MACHINE_AFTER_CHECKPOINT = """
+import os, pathlib, signal, threading, time
+if os.environ.get("RANK") is not None and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0":
+    def watch(folder=pathlib.Path(os.environ["LOSE_MACHINE_AFTER_CHECKPOINT"])):
+        while not folder.is_dir():
+            time.sleep(0.02)
+        os.kill(os.getppid(), signal.SIGKILL)  # the machine's launcher, then this rank
+        os.kill(os.getpid(), signal.SIGKILL)
+    threading.Thread(target=watch, daemon=True).start()
+"""
+
+
+@long_test  # two launchers, a lost machine and a new rendezvous (~60 s)
+def test_an_elastic_job_that_loses_a_machine_continues_the_curve_on_the_one_left(whole, tmp_path):
+    """torchrun --nnodes 1:2 --max-restarts: the second machine dies after step 4's checkpoint; the first restarts
+    alone, resumes with --resume auto (on the elastic restart) from the newest checkpoint, and --global-batch-size
+    keeps each step's rows: the uninterrupted two-process curve."""
+    import subprocess
+    import sys
+
+    from conftest import REPO, free_port, launch_env
+
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(LOSE_MACHINE_AFTER_CHECKPOINT)
+    output_dir = tmp_path / "out"
+    port = str(free_port())
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", "1",
+               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "elastic",
+               "--rdzv-conf", "last_call_timeout=10", "--max-restarts", "2", str(REPO / "recipes" / "lora.py"),
+               "--output-dir", str(output_dir), *ARGS, "--global-batch-size", "4"]
+    machines = []
+    for lost in (False, True):  # the first hosts the rendezvous: the one that stays
+        env = {"LOSE_MACHINE_AFTER_CHECKPOINT": str(output_dir / "checkpoints" / "step-4"),
+               "PYTHONPATH": os.pathsep.join(filter(None, [str(hook), os.environ.get("PYTHONPATH")]))} if lost else {}
+        machines.append(subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                         text=True, env=launch_env(env), start_new_session=True))
+        time.sleep(2)
+    output, _ = machines[0].communicate(timeout=600)
+    machines[1].communicate(timeout=60)
+    assert machines[0].returncode == 0, output[-3000:]
+    assert machines[1].returncode == -signal.SIGKILL
+    assert "(accelerate launch --max_restarts): continuing from the newest intact checkpoint" in output
+    assert "was written by 2 processes and resumes on 1 with the same global batch" in output, output[-3000:]
+    restarted = type(whole)(0, output, output_dir)
+    assert steps_of(restarted) == list(range(1, 9))
+    assert restarted.losses() == pytest.approx(whole.losses(), rel=1e-5)

@@ -15,6 +15,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,6 +57,7 @@ def file_digests(folder: Path) -> dict:
 
 
 def save_checkpoint(accelerator, args, launch, step: int, stages) -> Path:
+    started = time.monotonic()
     final = checkpoints_dir(args.output_dir) / f"step-{step}"
     partial = final.with_name(f".step-{step}.partial")
     if accelerator.is_main_process:
@@ -73,7 +75,7 @@ def save_checkpoint(accelerator, args, launch, step: int, stages) -> Path:
         state = {"step": step, "recipe": args.recipe, "model": args.model, "files": file_digests(partial),
                  "settings": {name: getattr(args, name) for name in KEPT_SETTINGS if hasattr(args, name)},
                  "processes": accelerator.num_processes, "global_batch": rows_per_step(args, launch),
-                 "trained": trained}
+                 "trained": trained, "save_seconds": round(time.monotonic() - started, 2)}
         (partial / STATE_FILE).write_text(json.dumps(state, indent=1) + "\n")  # last: the checkpoint is complete
         shutil.rmtree(final, ignore_errors=True)
         partial.rename(final)
@@ -319,7 +321,7 @@ def resume_from(accelerator, resume: Resume | None, model, optimizer, stages) ->
     """Restore the checkpoint `resume_point` chose and return its step (0 when starting fresh)."""
     if resume is None:
         return 0
-    path = Path(resume.path)
+    path, started = Path(resume.path), time.monotonic()
     if resume.by_name:
         with trained_state_apart(accelerator):
             accelerator.load_state(str(path))
@@ -336,7 +338,8 @@ def resume_from(accelerator, resume: Resume | None, model, optimizer, stages) ->
             accelerator.load_state(str(path))
     step = json.loads((path / STATE_FILE).read_text())["step"]
     if accelerator.is_main_process:
-        print(f"resumed from {path} at step {step}", flush=True)
+        how = "by parameter name" if resume.by_name else "as written"
+        print(f"resumed from {path} at step {step} (read {how} in {time.monotonic() - started:.1f} s)", flush=True)
     return step
 
 
