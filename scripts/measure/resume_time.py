@@ -28,14 +28,14 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "scripts" / "measure"))
 from pipeline_loading import build  # noqa: E402  (the same random Llama)
 
-DEFAULT_CASES = ["full:fsdp:2:zero3:2", "full:zero3:2:fsdp:2", "lora:zero3:2:ddp:1"]
+DEFAULT_CASES = ["full:fsdp:2:tp:2", "lora:zero3:2:fsdp:2"]
 READ = re.compile(r"resumed from \S+ at step \d+ \(read (as written|by parameter name) in ([0-9.]+) s\)")
 
 
 def run(recipe: str, config: str, processes: int, model: str, dataset: Path, output: Path, steps: int) -> dict:
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
                str(REPO / "accelerate_configs" / f"{config}.yaml"), "--num_processes", str(processes),
-               "--mixed_precision", "no", str(REPO / "recipes" / f"{recipe}.py"), "--model", model,
+               *(["--parallelism_config_tp_size", str(processes)] if config == "tp" else []), "--mixed_precision", "no", str(REPO / "recipes" / f"{recipe}.py"), "--model", model,
                "--dataset", str(dataset), "--output-dir", str(output), "--max-steps", str(steps), "--save-every", "1",
                "--batch-size", "1", "--max-length", "64", "--log-every", "1", "--report-to", "none"]
     if steps > 1:
@@ -88,7 +88,10 @@ def main() -> None:
     parser.add_argument("--cases", nargs="+", default=DEFAULT_CASES)
     args = parser.parse_args()
     if args.build:
-        build(Path(args.build), layers=27, hidden=1536)
+        if not (Path(args.build) / "config.json").exists():
+            build(Path(args.build), layers=27, hidden=1536)
+        for file in (REPO / "data" / "tokenizer").iterdir():  # the bundled tokenizer (301 tokens of its 32,000)
+            shutil.copy(file, Path(args.build) / file.name)
     model = args.model or args.build
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
