@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -29,7 +28,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "scripts" / "measure"))
-from pipeline_loading import build  # noqa: E402  (the same random Llama)
+from pipeline_loading import built_with_tokenizer, short_rows  # noqa: E402  (the same random Llama)
 
 CONFIGS = {"ddp": "ddp.yaml", "fsdp": "fsdp.yaml", "fsdp_grad_op": "fsdp_grad_op.yaml",
            "fsdp_offload": "fsdp_offload.yaml", "zero3": "zero3.yaml", "zero3_offload": "zero3_offload.yaml",
@@ -134,20 +133,14 @@ def main(argv=None) -> int:
     parser.add_argument("--launches", nargs="+", default=DEFAULT_LAUNCHES, help="[RECIPE/]CONFIG:PROCESSES (lora on ddp first: the replica the others are held against)")
     args = parser.parse_args(argv)
     if args.build:
-        if not (args.build / "config.json").exists():
-            build(args.build, layers=27, hidden=1536)
-        for file in (REPO / "data" / "tokenizer").iterdir():  # the bundled tokenizer (301 tokens of its 32,000)
-            shutil.copy(file, args.build / file.name)
-        args.model = str(args.build)
+        args.model = built_with_tokenizer(args.build)
     if not args.model:
         parser.error("give --model or --build")
     args.out.mkdir(parents=True, exist_ok=True)
     rows = []
     with tempfile.TemporaryDirectory() as scratch:
         folder = Path(scratch)
-        dataset = folder / "rows.jsonl"
-        dataset.write_text("".join(json.dumps({"instruction": f"Say {i}", "response": str(i)}) + "\n"
-                                   for i in range(64)))
+        dataset = short_rows(folder)
         for index, spec in enumerate(args.launches):
             rows.append(launch(spec, args.model, dataset, folder, index))
             print(json.dumps(rows[-1]), flush=True)

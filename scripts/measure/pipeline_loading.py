@@ -58,6 +58,25 @@ def build(folder: Path, layers: int, hidden: int) -> None:
     print(f"built {folder}: {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B parameters, bfloat16")
 
 
+def built_with_tokenizer(folder: Path) -> str:
+    """The random Llama of about 0.78B parameters (written once) with the bundled tokenizer (301 tokens of its
+    32,000) beside it: the model the host-memory and resume measurements use."""
+    import shutil
+
+    if not (folder / "config.json").exists():
+        build(folder, layers=27, hidden=1536)
+    for file in (REPO / "data" / "tokenizer").iterdir():
+        shutil.copy(file, folder / file.name)
+    return str(folder)
+
+
+def short_rows(folder: Path) -> Path:
+    """64 one-word instruction rows: a step of the measured launches costs as little data as it can."""
+    dataset = folder / "rows.jsonl"
+    dataset.write_text("".join(json.dumps({"instruction": f"Say {i}", "response": str(i)}) + "\n" for i in range(64)))
+    return dataset
+
+
 def measure(model: str, stages: int, stage: int, whole: bool, dtype: str) -> dict:
     code = MEASURE.format(recipes=str(REPO / "recipes"), model=model, stages=stages, stage=stage, whole=whole,
                           dtype=dtype)

@@ -26,7 +26,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "scripts" / "measure"))
-from pipeline_loading import build  # noqa: E402  (the same random Llama)
+from pipeline_loading import built_with_tokenizer, short_rows  # noqa: E402  (the same random Llama)
 
 DEFAULT_CASES = ["full:fsdp:2:tp:2", "lora:zero3:2:fsdp:2"]
 READ = re.compile(r"resumed from \S+ at step \d+ \(read (as written|by parameter name) in ([0-9.]+) s\)")
@@ -87,20 +87,13 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--cases", nargs="+", default=DEFAULT_CASES)
     args = parser.parse_args()
-    if args.build:
-        if not (Path(args.build) / "config.json").exists():
-            build(Path(args.build), layers=27, hidden=1536)
-        for file in (REPO / "data" / "tokenizer").iterdir():  # the bundled tokenizer (301 tokens of its 32,000)
-            shutil.copy(file, Path(args.build) / file.name)
-    model = args.model or args.build
+    model = built_with_tokenizer(Path(args.build)) if args.build else args.model
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = []
     with tempfile.TemporaryDirectory() as scratch:
         folder = Path(scratch)
-        dataset = folder / "rows.jsonl"
-        dataset.write_text("".join(json.dumps({"instruction": f"Say {i}", "response": str(i)}) + "\n"
-                                   for i in range(64)))
+        dataset = short_rows(folder)
         for case in args.cases:
             rows.append(measure(case, model, dataset, folder))
             print(json.dumps(rows[-1]), flush=True)
