@@ -367,7 +367,7 @@ def test_a_resume_on_another_number_of_processes_says_so(tmp_path, capsys, batch
     one_process = SimpleNamespace(num_processes=1, is_main_process=True, distributed_type=SimpleNamespace(value="NO"))
     resume = checkpoint.resume_point(one_process, args_of("--output-dir", str(tmp_path), "--resume", "auto",
                                                           "--batch-size", batch_size, "--grad-accum", "1"), plain(1))
-    assert resume == checkpoint.Resume(folder, by_name=False)
+    assert resume == checkpoint.Resume(folder, "whole", by_name=False)
     assert said in capsys.readouterr().out
 
 

@@ -51,13 +51,6 @@ def test_a_fresh_run_does_not_mix_into_an_older_metrics_file(tmp_path):
         assert [json.loads(line)["step"] for line in lines] == kept
 
 
-def one_process_args(config: str) -> list[str]:
-    """The matrix launch's flags for one process with the same global batch: twice the micro-batch."""
-    args = matrix_args("lora", config)
-    at = args.index("--batch-size") + 1
-    return args[:at] + [str(int(args[at]) * CPU_STRATEGIES[config][1])] + args[at + 1:]
-
-
 @pytest.mark.parametrize("config", [pytest.param("ddp", marks=long_test), pytest.param("fsdp", marks=long_test)])
 def test_a_checkpoint_continues_on_fewer_processes_on_the_same_curve(config, trained, tmp_path):
     """DDP's and FSDP2's checkpoints load as written at another process count; with the same global batch each
@@ -66,7 +59,8 @@ def test_a_checkpoint_continues_on_fewer_processes_on_the_same_curve(config, tra
     assert whole.returncode == 0, whole.output[-3000:]
     checkpoint = f"step-{SAVE_EVERY}"
     shutil.copytree(whole.output_dir / "checkpoints" / checkpoint, tmp_path / "checkpoints" / checkpoint)
-    resumed = launch("lora", tmp_path, *one_process_args(config), "--resume", "auto", config=config, processes=1)
+    resumed = launch("lora", tmp_path, *same_global_batch("lora", config, 1), "--resume", "auto", config=config,
+                     processes=1)
     assert resumed.returncode == 0, resumed.output[-3000:]
     assert f"was written by 2 processes and resumes on 1" in resumed.output
     assert "read parameter by parameter" not in resumed.output  # read as written
@@ -127,7 +121,7 @@ def test_a_checkpoint_is_read_as_written_only_by_its_own_layout(files, written, 
 
     assert checkpoint.written_as(tmp_path)[0] == written
     for layout in ("whole", "fsdp", "split", "pipeline", "zero", "zero3"):
-        assert checkpoint.read_by_name(tmp_path, layout, 2) == (layout != read_as_written_by)
+        assert checkpoint.read_by_name(*checkpoint.written_as(tmp_path), layout, 2) == (layout != read_as_written_by)
 
 
 def test_deepspeed_reads_its_own_files_at_the_same_count_only(tmp_path):
@@ -139,6 +133,6 @@ def test_deepspeed_reads_its_own_files_at_the_same_count_only(tmp_path):
     from common.outputs import checkpoint
 
     assert checkpoint.written_as(tmp_path) == ("zero3", 2)
-    assert not checkpoint.read_by_name(tmp_path, "zero3", 2)
-    assert checkpoint.read_by_name(tmp_path, "zero3", 4)
-    assert checkpoint.read_by_name(tmp_path, "zero", 2)
+    assert not checkpoint.read_by_name(*checkpoint.written_as(tmp_path), "zero3", 2)
+    assert checkpoint.read_by_name(*checkpoint.written_as(tmp_path), "zero3", 4)
+    assert checkpoint.read_by_name(*checkpoint.written_as(tmp_path), "zero", 2)

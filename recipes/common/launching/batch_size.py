@@ -64,6 +64,11 @@ def planned_micro_batch(args, recipe: str, launch) -> dict:
     return {"fits": fit, "memory_gib": round(gib, 3), "device": device, "strategy": launch.planner_strategy}
 
 
+def rows_per_step(run, launch) -> int:
+    """The global batch: sequences (preference pairs) an optimizer step takes over all ranks."""
+    return run.batch_size * run.grad_accum * launch.data_parallel_size
+
+
 def largest_divisor_up_to(number: int, limit: int) -> int:
     return max(d for d in range(1, min(number, limit) + 1) if number % d == 0)
 

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from ..launching.args import SAVE_DTYPES
+from ..launching.batch_size import rows_per_step
 from ..model import adapters
 from . import reshard
 from ..refusal import refuse
@@ -66,12 +67,13 @@ def save_checkpoint(accelerator, args, launch, step: int, stages) -> Path:
     accelerator.wait_for_everyone()
     with split_weights_apart(accelerator, partial, saving=True), stages_apart(stages, accelerator, partial):
         accelerator.save_state(str(partial))  # model, optimizer, scheduler, RNG: every rank writes its part
-    # the trained parameters' names in the optimizer's order: how accelerate's optimizer.bin is read by name
-    trained = list(reshard.trained_names(accelerator.unwrap_model(accelerator._models[0]))) if accelerator._models else None
     if os.environ.get("RECIPES_TEST_KILL_DURING_SAVE") == str(step):  # fault-injection hook for the tests
         os.kill(os.getpid(), signal.SIGKILL)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
+        # the trained parameters' names in the optimizer's order: how accelerate's optimizer.bin is read by name
+        models = accelerator._models
+        trained = list(reshard.trained_names(accelerator.unwrap_model(models[0]))) if models else None
         state = {"step": step, "recipe": args.recipe, "model": args.model, "files": file_digests(partial),
                  "settings": {name: getattr(args, name) for name in KEPT_SETTINGS if hasattr(args, name)},
                  "processes": accelerator.num_processes, "global_batch": rows_per_step(args, launch),
@@ -208,24 +210,18 @@ WRITTEN_BY = {"zero": "DeepSpeed ZeRO-1/2", "zero3": "DeepSpeed ZeRO-3", "fsdp":
               "whole": "one process, DDP or model parallel", "pipeline": "pipeline parallel"}
 
 
-def read_by_name(path: Path, layout: str, processes: int) -> bool:
-    """Whether the checkpoint at `path` is read parameter by parameter (reshard.py) rather than by the strategy
-    that wrote it: another layout, DeepSpeed's partitions over another number of processes, or a pipeline's
-    stages (each stage takes its layers' names from all of them: any cut of the layers reads them)."""
-    found, count = written_as(path)
-    return found != layout or found == "pipeline" or (found in ("zero", "zero3") and count != processes)
+def read_by_name(written: str, count: int | None, layout: str, processes: int) -> bool:
+    """Whether a checkpoint written in layout `written` (by `count` processes: `written_as`) is read parameter by
+    parameter (reshard.py) rather than by the strategy that wrote it: another layout, DeepSpeed's partitions over
+    another number of processes, or a pipeline's stages (each stage takes its layers' names from all of them: any
+    cut of the layers reads them)."""
+    return written != layout or written == "pipeline" or (written in ("zero", "zero3") and count != processes)
 
 
-def rows_per_step(args, launch) -> int:
-    """The global batch: sequences (preference pairs) an optimizer step takes over all ranks."""
-    return args.batch_size * args.grad_accum * launch.data_parallel_size
-
-
-def choose_resume(args, processes: int | None = None, layout: str = "whole",
+def choose_resume(args, processes: int | None = None,
                   global_batch: int | None = None) -> tuple[Path | None, list[str], str | None]:
     """(checkpoint to resume from, lines to print, refusal): the decision of `resume_point` for a run of
-    `processes` processes taking `global_batch` rows a step, whose checkpoints are written as `layout`
-    (`launch_layout`)."""
+    `processes` processes taking `global_batch` rows a step."""
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     wanted = args.resume or ("auto" if restarted else None)  # an elastic restart continues the run
     found = complete_checkpoints(args.output_dir)
@@ -287,6 +283,7 @@ def choose_resume(args, processes: int | None = None, layout: str = "whole",
 @dataclass(frozen=True)
 class Resume:
     path: Path  # the checkpoint
+    written: str  # the layout it was written in (`written_as`)
     by_name: bool  # read parameter by parameter into this launch's layout (`read_by_name`)
 
 
@@ -299,13 +296,16 @@ def resume_point(accelerator, args, launch) -> Resume | None:
     layout = launch_layout(accelerator.distributed_type.value, launch)
     decision = [None]
     if accelerator.is_main_process:
-        chosen, lines, refusal = choose_resume(args, accelerator.num_processes, layout, rows_per_step(args, launch))
-        by_name = chosen is not None and read_by_name(chosen, layout, accelerator.num_processes)
-        if by_name:
+        chosen, lines, refusal = choose_resume(args, accelerator.num_processes, rows_per_step(args, launch))
+        resume = None
+        if chosen is not None:
             found, count = written_as(chosen)
-            lines.append(f"note: {chosen} was written by {WRITTEN_BY[found]}{f' on {count} processes' if count else ''}: "
-                         f"its trained state is read parameter by parameter into this launch")
-        decision = [(chosen and Resume(chosen, by_name), lines, refusal)]
+            resume = Resume(chosen, found, read_by_name(found, count, layout, accelerator.num_processes))
+            if resume.by_name:
+                lines.append(f"note: {chosen} was written by {WRITTEN_BY[found]}"
+                             f"{f' on {count} processes' if count else ''}: its trained state is read parameter by "
+                             "parameter into this launch")
+        decision = [(resume, lines, refusal)]
     if accelerator.num_processes > 1:
         broadcast_object_list(decision)
     resume, lines, refusal = decision[0]
@@ -322,21 +322,22 @@ def resume_from(accelerator, resume: Resume | None, model, optimizer, stages) ->
     if resume is None:
         return 0
     path, started = Path(resume.path), time.monotonic()
+    state = json.loads((path / STATE_FILE).read_text())
     if resume.by_name:
         with trained_state_apart(accelerator):
             accelerator.load_state(str(path))
-        layout, _ = written_as(path)
-        names = json.loads((path / STATE_FILE).read_text()).get("trained") or list(
-            reshard.trained_names(accelerator.unwrap_model(model)))  # (checkpoints before names were kept)
-        with reshard.open_written(path, layout, names, accelerator.is_main_process, accelerator.wait_for_everyone) as (read, step):
-            reshard.load_trained_state(accelerator.unwrap_model(model), optimizer, read, step)
+        trained = accelerator.unwrap_model(model)
+        names = state.get("trained") or list(reshard.trained_names(trained))  # (checkpoints before names were kept)
+        with reshard.open_written(path, resume.written, names, accelerator.is_main_process,
+                                  accelerator.wait_for_everyone) as (read, moments_step):
+            reshard.load_trained_state(trained, optimizer, read, moments_step)
         for index, scheduler in enumerate(accelerator._schedulers):  # accelerate's file names
             file = path / ("scheduler.bin" if index == 0 else f"scheduler_{index}.bin")
             reshard.load_schedule(getattr(scheduler, "scheduler", scheduler), torch.load(file, weights_only=True))
     else:
         with split_weights_apart(accelerator, path, saving=False):
             accelerator.load_state(str(path))
-    step = json.loads((path / STATE_FILE).read_text())["step"]
+    step = state["step"]
     if accelerator.is_main_process:
         how = "by parameter name" if resume.by_name else "as written"
         print(f"resumed from {path} at step {step} (read {how} in {time.monotonic() - started:.1f} s)", flush=True)

@@ -107,7 +107,7 @@ def read_distributed(model_folder: Path, model_prefix: str, optimizer_folder: Pa
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader
 
-    stored = {**FileSystemReader(str(model_folder)).read_metadata().state_dict_metadata}
+    stored = FileSystemReader(str(model_folder)).read_metadata().state_dict_metadata
     moments = FileSystemReader(str(optimizer_folder)).read_metadata().state_dict_metadata
 
     def empty(entry):

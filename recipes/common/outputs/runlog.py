@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from ..launching.batch_size import rows_per_step
 from ..launching.deepspeed_config import schedule_settings
 from ..model.adapters import merged_start
 from ..model.modeling import parameter_counts
@@ -187,7 +188,7 @@ class RunLog:
             "device": str(self.accelerator.device.type),
             "launch": self.launch.as_record(),  # what accelerate launch asked for; `strategy`: what ran
             "batch": {"batch_size": self.args.batch_size, "grad_accum": self.args.grad_accum,
-                      "global_batch_size": self.args.batch_size * self.args.grad_accum * self.launch.data_parallel_size,
+                      "global_batch_size": rows_per_step(self.args, self.launch),
                       **getattr(self.args, "batch_plan", {})},
             "parameters": {"total": counts["total"], "trainable": counts["trainable"], "held_by_rank": None,
                            "quantized": counts["quantized"]},  # weights in bitsandbytes layers (qlora.py)
