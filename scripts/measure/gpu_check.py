@@ -2,16 +2,17 @@
 """The GPU proof in one command: installs what the GPU box lacks, then runs on its GPUs, in order
 of importance, and writes each result as soon as it has it.
 
-    python3 scripts/measure/gpu_check.py --wheels .whl --results $OUT       # one call, 450 s (--budget-s)
+    python3 scripts/measure/gpu_check.py --wheels .whl --results $OUT       # one call, 540 s (--budget-s)
 
 A lent GPU comes for 15 minutes of device time in all (the box's start, the transfers and its idle
-time included), 10 a call: one call of about 8 minutes is what it reliably gives. The default is that
+time included), 10 a call: one call of about 9 minutes is what it reliably gives. The default is that
 call; a second (--parts memory,planner,recipes,reference,options,reference34b,trl,trl_liger) runs the rest when time is
 left; a part cut short is rerun with --parts NAME, never by hand (the wheels are on its PYTHONPATH only).
 Each call reinstalls the wheels (skipped when the box still has them) and starts no part it has no time
 left for (--budget-s).
 
-Parts (the default call: speed, codellama, headline, preference, core; then the others in the order listed):
+Parts (the default call: speed, headline, codellama, headline_levers, preference, core; then the others in the
+order listed):
   speed      scripts/measure/step_speed.py: the LoRA step at the headline's shape, lever by lever (the recipes' defaults,
              the step before the chunked loss head and bf16 adapter inputs, each lever alone, dropout 0, compile,
              Liger, all together): tokens/s, MFU, peak, losses; a kernel-time profile by category
@@ -22,6 +23,8 @@ Parts (the default call: speed, codellama, headline, preference, core; then the 
   headline   the TinyLlama-1.1B LoRA reference epoch under ddp.yaml (scripts/measure/benchmark.py --workload tinyllama
              --strategies ddp --measure-peak): wall time, tokens/s, MFU against the GPU's peak and a bf16
              matmul measured in the same call, peak memory beside the planner's for the same launch
+  headline_levers  the same launch with --liger --compile: the headline the defaults give if both levers win the
+             step table (results.json only: the device tool brings back 8 files)
   core       tests/gpu/test_gpu_recipes.py for the three recipes under fsdp, zero3 and ddp (9 launches, the
              sharded ones first): the loss goes down, the saved adapter / model reloads to the same logits,
              each rank's host RAM by the first step
@@ -39,8 +42,8 @@ Parts (the default call: speed, codellama, headline, preference, core; then the 
 Written to --results (default results/<date>_<gpu>/), rewritten after every part, so that a run cut
 short still leaves its numbers: summary.md (tables, the benchmarks' too), results.json (the same,
 machine-readable, with every test case's recorded figures and the box's package versions), log.txt
-(every command and its output), and <part>.json / <part>.png for each benchmark part: 5 files for the
-first call (with speed.json and codellama.json), 7 for the second, within the 8 the device tool brings back. No git needed there: the commit
+(every command and its output), and <part>.json / <part>.png for each benchmark part: 8 files for the
+first call (with speed.json, codellama.json and headline_levers.json), 7 for the second, within the 8 the device tool brings back. No git needed there: the commit
 is read from the COMMIT file scripts/measure/gpu_wheels.sh writes beside the wheels, else from git.
 
 --cpu-stand-in runs the same parts on a machine without a GPU (RECIPES_GPU_SUITE_ON_CPU=1, the benchmark's
@@ -93,7 +96,7 @@ PARTS = {
     # call 1 (the default): the step lever by lever, the headline through the launch, the preference recipes
     # (6 launches like the core's), the core. The step table: 8 variants x 20 steps of ~0.5-0.9 s at the
     # headline's shape built once, compile's ~1 min, two 3-step profiles (scripts/measure/step_speed.py)
-    "speed": (["scripts/measure/step_speed.py"], 300, 120),
+    "speed": (["scripts/measure/step_speed.py", "--steps", "12", "--warmup", "3"], 300, 120),
     # CodeLlama-34B's whole shape built on the GPU (no files: 63 GiB of random bf16 weights), LoRA at the reference's
     # micro-batch 4 x GA 4 with every layer recomputed (69.6 GiB planned: one H100), 8 steps of ~8-10 s each
     "codellama": (["scripts/measure/step_speed.py", "--config", "data/model_configs/codellama-34b.json", "--batch-size", "4",
@@ -101,6 +104,9 @@ PARTS = {
                    "--warmup", "2", "--profile-steps", "0"], 360, 200),
     "preference": ([*PYTEST, PREFERENCE_TESTS], 300, 45),
     "headline": ([*TINYLLAMA, "--strategies", "ddp"], 300, 150),
+    # the same launch with the speed levers a GPU has (Liger's layer kernels, each layer compiled): the headline the
+    # defaults would give if the step table has both win
+    "headline_levers": ([*TINYLLAMA, "--strategies", "ddp", "--recipe-args", "--liger --compile"], 300, 170),
     "memory": ([*PYTEST, *MEMORY_CASES], 240, 60),
     "core": ([*PYTEST, *CORE_CASES], 420, 45),
     # call 2: the rest, in order of what it proves; each part's limit from call 1's measured launches
@@ -127,12 +133,14 @@ PARTS = {
 # The open GPU issues' first: the step lever by lever, the second reference workload's shape, and the headline with
 # the new defaults through the real launch; then what no GPU has run (the preference recipes), then the recipe cases
 # (results/2026-11-27_h200_call1 did not reach their end). The budget reaches as far as it reaches, in this order.
-FIRST_CALL = ("speed", "codellama", "headline", "preference", "core")
-DEFAULT_BUDGET_S = 450
-BENCHMARKS = ("headline", "reference", "reference34b")
+FIRST_CALL = ("speed", "headline", "codellama", "headline_levers", "preference", "core")
+DEFAULT_BUDGET_S = 540  # 9 minutes: with the box's start (1-3 min) and the transfers, within 15 of device time
+BENCHMARKS = ("headline", "headline_levers", "reference", "reference34b")
+CHARTS = ("headline", "reference", "reference34b")  # a chart each: the device tool brings back 8 files a call
 STEP_TABLES = ("speed", "codellama")  # scripts/measure/step_speed.py's parts: <part>.json and the table in the summary
 # What a part runs instead on the CPU stand-in: the benchmark's smoke path (2 CPU processes, the tiny model).
 CPU_STAND_IN = {"headline": ["scripts/measure/benchmark.py", "--smoke", "--strategies", "ddp"],
+                "headline_levers": ["scripts/measure/benchmark.py", "--smoke", "--strategies", "ddp"],
                 "reference": ["scripts/measure/benchmark.py", "--smoke", "--strategies", "zero2"],
                 "reference34b": ["scripts/measure/benchmark.py", "--smoke", "--strategies", "ddp"],
                 "trl": ["scripts/measure/compare_trl.py", "--processes", "1", "--steps", "4", "--rounds", "1"],
@@ -334,7 +342,7 @@ def copy_benchmark(part: str, folder: Path, results_dir: Path, result: dict) -> 
         return
     source = tables[-1].parent
     result["table"] = tables[-1].read_text().replace("(chart.png)", f"({part}.png)")
-    for name, target in (("results.json", f"{part}.json"), ("chart.png", f"{part}.png")):
+    for name, target in (("results.json", f"{part}.json"), ("chart.png", f"{part}.png"))[:2 if part in CHARTS else 1]:
         if (source / name).exists():
             (results_dir / target).write_bytes((source / name).read_bytes())
 
