@@ -208,7 +208,7 @@ def settle_deepspeed(config: dict, source: str, run: Run, env, on_gpu: bool) -> 
         if backend != "inductor":
             refuse(f"{source} asks torch.compile for the `{backend}` backend; the recipes' --compile uses inductor: "
                    "delete the `compile` section, or set \"backend\": \"inductor\"")
-        if not run.compile:
+        if run.compile is None:
             run = run.settled({"compile": (True, f"the compile section of {source}")})
             notes.append("--compile (its compile section)")
 

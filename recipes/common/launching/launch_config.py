@@ -210,7 +210,7 @@ def translate_dynamo(env, run: Run) -> tuple[Run, list[str]]:
     # the rest of the dynamo block: --compile uses torch.compile's defaults, so say what is not applied
     unused = [f"dynamo_{name.lower()} {env.pop(f'ACCELERATE_DYNAMO_{name}')}" for name in ("MODE", "USE_FULLGRAPH",
               "USE_DYNAMIC") if env.get(f"ACCELERATE_DYNAMO_{name}", "").lower() not in ("", "default", "false")]
-    if run.compile:
+    if run.compile is not None:  # --compile / --no-compile typed: the flag wins
         return run, [f"not applied: {', '.join(unused)}"] if unused else []
     return run.settled({"compile": (True, "dynamo_backend INDUCTOR in the accelerate config")}), [
         "dynamo_backend INDUCTOR -> --compile (each decoder layer compiled in place)"
