@@ -130,6 +130,8 @@ def test_speed_options_script_measures_and_writes_its_table(tmp_path):
     ("lora", "model_parallel", True, [], False),
     ("lora", "ddp", True, ["--liger"], False),  # compile with Liger ran slower than compile alone
     ("lora", "ddp", True, ["--no-compile"], False),
+    ("lora", "ddp", True, ["--max-steps", "99"], False),  # compiling (~25 s on the H200) would not be repaid
+    ("lora", "ddp", True, ["--max-steps", "100"], True),
     ("lora", "deepspeed", False, ["--compile"], True),  # asked: always
 ], ids=lambda value: " ".join(value) if isinstance(value, list) else str(value))
 def test_compile_is_on_by_default_only_where_it_was_measured_to_win(recipe, kind, on_gpu, flags, compiled):

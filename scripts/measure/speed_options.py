@@ -47,7 +47,7 @@ from bench.workloads import WORKLOADS  # noqa: E402
 VARIANTS = {
     "defaults": ([], "fused AdamW, SDPA, padding to the longest row, DataLoader workers on GPUs"),
     "packing": (["--packing"], "several rows per sequence: no padding"),
-    "compile": (["--compile"], "torch.compile of each decoder layer"),
+    "compile": (None, "the other --compile setting than the default (on with a CUDA GPU for LoRA under DDP)"),
     "workers": (None, "the other DataLoader worker setting than the default"),
     "eager": (["--attention", "eager"], "the plain attention instead of SDPA"),
     "checkpointing": (["--gradient-checkpointing"], "recompute every layer: less memory, more compute"),
@@ -59,6 +59,8 @@ VARIANTS = {
 def variant_flags(name: str, on_gpu: bool) -> list[str]:
     if name == "workers":  # the default is 2 on GPUs and 0 on CPU; measure the other one
         return ["--dataloader-workers", "0" if on_gpu else "2"]
+    if name == "compile":  # on by default with a CUDA GPU (launching/settle.py), off on CPU; measure the other one
+        return ["--no-compile" if on_gpu else "--compile"]
     return list(VARIANTS[name][0])
 
 

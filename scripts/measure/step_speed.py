@@ -43,13 +43,14 @@ sys.path.insert(0, str(REPO / "recipes"))
 
 # name -> what differs from the recipes' defaults; levers that must give the same numbers are marked same=True
 VARIANTS = {
-    "defaults": dict(note="the recipes' defaults: chunked loss head, adapter inputs in bf16, no dropout"),
+    "defaults": dict(note="the recipes' defaults: chunked loss head, adapter inputs in bf16, no dropout (eager: "
+                          "--no-compile)"),
     "before": dict(whole_logits=True, cast_inputs=True, dropout=0.05,
                    note="the step before these levers: whole logits, adapter inputs cast to fp32, dropout 0.05"),
     "whole_logits": dict(whole_logits=True, same=True, note="the whole batch's logits (no chunks)"),
     "cast_inputs": dict(cast_inputs=True, same=True, note="peft casts each adapter's input to fp32"),
     "dropout": dict(dropout=0.05, note="LoRA dropout 0.05 (the recipes' default before)"),
-    "compile": dict(compile=True, note="torch.compile of each decoder layer"),
+    "compile": dict(compile=True, note="torch.compile of each decoder layer (the recipes' default with a CUDA GPU)"),
     "liger": dict(liger=True, note="Liger's RMSNorm, RoPE and SwiGLU kernels"),
     "all": dict(compile=True, liger=True, note="compile and Liger on the defaults"),
 }

@@ -29,6 +29,7 @@ CASES = [
     pytest.param("lora", ["--liger"], id="liger", marks=[
         needs_gpu, pytest.mark.skipif(find_spec("liger_kernel") is None, reason="liger-kernel is not installed")]),
     pytest.param("lora", ["--compile"], id="compile"),
+    pytest.param("lora", ["--no-compile"], id="no-compile"),  # the default with a CUDA GPU is compiled
     pytest.param("lora", ["--dataloader-workers", "2"], id="dataloader-workers"),
     pytest.param("lora", ["--gradient-checkpointing"], id="gradient-checkpointing"),
 ]

@@ -77,8 +77,10 @@ def settle_launch(args: Run, recipe: str) -> tuple[Run, Launch]:
 # 38.7% MFU against 26.0%, the same loss within bf16's round-off; results/2026-11-28_h200_call1) or the same
 # per-layer wrapping (one process, FSDP2). Not QLoRA's 4-bit layers, DeepSpeed, tensor, pipeline or sequence
 # parallel, model parallel: none of them has run compiled on a GPU. Liger's kernels with it ran slower than
-# compile alone (34.6% against 38.7%), so --liger keeps compile off unless asked.
+# compile alone (34.6% against 38.7%), so --liger keeps compile off unless asked. Compiling is the first step (25.6 s
+# there against 1.2 s eager), repaid after ~125 steps of 0.6 s: a run of fewer --max-steps stays eager.
 COMPILED_BY_DEFAULT = (SINGLE, DDP, FSDP)
+FEWEST_COMPILED_STEPS = 100
 
 
 def settle_compile(run: Run, recipe: str, launch: Launch) -> Run:
@@ -86,12 +88,14 @@ def settle_compile(run: Run, recipe: str, launch: Launch) -> Run:
     if run.compile is not None:
         return run
     on = (launch.on_gpu and launch.kind in COMPILED_BY_DEFAULT and recipe != "qlora" and not run.liger
-          and launch.pipeline_stages == 1 and launch.sequence_parallel == 1)
+          and launch.pipeline_stages == 1 and launch.sequence_parallel == 1
+          and not 0 < run.max_steps < FEWEST_COMPILED_STEPS)
     if on:
         say("speed: --compile on (each decoder layer compiled: the first steps are slower while it compiles; "
             "--no-compile turns it off)")
     why = ("the default on a CUDA GPU under this launch" if on else
-           "the default here (on only with a CUDA GPU, one process / DDP / FSDP, not QLoRA or --liger)")
+           "the default here (on only with a CUDA GPU, one process / DDP / FSDP, not QLoRA or --liger, "
+           f"not under --max-steps {FEWEST_COMPILED_STEPS})")
     return run.settled({"compile": (on, why)})
 
 
