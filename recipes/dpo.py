@@ -22,7 +22,8 @@ Flags: --model --dataset --eval-dataset --columns --chat-template --output-dir -
        --eval-every --save-every --save-total-limit --resume --gradient-checkpointing --log-every --report-to
        --save-dtype --trust-remote-code
        --config (a YAML file of any of these flags)
-Speed: --compile --liger --attention --dataloader-workers
+Speed: --compile --no-compile --liger --attention --dataloader-workers
+Benchmarks: --eval-tasks --eval-limit (lm-evaluation-harness tasks, scored where the eval runs)
 LoRA:  --lora-r --lora-alpha --lora-dropout --lora-targets --use-dora --use-rslora --merge --bits
 Preference: --loss (sigmoid, ipo, simpo) --beta --simpo-gamma
 Refused here (not for pairs yet): --packing --pipeline-stages --pipeline-schedule --pipeline-chunks
@@ -48,7 +49,7 @@ from common.launching import deepspeed_config, preflight, settle
 from common.model import loss_head, modeling
 from common.outputs import checkpoint, report
 from common.outputs.runlog import RunLog
-from common.training import runtime
+from common.training import benchmarks, runtime
 from common.training.evaluation import evaluate_pairs
 
 
@@ -238,6 +239,8 @@ def main():
         if step == total_steps or (run.eval_every and step % run.eval_every == 0):
             log.log_eval(step, evaluate_pairs(accelerator, model, eval_loader,
                                               lambda batch: score_pairs(accelerator, model, batch, run, head)[1]))
+            if run.eval_tasks:  # lm-eval's tasks on the model as the launch holds it, each rank its share
+                log.log_benchmarks(step, benchmarks.score_run(accelerator, launch, run, model, tokenizer))
         if stopping or (run.save_every and step % run.save_every == 0):
             checkpoint.save_checkpoint(accelerator, run, launch, step, None)
         if stopping:

@@ -19,7 +19,8 @@ Flags: --model --dataset --eval-dataset --columns --chat-template --packing --ou
        --trust-remote-code
        --config (a YAML file of any of these flags)
 Pipeline parallel: --pipeline-stages --pipeline-schedule --pipeline-chunks
-Speed: --compile --liger --attention --dataloader-workers
+Speed: --compile --no-compile --liger --attention --dataloader-workers
+Benchmarks: --eval-tasks --eval-limit (lm-evaluation-harness tasks, scored where the eval runs)
 LoRA:  --lora-r --lora-alpha --lora-dropout --lora-targets --use-dora --use-rslora --merge
 QLoRA: --bits
 """
@@ -42,7 +43,7 @@ from common.launching import batch_size, deepspeed_config, preflight, settle
 from common.model import loss_head, modeling
 from common.outputs import checkpoint, report
 from common.outputs.runlog import RunLog
-from common.training import pipeline, runtime
+from common.training import benchmarks, pipeline, runtime
 from common.training.evaluation import evaluate
 
 
@@ -209,6 +210,8 @@ def main():
                              "in a new --output-dir (a checkpoint here may already hold the update that diverged)")
         if step == total_steps or (run.eval_every and step % run.eval_every == 0):
             log.log_eval(step, evaluate(accelerator, model, eval_loader, token_losses, head, stages))
+            if run.eval_tasks:  # lm-eval's tasks on the model as the launch holds it, each rank its share
+                log.log_benchmarks(step, benchmarks.score_run(accelerator, launch, run, model, tokenizer))
         if stopping or (run.save_every and step % run.save_every == 0):
             checkpoint.save_checkpoint(accelerator, run, launch, step, stages)
         if stopping:

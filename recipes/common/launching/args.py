@@ -89,6 +89,11 @@ def recipe_parser(doc: str) -> argparse.ArgumentParser:
              "target left is dropped (both counted at start-up)")
     add("--seed", type=int, default=42, help="model init of new weights, dropout, data order")
     add("--eval-every", type=int, default=0, help="evaluate every N steps (0: only at the end)")
+    add("--eval-tasks", default=None, metavar="TASKS",
+        help="lm-evaluation-harness tasks scored with the eval rows: task or group names (arc_easy,hellaswag), task "
+             "YAML files or folders of them (data/eval_tasks), comma-separated; needs `pip install lm-eval==0.4.13`")
+    add("--eval-limit", type=int, default=None, metavar="N",
+        help="score only the first N rows of each --eval-tasks task (default: all)")
     add("--save-every", type=int, default=0,
         help="checkpoint every N steps (0: none, except when SIGTERM or Ctrl-C stops the run)")
     add("--save-total-limit", type=int, default=0, help="keep only the newest N checkpoints (0: keep all)")

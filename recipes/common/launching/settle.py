@@ -14,7 +14,7 @@ from pathlib import Path
 
 from ..model.adapters import adapter_base, merged_start_model
 from ..model.shard_loading import why_not_read_shards
-from . import launch_config, memory_plan, preflight
+from . import eval_tasks, launch_config, memory_plan, preflight
 from .args import PREFERENCE_RECIPES
 from .batch_size import settle as settle_batch
 from .launch import DDP, FSDP, READS_SHARDS, SINGLE, TENSOR_PARALLEL, Launch, describe
@@ -50,6 +50,7 @@ def settle_launch(args: Run, recipe: str) -> tuple[Run, Launch]:
     if run.recipe in PREFERENCE_RECIPES:
         preflight.check_preference_run(run, launch)
     run = settle_compile(run, recipe, launch)  # (after the pipeline's stages are known)
+    eval_tasks.check(run, launch)  # lm-eval's tasks: installed, known, their data on this machine
     run, batch_line = settle_batch(run, recipe, launch)  # --batch-size auto, --global-batch-size
     preflight.check_pipeline_micro_batches(run, launch)  # (after --global-batch-size has set --grad-accum)
     if batch_line:

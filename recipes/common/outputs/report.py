@@ -102,6 +102,13 @@ def write_model_card(accelerator, args, recipe: str, artifact: str, samples: lis
     if evals:
         card.append("- evaluation: " + ", ".join(f"{key} {value:.4f}" for key, value in evals[-1].items()
                                                    if key not in ("type", "step")))
+    benchmarks = [line for line in lines if line["type"] == "benchmarks"]
+    if benchmarks:  # --eval-tasks: lm-evaluation-harness's scores at the last step they were taken
+        scored = benchmarks[-1]
+        card += ["", f"## Benchmarks (lm-evaluation-harness, step {scored['step']})", "", "| task | metric | value |",
+                 "|---|---|---:|"]
+        card += [f"| {task} | {metric} | {value:.4f} |" for task, metrics in scored.items()
+                 if isinstance(metrics, dict) for metric, value in metrics.items()]
     card += ["", "## Load it", "", "```python", "from transformers import AutoModelForCausalLM",
              *(["from peft import PeftModel"] if artifact == "adapter" else []), f"model = {load}", "```"]
     if samples:

@@ -311,6 +311,19 @@ class RunLog:
             shown = "  ".join(f"{key} {value:.4f}" for key, value in metrics.items())
             self.say(f"eval at step {step}: {shown}")
 
+    def log_benchmarks(self, step: int, scored: dict) -> None:
+        """--eval-tasks' scores (training.benchmarks.score_run): one metrics.jsonl line {"type": "benchmarks",
+        "step", "seconds", task: {metric: value}}, the same numbers to the trackers and the console."""
+        scores = scored["scores"]
+        self.track({"type": "benchmarks", **{f"{task}/{metric}": value for task, metrics in scores.items()
+                                              for metric, value in metrics.items()}}, step)
+        if self.main:
+            self.metrics.write(json.dumps({"type": "benchmarks", "step": step, "seconds": scored["seconds"],
+                                           **scores}) + "\n")
+            shown = "  ".join(f"{task} {metric} {value:.4f}" for task, metrics in scores.items()
+                              for metric, value in metrics.items())
+            self.say(f"benchmarks at step {step}: {shown} ({scored['seconds']:.1f} s)")
+
     def close(self, message: str) -> None:
         if self.main:
             if self.bar is not None:

@@ -1,0 +1,98 @@
+"""--eval-tasks: lm-evaluation-harness tasks scored inside the launch, on the model as each strategy holds it,
+equal to lm-eval's own command on the merged model; and the one-line refusals before the model loads."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from unittest import mock
+
+import pytest
+
+from conftest import REPO, launch, launch_env, long_test
+
+sys.path.insert(0, str(REPO / "recipes"))
+from common.launching import eval_tasks  # noqa: E402
+from common.launching.args import parse_args, recipe_flags  # noqa: E402
+from common.launching.launch import Launch  # noqa: E402
+from common.refusal import Refusal  # noqa: E402
+from common.training.benchmarks import scores_of  # noqa: E402
+
+BUNDLED = REPO / "data" / "eval_tasks"
+OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+# enough steps for the greedy answers to be right some of the time (~0.17 exact match): generation is then tested
+TRAINING = ["--max-steps", "120", "--lr", "3e-3", "--batch-size", "16", "--max-length", "64"]
+
+
+def lm_eval_command(model, output_dir, batch_size: int = 16) -> dict:
+    """`lm_eval run --model hf` on a saved model, the bundled tasks, one CPU process: its scores."""
+    done = subprocess.run(
+        [sys.executable, "-m", "lm_eval", "run", "--model", "hf", "--model_args", f"pretrained={model},dtype=float32",
+         "--tasks", "recipes_choice,recipes_answer", "--include_path", str(BUNDLED), "--batch_size", str(batch_size),
+         "--device", "cpu", "--output_path", str(output_dir)],
+        cwd=REPO, capture_output=True, text=True, timeout=600, env=launch_env(OFFLINE))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    [written] = output_dir.rglob("results_*.json")
+    return scores_of(json.loads(written.read_text()))
+
+
+@pytest.mark.parametrize("config", ["ddp", pytest.param("fsdp", marks=long_test), pytest.param("zero3", marks=long_test)])
+def test_scores_in_the_launch_equal_lm_evals_own_command_on_the_merged_model(config, tmp_path):
+    """Two processes, each scoring half the requests of a multiple-choice and a generation task, LoRA unmerged
+    (sharded under FSDP2 and ZeRO-3); lm-eval's command on the merged folder in one process gets the same
+    scores: accuracy exactly, the greedy answers' exact match too (float32, the same batch size)."""
+    run = launch("lora", tmp_path / "out", *TRAINING, "--eval-tasks", "data/eval_tasks", "--merge", config=config)
+    assert run.returncode == 0, run.output[-3000:]
+    [record] = run.metrics("benchmarks")
+    scores = {task: record[task] for task in ("recipes_choice", "recipes_answer")}
+    assert scores == lm_eval_command(tmp_path / "out" / "merged", tmp_path / "lm_eval")
+    assert scores["recipes_answer"]["exact_match"] > 0 and set(scores["recipes_choice"]) == {"acc", "acc_norm"}
+    assert "benchmarks at step 120: recipes_answer exact_match" in run.output and record["seconds"] > 0
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert f"| recipes_choice | acc | {scores['recipes_choice']['acc']:.4f} |" in card
+
+
+def test_a_folder_of_task_files_gives_its_tasks_and_itself_as_the_include_path():
+    tasks = eval_tasks.parse(f"{BUNDLED},arc_easy,{BUNDLED / 'recipes_answer.yaml'}")
+    assert tasks.names == ("recipes_answer", "recipes_choice", "arc_easy")
+    assert tasks.include_path == (str(BUNDLED),)
+
+
+def refusal(flags, kind="ddp", **launch_fields) -> str:
+    run = parse_args(recipe_flags("lora"), flags)
+    with pytest.raises(Refusal) as refused:
+        eval_tasks.check(run, Launch(kind=kind, processes=2, on_gpu=False, visible_gpus=0, precision="no",
+                                     **launch_fields))
+    assert "\n" not in str(refused.value)
+    return str(refused.value)
+
+
+def test_tasks_that_cannot_be_scored_are_refused_in_one_line_naming_the_fix(tmp_path):
+    assert "no such file or folder" in refusal(["--eval-tasks", str(tmp_path / "mine.yaml")])
+    assert "lm-eval has no task or group named no_such_task" in refusal(["--eval-tasks", "no_such_task"])
+    assert "under tensor, pipeline or sequence parallel" in refusal(["--eval-tasks", "arc_easy"], kind="tensor_parallel")
+    assert "under tensor" in refusal(["--eval-tasks", "arc_easy"], pipeline_stages=2)
+    assert "--eval-limit 0" in refusal(["--eval-tasks", "arc_easy", "--eval-limit", "0"])
+    (tmp_path / "untitled.yaml").write_text("dataset_path: json\n")
+    assert "no `task:`" in refusal(["--eval-tasks", str(tmp_path / "untitled.yaml")])
+    with mock.patch("importlib.util.find_spec", return_value=None):
+        assert "pip install lm-eval==0.4.13" in refusal(["--eval-tasks", "arc_easy"])
+
+
+def test_a_task_whose_data_is_not_on_the_machine_is_refused_with_the_download_command(tmp_path):
+    """A hub dataset not in the cache: refused offline (no request leaves the machine), naming it."""
+    (tmp_path / "remote.yaml").write_text(
+        "task: remote_task\ndataset_path: nobody-here/no-such-dataset\ntest_split: test\noutput_type: multiple_choice\n"
+        "doc_to_text: '{{q}}'\ndoc_to_choice: ['a', 'b']\ndoc_to_target: 0\n")
+    line = refusal(["--eval-tasks", str(tmp_path / "remote.yaml")])
+    assert "--eval-tasks remote_task: its data (nobody-here/no-such-dataset) is not on this machine" in line
+    assert "lm_eval --model dummy --tasks remote_task --limit 1" in line
+
+
+def test_the_scores_keep_lm_evals_metric_names_without_stderr():
+    results = {"results": {"gsm8k": {"alias": "gsm8k", "exact_match,strict-match": 0.25,
+                                     "exact_match_stderr,strict-match": "N/A", "exact_match,none": 0.5},
+                           "arc_easy": {"acc,none": 0.75, "acc_stderr,none": 0.01}}}
+    assert scores_of(results) == {"gsm8k": {"exact_match,strict-match": 0.25, "exact_match": 0.5},
+                                  "arc_easy": {"acc": 0.75}}
