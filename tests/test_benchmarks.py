@@ -51,6 +51,31 @@ def test_scores_in_the_launch_equal_lm_evals_own_command_on_the_merged_model(con
     assert "benchmarks at step 120: recipes_answer exact_match" in run.output and record["seconds"] > 0
     card = (tmp_path / "out" / "README.md").read_text()
     assert f"| recipes_choice | acc | {scores['recipes_choice']['acc']:.4f} |" in card
+    # scripts/evaluate.py under the same launch: the run's adapter loaded again on its base, unmerged
+    done = subprocess.run(launch_command_of_evaluate(config, tmp_path / "out"), cwd=REPO, capture_output=True,
+                          text=True, timeout=600, env=launch_env(OFFLINE))
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    assert json.loads((tmp_path / "out" / "benchmarks.json").read_text())["scores"] == scores
+
+
+def launch_command_of_evaluate(config: str, run_dir, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", f"accelerate_configs/{config}.yaml",
+            "--num_processes", "2", "--mixed_precision", "no", "scripts/evaluate.py", str(run_dir), "--artifact",
+            "adapter", "--tasks", "data/eval_tasks", "--batch-size", "16", *extra]
+
+
+@long_test
+def test_qlora_is_scored_on_its_4bit_base_as_trained_and_evaluate_agrees(tmp_path):
+    """QLoRA: the adapter on the quantized base it trained against, in the launch and again from its files."""
+    run = launch("qlora", tmp_path / "out", "--max-steps", "20", "--lr", "3e-3", "--batch-size", "16", "--max-length",
+                 "64", "--eval-tasks", "data/eval_tasks", "--eval-limit", "32", config="ddp")
+    assert run.returncode == 0, run.output[-3000:]
+    [record] = run.metrics("benchmarks")
+    done = subprocess.run(launch_command_of_evaluate("ddp", tmp_path / "out", "--limit", "32"), cwd=REPO,
+                          capture_output=True, text=True, timeout=600, env=launch_env(OFFLINE))
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    scores = json.loads((tmp_path / "out" / "benchmarks.json").read_text())["scores"]
+    assert scores == {task: record[task] for task in scores} and set(scores) == {"recipes_answer", "recipes_choice"}
 
 
 def test_a_folder_of_task_files_gives_its_tasks_and_itself_as_the_include_path():
@@ -96,3 +121,29 @@ def test_the_scores_keep_lm_evals_metric_names_without_stderr():
                            "arc_easy": {"acc,none": 0.75, "acc_stderr,none": 0.01}}}
     assert scores_of(results) == {"gsm8k": {"exact_match,strict-match": 0.25, "exact_match": 0.5},
                                   "arc_easy": {"acc": 0.75}}
+
+
+def test_scoring_puts_back_the_random_states_lm_eval_seeds(tmp_path):
+    """lm-eval seeds Python's, NumPy's and torch's generators: after a scoring in the middle of a run (--eval-every)
+    the run draws what it would have drawn without it."""
+    import random
+
+    import numpy
+    import torch
+    from accelerate import Accelerator
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from common.training.benchmarks import score
+    from conftest import TINY_MODEL
+
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(TINY_MODEL), AutoTokenizer.from_pretrained(TINY_MODEL)
+    one_process = Launch(kind="single", processes=1, on_gpu=False, visible_gpus=0, precision="no")
+
+    def draws():
+        return random.random(), float(numpy.random.rand()), torch.rand(2).tolist()
+
+    random.seed(7), numpy.random.seed(7), torch.manual_seed(7)
+    expected = draws()
+    random.seed(7), numpy.random.seed(7), torch.manual_seed(7)
+    scores = score(Accelerator(cpu=True), one_process, model, tokenizer, eval_tasks.parse(str(BUNDLED)), 4, 4, None)
+    assert draws() == expected and set(scores) == {"recipes_answer", "recipes_choice"}

@@ -1,4 +1,4 @@
-"""The flags of scripts/generate.py and scripts/merge.py. Imports nothing heavy: each script reads its flags
+"""The flags of scripts/generate.py, scripts/evaluate.py and scripts/merge.py. Imports nothing heavy: each script reads its flags
 (`--help`, a mistyped one) before torch and transformers load, which takes seconds."""
 
 from __future__ import annotations
@@ -8,17 +8,23 @@ import argparse
 from ..launching.args import SAVE_DTYPES
 
 
-def generate_flags(doc: str) -> argparse.ArgumentParser:
+def run_or_model_flags(doc: str) -> argparse.ArgumentParser:
+    """A script's parser that takes a run or a model (generate.py, evaluate.py), and --artifact."""
     summary, _, details = doc.partition("\n")
     parser = argparse.ArgumentParser(description=summary, epilog=details,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model", metavar="RUN_OR_MODEL",
                         help="a recipe's --output-dir (with run.json), or any model: a folder (merged/, model/, "
                              "adapter/, a transformers model) or a hub id")
-    parser.add_argument("--prompt", action="append", help="a prompt (repeatable); default: one per line of stdin")
     parser.add_argument("--artifact", choices=("auto", "model", "merged", "adapter"), default="auto",
                         help="in a run's folder, what to load (default: auto, the first of model/, merged/, adapter/ "
                              "the run wrote)")
+    return parser
+
+
+def generate_flags(doc: str) -> argparse.ArgumentParser:
+    parser = run_or_model_flags(doc)
+    parser.add_argument("--prompt", action="append", help="a prompt (repeatable); default: one per line of stdin")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="(default: 64)")
     parser.add_argument("--raw", action="store_true", help="give the prompts to the model exactly as typed")
     parser.add_argument("--system", default=None, metavar="TEXT",
@@ -52,4 +58,15 @@ def merge_flags(doc: str) -> argparse.ArgumentParser:
     parser.add_argument("--dtype", default="auto", choices=("auto", *SAVE_DTYPES),
                         help="dtype of the merged weights (default auto: the base's)")
     parser.add_argument("--trust-remote-code", action="store_true")
+    return parser
+
+
+def evaluate_flags(doc: str) -> argparse.ArgumentParser:
+    parser = run_or_model_flags(doc)
+    parser.add_argument("--tasks", required=True, help="lm-eval task or group names, task YAMLs or folders of them, "
+                        "comma-separated")
+    parser.add_argument("--limit", type=int, default=None, help="score only the first N rows of each task")
+    parser.add_argument("--batch-size", type=int, default=8, help="requests a forward, per process (default: 8)")
+    parser.add_argument("--output", default=None, help="a JSON file for the scores (default: a run's "
+                        "benchmarks.json; none for a model)")
     return parser

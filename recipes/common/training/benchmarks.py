@@ -16,6 +16,7 @@ import time
 
 import numpy
 import torch
+from torch.distributed.fsdp import FSDPModule
 
 from ..launching.eval_tasks import EvalTasks, parse
 
@@ -37,8 +38,18 @@ def launch_lm(accelerator, launch, model, tokenizer, batch_size: int, max_length
             return self._model
 
         def _model_generate(self, context, max_length, stop, **generation_kwargs):
-            return super()._model_generate(context, max_length, stop, synced_gpus=launch.shards_parameters,
-                                           **generation_kwargs)
+            # a PeftModel's generate calls the inner model's forward, past the FSDP2 root's hooks that gather
+            # the root's own weights (embeddings, final norm, head): gathered here for the whole generation
+            root = self._model if isinstance(self._model, FSDPModule) else None
+            if root is not None:
+                self._model(input_ids=context[:, :1])  # through the root once: FSDP2's set-up runs on a forward
+                root.unshard()
+            try:
+                return super()._model_generate(context, max_length, stop, synced_gpus=launch.shards_parameters,
+                                               **generation_kwargs)
+            finally:
+                if root is not None:
+                    root.reshard()
 
     return LaunchLM()
 

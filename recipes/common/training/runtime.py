@@ -87,6 +87,25 @@ def make_accelerator(args, launch: Launch) -> Accelerator:
     return accelerator
 
 
+def scoring_accelerator(launch: Launch, batch_size: int) -> Accelerator:
+    """An Accelerator for a model that is only scored (scripts/evaluate.py): the launch's strategy, on CPU
+    processes too, without a loader for DeepSpeed to size its batch from."""
+    on_cpu = not launch.on_gpu
+    if on_cpu:
+        share_cpu_cores()
+    kwargs = dict(kwargs_handlers=[InitProcessGroupKwargs(timeout=COLLECTIVE_TIMEOUT, **cpu_process_group(launch))])
+    if on_cpu and launch.kind != DEEPSPEED:
+        kwargs["cpu"] = True
+    accelerator = Accelerator(**kwargs)
+    if on_cpu and launch.kind == FSDP:
+        enable_fsdp_on_cpu(accelerator, main_process_sends=False)
+    if launch.kind == DEEPSPEED:  # its `auto` sizes come from a training loader, and there is none
+        config = accelerator.state.deepspeed_plugin.deepspeed_config
+        config.update(train_micro_batch_size_per_gpu=batch_size, gradient_accumulation_steps=1,
+                      train_batch_size=batch_size * accelerator.num_processes)
+    return accelerator
+
+
 def share_cpu_cores() -> None:
     """One slice of the cores per local process: oversubscribed OpenMP threads spin and run ~100x slower."""
     local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
