@@ -53,7 +53,7 @@ def test_the_readme_reads_in_ten_minutes():
 
 
 # What a user runs; the measurement harnesses and their library live in scripts/measure/.
-USER_TOOLS = {"build_tiny_model.py", "check_config.py", "generate.py", "inspect_data.py", "make_data.py", "merge.py",
+USER_TOOLS = {"build_tiny_model.py", "check_config.py", "evaluate.py", "generate.py", "inspect_data.py", "make_data.py", "merge.py",
               "plan.py", "plot.py", "slurm", "measure"}
 
 
