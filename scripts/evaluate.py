@@ -71,8 +71,8 @@ def main(argv=None) -> None:
         for task, metrics in scores.items():
             for metric, value in metrics.items():
                 print(f"{task}\t{metric}\t{value:.4f}")
-        output = args.output or (str(Path(args.model) / "benchmarks.json") if run and Path(args.model, "run.json").is_file()
-                                 else None)
+        in_run = Path(args.model, "run.json").is_file()  # a run's folder, not a model inside one
+        output = args.output or (str(Path(args.model) / "benchmarks.json") if in_run else None)
         if output:
             Path(output).write_text(json.dumps({"model": model, "tasks": list(tasks.names), "limit": args.limit,
                                                 "processes": accelerator.num_processes, "scores": scores}, indent=2) + "\n")

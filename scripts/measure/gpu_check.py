@@ -342,7 +342,8 @@ def copy_benchmark(part: str, folder: Path, results_dir: Path, result: dict) -> 
         return
     source = tables[-1].parent
     result["table"] = tables[-1].read_text().replace("(chart.png)", f"({part}.png)")
-    for name, target in (("results.json", f"{part}.json"), ("chart.png", f"{part}.png"))[:2 if part in CHARTS else 1]:
+    copied = [("results.json", f"{part}.json")] + ([("chart.png", f"{part}.png")] if part in CHARTS else [])
+    for name, target in copied:
         if (source / name).exists():
             (results_dir / target).write_bytes((source / name).read_bytes())
 

@@ -75,7 +75,7 @@ def settle_launch(args: Run, recipe: str) -> tuple[Run, Launch]:
 
 
 # Where compiling each decoder layer is on without a flag: measured on a CUDA GPU (LoRA under DDP, one H200:
-# 38.7% MFU against 26.0%, the same loss within bf16's round-off; results/2026-11-28_h200_call1) or the same
+# 38.7% MFU against 26.0%, the same loss within bf16's round-off; results/2026-11-28_h200_calls) or the same
 # per-layer wrapping (one process, FSDP2). Not QLoRA's 4-bit layers, DeepSpeed, tensor, pipeline or sequence
 # parallel, model parallel: none of them has run compiled on a GPU. Liger's kernels with it ran slower than
 # compile alone (34.6% against 38.7%), so --liger keeps compile off unless asked. Compiling is the first step (25.6 s
