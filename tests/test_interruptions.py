@@ -162,7 +162,7 @@ def test_an_elastic_job_that_loses_a_machine_continues_the_curve_on_the_one_left
     machines[1].communicate(timeout=60)
     assert machines[0].returncode == 0, output[-3000:]
     assert machines[1].returncode == -signal.SIGKILL
-    assert "(accelerate launch --max_restarts): continuing from the newest intact checkpoint" in output
+    assert "restart 1 (torchrun --max-restarts): continuing from the newest intact checkpoint" in output
     assert "was written by 2 processes and resumes on 1 with the same global batch" in output, output[-3000:]
     restarted = type(whole)(0, output, output_dir)
     assert steps_of(restarted) == list(range(1, 9))

@@ -51,10 +51,12 @@ def test_a_fresh_run_does_not_mix_into_an_older_metrics_file(tmp_path):
         assert [json.loads(line)["step"] for line in lines] == kept
 
 
-@pytest.mark.parametrize("config", [pytest.param("ddp", marks=long_test), pytest.param("fsdp", marks=long_test)])
+@pytest.mark.parametrize("config", ["ddp", pytest.param("fsdp", marks=long_test)])
 def test_a_checkpoint_continues_on_fewer_processes_on_the_same_curve(config, trained, tmp_path):
     """DDP's and FSDP2's checkpoints load as written at another process count; with the same global batch each
-    step takes the rows it took before (the shuffle is over the global batch), so the curve continues."""
+    step takes the rows it took before (the shuffle is over the global batch), so the curve continues, the
+    gradient norm too, where the accumulation changes (2 -> 16 here; the checkpoint's micro-batch counter,
+    4 steps x 2, is no multiple of 16: a counter carried over syncs and steps at the wrong micro-batch)."""
     whole = trained("lora", config)
     assert whole.returncode == 0, whole.output[-3000:]
     checkpoint = f"step-{SAVE_EVERY}"
@@ -64,14 +66,27 @@ def test_a_checkpoint_continues_on_fewer_processes_on_the_same_curve(config, tra
     assert resumed.returncode == 0, resumed.output[-3000:]
     assert f"was written by 2 processes and resumes on 1" in resumed.output
     assert "read parameter by parameter" not in resumed.output  # read as written
-    assert resumed.losses() == pytest.approx(whole.losses()[SAVE_EVERY:], rel=1e-6)
+    assert resumed.run_json()["batch"]["grad_accum"] == GLOBAL_BATCH
+    assert_same_curve(resumed, whole, SAVE_EVERY)
 
 
 def same_global_batch(recipe: str, config: str, processes: int) -> list[str]:
-    """The matrix launch's flags for `config` on `processes` processes, each step the same 16 rows."""
+    """The matrix launch's flags for `config` on `processes` processes, each step the same 16 rows, a row a
+    micro-batch: the accumulation is 16 / processes (the matrix launches accumulate 2)."""
     args = matrix_args(recipe, config)
-    args[args.index("--batch-size") + 1] = str(GLOBAL_BATCH // GRAD_ACCUM // processes)
-    return args
+    del args[args.index("--grad-accum"):args.index("--grad-accum") + 2]
+    args[args.index("--batch-size") + 1] = "1"
+    return args + ["--global-batch-size", str(GLOBAL_BATCH)]
+
+
+def assert_same_curve(resumed, whole, first_step: int, tolerance: float = 1e-5) -> None:
+    """Every resumed step's loss and gradient norm are the uninterrupted run's, within `tolerance` (relative)."""
+    after = [record for record in whole.metrics() if record["step"] > first_step]
+    assert [record["step"] for record in resumed.metrics()] == [record["step"] for record in after]
+    assert len(after) >= 3
+    for name in ("loss", "grad_norm"):
+        assert [record[name] for record in resumed.metrics()] == pytest.approx([record[name] for record in after],
+                                                                                 rel=tolerance), name
 
 
 # (recipe, the strategy that wrote the checkpoint, the one that continues it, on how many processes): DDP, FSDP2
@@ -99,14 +114,14 @@ def test_a_checkpoint_continues_under_another_strategy_on_the_same_curve(recipe,
     assert resumed.returncode == 0, resumed.output[-3000:]
     assert f"note: {checkpoint} was written by" in resumed.output
     assert "its trained state is read parameter by parameter into this launch" in resumed.output
-    assert [record["step"] for record in resumed.metrics()] == list(range(SAVE_EVERY + 1, STEPS + 1))
-    assert resumed.losses() == pytest.approx(whole.losses()[SAVE_EVERY:], rel=1e-5)
+    assert_same_curve(resumed, whole, SAVE_EVERY)
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [f"step-{SAVE_EVERY}", f"step-{STEPS}"]
 
 
 @pytest.mark.parametrize("files, written, read_as_written_by", [
     (["model.safetensors", "optimizer.bin"], "whole", "whole"),
     (["pytorch_model_fsdp_0/.metadata", "optimizer_0/.metadata"], "fsdp", "fsdp"),
+    (["pytorch_model_fsdp.bin", "optimizer.bin"], "fsdp_full", "fsdp_full"),  # fsdp_state_dict_type FULL_STATE_DICT
     (["split_model_and_optimizer/.metadata"], "split", "split"),
     (["pipeline_stages/stage-0.pt", "pipeline_stages/stage-1.pt"], "pipeline", None),  # always by name
     (["pytorch_model/mp_rank_00_model_states.pt", "pytorch_model/zero_pp_rank_0_mp_rank_00_optim_states.pt",
@@ -120,8 +135,20 @@ def test_a_checkpoint_is_read_as_written_only_by_its_own_layout(files, written, 
     from common.outputs import checkpoint
 
     assert checkpoint.written_as(tmp_path)[0] == written
-    for layout in ("whole", "fsdp", "split", "pipeline", "zero", "zero3"):
+    for layout in ("whole", "fsdp", "fsdp_full", "split", "pipeline", "zero", "zero3"):
         assert checkpoint.read_by_name(*checkpoint.written_as(tmp_path), layout, 2) == (layout != read_as_written_by)
+
+
+def test_the_restart_line_names_the_launcher_that_restarts():
+    from common.outputs.checkpoint import restarting_launcher
+
+    assert restarting_launcher([sys.executable, "-m", "accelerate.commands.launch", "--max_restarts", "2"]) == (
+        "accelerate launch --max_restarts")
+    assert restarting_launcher(["/usr/bin/python3", "/usr/local/bin/accelerate", "launch"]) == (
+        "accelerate launch --max_restarts")
+    for torchrun in (["/usr/bin/python3", "/usr/local/bin/torchrun", "--nnodes", "1:2"],
+                     [sys.executable, "-m", "torch.distributed.run", "--max-restarts", "2"]):
+        assert restarting_launcher(torchrun) == "torchrun --max-restarts"
 
 
 def test_deepspeed_reads_its_own_files_at_the_same_count_only(tmp_path):
@@ -136,3 +163,55 @@ def test_deepspeed_reads_its_own_files_at_the_same_count_only(tmp_path):
     assert not checkpoint.read_by_name(*checkpoint.written_as(tmp_path), "zero3", 2)
     assert checkpoint.read_by_name(*checkpoint.written_as(tmp_path), "zero3", 4)
     assert checkpoint.read_by_name(*checkpoint.written_as(tmp_path), "zero", 2)
+
+
+# A checkpoint at step 3 of steps of 8 rows, micro-batches of 2: the accumulation is 4 / processes, so every count
+# change below changes it, and the micro-batches the checkpoint counted (3 x its accumulation) are no multiple of
+# the new accumulation going down. (recipe, writer, its processes, the launch that continues, its processes); None
+# is one process; the user's own FSDP file with FULL_STATE_DICT (TRL's) both ways. The matrix launches above cover
+# the every-run case (DDP 2 -> 1).
+USER_FSDP_FULL = str(REPO / "tests" / "fixtures" / "user_configs" / "trl__fsdp2.yaml")
+COUNT_CHANGES = [
+    ("lora", "ddp", 2, None, 1), ("lora", "zero3", 2, "zero3", 1), ("lora", "zero1", 2, "zero2", 1),
+    ("full", "fsdp", 2, "fsdp", 1), ("full", "zero2", 2, None, 1), ("full", "ddp", 4, "zero3", 2),
+    ("lora", "fsdp", 4, "ddp", 1),
+    ("lora", None, 1, "fsdp", 2), ("full", None, 1, "zero3", 2), ("lora", "zero3", 1, "zero3", 2),
+    ("full", "fsdp", 1, "zero1", 4),
+    ("lora", USER_FSDP_FULL, 2, "ddp", 1), ("full", USER_FSDP_FULL, 2, USER_FSDP_FULL, 1),
+    ("full", "zero3", 2, USER_FSDP_FULL, 1), ("lora", "fsdp", 2, USER_FSDP_FULL, 4),
+    ("dpo", "ddp", 2, None, 1), ("dpo", "zero3", 2, "fsdp", 1), ("dpo", None, 1, "zero3", 2),
+    ("dpo_full", "fsdp", 2, "zero3", 1), ("dpo_full", "zero2", 2, "ddp", 4),
+]
+
+
+def count_change_args(recipe: str) -> list[str]:
+    args = ["--batch-size", "2", "--global-batch-size", "8", "--max-steps", "6", "--save-every", "3",
+            "--eval-every", "0", "--lr", "1e-3"]
+    return args + (["--lora-dropout", "0"] if recipe in ("lora", "dpo") else [])
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory):
+    runs = {}
+
+    def run(recipe: str, config: str | None, processes: int):
+        if (recipe, config, processes) not in runs:
+            output_dir = tmp_path_factory.mktemp(f"{recipe}-{processes}") / "out"
+            runs[recipe, config, processes] = launch(recipe, output_dir, *count_change_args(recipe), config=config,
+                                                     processes=processes)
+        return runs[recipe, config, processes]
+
+    return run
+
+
+@long_test
+@pytest.mark.parametrize("recipe, writer, written_on, config, processes", COUNT_CHANGES)
+def test_a_checkpoint_continues_where_the_count_and_the_accumulation_change(recipe, writer, written_on, config,
+                                                                            processes, written, tmp_path):
+    whole = written(recipe, writer, written_on)
+    assert whole.returncode == 0, whole.output[-3000:]
+    resumed = launch(recipe, tmp_path, *count_change_args(recipe), "--resume",
+                     str(whole.output_dir / "checkpoints" / "step-3"), config=config, processes=processes)
+    assert resumed.returncode == 0, resumed.output[-3000:]
+    assert resumed.run_json()["batch"]["grad_accum"] == 4 // processes != whole.run_json()["batch"]["grad_accum"]
+    assert_same_curve(resumed, whole, 3)

@@ -24,6 +24,7 @@ import torch
 
 from ..launching.args import SAVE_DTYPES
 from ..launching.batch_size import rows_per_step
+from ..launching.launch_config import launcher_argv
 from ..model import adapters
 from . import reshard
 from ..refusal import refuse
@@ -179,14 +180,17 @@ def same_model(a: str, b: str) -> bool:
 
 def written_as(path: Path) -> tuple[str, int | None]:
     """The layout a checkpoint's files were written in, read from the files themselves (any checkpoint, of any
-    version), and for DeepSpeed's the processes that wrote it: "zero" (ZeRO-1/2), "zero3", "fsdp", "split"
-    (tensor parallel's), "pipeline", or "whole": one process's files (one process, DDP, model parallel)."""
+    version), and for DeepSpeed's the processes that wrote it: "zero" (ZeRO-1/2), "zero3", "fsdp" (sharded),
+    "fsdp_full" (FSDP with FULL_STATE_DICT), "split" (tensor parallel's), "pipeline", or "whole": one process's
+    files (one process, DDP, model parallel)."""
     folder = path / "pytorch_model"
     if folder.is_dir():  # DeepSpeed's engine: one file of optimizer state per process
         stage = "zero3" if any(folder.glob("zero_pp_rank_*_model_states.pt")) else "zero"
         return stage, len(list(folder.glob("*_optim_states.pt"))) or None
     if any(path.glob("pytorch_model_fsdp_*")):
         return "fsdp", None
+    if (path / "pytorch_model_fsdp.bin").is_file():  # fsdp_state_dict_type FULL_STATE_DICT: gathered, whole files
+        return "fsdp_full", None
     if (path / SPLIT_STATE).is_dir():
         return "split", None
     if (path / STAGES_STATE).is_dir():
@@ -194,19 +198,21 @@ def written_as(path: Path) -> tuple[str, int | None]:
     return "whole", None
 
 
-def launch_layout(distributed_type: str, launch) -> str:
-    """The layout this launch writes its checkpoints in (the names of `written_as`)."""
+def launch_layout(distributed_type: str, launch, full_state_dict: bool = False) -> str:
+    """The layout this launch writes its checkpoints in (the names of `written_as`); `full_state_dict`: FSDP's
+    plugin saves whole state dicts (a config's fsdp_state_dict_type FULL_STATE_DICT)."""
     if distributed_type == "DEEPSPEED":
         return "zero3" if launch.zero_stage == 3 else "zero"
     if distributed_type == "FSDP":
-        return "fsdp"
+        return "fsdp_full" if full_state_dict else "fsdp"
     if launch.pipeline_stages > 1:
         return "pipeline"
     return "split" if launch.tensor_parallel > 1 else "whole"
 
 
 # What writes each layout, as a note names it
-WRITTEN_BY = {"zero": "DeepSpeed ZeRO-1/2", "zero3": "DeepSpeed ZeRO-3", "fsdp": "FSDP", "split": "tensor parallel",
+WRITTEN_BY = {"zero": "DeepSpeed ZeRO-1/2", "zero3": "DeepSpeed ZeRO-3", "fsdp": "FSDP",
+              "fsdp_full": "FSDP with FULL_STATE_DICT", "split": "tensor parallel",
               "whole": "one process, DDP or model parallel", "pipeline": "pipeline parallel"}
 
 
@@ -230,7 +236,7 @@ def choose_resume(args, processes: int | None = None,
             return None, [], (f"{args.output_dir} already holds checkpoints of another run; pass --resume auto to "
                               "continue it, or choose a new --output-dir")
         return None, [], None
-    lines = [f"restart {restarted} (accelerate launch --max_restarts): continuing from the newest intact checkpoint"
+    lines = [f"restart {restarted} ({restarting_launcher()}): continuing from the newest intact checkpoint"
              ] if restarted else []
     if wanted == "auto":
         chosen = None
@@ -280,6 +286,13 @@ def choose_resume(args, processes: int | None = None,
     return chosen, lines, None
 
 
+def restarting_launcher(argv: list[str] | None = None) -> str:
+    """What restarted this process, as the user typed it: accelerate's launcher or torchrun."""
+    argv = launcher_argv() if argv is None else argv
+    return ("accelerate launch --max_restarts" if any("accelerate" in arg for arg in argv[:3])
+            else "torchrun --max-restarts")
+
+
 @dataclass(frozen=True)
 class Resume:
     path: Path  # the checkpoint
@@ -293,7 +306,9 @@ def resume_point(accelerator, args, launch) -> Resume | None:
     so a refusal is the same line on every rank."""
     from accelerate.utils import broadcast_object_list
 
-    layout = launch_layout(accelerator.distributed_type.value, launch)
+    plugin = getattr(accelerator.state, "fsdp_plugin", None)
+    full_state_dict = plugin is not None and getattr(plugin.state_dict_type, "name", "") == "FULL_STATE_DICT"
+    layout = launch_layout(accelerator.distributed_type.value, launch, full_state_dict)
     decision = [None]
     if accelerator.is_main_process:
         chosen, lines, refusal = choose_resume(args, accelerator.num_processes, rows_per_step(args, launch))
@@ -338,6 +353,11 @@ def resume_from(accelerator, resume: Resume | None, model, optimizer, stages) ->
         with split_weights_apart(accelerator, path, saving=False):
             accelerator.load_state(str(path))
     step = state["step"]
+    # load_state restored accelerate's micro-batch counter as the writing launch left it (its steps x its
+    # accumulation, and on its ranks only: a rank it did not have keeps 0). The counter decides which
+    # micro-batch syncs and steps the optimizer (DeepSpeed's engine too), so it is set as this launch
+    # would have it after `step` steps.
+    accelerator.step = step * accelerator.gradient_state.num_steps
     if accelerator.is_main_process:
         how = "by parameter name" if resume.by_name else "as written"
         print(f"resumed from {path} at step {step} (read {how} in {time.monotonic() - started:.1f} s)", flush=True)

@@ -2,20 +2,23 @@
 
 Each strategy writes its checkpoint in its own layout, as fast as it can (checkpoint.py), and reads it back
 where the layout is the same. Where the launch differs, the trained parameters and their AdamW moments are
-read one parameter at a time as whole tensors, whatever wrote them, and put into the launch's own layout:
+read one parameter at a time by name, whatever wrote them, and put into the launch's own layout:
 
 - one process / DDP / model parallel: accelerate's model.safetensors and optimizer.bin (the optimizer's
   entries in the order of the model's trained parameters, which the same recipe and flags make the same);
-- FSDP2 and tensor parallel: torch.distributed.checkpoint folders, keyed by parameter name;
+- FSDP2 and tensor parallel: torch.distributed.checkpoint folders, keyed by parameter name (FSDP's
+  FULL_STATE_DICT: its gathered files, keyed by name too);
 - pipeline parallel: each stage's file, its weights by name and its optimizer's entries in their order;
 - DeepSpeed ZeRO-1/2/3: DeepSpeed's own converter (`ds_to_universal`) joins the ranks' partitions into
   one folder per parameter, in a scratch folder beside the checkpoint, removed after the load.
 
-Into the launch: whole tensors copied (one process, DDP, a pipeline stage's own layers), this rank's shard
-cut from them (DTensors: FSDP2, tensor parallel), or DeepSpeed's `safe_set_full_fp32_param` /
-`safe_set_full_optimizer_state`. One parameter's state is in memory at a time. The schedule is fitted to the
-launch's parameter groups; random states and the data position are accelerate's files as before (world-size
-free; a rank that did not exist has no random state to restore).
+Files are mapped, not read whole, so each rank reads what it keeps: a DTensor's shard (FSDP2, tensor parallel:
+sliced from the mapped tensor, or the overlapping pieces of a distributed checkpoint), DeepSpeed's partition of
+the master weights and moments (`safe_set_full_fp32_param` / `safe_set_full_optimizer_state` cut them), every
+byte only where every rank holds everything (one process, DDP, a pipeline stage's own layers). One parameter's
+state is in memory at a time. The schedule is fitted to the launch's parameter groups; random states and the
+data position are accelerate's files as before (world-size free; a rank that did not exist has no random state
+to restore).
 """
 
 from __future__ import annotations
@@ -47,6 +50,8 @@ def open_written(path: Path, layout: str, names: list[str], is_main: bool, barri
         yield read_whole(path, names)
     elif layout == "fsdp":
         yield read_distributed(path / "pytorch_model_fsdp_0", "model.", path / "optimizer_0", "optimizer.state.")
+    elif layout == "fsdp_full":
+        yield read_gathered(path)
     elif layout == "split":  # tensor parallel's: model and optimizer in one folder
         yield read_distributed(path / "split_model_and_optimizer", "model.", path / "split_model_and_optimizer",
                                "optimizer.state.")
@@ -81,12 +86,24 @@ def read_whole(path: Path, names: list[str]):
                          f"checkpoint of an earlier version); continue it on one process or DDP")
     by_name = dict(zip(names, entries))
 
-    def read(name: str) -> dict:
+    def read(name: str, like=None) -> dict:
         with safe_open(str(path / files[name]), "pt") as weights:
-            param = weights.get_tensor(name)
-        return {"param": param, **{key: by_name[name][key] for key in MOMENTS}}
+            param = weights.get_tensor(name) if like is None else local_part(weights.get_slice(name), like)
+        return {"param": param, **{key: part(by_name[name][key], like) for key in MOMENTS}}
 
     return read, float(entries[0]["step"])
+
+
+def read_gathered(path: Path):
+    """FSDP's FULL_STATE_DICT files: the gathered weights and an optimizer state keyed by parameter name (mapped,
+    not read whole: a parameter's bytes are read when it is)."""
+    weights = torch.load(path / "pytorch_model_fsdp.bin", map_location="cpu", weights_only=True, mmap=True)
+    state = torch.load(path / "optimizer.bin", map_location="cpu", weights_only=True, mmap=True)["state"]
+
+    def read(name: str, like=None) -> dict:
+        return {"param": part(weights[name], like), **{key: part(state[name][key], like) for key in MOMENTS}}
+
+    return read, float(next(iter(state.values()))["step"])
 
 
 def read_stages(folder: Path):
@@ -99,7 +116,11 @@ def read_stages(folder: Path):
         for (name, param), entry in zip(stage["model"].items(), entries, strict=True):
             by_name[name] = {"param": param, **{key: entry[key] for key in MOMENTS}}
             step = entry["step"]
-    return by_name.__getitem__, float(step)
+
+    def read(name: str, like=None) -> dict:
+        return {key: part(value, like) for key, value in by_name[name].items()}
+
+    return read, float(step)
 
 
 def read_distributed(model_folder: Path, model_prefix: str, optimizer_folder: Path, state_prefix: str):
@@ -110,17 +131,22 @@ def read_distributed(model_folder: Path, model_prefix: str, optimizer_folder: Pa
     stored = FileSystemReader(str(model_folder)).read_metadata().state_dict_metadata
     moments = FileSystemReader(str(optimizer_folder)).read_metadata().state_dict_metadata
 
-    def empty(entry):
-        return torch.empty(entry.size, dtype=entry.properties.dtype)
+    def empty(entry, like=None):
+        if like is None:
+            return torch.empty(entry.size, dtype=entry.properties.dtype)
+        # a DTensor target: the reader takes only the stored pieces that overlap this rank's shard
+        return torch.distributed.tensor.empty(entry.size, dtype=entry.properties.dtype,
+                                              device_mesh=like.device_mesh, placements=like.placements)
 
     def load(folder, wanted: dict) -> dict:
         dcp.load(wanted, checkpoint_id=str(folder), no_dist=True)
-        return wanted
+        return {key: value.to_local() if hasattr(value, "to_local") else value for key, value in wanted.items()}
 
-    def read(name: str) -> dict:
-        param = load(model_folder, {model_prefix + name: empty(stored[model_prefix + name])})[model_prefix + name]
+    def read(name: str, like=None) -> dict:
+        key = model_prefix + name
+        param = load(model_folder, {key: empty(stored[key], like)})[key]
         keys = {key: f"{state_prefix}{name}.{key}" for key in MOMENTS}
-        found = load(optimizer_folder, {flat: empty(moments[flat]) for flat in keys.values()})
+        found = load(optimizer_folder, {flat: empty(moments[flat], like) for flat in keys.values()})
         return {"param": param, **{key: found[flat] for key, flat in keys.items()}}
 
     steps = [key for key in moments if key.startswith(state_prefix) and key.endswith(".step")]
@@ -141,11 +167,12 @@ def to_universal(folder: Path, output: Path) -> None:
 
 def read_universal(folder: Path):
     def tensor(file: Path) -> torch.Tensor:
-        value = torch.load(file, map_location="cpu", weights_only=False)
+        value = torch.load(file, map_location="cpu", weights_only=False, mmap=True)
         return (value["param"] if isinstance(value, dict) else value).detach()  # ZeRO-1/2 wrap it, ZeRO-3 not
 
-    def read(name: str) -> dict:
-        return {"param": tensor(folder / name / "fp32.pt"), **{key: tensor(folder / name / f"{key}.pt") for key in MOMENTS}}
+    def read(name: str, like=None) -> dict:
+        return {"param": part(tensor(folder / name / "fp32.pt"), like),
+                **{key: part(tensor(folder / name / f"{key}.pt"), like) for key in MOMENTS}}
 
     steps = list(folder.glob("*/step.pt"))
     if steps:  # ZeRO-1/2 keep it by parameter, ZeRO-3 with the optimizer's common state
@@ -156,9 +183,27 @@ def read_universal(folder: Path):
     return read, float(step)
 
 
+def part(whole: torch.Tensor, like) -> torch.Tensor:
+    """`whole` (a tensor mapped from its file: nothing read yet), or this rank's part of it where the parameter
+    laid out `like` is a DTensor: only the pages of that part are read."""
+    return whole if like is None else local_part(whole.reshape(like.shape), like)
+
+
+def local_part(whole, like) -> torch.Tensor:
+    """The block of `whole` (a tensor, or a safetensors slice: both cut alike) that this rank holds of the DTensor
+    `like`."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(like.shape, like.device_mesh, like.placements)
+    return whole[tuple(slice(start, start + size) for start, size in zip(offset, shape))]
+
+
 def load_trained_state(model, optimizer, read, step: float) -> None:
-    """Set every trained parameter of `model` and its AdamW state from `read` (whole tensors by name), in this
-    launch's own layout. `optimizer` is the prepared one (accelerate's wrapper)."""
+    """Set every trained parameter of `model` and its AdamW state from `read` (by name), in this launch's own
+    layout. `optimizer` is the prepared one (accelerate's wrapper). What each rank reads: its shard of a DTensor
+    (FSDP2, tensor parallel); its partition of the weights and moments under DeepSpeed (all of the 16-bit weights
+    under ZeRO-1/2, which every rank holds; the first rank sets ZeRO-3's); all of them where every rank holds all
+    (one process, DDP)."""
     from torch.distributed.tensor import DTensor
 
     inner = optimizer.optimizer  # torch's AdamW, or DeepSpeed's ZeRO optimizer around it
@@ -166,18 +211,20 @@ def load_trained_state(model, optimizer, read, step: float) -> None:
     if deepspeed:
         make_zero_state(inner)
     for name, param in trained_names(model).items():
-        state = {key: value.float().reshape(full_shape(param)) for key, value in read(name).items()}
+        split = isinstance(param, DTensor)
+        state = read(name, param if split else None)
         if deepspeed:
-            set_in_deepspeed(param, state)
+            set_in_deepspeed(param, {key: value.reshape(full_shape(param)) for key, value in state.items()})
             continue
-        if isinstance(param, DTensor):  # this rank's shard, cut from the whole tensor where every rank has it
-            state = {key: torch.distributed.tensor.distribute_tensor(
-                value.to(param.device), param.device_mesh, param.placements, src_data_rank=None)
-                for key, value in state.items()}
+        state = {key: value.to(param.device, torch.float32, copy=True).reshape(
+            param.to_local().shape if split else param.shape) for key, value in state.items()}
+        if split:  # this rank's shard, as the DTensor of the parameter's layout
+            state = {key: DTensor.from_local(value, param.device_mesh, param.placements, run_check=False,
+                                             shape=param.shape, stride=param.stride()) for key, value in state.items()}
         with torch.no_grad():
             param.copy_(state["param"].to(param.dtype))
         inner.state[param] = {"step": torch.tensor(step, dtype=torch.float32, device=param.device),
-                              **{key: state[key].to(param.device) for key in MOMENTS}}
+                              **{key: state[key] for key in MOMENTS}}
     if deepspeed:  # ZeRO's optimizer holds a state per flat group: the step count is the same for all
         for entry in inner.optimizer.state.values():
             entry["step"] = torch.full_like(entry["step"], step) if torch.is_tensor(entry["step"]) else int(step)
@@ -213,15 +260,19 @@ def make_zero_state(zero) -> None:
 
 
 def set_in_deepspeed(param, state: dict) -> None:
-    """DeepSpeed keeps a 16-bit (or fp32) copy the forward uses and the fp32 master the optimizer updates."""
+    """DeepSpeed keeps a 16-bit (or fp32) copy the forward uses and the fp32 master the optimizer updates. The
+    master and the moments take this rank's partition of the (mapped) whole tensors; ZeRO-3's 16-bit copy is
+    gathered, set by the first rank of its group and partitioned from there."""
     import deepspeed
     from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
-    with deepspeed.zero.GatheredParameters([param], modifier_rank=0, enabled=hasattr(param, "ds_id")), torch.no_grad():
-        param.copy_(state["param"].to(param.dtype))
-    safe_set_full_fp32_param(param, state["param"])
+    partitioned = hasattr(param, "ds_id")
+    with deepspeed.zero.GatheredParameters([param], modifier_rank=0, enabled=partitioned), torch.no_grad():
+        if not partitioned or torch.distributed.get_rank(param.ds_process_group) == 0:
+            param.copy_(state["param"].to(param.dtype))
+    safe_set_full_fp32_param(param, state["param"].float())
     for key in MOMENTS:
-        safe_set_full_optimizer_state(param, state[key], key)
+        safe_set_full_optimizer_state(param, state[key].float(), key)
 
 
 def load_schedule(scheduler, saved: dict) -> None:
