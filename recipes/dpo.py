@@ -240,7 +240,7 @@ def main():
             log.log_eval(step, evaluate_pairs(accelerator, model, eval_loader,
                                               lambda batch: score_pairs(accelerator, model, batch, run, head)[1]))
             if run.eval_tasks:  # lm-eval's tasks on the model as the launch holds it, each rank its share
-                log.log_benchmarks(step, benchmarks.score_run(accelerator, launch, run, model, tokenizer))
+                log.log_benchmarks(step, benchmarks.score_run(accelerator, launch, run, model, tokenizer, data_format))
         if stopping or (run.save_every and step % run.save_every == 0):
             checkpoint.save_checkpoint(accelerator, run, launch, step, None)
         if stopping:

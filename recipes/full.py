@@ -188,7 +188,7 @@ def main():
         if step == total_steps or (run.eval_every and step % run.eval_every == 0):
             log.log_eval(step, evaluate(accelerator, model, eval_loader, token_losses, head, stages))
             if run.eval_tasks:  # lm-eval's tasks on the model as the launch holds it, each rank its share
-                log.log_benchmarks(step, benchmarks.score_run(accelerator, launch, run, model, tokenizer))
+                log.log_benchmarks(step, benchmarks.score_run(accelerator, launch, run, model, tokenizer, data_format))
         if stopping or (run.save_every and step % run.save_every == 0):
             checkpoint.save_checkpoint(accelerator, run, launch, step, stages)
         if stopping:

@@ -7,10 +7,12 @@ tasks, every process of the launch scoring its share.
 
 The same scoring as a recipe's --eval-tasks (recipes/common/training/benchmarks.py: lm-eval's own HFLM, each
 data-parallel rank its share of the requests), on the model loaded from its files: an adapter stays unmerged on
-its base (quantized as its run trained it). --tasks takes task or group names, task YAMLs or folders of them;
-their data must be on the machine (checked offline before the model loads). Prints a table; writes the scores to
---output (default: benchmarks.json in a run's folder). Launches: one process, DDP, FSDP, DeepSpeed (not model,
-tensor, pipeline or sequence parallel); each process loads the whole model before the launch places or shards it.
+its base (quantized as its run trained it). A run that trained on chat rows is scored through its chat template
+and system prompt, as it trained (--raw-prompts: the tasks' raw text); a model without run.json on raw text.
+--tasks takes task or group names, task YAMLs or folders of them; their data must be on the machine (checked
+offline before the model loads). Prints a table; writes the scores to --output (default: benchmarks.json in a
+run's folder). Launches: one process, DDP, FSDP, DeepSpeed (not model, tensor, pipeline or sequence parallel); each
+process loads the whole model before the launch places or shards it.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ import torch  # noqa: E402
 from common.launching import eval_tasks  # noqa: E402
 from common.launching.launch import DEEPSPEED, FSDP, MODEL_PARALLEL, describe  # noqa: E402
 from common.refusal import refuse  # noqa: E402
-from common.training.benchmarks import score  # noqa: E402
+from common.training.benchmarks import Prompts, run_prompts, score  # noqa: E402
 from common.training.runtime import scoring_accelerator  # noqa: E402
 from generate import find_model, load, load_tokenizer  # noqa: E402  (how generate.py finds and loads a model)
 
@@ -66,8 +68,11 @@ def main(argv=None) -> None:
         prepared = accelerator.prepare(loaded)
     else:  # one process, DDP: each rank its whole copy, nothing to keep in step without gradients
         prepared = loaded if bits else loaded.to(accelerator.device)
-    scores = score(accelerator, launch, prepared, tokenizer, tasks, args.limit, args.batch_size, None)
+    # as the run trained (its rows' format and system prompt in run.json); a model of no run: raw, as lm_eval's default
+    prompts = run_prompts(run["data_format"], run.get("system_prompt"), args.raw_prompts) if run else Prompts(False)
+    scores = score(accelerator, launch, prepared, tokenizer, tasks, args.limit, args.batch_size, None, prompts)
     if accelerator.is_main_process:
+        print(f"prompts: {prompts.describe()}")
         for task, metrics in scores.items():
             for metric, value in metrics.items():
                 print(f"{task}\t{metric}\t{value:.4f}")
@@ -75,7 +80,8 @@ def main(argv=None) -> None:
         output = args.output or (str(Path(args.model) / "benchmarks.json") if in_run else None)
         if output:
             Path(output).write_text(json.dumps({"model": model, "tasks": list(tasks.names), "limit": args.limit,
-                                                "processes": accelerator.num_processes, "scores": scores}, indent=2) + "\n")
+                                                "processes": accelerator.num_processes, "prompts": prompts.describe(),
+                                                "scores": scores}, indent=2) + "\n")
             print(f"scores written to {output}")
     accelerator.wait_for_everyone()
     accelerator.end_training()

@@ -36,7 +36,7 @@ if __name__ == "__main__":  # the flags read (--help, a mistyped one) before tor
 import torch  # noqa: E402
 
 from common.data.formats import IGNORE, PROMPT_TEMPLATE, RowProblem  # noqa: E402
-from common.data.pairs import PAIR_FORMATS, side_format  # noqa: E402
+from common.data.pairs import renders_chat, row_formats  # noqa: E402
 from common.data.tokens import tokenize_row  # noqa: E402
 from common.model import adapters  # noqa: E402
 
@@ -122,15 +122,10 @@ def wrapping(model: str, tokenizer, raw: bool) -> tuple[str, str]:
     return "text", f"prompts: as typed ({model} has no run.json, and its tokenizer no chat template)"
 
 
-def row_formats(data_format: str) -> list[str]:
-    """The supervised formats of a run's rows (a mixture's, one each); preference pairs as their sides are."""
-    return [side_format(fmt) if fmt in PAIR_FORMATS else fmt for fmt in data_format.split("+")]
-
-
 def is_chat(data_format: str, raw: bool) -> bool:
     """Whether prompts go through the chat template: a chat run's (or a mixture's with chat in it, or chat pairs'),
     unless --raw."""
-    return "messages" in row_formats(data_format) and not raw
+    return renders_chat(data_format) and not raw
 
 
 def prompt_ids(prompt: str, tokenizer, data_format: str, raw: bool, system: str | None = None) -> list[int]:

@@ -122,9 +122,9 @@ def test_a_template_that_leaves_the_replies_out_drops_its_rows(tokenizer):
     (["--warmup-ratio", "1.5"], r"--warmup-ratio must be in \[0, 1\], got 1.5"),
     (["--max-grad-norm", "0"], "--max-grad-norm must be > 0"),
     (["--columns", "instruction=question,answer"], "--columns entry `answer` is not NEW=OLD"),
-    (["--lora-targets", "q_proj,x_proj"], "--lora-targets x_proj match no module \\(the others do\\) of .*; its linear "
+    (["--lora-targets", "q_proj,x_proj"], "--lora-targets x_proj matches no module \\(the others do\\) of .*; its linear "
                                           "layers are down_proj, gate_proj, k_proj, lm_head, o_proj, q_proj"),
-    (["--lora-targets", "attn"], "--lora-targets attn match no module of"),
+    (["--lora-targets", "attn"], "--lora-targets attn matches no module of"),
     (["--output-dir", "/sys/outputs"], "--output-dir /sys/outputs cannot be written"),
     (["--output-dir", "/etc/hostname/run"], "--output-dir /etc/hostname/run lies under the file /etc/hostname"),
     (["--output-dir", ""], "--output-dir is empty"),
@@ -289,8 +289,8 @@ EVERY_CASE = [
     (["--lora-dropout", "2"], "good", "--lora-dropout must be in [0, 1)"),
     (["--save-every", "-1"], "good", "--save-every must be >= 0"),
     (["--columns", "instruction"], "good", "--columns entry `instruction` is not NEW=OLD"),
-    (["--lora-targets", "nope"], "good", "--lora-targets nope match no module"),
-    (["--lora-targets", "q_proj,nope"], "good", "--lora-targets nope match no module (the others do)"),
+    (["--lora-targets", "nope"], "good", "--lora-targets nope matches no module"),
+    (["--lora-targets", "q_proj,nope"], "good", "--lora-targets nope matches no module (the others do)"),
     (["--output-dir", "/sys/outputs"], "good", "--output-dir /sys/outputs cannot be written"),
     ([], "malformed", ":6: not valid JSON"),
     ([], "latin-1", ":6: not UTF-8"),

@@ -25,37 +25,72 @@ OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 TRAINING = ["--max-steps", "120", "--lr", "3e-3", "--batch-size", "16", "--max-length", "64"]
 
 
-def lm_eval_command(model, output_dir, batch_size: int = 16) -> dict:
-    """`lm_eval run --model hf` on a saved model, the bundled tasks, one CPU process: its scores."""
+def lm_eval_command(model, output_dir, batch_size: int = 16, system: str | None = None) -> dict:
+    """`lm_eval run --model hf` on a saved model, the bundled tasks, one CPU process: its scores; with `system`,
+    through the model's chat template after that system turn (`--apply_chat_template --system_instruction`)."""
+    chat = ["--apply_chat_template", "--system_instruction", system] if system else []
     done = subprocess.run(
         [sys.executable, "-m", "lm_eval", "run", "--model", "hf", "--model_args", f"pretrained={model},dtype=float32",
          "--tasks", "recipes_choice,recipes_answer", "--include_path", str(BUNDLED), "--batch_size", str(batch_size),
-         "--device", "cpu", "--output_path", str(output_dir)],
+         "--device", "cpu", "--output_path", str(output_dir), *chat],
         cwd=REPO, capture_output=True, text=True, timeout=600, env=launch_env(OFFLINE))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     [written] = output_dir.rglob("results_*.json")
     return scores_of(json.loads(written.read_text()))
 
 
+SYSTEM = "Answer with the list only."
+
+
+def chat_rows(tmp_path) -> str:
+    """The bundled rows as chat rows after one system turn, each user turn the text the tasks prompt with."""
+    rows = tmp_path / "chat.jsonl"
+    with open(REPO / "data" / "train.jsonl") as source, open(rows, "w") as out:
+        for line in source:
+            row = json.loads(line)
+            turns = [{"role": "system", "content": SYSTEM},
+                     {"role": "user", "content": f"### Instruction:\n{row['instruction']}\n\n### Response:\n"},
+                     {"role": "assistant", "content": row["response"]}]
+            out.write(json.dumps({"messages": turns}) + "\n")
+    return str(rows)
+
+
 @pytest.mark.parametrize("config", ["ddp", pytest.param("fsdp", marks=long_test), pytest.param("zero3", marks=long_test)])
 def test_scores_in_the_launch_equal_lm_evals_own_command_on_the_merged_model(config, tmp_path):
     """Two processes, each scoring half the requests of a multiple-choice and a generation task, LoRA unmerged
     (sharded under FSDP2 and ZeRO-3); lm-eval's command on the merged folder in one process gets the same
-    scores: accuracy exactly, the greedy answers' exact match too (float32, the same batch size)."""
-    run = launch("lora", tmp_path / "out", *TRAINING, "--eval-tasks", "data/eval_tasks", "--merge", config=config)
+    scores: accuracy exactly, the greedy answers' exact match too (float32, the same batch size). Under DDP the
+    run trains on chat rows with a system turn and is scored as it trained, as `lm_eval --apply_chat_template
+    --system_instruction` scores it; the others on the bundled instruction rows, raw."""
+    chat = config == "ddp"
+    data = ["--dataset", chat_rows(tmp_path), "--max-length", "128"] if chat else []  # the turns take room
+    run = launch("lora", tmp_path / "out", *TRAINING, *data, "--eval-tasks", "data/eval_tasks", "--merge", config=config)
     assert run.returncode == 0, run.output[-3000:]
     [record] = run.metrics("benchmarks")
     scores = {task: record[task] for task in ("recipes_choice", "recipes_answer")}
-    assert scores == lm_eval_command(tmp_path / "out" / "merged", tmp_path / "lm_eval")
-    assert scores["recipes_answer"]["exact_match"] > 0 and set(scores["recipes_choice"]) == {"acc", "acc_norm"}
-    assert "benchmarks at step 120: recipes_answer exact_match" in run.output and record["seconds"] > 0
+    assert scores == lm_eval_command(tmp_path / "out" / "merged", tmp_path / "lm_eval", system=SYSTEM if chat else None)
+    # (the tiny model learns the raw rows' answers in these steps, ~0.17 exact match; the chat rows' longer turns not yet)
+    assert chat or scores["recipes_answer"]["exact_match"] > 0
+    assert set(scores["recipes_choice"]) == {"acc", "acc_norm"}
+    prompts = f"chat template, system prompt {SYSTEM!r}" if chat else "raw prompts"
+    assert record["prompts"] == prompts and record["seconds"] > 0
+    assert f"benchmarks at step 120: recipes_answer exact_match" in run.output and f"({prompts}; " in run.output
     card = (tmp_path / "out" / "README.md").read_text()
     assert f"| recipes_choice | acc | {scores['recipes_choice']['acc']:.4f} |" in card
     # scripts/evaluate.py under the same launch: the run's adapter loaded again on its base, unmerged
     done = subprocess.run(launch_command_of_evaluate(config, tmp_path / "out"), cwd=REPO, capture_output=True,
                           text=True, timeout=600, env=launch_env(OFFLINE))
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
-    assert json.loads((tmp_path / "out" / "benchmarks.json").read_text())["scores"] == scores
+    written = json.loads((tmp_path / "out" / "benchmarks.json").read_text())
+    assert written["scores"] == scores and written["prompts"] == prompts
+    if chat:  # --raw-prompts: the tasks' text as it is, as lm_eval scores it without the chat template
+        raw = tmp_path / "raw.json"
+        done = subprocess.run(launch_command_of_evaluate(config, tmp_path / "out", "--raw-prompts", "--output", str(raw)),
+                              cwd=REPO, capture_output=True, text=True, timeout=600, env=launch_env(OFFLINE))
+        assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+        unwrapped = json.loads(raw.read_text())
+        assert unwrapped["prompts"] == "raw prompts"
+        assert unwrapped["scores"] == lm_eval_command(tmp_path / "out" / "merged", tmp_path / "lm_eval_raw")
 
 
 def launch_command_of_evaluate(config: str, run_dir, *extra: str) -> list[str]:
@@ -145,5 +180,17 @@ def test_scoring_puts_back_the_random_states_lm_eval_seeds(tmp_path):
     random.seed(7), numpy.random.seed(7), torch.manual_seed(7)
     expected = draws()
     random.seed(7), numpy.random.seed(7), torch.manual_seed(7)
-    scores = score(Accelerator(cpu=True), one_process, model, tokenizer, eval_tasks.parse(str(BUNDLED)), 4, 4, None)
+    scores = score(Accelerator(cpu=True), one_process, model, tokenizer, eval_tasks.parse(str(BUNDLED)), 4, 4, None,
+                   Prompts(False))
     assert draws() == expected and set(scores) == {"recipes_answer", "recipes_choice"}
+
+
+def test_a_run_is_scored_as_it_trained_unless_raw_prompts_are_asked():
+    from common.training.benchmarks import Prompts, run_prompts
+
+    assert run_prompts("messages", "Be brief.", raw=False) == Prompts(True, "Be brief.")
+    assert run_prompts("messages", None, raw=False).describe() == "chat template"
+    assert run_prompts("instruction+messages", None, raw=False).chat  # a mixture with chat rows
+    assert run_prompts("preference pairs, conversational", "Be brief.", raw=False) == Prompts(True, "Be brief.")
+    assert run_prompts("messages", "Be brief.", raw=True) == Prompts(False) == run_prompts("instruction", None, False)
+    assert run_prompts("preference pairs, text, implicit prompt", None, raw=False).describe() == "raw prompts"

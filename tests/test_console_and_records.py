@@ -55,6 +55,30 @@ def test_another_projects_name_gets_this_recipes(key, ours, tmp_path):
         parse_args(recipe_flags("lora", "recipe\n"), ["--config", str(path)])
 
 
+@pytest.mark.parametrize("argv, hint", [
+    (["--learning-rate", "1e-4"], "--learning-rate: this recipe calls it `--lr`"),
+    (["--lora-rank=8"], "--lora-rank: this recipe calls it `--lora-r`"),
+    (["--max-step", "3"], "--max-step: did you mean `--max-steps`?"),
+    (["--epoch", "2", "--warmup-steps", "10"], "--epoch: did you mean `--epochs`?; --warmup-steps: this recipe "
+                                               "calls it `--warmup-ratio` (a fraction of the steps)"),
+])
+def test_a_mistyped_flag_gets_the_closest_flags_in_its_one_line(argv, hint, capsys):
+    with pytest.raises(Refusal):
+        parse_args(recipe_flags("lora", "recipe\n"), argv)
+    line = capsys.readouterr().err.strip()
+    assert line.startswith("error: unrecognized arguments: ") and "\n" not in line
+    assert line.endswith(f"; {hint}; see --help"), line
+
+
+def test_the_scripts_flags_answer_a_mistyped_one_alike(capsys):
+    from common.outputs.script_flags import generate_flags
+
+    with pytest.raises(Refusal):
+        generate_flags("generate\n").parse_args(["outputs/lora", "--promt", "hi"])
+    assert capsys.readouterr().err.strip() == (
+        "error: unrecognized arguments: --promt hi; --promt: did you mean `--prompt`?; see --help")
+
+
 @pytest.mark.parametrize("device, card", [("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA RTX 6000 Ada Generation",
                                                                              "rtx6000-ada"),
                                           ("NVIDIA GeForce RTX 4090", "4090"), ("Tesla V100-SXM2-32GB", None)])
@@ -85,3 +109,53 @@ def test_a_long_sample_is_one_short_console_line():
     line = shortened(text)
     assert len(line) <= 130 and line.startswith("start ") and line.endswith("end") and " ... " in line
     assert shortened("1 2 4") == "1 2 4"
+
+
+def test_run_json_names_the_program_its_hash_and_its_git_state(tmp_path):
+    """An edited copy is told from the recipe it was copied from: the file's path and SHA-256, and in a git work
+    tree the commit, whether the tree had changes and the file's own state."""
+    import hashlib
+    import subprocess
+
+    from common.outputs.runlog import program_record
+
+    program = tmp_path / "my_lora.py"
+    program.write_text("print('hi')\n")
+    outside = program_record(str(program))
+    assert outside == {"path": str(program), "sha256": hashlib.sha256(b"print('hi')\n").hexdigest(), "git": None}
+
+    def git(*args):
+        subprocess.run(["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t", *args], check=True,
+                       capture_output=True)
+
+    git("init", "-q")
+    (tmp_path / "other.txt").write_text("x\n")
+    git("add", "other.txt")
+    git("commit", "-qm", "first")
+    commit = subprocess.run(["git", "-C", str(tmp_path), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    assert program_record(str(program))["git"] == {"commit": commit, "dirty": True, "program": "untracked"}
+    git("add", "my_lora.py")
+    git("commit", "-qm", "second")
+    record = program_record(str(program))["git"]
+    assert record["program"] == "committed" and not record["dirty"] and record["commit"] != commit
+    program.write_text("print('edited')\n")
+    assert program_record(str(program))["git"] | {"commit": None} == {"commit": None, "dirty": True, "program": "changed"}
+
+
+def test_the_data_lines_name_the_chat_template_that_renders_chat_rows(capsys):
+    from types import SimpleNamespace
+
+    from common.data.formats import DEFAULT_CHAT_TEMPLATE, chat_template_line
+
+    main = SimpleNamespace(is_main_process=True)
+    args = SimpleNamespace(chat_template=None, model="org/model")
+    for template, chat_template, which in (
+            (DEFAULT_CHAT_TEMPLATE, None, "the plain default (`<|user|>` / `<|assistant|>` turns), as org/model's "
+                                          "tokenizer has none (--chat-template FILE for another)"),
+            ("{{ messages }}", None, "org/model's own"), ("{{ messages }}", "mine.jinja", "--chat-template mine.jinja")):
+        chat_template_line(main, SimpleNamespace(chat_template=template),
+                           SimpleNamespace(chat_template=chat_template, model="org/model"), chat=True)
+        assert capsys.readouterr().out == f"data: chat rows rendered with {which}; the tokenizer saved with the model carries it\n"
+    chat_template_line(main, SimpleNamespace(chat_template=DEFAULT_CHAT_TEMPLATE), args, chat=False)  # no chat rows
+    chat_template_line(SimpleNamespace(is_main_process=False), SimpleNamespace(chat_template="x"), args, chat=True)
+    assert capsys.readouterr().out == ""

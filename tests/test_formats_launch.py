@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import re
 
-from conftest import REPO, launch
+from conftest import REPO, TINY_MODEL, launch
 
 
 def test_packed_chat_data_trains_under_ddp(tmp_path):
@@ -20,6 +20,10 @@ def test_packed_chat_data_trains_under_ddp(tmp_path):
     assert run.returncode == 0, run.output[-3000:]
     assert run.run_json()["data_format"] == "messages"
     assert "data format: messages" in run.output
+    # the bundled tokenizer has no chat template: the one the rows were rendered with is named
+    assert (f"data: chat rows rendered with the plain default (`<|user|>` / `<|assistant|>` turns), as {TINY_MODEL}'s "
+            "tokenizer has none (--chat-template FILE for another); the tokenizer saved with the model carries it"
+            ) in run.output
     assert "data cache: " in run.output  # where a rerun reads the tokenised rows from
     packing = next(line for line in run.output.splitlines() if line.startswith("packing: "))
     assert re.fullmatch(r"packing: 48\d training rows into \d+ sequences of up to 128 tokens, \d+\.\d% full; a "

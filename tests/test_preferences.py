@@ -211,7 +211,7 @@ class OneProcess:
 
 def run_of(dataset, max_length=512, **more):
     return SimpleNamespace(dataset=dataset, seed=0, columns=None, eval_dataset=None, max_length=max_length,
-                           batch_size=1, grad_accum=1, max_steps=1, epochs=1, **more)
+                           batch_size=1, grad_accum=1, max_steps=1, epochs=1, model="tiny", chat_template=None, **more)
 
 
 def test_prepare_pairs_counts_what_it_drops_in_the_data_line(tok, tmp_path, capsys):
@@ -305,3 +305,23 @@ def test_inspect_data_shows_both_sides_of_each_pair(tok, capsys):
     assert inspect_data.main(["--model", str(REPO / "data" / "tokenizer"), "--dataset", str(hh)]) == 0
     printed = capsys.readouterr().out
     assert "row 1, chosen:" in printed and "row 1, rejected:" in printed and printed.count("[[") == 4
+
+
+def test_a_margin_won_by_pushing_both_replies_down_is_said_once():
+    """Reward accuracy at 1 while the chosen replies' log-probability falls with the rejected ones': one warning
+    line naming the settings, once; a run whose chosen replies hold, or whose accuracy is not saturated, none."""
+    from common.outputs.drift import LikelihoodDrift
+
+    def run(chosen, rejected, accuracy, steps=40):
+        drift = LikelihoodDrift(window=5)
+        return [(step, line) for step in range(1, steps + 1)
+                if (line := drift.check(step, chosen(step), rejected(step), accuracy(step)))]
+
+    falling = run(lambda s: -50 - s, lambda s: -50 - 3 * s, lambda s: min(1.0, 0.5 + s / 10))
+    assert len(falling) == 1
+    step, line = falling[0]
+    assert 6 <= step <= 20 and line.startswith(f"warning: step {step}: reward accuracy 0.98, but the chosen replies'")
+    assert "raise --beta, lower --lr, train fewer steps, or add an SFT term" in line
+    assert run(lambda s: -50 + s / 10, lambda s: -50 - 3 * s, lambda s: 1.0) == []  # the chosen replies gain
+    assert run(lambda s: -50 - s, lambda s: -50 - 3 * s, lambda s: 0.8) == []  # not saturated
+    assert run(lambda s: -50 - 0.01 * s, lambda s: -50 - 3 * s, lambda s: 1.0) == []  # within noise

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import argparse
 import ast
+import hashlib
 import re
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -82,6 +84,11 @@ def launch_edited_copy(edits: list[tuple[str, str]], output_dir, steps: int, con
     finally:
         copy.unlink()
     assert run.returncode == 0, run.output[-3000:]
+    # run.json and the model card name the copy, not the recipe it was copied from
+    program = run.run_json()["program"]
+    assert program["path"] == str(copy) and program["sha256"] == hashlib.sha256(source.encode()).hexdigest()
+    assert program["git"] is None or program["git"]["program"] == "untracked"
+    assert f"fine-tuned with {copy.name}" in (Path(output_dir) / "README.md").read_text()
     return run
 
 

@@ -215,3 +215,22 @@ def test_a_checkpoint_continues_where_the_count_and_the_accumulation_change(reci
     assert resumed.returncode == 0, resumed.output[-3000:]
     assert resumed.run_json()["batch"]["grad_accum"] == 4 // processes != whole.run_json()["batch"]["grad_accum"]
     assert_same_curve(resumed, whole, 3)
+
+
+def test_a_read_by_name_keeps_the_loss_scale_where_the_checkpoint_has_one(tmp_path):
+    """fp16's loss scale (accelerate's scaler.pt) does not depend on the layout: it is restored by name too, so
+    the resumed steps are not skipped again while the scale comes down from its start."""
+    from types import SimpleNamespace
+
+    from common.outputs.checkpoint import trained_state_apart
+
+    scaler = object()
+    accelerator = SimpleNamespace(_models=["m"], _optimizers=["o"], _schedulers=["s"], scaler=scaler)
+    with trained_state_apart(accelerator, tmp_path):
+        assert (accelerator._models, accelerator._optimizers, accelerator._schedulers) == ([], [], [])
+        assert accelerator.scaler is None  # written without one (bf16, DeepSpeed): nothing to read
+    (tmp_path / "scaler.pt").write_bytes(b"")
+    with trained_state_apart(accelerator, tmp_path):
+        assert accelerator.scaler is scaler
+    assert (accelerator._models, accelerator._optimizers, accelerator._schedulers, accelerator.scaler) == (
+        ["m"], ["o"], ["s"], scaler)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import math
 
+from .shapes import lora_target_names
+
 # Strategy -> its config file, in the order of expected speed (fastest first); see `SPEED_ORDER`.
 STRATEGIES = {
     "ddp": "accelerate_configs/ddp.yaml",
@@ -134,8 +136,6 @@ def impossible(method: str, strategy: str, gpus: int, shape=None, lora_targets="
     if method == "lora" and strategy == "fsdp_tp":
         return "LoRA runs tp.yaml or fsdp.yaml, not FSDP x TP"
     if method == "lora":
-        from .shapes import lora_target_names
-
         row = [name for name in lora_target_names(lora_targets) if name in ROW_SPLIT]
         if row:
             return f"LoRA under tensor parallel adapts only column-split linears, not {', '.join(row)}"

@@ -28,6 +28,21 @@ DEFAULT_CHAT_TEMPLATE = (
 )
 
 
+def chat_template_line(accelerator, tokenizer, args, chat: bool) -> None:
+    """Where the run has chat rows: which template renders them, printed once beside the data lines (the
+    tokenizer saved with the model carries it, so generate.py and a reload see the run's rendering)."""
+    if not chat or not accelerator.is_main_process:
+        return
+    if args.chat_template:
+        which = f"--chat-template {args.chat_template}"
+    elif tokenizer.chat_template == DEFAULT_CHAT_TEMPLATE:
+        which = (f"the plain default (`<|user|>` / `<|assistant|>` turns), as {args.model}'s tokenizer has none "
+                 "(--chat-template FILE for another)")
+    else:
+        which = f"{args.model}'s own"
+    print(f"data: chat rows rendered with {which}; the tokenizer saved with the model carries it", flush=True)
+
+
 def detect_format(columns) -> str:
     columns = set(columns)
     if "messages" in columns:

@@ -94,6 +94,18 @@ def side_format(fmt: str) -> str:
     return "messages" if PAIR_FORMATS[fmt][0] else "prompt_completion"
 
 
+def row_formats(data_format: str) -> list[str]:
+    """The supervised formats of a run's rows (run.json's data_format: a mixture's joined by "+"); preference
+    pairs as their sides are."""
+    return [side_format(fmt) if fmt in PAIR_FORMATS else fmt for fmt in data_format.split("+")]
+
+
+def renders_chat(data_format: str) -> bool:
+    """Whether a run of `data_format` trained on rows rendered by the chat template (chat rows, chat pairs, or
+    a mixture with them): its prompts are asked, and scored, the same way."""
+    return "messages" in row_formats(data_format)
+
+
 def pair_sides(row: dict, fmt: str) -> tuple[dict, dict] | str:
     """(chosen row, rejected row) in side_format(fmt), or why the pair cannot train."""
     conversational, explicit = PAIR_FORMATS[fmt]

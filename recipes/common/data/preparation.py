@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from . import batches
 from .checked_rows import load_sources
-from .formats import SPEAKERS, DataFormat, conversation
+from .formats import SPEAKERS, DataFormat, chat_template_line, conversation
 from .packing import pack
 from .targets import require_offsets
 from .tokens import kept_rows, tokenize_counted, training_sets
@@ -98,6 +98,7 @@ def prepare(accelerator, tokenizer, args, launch):
         train_tokens = [tokenize_counted(part.rows, tokenizer, args.max_length)[0] for part in train_parts]
         eval_tokens = [tokenize_counted(part.rows, tokenizer, args.max_length)[0] for part in eval_parts]
     train_set, eval_set = training_sets(accelerator, args, train_parts, train_tokens, eval_parts, eval_tokens)
+    chat_template_line(accelerator, tokenizer, args, any(part.fmt == "messages" for part in train_parts + eval_parts))
     if args.packing:
         with accelerator.main_process_first():  # rank 0 saves the packing plan, the others read it
             rows = len(train_set)

@@ -37,11 +37,32 @@ class HelpWithDefaults(argparse.RawDescriptionHelpFormatter):
 
 
 class OneLineErrors(argparse.ArgumentParser):
-    """A mistyped flag is one `error:` line naming the fix (argparse would print the whole usage block,
-    once per rank)."""
+    """A mistyped flag is one `error:` line naming the fix, with the closest flags (argparse would print the
+    whole usage block, once per rank)."""
 
     def error(self, message: str):
+        if message.startswith("unrecognized arguments: "):
+            flags = {action.dest: action for action in self._actions if action.option_strings and action.dest != "help"}
+            for arg in message.split(": ", 1)[1].split():
+                name = arg.split("=", 1)[0]
+                if name.startswith("-") and (hint := closest_flag(name, flags, "--")):
+                    message += f"; {name}: {hint}"
         refuse(f"{message}; see --help")
+
+
+def closest_flag(name: str, flags: dict, prefix: str = "") -> str:
+    """For a name that is no flag of the recipe: what the recipe calls it (another project's name for it), or
+    the closest flag; "" when nothing is close. `prefix` is how the answer is written (`--lr` or `lr`)."""
+    import difflib
+
+    dest = name.lstrip("-").replace("-", "_")
+    ours = OTHER_NAMES.get(dest)
+    if ours in flags:
+        return (f"this recipe calls it `{prefix}{ours.replace('_', '-')}`"
+                + (" (a fraction of the steps)" if dest == "warmup_steps" else ""))
+    close = [f"`{prefix}{flag.replace('_', '-')}`" for flag in difflib.get_close_matches(dest, sorted(flags), n=2,
+                                                                                         cutoff=0.6)]
+    return f"did you mean {' or '.join(close)}?" if close else ""
 
 
 SAVE_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}  # --save-dtype -> torch's name
@@ -94,6 +115,9 @@ def recipe_parser(doc: str) -> argparse.ArgumentParser:
              "YAML files or folders of them (data/eval_tasks), comma-separated; needs `pip install lm-eval==0.4.13`")
     add("--eval-limit", type=int, default=None, metavar="N",
         help="score only the first N rows of each --eval-tasks task (default: all)")
+    add("--eval-raw-prompts", action="store_true",
+        help="score --eval-tasks on the tasks' raw text (default: as the run trained: a run on chat rows through "
+             "its chat template and system prompt)")
     add("--save-every", type=int, default=0,
         help="checkpoint every N steps (0: none, except when SIGTERM or Ctrl-C stops the run)")
     add("--save-total-limit", type=int, default=0, help="keep only the newest N checkpoints (0: keep all)")
@@ -249,8 +273,6 @@ def flags_from_config_file(parser: argparse.ArgumentParser, argv: list[str]) -> 
     path = paths[0]
     if not path.strip():
         refuse("--config is empty (an unset shell variable?); give a run.yaml or leave the flag out")
-    import difflib
-
     import yaml
 
     try:
@@ -267,12 +289,8 @@ def flags_from_config_file(parser: argparse.ArgumentParser, argv: list[str]) -> 
         dest = str(key).lstrip("-").replace("-", "_")
         action = actions.get(dest)
         if action is None or dest == "config":
-            close = difflib.get_close_matches(dest, sorted(actions), n=1, cutoff=0.6)
-            hint = f"; did you mean `{close[0].replace('_', '-')}`?" if close else ""
-            if OTHER_NAMES.get(dest) in actions:
-                hint = f"; this recipe calls it `{OTHER_NAMES[dest].replace('_', '-')}`"
-                hint += " (a fraction of the steps)" if dest == "warmup_steps" else ""
-            refuse(f"--config {path}: `{key}` is not a flag of this recipe{hint}")
+            hint = closest_flag(str(key), {name: a for name, a in actions.items() if name != "config"})
+            refuse(f"--config {path}: `{key}` is not a flag of this recipe{f'; {hint}' if hint else ''}")
         if value is None and action.default is not None and not isinstance(action, argparse._StoreTrueAction):
             refuse(f"--config {path}: `{key}` has no value; give one, or delete the line to keep the default")
         if isinstance(value, bool) and action.nargs == "?":  # a flag that can be given bare: true is bare

@@ -374,7 +374,8 @@ def check_lora_targets(args) -> None:
     leaves = ", ".join(sorted({name.rsplit(".", 1)[-1] for name, kind in kinds.items() if kind == "linear"}))
     missing = [t for t in targets if not matched(t)]
     if missing:
-        which = "match no module" if len(missing) == len(targets) else "match no module (the others do)"
+        which = "matches no module" if len(missing) == 1 else "match no module"
+        which += "" if len(missing) == len(targets) else " (the others do)"
         refuse(f"--lora-targets {', '.join(missing)} {which} of {args.model}; its linear layers are "
                f"{leaves} (or use all-linear)")
     other = [t for t in targets if not matched(t, ("linear", "adaptable"))]

@@ -339,7 +339,7 @@ def resume_from(accelerator, resume: Resume | None, model, optimizer, stages) ->
     path, started = Path(resume.path), time.monotonic()
     state = json.loads((path / STATE_FILE).read_text())
     if resume.by_name:
-        with trained_state_apart(accelerator):
+        with trained_state_apart(accelerator, path):
             accelerator.load_state(str(path))
         trained = accelerator.unwrap_model(model)
         names = state.get("trained") or list(reshard.trained_names(trained))  # (checkpoints before names were kept)
@@ -365,11 +365,12 @@ def resume_from(accelerator, resume: Resume | None, model, optimizer, stages) ->
 
 
 @contextmanager
-def trained_state_apart(accelerator):
-    """accelerate's load_state (random states, data order) without the models, optimizers, schedules and loss
-    scaler: their state comes by name."""
+def trained_state_apart(accelerator, path: Path):
+    """accelerate's load_state (random states, data order, fp16's loss scale where the checkpoint has one) without
+    the models, optimizers and schedules: their state comes by name."""
     kept = accelerator._models, accelerator._optimizers, accelerator._schedulers, accelerator.scaler
-    accelerator._models, accelerator._optimizers, accelerator._schedulers, accelerator.scaler = [], [], [], None
+    scaler = accelerator.scaler if (path / "scaler.pt").is_file() else None  # accelerate's file for it
+    accelerator._models, accelerator._optimizers, accelerator._schedulers, accelerator.scaler = [], [], [], scaler
     try:
         yield
     finally:

@@ -85,9 +85,14 @@ def write_model_card(accelerator, args, recipe: str, artifact: str, samples: lis
     start = run.get("start_adapter")
     origin = (f", started from the LoRA adapter `{start}` merged onto it" if start else
               f" ({args.settled_from['model']})" if "model" in args.settled_from else "")
+    program = run.get("program") or {"path": f"{recipe}.py", "sha256": None, "git": None}
+    git = program["git"]
     card = [
-        f"# {Path(run['base_model']).name} fine-tuned with {recipe}.py",
+        f"# {Path(run['base_model']).name} fine-tuned with {Path(program['path']).name}",
         "",
+        f"- program: `{program['path']}`" + (f" (sha256 {program['sha256'][:12]}" if program["sha256"] else "")
+        + (f"; git {git['commit'][:12]}, the program {git['program']}{', the tree changed' if git['dirty'] else ''})"
+           if git else ")" if program["sha256"] else ""),
         f"- base model: `{run['base_model']}`{origin}",
         f"- data: {', '.join(f'`{spec}`' for spec in args.dataset or [bundled])} "
         f"({run['data_format']} format{', packed' if args.packing else ''})",

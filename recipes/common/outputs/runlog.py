@@ -18,6 +18,7 @@ from ..launching.batch_size import rows_per_step
 from ..launching.deepspeed_config import schedule_settings
 from ..model.adapters import merged_start
 from ..model.modeling import parameter_counts
+from .drift import LikelihoodDrift
 
 LIBRARIES = ("torch", "transformers", "accelerate", "peft", "datasets", "bitsandbytes", "deepspeed")
 
@@ -32,6 +33,30 @@ def library_versions() -> dict:
         except PackageNotFoundError:
             pass
     return found
+
+
+def program_record(program: str | None = None) -> dict:
+    """The program that ran (default: this process's script): its path and SHA-256, so an edited copy is told
+    from the recipe it was copied from; inside a git work tree, the commit, whether the tree had changes, and
+    the program's own state there ("committed", "changed" or "untracked")."""
+    import hashlib
+    import subprocess
+
+    path = Path(sys.argv[0] if program is None else program).resolve()
+    record = {"path": str(path), "sha256": hashlib.sha256(path.read_bytes()).hexdigest(), "git": None}
+
+    def git(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["git", "-C", str(path.parent), *args], capture_output=True, text=True, timeout=30)
+
+    try:
+        head = git("rev-parse", "HEAD")
+        if head.returncode == 0:
+            own = git("status", "--porcelain", "--", path.name).stdout[:2]
+            record["git"] = {"commit": head.stdout.strip(), "dirty": bool(git("status", "--porcelain").stdout.strip()),
+                             "program": "committed" if not own.strip() else "untracked" if own == "??" else "changed"}
+    except (OSError, subprocess.TimeoutExpired):  # no git, or a tree too slow to ask: the hash says what ran
+        pass
+    return record
 
 
 def what_ran(accelerator, model) -> dict:
@@ -149,6 +174,7 @@ class RunLog:
         self.tokens_seen = 0
         self.bar = None
         self.log_every = args.log_every
+        self.drift = LikelihoodDrift()  # preference runs: both log-probabilities falling while accuracy saturates
         if self.main:
             self.output_dir.mkdir(parents=True, exist_ok=True)
 
@@ -174,6 +200,7 @@ class RunLog:
         start = merged_start(self.args.model)
         self.record = {
             "recipe": self.recipe,
+            "program": program_record() if self.main else None,  # the file that ran: an edited copy is its own
             "arguments": arguments_record(self.args, total_steps),
             "total_steps": total_steps,
             "base_model": start["base"] if start else self.args.model,
@@ -287,6 +314,11 @@ class RunLog:
         if not self.main:
             return
         self.metrics.write(json.dumps(record) + "\n")
+        if figures and "logps/chosen" in figures:
+            warning = self.drift.check(step, figures["logps/chosen"], figures["logps/rejected"],
+                                       figures["rewards/accuracies"])
+            if warning:
+                self.say(warning)
         if self.bar is not None:
             self.bar.update(1)
             self.bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{record['tokens_per_s']:.0f}", refresh=False)
@@ -313,16 +345,16 @@ class RunLog:
 
     def log_benchmarks(self, step: int, scored: dict) -> None:
         """--eval-tasks' scores (training.benchmarks.score_run): one metrics.jsonl line {"type": "benchmarks",
-        "step", "seconds", task: {metric: value}}, the same numbers to the trackers and the console."""
+        "step", "seconds", "prompts", task: {metric: value}}, the same numbers to the trackers and the console."""
         scores = scored["scores"]
         self.track({"type": "benchmarks", **{f"{task}/{metric}": value for task, metrics in scores.items()
                                               for metric, value in metrics.items()}}, step)
         if self.main:
             self.metrics.write(json.dumps({"type": "benchmarks", "step": step, "seconds": scored["seconds"],
-                                           **scores}) + "\n")
+                                           "prompts": scored["prompts"], **scores}) + "\n")
             shown = "  ".join(f"{task} {metric} {value:.4f}" for task, metrics in scores.items()
                               for metric, value in metrics.items())
-            self.say(f"benchmarks at step {step}: {shown} ({scored['seconds']:.1f} s)")
+            self.say(f"benchmarks at step {step}: {shown} ({scored['prompts']}; {scored['seconds']:.1f} s)")
 
     def close(self, message: str) -> None:
         if self.main:

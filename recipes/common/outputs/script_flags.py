@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import argparse
 
-from ..launching.args import SAVE_DTYPES
+from ..launching.args import SAVE_DTYPES, OneLineErrors
 
 
 def run_or_model_flags(doc: str) -> argparse.ArgumentParser:
     """A script's parser that takes a run or a model (generate.py, evaluate.py), and --artifact."""
     summary, _, details = doc.partition("\n")
-    parser = argparse.ArgumentParser(description=summary, epilog=details,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    # a mistyped flag: one line with the closest flags (argparse's usage block otherwise)
+    parser = OneLineErrors(description=summary, epilog=details, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model", metavar="RUN_OR_MODEL",
                         help="a recipe's --output-dir (with run.json), or any model: a folder (merged/, model/, "
                              "adapter/, a transformers model) or a hub id")
@@ -52,7 +52,7 @@ def generate_problem(args: argparse.Namespace) -> str | None:
 
 
 def merge_flags(doc: str) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser = OneLineErrors(description=doc.split("\n\n")[0])
     parser.add_argument("adapter", help="the adapter/ folder a recipe saved")
     parser.add_argument("output", help="where to write the merged model")
     parser.add_argument("--dtype", default="auto", choices=("auto", *SAVE_DTYPES),
@@ -69,4 +69,7 @@ def evaluate_flags(doc: str) -> argparse.ArgumentParser:
     parser.add_argument("--batch-size", type=int, default=8, help="requests a forward, per process (default: 8)")
     parser.add_argument("--output", default=None, help="a JSON file for the scores (default: a run's "
                         "benchmarks.json; none for a model)")
+    parser.add_argument("--raw-prompts", action="store_true", help="the tasks' raw text (default: as the run "
+                        "trained: a run on chat rows through its chat template and system prompt; a model without "
+                        "run.json: raw)")
     return parser

@@ -6,6 +6,10 @@ data-parallel rank scores its share in batches and the per-row results meet on t
 `accelerate launch -m lm_eval`, so N ranks score about N times as fast as one. Under FSDP and ZeRO-3 every
 forward gathers shards from all ranks: each rank runs the same number of forwards (no logits cache, which
 would let a rank skip some) and generation steps until every rank is done (`synced_gpus`).
+
+A run that trained on chat rows (or chat pairs) is scored as it trained: each request through the chat template
+the run trained with, after the system turn every row opened with (lm-eval's `--apply_chat_template` and
+`--system_instruction`); other runs, or `--eval-raw-prompts`, on the task's text as it is.
 """
 
 from __future__ import annotations
@@ -13,12 +17,32 @@ from __future__ import annotations
 import logging
 import random
 import time
+from dataclasses import dataclass
 
 import numpy
 import torch
 from torch.distributed.fsdp import FSDPModule
 
+from ..data.pairs import renders_chat
 from ..launching.eval_tasks import EvalTasks, parse
+
+
+@dataclass(frozen=True)
+class Prompts:
+    """How the requests reach the model: through its chat template (after `system`, where given), or raw."""
+    chat: bool
+    system: str | None = None
+
+    def describe(self) -> str:
+        if not self.chat:
+            return "raw prompts"
+        return "chat template" + (f", system prompt {self.system[:40]!r}" if self.system else "")
+
+
+def run_prompts(data_format: str, system: str | None, raw: bool) -> Prompts:
+    """As the run trained (`data_format`, the `system` prompt its rows opened with), unless `raw`."""
+    chat = renders_chat(data_format) and not raw
+    return Prompts(chat, system if chat else None)
 
 
 def launch_lm(accelerator, launch, model, tokenizer, batch_size: int, max_length: int):
@@ -56,7 +80,7 @@ def launch_lm(accelerator, launch, model, tokenizer, batch_size: int, max_length
 
 @torch.no_grad()
 def score(accelerator, launch, model, tokenizer, tasks: EvalTasks, limit: int | None, batch_size: int,
-          max_length: int) -> dict[str, dict[str, float]]:
+          max_length: int, prompts: Prompts) -> dict[str, dict[str, float]]:
     """{task: {metric: value}} on every rank, the metrics named as lm-eval prints them ("acc", "acc_norm",
     "exact_match", a filter's name after a comma when it is not lm-eval's "none"). Random states are
     restored after: lm-eval seeds Python's, NumPy's and torch's generators, and training may go on."""
@@ -74,7 +98,8 @@ def score(accelerator, launch, model, tokenizer, tasks: EvalTasks, limit: int | 
     # Eager even under --compile (every request length would be another graph), in the run's mixed precision.
     with torch.compiler.set_stance("force_eager"), accelerator.autocast():
         results = evaluator.simple_evaluate(model=lm, tasks=list(tasks.names), task_manager=manager, limit=limit,
-                                            bootstrap_iters=0, log_samples=False)
+                                            bootstrap_iters=0, log_samples=False, apply_chat_template=prompts.chat,
+                                            system_instruction=prompts.system)
     model.train(was_training)
     random.setstate(states[0])
     numpy.random.set_state(states[1])
@@ -101,10 +126,13 @@ def scores_of(results: dict) -> dict[str, dict[str, float]]:
     return scores
 
 
-def score_run(accelerator, launch, run, model, tokenizer) -> dict:
+def score_run(accelerator, launch, run, model, tokenizer, data_format) -> dict:
     """The run's --eval-tasks (checked at start-up) with --eval-limit rows each, in batches of the training
-    micro-batch, each request's context as long as the model takes (lm-eval's own rule): {"seconds": the
-    scoring's wall time, "scores": {task: {metric: value}}}."""
+    micro-batch, each request's context as long as the model takes (lm-eval's own rule), prompted as the run
+    trained (`data_format`: the rows' format and system prompt; --eval-raw-prompts: raw): {"seconds": the
+    scoring's wall time, "scores": {task: {metric: value}}, "prompts": how they were asked}."""
     started = time.monotonic()
-    scores = score(accelerator, launch, model, tokenizer, parse(run.eval_tasks), run.eval_limit, run.batch_size, None)
-    return {"seconds": round(time.monotonic() - started, 2), "scores": scores}
+    prompts = run_prompts(data_format, data_format.system_prompt, run.eval_raw_prompts)
+    scores = score(accelerator, launch, model, tokenizer, parse(run.eval_tasks), run.eval_limit, run.batch_size, None,
+                   prompts)
+    return {"seconds": round(time.monotonic() - started, 2), "scores": scores, "prompts": prompts.describe()}
