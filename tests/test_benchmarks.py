@@ -75,6 +75,7 @@ def test_scores_in_the_launch_equal_lm_evals_own_command_on_the_merged_model(con
     prompts = f"chat template, system prompt {SYSTEM!r}" if chat else "raw prompts"
     assert record["prompts"] == prompts and record["seconds"] > 0
     assert f"benchmarks at step 120: recipes_answer exact_match" in run.output and f"({prompts}; " in run.output
+    assert run.output.count("Tokenizing inputs: 100%") == 1  # lm-eval's bars from the main process alone
     card = (tmp_path / "out" / "README.md").read_text()
     assert f"| recipes_choice | acc | {scores['recipes_choice']['acc']:.4f} |" in card
     # scripts/evaluate.py under the same launch: the run's adapter loaded again on its base, unmerged

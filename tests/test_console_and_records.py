@@ -159,3 +159,14 @@ def test_the_data_lines_name_the_chat_template_that_renders_chat_rows(capsys):
     chat_template_line(main, SimpleNamespace(chat_template=DEFAULT_CHAT_TEMPLATE), args, chat=False)  # no chat rows
     chat_template_line(SimpleNamespace(is_main_process=False), SimpleNamespace(chat_template="x"), args, chat=True)
     assert capsys.readouterr().out == ""
+
+
+def test_a_library_notice_printed_on_every_rank_is_dropped_and_the_rest_kept(capsys):
+    from common.quiet import printed_notices_dropped
+
+    with printed_notices_dropped():
+        print("DeepSpeed deepspeed.ops.comm.deepspeed_shm_comm_op built successfully")
+        print("plan: kept")
+        print("no newline yet", end="")
+    print()
+    assert capsys.readouterr().out == "plan: kept\nno newline yet\n"

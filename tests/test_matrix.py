@@ -68,6 +68,7 @@ def test_recipe_runs_strategy(recipe, config, trained, record_property):
         assert ran["strategy"]["deepspeed"]["zero_stage"] == int(config[4])
     # The start-up memory plan was made for this very launch.
     assert f"plan: {recipe} with {PLANNER_NAME[config]} on {processes} process(es): " in run.output
+    assert "built successfully" not in run.output  # DeepSpeed's notice, printed by every rank as it starts
 
     # 2. It learned: the loss of the last steps is below that of the first ones.
     losses = run.losses()

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import warnings
+from contextlib import contextmanager
 
 # logger name -> start of the messages it drops
 LOG_NOTICES = {
@@ -29,6 +31,15 @@ WARNING_NOTICES = (
     r"FSDP2-wrapped module .* returned a view tensor",
     # bitsandbytes' 8-bit matmul says at every layer of every step that it computes in fp16
     r"MatMul8bitLt: inputs will be cast",
+    # a checkpoint read by parameter name: each rank reads a distributed checkpoint alone, on purpose (reshard.py)
+    r"torch\.distributed is disabled, unavailable or uninitialized, assuming the intent is to load in a single",
+)
+
+
+# printed (not logged) by a library on every rank: the start of each such line
+PRINTED_NOTICES = (
+    # DeepSpeed on CPU processes builds its shared-memory collectives when it starts, and says so
+    "DeepSpeed deepspeed.ops.comm.",
 )
 
 
@@ -49,3 +60,37 @@ if int(os.environ.get("RANK", "0")) != 0:
     # one "Loading weights" / "tokenising" bar per launch (rank 0's), not one per rank
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+
+
+class DropPrinted:
+    """sys.stdout without the lines that start with one of PRINTED_NOTICES (see `printed_notices_dropped`)."""
+
+    def __init__(self, stream):
+        self.stream, self.pending = stream, ""
+
+    def write(self, text: str) -> int:
+        self.pending += text
+        *lines, self.pending = self.pending.split("\n")
+        for line in lines:
+            if not line.startswith(PRINTED_NOTICES):
+                self.stream.write(line + "\n")
+        return len(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+
+@contextmanager
+def printed_notices_dropped():
+    """What runs inside prints to stdout as before, less the library notices of PRINTED_NOTICES."""
+    kept = sys.stdout
+    sys.stdout = filtered = DropPrinted(kept)
+    try:
+        yield
+    finally:
+        sys.stdout = kept
+        if filtered.pending and not filtered.pending.startswith(PRINTED_NOTICES):
+            kept.write(filtered.pending)  # a last line without its newline yet

@@ -14,6 +14,8 @@ the run trained with, after the system turn every row opened with (lm-eval's `--
 
 from __future__ import annotations
 
+import contextlib
+import io
 import logging
 import random
 import time
@@ -95,8 +97,10 @@ def score(accelerator, launch, model, tokenizer, tasks: EvalTasks, limit: int | 
     manager = TaskManager(include_path=list(tasks.include_path) or None)
     was_training = model.training
     model.eval()
-    # Eager even under --compile (every request length would be another graph), in the run's mixed precision.
-    with torch.compiler.set_stance("force_eager"), accelerator.autocast():
+    # Eager even under --compile (every request length would be another graph), in the run's mixed precision;
+    # lm-eval's progress bars from the main process only (an error still ends the run with its traceback).
+    quiet = contextlib.nullcontext() if accelerator.is_main_process else contextlib.redirect_stderr(io.StringIO())
+    with torch.compiler.set_stance("force_eager"), accelerator.autocast(), quiet:
         results = evaluator.simple_evaluate(model=lm, tasks=list(tasks.names), task_manager=manager, limit=limit,
                                             bootstrap_iters=0, log_samples=False, apply_chat_template=prompts.chat,
                                             system_instruction=prompts.system)

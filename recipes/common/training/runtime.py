@@ -27,6 +27,7 @@ from ..launching import deepspeed_config
 from ..launching.args import PREFERENCE_RECIPES
 from ..launching.launch import DEEPSPEED, FSDP, TENSOR_PARALLEL, Launch
 from ..model.shard_loading import read_shards
+from ..quiet import printed_notices_dropped
 
 # A rank that dies must not leave the others waiting forever in a collective.
 COLLECTIVE_TIMEOUT = timedelta(minutes=int(os.environ.get("RECIPES_COLLECTIVE_TIMEOUT_MIN", "30")))
@@ -66,20 +67,21 @@ def make_accelerator(args, launch: Launch) -> Accelerator:
         source, config, renamed = deepspeed_config.deepspeed_source(os.environ)
         if renamed:  # accelerate reads the file as written: it gets the settings under their current names
             kwargs["deepspeed_plugin"] = DeepSpeedPlugin(hf_ds_config=config)
-    if on_cpu and launch.kind == TENSOR_PARALLEL:
-        with parallelism_config_hidden():  # accelerate refuses it on CPU processes: added after
+    with printed_notices_dropped():  # DeepSpeed's set-up prints a notice on every rank
+        if on_cpu and launch.kind == TENSOR_PARALLEL:
+            with parallelism_config_hidden():  # accelerate refuses it on CPU processes: added after
+                accelerator = Accelerator(**kwargs)
+            enable_tensor_parallel_on_cpu(accelerator)
+        elif launch.sequence_parallel > 1:
+            accelerator = SequenceParallelAccelerator(launch.sequence_parallel, launch.zero_stage,
+                                                      rows_per_example=2 if args.recipe in PREFERENCE_RECIPES else 1,
+                                                      **kwargs)
+        elif launch.reads_shards:
+            if not on_cpu:
+                kwargs["fsdp_plugin"] = FullyShardedDataParallelPlugin(cpu_ram_efficient_loading=False)
+            accelerator = ShardReadingAccelerator(args.model, args.trust_remote_code, **kwargs)
+        else:
             accelerator = Accelerator(**kwargs)
-        enable_tensor_parallel_on_cpu(accelerator)
-    elif launch.sequence_parallel > 1:
-        accelerator = SequenceParallelAccelerator(launch.sequence_parallel, launch.zero_stage,
-                                                  rows_per_example=2 if args.recipe in PREFERENCE_RECIPES else 1,
-                                                  **kwargs)
-    elif launch.reads_shards:
-        if not on_cpu:
-            kwargs["fsdp_plugin"] = FullyShardedDataParallelPlugin(cpu_ram_efficient_loading=False)
-        accelerator = ShardReadingAccelerator(args.model, args.trust_remote_code, **kwargs)
-    else:
-        accelerator = Accelerator(**kwargs)
     if on_cpu and launch.kind == FSDP:
         enable_fsdp_on_cpu(accelerator, main_process_sends=launch.main_process_loads)
     if launch.kind == DEEPSPEED:
