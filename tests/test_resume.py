@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, launch, long_test
+from conftest import REPO, free_port, launch, long_test
 from strategies import CPU_STRATEGIES, GLOBAL_BATCH, GRAD_ACCUM, SAVE_EVERY, STEPS, matrix_args
 
 sys.path.insert(0, str(REPO / "recipes"))
@@ -235,3 +235,56 @@ def test_a_read_by_name_keeps_the_loss_scale_where_the_checkpoint_has_one(tmp_pa
         assert accelerator.scaler is scaler
     assert (accelerator._models, accelerator._optimizers, accelerator._schedulers, accelerator.scaler) == (
         ["m"], ["o"], ["s"], scaler)
+
+
+READS_ITS_SHARD = """
+import os, sys, torch, torch.distributed as dist
+sys.path.insert(0, {recipes!r})
+from pathlib import Path
+from safetensors.torch import save_file
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+from common.outputs import reshard
+
+dist.init_process_group("gloo")
+rank, folder = dist.get_rank(), Path({folder!r})
+whole = torch.arange(7 * 3, dtype=torch.float32).reshape(7, 3)
+moments = {{"exp_avg": whole + 100, "exp_avg_sq": whole + 200}}
+if rank == 0:  # a gathered FSDP checkpoint and one process's files, as accelerate writes them
+    torch.save({{"w": whole}}, folder / "pytorch_model_fsdp.bin")
+    torch.save({{"state": {{"w": {{"step": torch.tensor(3.0), **moments}}}}, "param_groups": []}}, folder / "optimizer.bin")
+    (folder / "whole").mkdir()
+    save_file({{"w": whole}}, str(folder / "whole" / "model.safetensors"))
+    torch.save({{"state": {{0: {{"step": torch.tensor(3.0), **moments}}}}, "param_groups": [{{"params": [0]}}]}},
+               folder / "whole" / "optimizer.bin")
+dist.barrier()
+like = distribute_tensor(torch.zeros(7, 3), init_device_mesh("cpu", (2,)), [Shard(0)])
+rows = slice(0, 4) if rank == 0 else slice(4, 7)  # torch's even split of 7 rows over 2 ranks
+for read, step in (reshard.read_gathered(folder), reshard.read_whole(folder / "whole", ["w"])):
+    mine = read("w", like)
+    assert step == 3.0
+    assert torch.equal(mine["param"], whole[rows]), (rank, mine["param"])
+    for key, value in moments.items():
+        assert torch.equal(mine[key], value[rows])
+    whole_read = read("w")
+    assert torch.equal(whole_read["param"], whole)
+# a mapped file: this rank's rows are a view of the mapping, nothing else is read
+mapped = torch.load(folder / "pytorch_model_fsdp.bin", mmap=True, weights_only=True)["w"]
+part = reshard.part(mapped, like)
+assert part.untyped_storage().data_ptr() == mapped.untyped_storage().data_ptr() and part.shape == whole[rows].shape
+print("ok", rank)
+"""
+
+
+def test_each_rank_reads_only_its_shard_of_a_parameter_read_by_name(tmp_path):
+    """Into a sharded parameter (FSDP2, tensor parallel), a checkpoint's weights and moments are read as the rank's
+    rows: from a gathered FSDP checkpoint (mapped) and from one process's files (safetensors' slice, the mapped
+    optimizer file); the mapped rows are a view, not a copy of the whole."""
+    import subprocess
+
+    script = tmp_path / "reads.py"
+    script.write_text(READS_ITS_SHARD.format(recipes=str(REPO / "recipes"), folder=str(tmp_path)))
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                           str(free_port()), str(script)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    assert sorted(line for line in done.stdout.splitlines() if line.startswith("ok")) == ["ok 0", "ok 1"]

@@ -114,8 +114,8 @@ def measure(case: str, model: str, dataset: Path, folder: Path) -> dict:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| recipe | written under | checkpoint GB | save s | resumed as written | read s | GB read per rank | "
-             "resumed under | read by name s | GB read per rank | peak GiB per rank (by name) |",
+    lines = ["| recipe | written under | checkpoint GB | save s | resumed as written | read s | GB from storage per rank | "
+             "resumed under | read by name s | GB from storage per rank | peak GiB per rank (by name) |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def each(values, digits=2):
