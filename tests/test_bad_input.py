@@ -227,6 +227,7 @@ def test_a_checkpoint_of_another_model_or_recipe_is_refused(tmp_path):
 def test_an_elastic_restart_continues_from_the_newest_intact_checkpoint(tmp_path, monkeypatch):
     fake_checkpoint(tmp_path, 2)
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    monkeypatch.setattr(checkpoint, "launcher_argv", lambda: [sys.executable, "-m", "accelerate.commands.launch"])
     chosen, lines, refusal = checkpoint.choose_resume(args_of("--output-dir", str(tmp_path)))
     assert chosen.name == "step-2" and refusal is None and lines[0].startswith("restart 1 (accelerate launch")
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")

@@ -169,7 +169,7 @@ def test_scoring_puts_back_the_random_states_lm_eval_seeds(tmp_path):
     from accelerate import Accelerator
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from common.training.benchmarks import score
+    from common.training.benchmarks import Prompts, score
     from conftest import TINY_MODEL
 
     model, tokenizer = AutoModelForCausalLM.from_pretrained(TINY_MODEL), AutoTokenizer.from_pretrained(TINY_MODEL)

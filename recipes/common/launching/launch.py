@@ -62,6 +62,8 @@ class Launch:
     # shards where the model's files allow it (settle.settle_loading), else the main process reads them and
     # sends each its shards in accelerator.prepare; zero3_init_flag asks the same of ZeRO-3
     loading: str | None = None
+    # FSDP: fsdp_state_dict_type FULL_STATE_DICT, checkpoints in gathered whole files (else sharded folders)
+    full_state_dict: bool = False
 
     @property
     def reads_shards(self) -> bool:
@@ -208,7 +210,9 @@ def describe(env=None, on_gpu: bool | None = None) -> Launch:
         return Launch(FSDP, **common, offload_parameters=flag(env, "FSDP_OFFLOAD_PARAMS"),
                       loading=MAIN_PROCESS_SENDS if flag(env, "FSDP_CPU_RAM_EFFICIENT_LOADING") else EVERY_PROCESS_READS,
                       reshard_after_forward=env.get("FSDP_RESHARD_AFTER_FORWARD", "true").lower() != "false",
-                      replicas=int(env.get("PARALLELISM_CONFIG_DP_REPLICATE_SIZE", "1")))
+                      replicas=int(env.get("PARALLELISM_CONFIG_DP_REPLICATE_SIZE", "1")),
+                      # as accelerate's plugin reads it (absent: sharded, FSDP2's default)
+                      full_state_dict=env.get("FSDP_STATE_DICT_TYPE", "").upper() in ("FULL_STATE_DICT", "1"))
     if common["processes"] > 1:
         return Launch(DDP, **common)
     return Launch(MODEL_PARALLEL if visible > 1 else SINGLE, **common)

@@ -198,13 +198,12 @@ def written_as(path: Path) -> tuple[str, int | None]:
     return "whole", None
 
 
-def launch_layout(distributed_type: str, launch, full_state_dict: bool = False) -> str:
-    """The layout this launch writes its checkpoints in (the names of `written_as`); `full_state_dict`: FSDP's
-    plugin saves whole state dicts (a config's fsdp_state_dict_type FULL_STATE_DICT)."""
+def launch_layout(distributed_type: str, launch) -> str:
+    """The layout this launch writes its checkpoints in (the names of `written_as`)."""
     if distributed_type == "DEEPSPEED":
         return "zero3" if launch.zero_stage == 3 else "zero"
     if distributed_type == "FSDP":
-        return "fsdp_full" if full_state_dict else "fsdp"
+        return "fsdp_full" if launch.full_state_dict else "fsdp"
     if launch.pipeline_stages > 1:
         return "pipeline"
     return "split" if launch.tensor_parallel > 1 else "whole"
@@ -306,9 +305,7 @@ def resume_point(accelerator, args, launch) -> Resume | None:
     so a refusal is the same line on every rank."""
     from accelerate.utils import broadcast_object_list
 
-    plugin = getattr(accelerator.state, "fsdp_plugin", None)
-    full_state_dict = plugin is not None and getattr(plugin.state_dict_type, "name", "") == "FULL_STATE_DICT"
-    layout = launch_layout(accelerator.distributed_type.value, launch, full_state_dict)
+    layout = launch_layout(accelerator.distributed_type.value, launch)
     decision = [None]
     if accelerator.is_main_process:
         chosen, lines, refusal = choose_resume(args, accelerator.num_processes, rows_per_step(args, launch))
