@@ -23,7 +23,7 @@ Flags: --model --dataset --eval-dataset --columns --chat-template --output-dir -
        --save-dtype --trust-remote-code
        --config (a YAML file of any of these flags)
 Speed: --compile --no-compile --liger --attention --dataloader-workers
-Benchmarks: --eval-tasks --eval-limit (lm-evaluation-harness tasks, scored where the eval runs)
+Benchmarks: --eval-tasks --eval-limit --eval-raw-prompts (lm-evaluation-harness tasks, scored where the eval runs)
 LoRA:  --lora-r --lora-alpha --lora-dropout --lora-targets --use-dora --use-rslora --merge --bits
 Preference: --loss (sigmoid, ipo, simpo) --beta --simpo-gamma
 Refused here (not for pairs yet): --packing --pipeline-stages --pipeline-schedule --pipeline-chunks

@@ -18,7 +18,7 @@ Flags: --model --dataset --eval-dataset --columns --chat-template --packing --ou
        --config (a YAML file of any of these flags)
 Pipeline parallel: --pipeline-stages --pipeline-schedule --pipeline-chunks
 Speed: --compile --no-compile --liger --attention --dataloader-workers
-Benchmarks: --eval-tasks --eval-limit (lm-evaluation-harness tasks, scored where the eval runs)
+Benchmarks: --eval-tasks --eval-limit --eval-raw-prompts (lm-evaluation-harness tasks, scored where the eval runs)
 """
 
 import math

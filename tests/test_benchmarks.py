@@ -10,7 +10,7 @@ from unittest import mock
 
 import pytest
 
-from conftest import REPO, launch, launch_env, long_test
+from conftest import LONG_TESTS, REPO, launch, launch_env, long_test
 
 sys.path.insert(0, str(REPO / "recipes"))
 from common.launching import eval_tasks  # noqa: E402
@@ -84,7 +84,7 @@ def test_scores_in_the_launch_equal_lm_evals_own_command_on_the_merged_model(con
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     written = json.loads((tmp_path / "out" / "benchmarks.json").read_text())
     assert written["scores"] == scores and written["prompts"] == prompts
-    if chat:  # --raw-prompts: the tasks' text as it is, as lm_eval scores it without the chat template
+    if chat and LONG_TESTS:  # --raw-prompts: the tasks' text as it is, as lm_eval scores it without the template
         raw = tmp_path / "raw.json"
         done = subprocess.run(launch_command_of_evaluate(config, tmp_path / "out", "--raw-prompts", "--output", str(raw)),
                               cwd=REPO, capture_output=True, text=True, timeout=600, env=launch_env(OFFLINE))

@@ -152,7 +152,8 @@ def test_a_launch_trains_on_a_mixture_of_formats_and_layouts(tmp_path):
     assert "drawn: 19 rows (weight 1); evaluation 1 row: 1 used" in lines[2], lines
     assert lines[3] == (f"data: 3 sources: 133 training rows ({answers} 29%, {hub} 57%, {completions} 14%), "
                         "7 evaluation rows")
-    assert len(lines) == 4  # rank 0 only
+    assert lines[4].startswith("data: chat rows rendered with the plain default")  # the template the chat rows took
+    assert len(lines) == 5  # rank 0 only
     assert run.run_json()["data_format"] == "instruction+messages"
 
 

@@ -61,8 +61,8 @@ def test_a_checkpoint_continues_on_fewer_processes_on_the_same_curve(config, tra
     assert whole.returncode == 0, whole.output[-3000:]
     checkpoint = f"step-{SAVE_EVERY}"
     shutil.copytree(whole.output_dir / "checkpoints" / checkpoint, tmp_path / "checkpoints" / checkpoint)
-    resumed = launch("lora", tmp_path, *same_global_batch("lora", config, 1), "--resume", "auto", config=config,
-                     processes=1)
+    resumed = launch("lora", tmp_path, *same_global_batch("lora", config, 1, micro_batch=1), "--resume", "auto",
+                     config=config, processes=1)
     assert resumed.returncode == 0, resumed.output[-3000:]
     assert f"was written by 2 processes and resumes on 1" in resumed.output
     assert "read parameter by parameter" not in resumed.output  # read as written
@@ -70,12 +70,13 @@ def test_a_checkpoint_continues_on_fewer_processes_on_the_same_curve(config, tra
     assert_same_curve(resumed, whole, SAVE_EVERY)
 
 
-def same_global_batch(recipe: str, config: str, processes: int) -> list[str]:
-    """The matrix launch's flags for `config` on `processes` processes, each step the same 16 rows, a row a
-    micro-batch: the accumulation is 16 / processes (the matrix launches accumulate 2)."""
+def same_global_batch(recipe: str, config: str, processes: int, micro_batch: int = 4) -> list[str]:
+    """The matrix launch's flags for `config` on `processes` processes, each step the same 16 rows in micro-batches
+    of `micro_batch` (the matrix's on 2 processes): the accumulation is 16 / micro_batch / processes where the
+    matrix launches accumulate 2."""
     args = matrix_args(recipe, config)
     del args[args.index("--grad-accum"):args.index("--grad-accum") + 2]
-    args[args.index("--batch-size") + 1] = "1"
+    args[args.index("--batch-size") + 1] = str(micro_batch)
     return args + ["--global-batch-size", str(GLOBAL_BATCH)]
 
 
