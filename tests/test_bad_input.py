@@ -259,6 +259,7 @@ FLAGS = {"--lr": ["1e-3", "-1"], "--lora-r": ["8", "0"], "--save-every": ["0", "
          "--lora-targets": ["all-linear", "q_proj,nope"]}
 
 
+@long_test
 def test_random_launches_train_or_stop_with_one_line_before_the_model_loads(tmp_path):
     rng = random.Random(0)  # picks: a latin-1 line, a bad --lora-targets, chat with a tool turn (trains)
     trained = refused = 0

@@ -148,16 +148,16 @@ LAUNCHED = {
                                  {"distributed_type": "FSDP", "precision": "no", "gradient_checkpointing": 1}),
     "deepspeed_minimal_bfloat16": (zero(2, bfloat16={"enabled": True}),
                                    {"distributed_type": "DEEPSPEED", "precision": "bf16", "gradient_checkpointing": 0}),
+}
+# The other deprecated names and aliases, launched under RECIPES_LONG_TESTS (~12 s each; each translation is
+# checked in-process above on every run)
+LONG_LAUNCHED = {
     # the old export name beside the recipe's own addition of the new one (DeepSpeed refused both at prepare),
     # with the old offload and pinning names
     "deepspeed_zero3_old_names": ({"zero_optimization": {"stage": 3, "stage3_gather_fp16_weights_on_model_save": True,
                                                          "cpu_offload": True, "cpu_offload_use_pin_memory": True}},
                                   {"distributed_type": "DEEPSPEED", "precision": "no", "gradient_checkpointing": 0,
                                    "deepspeed": {"zero_stage": 3, "offload_optimizer": "cpu", "offload_param": "none"}}),
-}
-# The other deprecated names and aliases, launched under RECIPES_LONG_TESTS (~12 s each; each translation is
-# checked in-process above on every run)
-LONG_LAUNCHED = {
     "deepspeed_zero2_cpu_offload": ({"zero_optimization": {"stage": 2, "cpu_offload": True}},
                                     {"distributed_type": "DEEPSPEED", "precision": "no", "gradient_checkpointing": 0,
                                      "deepspeed": {"zero_stage": 2, "offload_optimizer": "cpu"}}),

@@ -195,6 +195,7 @@ def test_an_edited_pair_loss_trains_under_every_strategy(trained, tmp_path, reci
     assert first["grad_norm"] == pytest.approx(2 * untouched.metrics()[0]["grad_norm"], rel=1e-4)
 
 
+@long_test
 def test_accumulation_does_not_change_the_updates(tmp_path):
     """8 pairs a step as 1 x 4 micro-batches x 2 processes and as 8 x 1 on one process."""
     common = ["--max-steps", "4", "--lr", "5e-3", "--lora-dropout", "0"]

@@ -102,6 +102,7 @@ def test_wheels_already_installed_on_a_warm_box_are_not_installed_again(tmp_path
     assert gpu_check.install_wheels(wheels, log=None)["returncodes"] == [0] and len(ran) == 1
 
 
+@long_test
 def test_a_part_past_its_time_is_interrupted_and_keeps_what_it_wrote(tmp_path, monkeypatch):
     """Ctrl-C first (pytest writes its junit XML on it), then the whole process group is killed."""
     monkeypatch.setattr(gpu_check, "STOP_GRACE_S", 2)

@@ -79,6 +79,7 @@ if os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0":
 """
 
 
+@long_test
 def test_a_killed_rank_restarts_the_job_from_its_checkpoint(whole, tmp_path):
     hook = tmp_path / "hook"
     hook.mkdir()

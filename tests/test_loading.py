@@ -46,10 +46,10 @@ def same_run(one, other) -> None:
     # its LM head is its embedding: the tie survives the unread build (every run trains gpt2 under fsdp.yaml in
     # tests/test_other_architectures.py; this compares its weights with a plain load)
     pytest.param("lora", "gpt2", "fsdp", READS_SHARDS, marks=long_test),
-    ("lora", "mixtral", "fsdp", MAIN_PROCESS_SENDS),  # its files keep each expert apart: transformers fuses them
+    pytest.param("lora", "mixtral", "fsdp", MAIN_PROCESS_SENDS, marks=long_test),  # experts apart in its files
     pytest.param("lora", None, "fsdp_grad_op", READS_SHARDS, marks=long_test),  # fsdp's loading, every run
     pytest.param("full", None, "fsdp_offload", READS_SHARDS, marks=long_test),
-    ("lora", None, "zero3", MAIN_PROCESS_SENDS),  # the others' partitions come from the main process's weights
+    pytest.param("lora", None, "zero3", MAIN_PROCESS_SENDS, marks=long_test),  # partitions from the main process
     pytest.param("lora", "gpt2", "zero3", MAIN_PROCESS_SENDS, marks=long_test),
     pytest.param("full", None, "zero3_offload", MAIN_PROCESS_SENDS, marks=long_test),
 ])

@@ -61,7 +61,7 @@ def test_peft_refusing_the_targets_is_one_line_before_loading(tmp_path):
 STRATEGIES = [("model_parallel", 1), ("ddp", 2), ("fsdp", 2)] + ([("zero3", 2)] if os.environ.get("RECIPES_LONG_TESTS") else [])
 
 
-@pytest.mark.parametrize("kind", ["mixtral", pytest.param("qwen3_moe", marks=long_test)])
+@pytest.mark.parametrize("kind", [pytest.param("mixtral", marks=long_test), pytest.param("qwen3_moe", marks=long_test)])
 def test_lora_on_a_mixture_of_experts_trains_its_router_loss_alike_on_every_strategy(kind, tmp_path):
     """The default flags; micro-batches of 4 rows, 4 per step on one process and 2 per rank on two: the same
     micro-batches, so the router's loss (not linear in the batch) agrees too, not only the token loss."""

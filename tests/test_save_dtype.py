@@ -8,7 +8,7 @@ import json
 import torch
 from safetensors.torch import load_file
 
-from conftest import launch
+from conftest import launch, long_test
 
 
 def float_dtypes(folder) -> set:
@@ -26,6 +26,7 @@ def test_full_exports_its_model_in_the_dtype_asked_for(tmp_path):
     assert AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto").dtype == torch.bfloat16
 
 
+@long_test
 def test_merged_is_exported_in_the_dtype_asked_for_and_computes_what_was_trained(tmp_path):
     from transformers import AutoModelForCausalLM
 
