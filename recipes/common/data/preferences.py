@@ -13,7 +13,7 @@ from . import batches
 from .checked_rows import load_sources
 from .data_files import DEFAULT_PAIRS
 from .formats import DataFormat, chat_template_line
-from .pairs import PAIR_FORMATS, SIDES, opening_system_texts, pair_sides, side_format
+from .pairs import SIDES, opening_system_texts, pair_sides, renders_chat, side_format
 from .targets import NO_TOKENS, require_offsets, tokenize_rows
 from .tokens import (
     REPORT_COLUMNS,
@@ -44,10 +44,10 @@ def prepare_pairs(accelerator, tokenizer, args, launch):
         train_tokens = [tokenize_pairs(part.rows, part.fmt, tokenizer, args.max_length) for part in train_parts]
         eval_tokens = [tokenize_pairs(part.rows, part.fmt, tokenizer, args.max_length) for part in eval_parts]
     train_set, eval_set = training_sets(accelerator, args, train_parts, train_tokens, eval_parts, eval_tokens, "pair")
-    chat_template_line(accelerator, tokenizer, args, any(PAIR_FORMATS[part.fmt][0] for part in train_parts + eval_parts))
+    data_format = DataFormat("+".join(sorted({part.fmt for part in train_parts})), shared_system_prompt(train_parts))
+    chat_template_line(accelerator, tokenizer, args, renders_chat(data_format))
     batches.say_steps(accelerator, len(train_set), args, launch.data_parallel_size, "pairs")
-    return train_set, eval_set, DataFormat("+".join(sorted({part.fmt for part in train_parts})),
-                                            shared_system_prompt(train_parts))
+    return train_set, eval_set, data_format
 
 
 def shared_system_prompt(parts) -> str | None:

@@ -10,6 +10,7 @@ from . import batches
 from .checked_rows import load_sources
 from .formats import SPEAKERS, DataFormat, chat_template_line, conversation
 from .packing import pack
+from .pairs import renders_chat
 from .targets import require_offsets
 from .tokens import kept_rows, tokenize_counted, training_sets
 
@@ -98,7 +99,8 @@ def prepare(accelerator, tokenizer, args, launch):
         train_tokens = [tokenize_counted(part.rows, tokenizer, args.max_length)[0] for part in train_parts]
         eval_tokens = [tokenize_counted(part.rows, tokenizer, args.max_length)[0] for part in eval_parts]
     train_set, eval_set = training_sets(accelerator, args, train_parts, train_tokens, eval_parts, eval_tokens)
-    chat_template_line(accelerator, tokenizer, args, any(part.fmt == "messages" for part in train_parts + eval_parts))
+    data_format = DataFormat("+".join(sorted({part.fmt for part in train_parts})), shared_system_prompt(train_parts))
+    chat_template_line(accelerator, tokenizer, args, renders_chat(data_format))
     if args.packing:
         with accelerator.main_process_first():  # rank 0 saves the packing plan, the others read it
             rows = len(train_set)
@@ -112,8 +114,7 @@ def prepare(accelerator, tokenizer, args, launch):
                   "sequences, so a smaller --batch-size keeps an unpacked run's", flush=True)
     batches.say_steps(accelerator, len(train_set), args, launch.data_parallel_size,
                       "sequences" if args.packing else "rows")
-    return train_set, eval_set, DataFormat("+".join(sorted({part.fmt for part in train_parts})),
-                                           shared_system_prompt(train_parts))
+    return train_set, eval_set, data_format
 
 
 def tokenize(dataset, tokenizer, max_length: int, packing: bool = False):

@@ -40,10 +40,15 @@ def launcher_argv() -> list[str]:
         return []
 
 
+def launched_by_accelerate(argv: list[str]) -> bool:
+    """Whether `argv` (the parent's command line) is `accelerate launch` (else torchrun, srun or plain python)."""
+    return any("accelerate" in arg for arg in argv[:3])
+
+
 def config_file_of_launcher(argv: list[str] | None = None) -> Path | None:
     """The config file `accelerate launch` read: `--config_file X`, else its default file."""
     argv = launcher_argv() if argv is None else argv
-    if not any("accelerate" in arg for arg in argv[:3]):
+    if not launched_by_accelerate(argv):
         return None  # started by torchrun, srun or python directly: no accelerate file involved
     for i, arg in enumerate(argv):
         for flag in ("--config_file", "--config-file"):

@@ -24,7 +24,7 @@ import torch
 
 from ..launching.args import SAVE_DTYPES
 from ..launching.batch_size import rows_per_step
-from ..launching.launch_config import launcher_argv
+from ..launching.launch_config import launched_by_accelerate, launcher_argv
 from ..model import adapters
 from . import reshard
 from ..refusal import refuse
@@ -288,8 +288,7 @@ def choose_resume(args, processes: int | None = None,
 def restarting_launcher(argv: list[str] | None = None) -> str:
     """What restarted this process, as the user typed it: accelerate's launcher or torchrun."""
     argv = launcher_argv() if argv is None else argv
-    return ("accelerate launch --max_restarts" if any("accelerate" in arg for arg in argv[:3])
-            else "torchrun --max-restarts")
+    return "accelerate launch --max_restarts" if launched_by_accelerate(argv) else "torchrun --max-restarts"
 
 
 @dataclass(frozen=True)
