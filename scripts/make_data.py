@@ -13,6 +13,10 @@ Writes, relative to the repository root:
   (TRL's explicit-prompt text layout): the prompt is the recipes' prompt
   template around the instruction, chosen the correct response, rejected a
   plausible wrong one (another operation's answer).
+* ``data/prompts/train.jsonl`` and ``eval.jsonl``: the same rows as GRPO
+  prompts, ``{"prompt": ..., "answer": ...}``: the prompt template around the
+  instruction, and the correct response for the exact-answer reward
+  (recipes/rewards.py).
 
 The task is a small mix of deterministic list operations over short digit
 sequences written with spaces (one correct response per instruction)::
@@ -115,6 +119,12 @@ def preference_pair(row: dict[str, str]) -> dict[str, str]:
             "rejected": wrong}
 
 
+def grpo_prompt(row: dict[str, str]) -> dict[str, str]:
+    """The row as a prompt for online training: the prompt template around its instruction, and the answer a
+    reward compares completions with."""
+    return {"prompt": PROMPT_TEMPLATE.format(instruction=row["instruction"]), "answer": row["response"]}
+
+
 def write_jsonl(path: Path, rows: list[dict[str, str]]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w", encoding="utf-8", newline="\n") as f:
@@ -192,12 +202,14 @@ def main(argv: list[str] | None = None) -> None:
     write_jsonl(data_dir / "eval.jsonl", eval_rows)
     write_jsonl(data_dir / "preferences" / "train.jsonl", [preference_pair(row) for row in train_rows])
     write_jsonl(data_dir / "preferences" / "eval.jsonl", [preference_pair(row) for row in eval_rows])
+    write_jsonl(data_dir / "prompts" / "train.jsonl", [grpo_prompt(row) for row in train_rows])
+    write_jsonl(data_dir / "prompts" / "eval.jsonl", [grpo_prompt(row) for row in eval_rows])
 
     tok_dir = data_dir / "tokenizer"
     build_tokenizer(train_rows, tok_dir)
     check_tokenizer(tok_dir, train_rows + eval_rows)
 
-    print(f"wrote {len(train_rows)} train rows, {len(eval_rows)} eval rows, their preference pairs and a tokenizer "
+    print(f"wrote {len(train_rows)} train rows, {len(eval_rows)} eval rows, their preference pairs and prompts, and a tokenizer "
           f"to {data_dir}")
 
 

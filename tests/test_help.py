@@ -11,8 +11,9 @@ import pytest
 
 from conftest import REPO
 
-PROGRAMS = sorted([*(REPO / "recipes").glob("*.py"), *(REPO / "scripts").glob("*.py"),
-                   *(REPO / "scripts" / "measure").glob("*.py")])
+PROGRAMS = sorted(path for path in [*(REPO / "recipes").glob("*.py"), *(REPO / "scripts").glob("*.py"),
+                                    *(REPO / "scripts" / "measure").glob("*.py")]
+                  if 'if __name__ == "__main__"' in path.read_text())  # (recipes/rewards.py is a module to import)
 HEAVY = ("torch", "transformers", "peft", "accelerate", "deepspeed", "datasets")
 # Runs a program as `python PROGRAM --help` would, then says what it imported.
 ASK_FOR_HELP = """

@@ -184,6 +184,7 @@ def add_qlora_args(parser: argparse.ArgumentParser) -> None:
 
 
 PREFERENCE_RECIPES = ("dpo", "dpo_full")  # recipes that train on pairs: two rows in one forward
+ONLINE_RECIPES = ("grpo",)  # recipes that train on completions they sample: prompts in, rewards from Python
 PREFERENCE_LOSSES = ("sigmoid", "ipo", "simpo")
 
 
@@ -194,6 +195,50 @@ def add_preference_args(parser: argparse.ArgumentParser) -> None:
     add("--beta", type=float, default=0.1,
         help="how far from the reference the policy may move: the scale of the log-ratios in the loss")
     add("--simpo-gamma", type=float, default=0.5, help="SimPO's target margin between chosen and rejected")
+
+
+GRPO_LOSSES = ("dapo", "grpo", "dr_grpo", "bnpo", "rloo")
+
+
+def add_grpo_args(parser: argparse.ArgumentParser) -> None:
+    """GRPO's flags, with TRL 1.16's names and defaults (GRPOConfig; RLOOConfig for --loss rloo)."""
+    add = parser.add_argument
+    add("--reward", action="append", default=None, metavar="FILE.py:NAME",
+        help="a reward function in your Python file, fn(prompts, completions, **columns) -> list[float | None] "
+             "(TRL's signature; None: does not apply to this completion); give it several times to sum several "
+             "(default: recipes/rewards.py:exact_answer on the bundled prompts; required with --dataset)")
+    add("--reward-weights", default=None, metavar="W1,W2,...",
+        help="one weight per --reward, comma-separated: the reward is their weighted sum (default: 1 each)")
+    add("--num-generations", type=int, default=8,
+        help="completions sampled per prompt: a group, whose rewards are each other's baseline; the global batch "
+             "(--batch-size x --grad-accum x processes completions) must hold whole groups")
+    add("--max-completion-length", type=int, default=256,
+        help="tokens a completion may have; one that reaches it without its stop token is truncated")
+    add("--mask-truncated-completions", action="store_true",
+        help="train on no token of a truncated completion (default: truncated ones train like the others)")
+    add("--temperature", type=float, default=1.0, help="sampling temperature (the log-probabilities use it too)")
+    add("--top-p", type=float, default=1.0, help="sample from the smallest set of tokens holding this probability")
+    add("--top-k", type=int, default=0, help="sample from the k likeliest tokens only (0: all)")
+    add("--loss", choices=GRPO_LOSSES, default="dapo",
+        help="dapo: token mean over the global batch (TRL's default); grpo: each completion's token mean, then "
+             "their mean; dr_grpo: token sum / (completions x --max-completion-length); bnpo: token mean of each "
+             "micro-batch; rloo: TRL's RLOOTrainer (leave-one-out baseline, whole-completion ratio, KL in the reward)")
+    add("--scale-rewards", choices=("group", "batch", "none"), default="group",
+        help="divide each advantage by the reward spread of its group, of the whole batch, or not at all "
+             "(not with --loss rloo)")
+    add("--normalize-advantages", action="store_true",
+        help="--loss rloo: scale the advantages to mean 0 and spread 1 over the batch (RLOOConfig's option)")
+    add("--beta", type=float, default=None,
+        help="weight of the KL penalty to the reference (the base: adapters off, no copy); default 0 (no "
+             "reference forward), 0.05 with --loss rloo, as TRL")
+    add("--epsilon", type=float, default=0.2, help="the ratio's clipping range below 1 (and above, unless "
+                                                   "--epsilon-high)")
+    add("--epsilon-high", type=float, default=None, help="the clipping range above 1 (DAPO's clip-higher: 0.28)")
+    add("--num-iterations", type=int, default=1,
+        help="optimizer steps on each batch of completions (μ): more than 1 reuses them, the ratio to the "
+             "sampling policy clipped")
+    add("--samples-every", type=int, default=10,
+        help="write the step's prompts, completions and rewards to samples.jsonl every N steps (0: never)")
 
 
 def recipe_flags(recipe: str, doc: str = "recipe\n") -> argparse.ArgumentParser:
@@ -214,6 +259,13 @@ def recipe_flags(recipe: str, doc: str = "recipe\n") -> argparse.ArgumentParser:
         parser.add_argument("--bits", type=int, choices=(4, 8), default=None,
                             help="quantize the frozen base: 4 = NF4 (QLoRA), 8 = LLM.int8() (default: not quantized)")
         parser.set_defaults(lr=5e-5)
+    elif recipe == "grpo":  # online RL of LoRA adapters on a frozen base, 16-bit or quantized
+        add_lora_args(parser)
+        add_grpo_args(parser)
+        parser.add_argument("--bits", type=int, choices=(4, 8), default=None,
+                            help="quantize the frozen base: 4 = NF4 (QLoRA), 8 = LLM.int8() (default: not quantized)")
+        # LoRA's step ~10x full training's (TRL's GRPO default 1e-6); prompt + completion under --max-length
+        parser.set_defaults(lr=1e-5, max_length=1024)
     else:
         add_qlora_args(parser)
     return parser
@@ -258,7 +310,7 @@ OTHER_NAMES = {"learning_rate": "lr", "per_device_train_batch_size": "batch_size
                "dataset_name": "dataset", "datasets": "dataset", "r": "lora_r", "lora_rank": "lora_r",
                "target_modules": "lora_targets", "lora_target_modules": "lora_targets", "warmup_steps": "warmup_ratio",
                "use_liger_kernel": "liger", "attn_implementation": "attention",
-               "resume_from_checkpoint": "resume"}
+               "resume_from_checkpoint": "resume", "loss_type": "loss", "reward_funcs": "reward"}
 
 
 def flags_from_config_file(parser: argparse.ArgumentParser, argv: list[str]) -> tuple[dict, str | None]:

@@ -458,8 +458,10 @@ def edit_deepspeed(config: dict, args) -> None:
     config["gradient_clipping"] = args.max_grad_norm
     config.pop("optimizer", None)  # an AdamW section: the recipe's own AdamW is the same
     config.pop("scheduler", None)  # the recipe builds it (deepspeed_schedule) and steps it in its loop
-    # DeepSpeed needs a batch size; a file without one takes the recipe's, as with "auto".
-    config.setdefault("train_micro_batch_size_per_gpu", args.batch_size)
+    # DeepSpeed needs a batch size; a file without one, or with "auto", takes the recipe's (what accelerate would
+    # read from a training loader: grpo.py hands it none, its batches are sampled)
+    if config.get("train_micro_batch_size_per_gpu", "auto") == "auto":
+        config["train_micro_batch_size_per_gpu"] = args.batch_size
     if "bfloat16" in config:  # the old name of the bf16 block (settle_deepspeed took its precision)
         config.setdefault("bf16", config.pop("bfloat16"))
     if torch_compile_section(config) is not None:

@@ -20,8 +20,9 @@ from ..data.mixture import sources_of
 from ..model.model_config import is_default_model, meta_model, module_kinds, quantizable_weights
 from ..model.pipeline_layout import check_layout, unstageable
 from ..refusal import Refusal, refuse  # noqa: F401  (preflight.refuse and preflight.Refusal, as the recipes and tests use them)
-from .args import lora_targets
-from .launch import DDP, FSDP
+from ..rewards import BUNDLED_REWARD
+from .args import ONLINE_RECIPES, lora_targets
+from .launch import DDP, FSDP, TENSOR_PARALLEL
 from .launch import flag as env_flag  # (`flag` names the flags in the checks below)
 from .memory_plan import size
 from .versions import too_old
@@ -219,6 +220,12 @@ RANGES = {
     "dataloader_workers": "[0, None)", "lora_r": "[1, None)", "lora_alpha": "(0, None)", "lora_dropout": "[0, 1)",
     "seed": "[0, 4294967295]", "beta": "(0, None)", "simpo_gamma": "[0, None)",
 }
+# The online recipe's own bounds (grpo.py: --beta 0 is its default, no KL term)
+ONLINE_RANGES = {
+    "beta": "[0, None)", "num_generations": "[2, None)", "max_completion_length": "[1, None)", "temperature": "(0, None)",
+    "top_p": "(0, 1]", "top_k": "[0, None)", "epsilon": "[0, 1)", "epsilon_high": "[0, None)",
+    "num_iterations": "[1, None)", "samples_every": "[0, None)",
+}
 HINTS = {"max_grad_norm": " (clipping cannot be switched off, only raised: e.g. 1e9)",
          "save_every": " (0: none)"}
 
@@ -235,11 +242,65 @@ def check_preference_run(args, launch) -> None:
         refuse("--batch-size auto is planned for rows, and a preference pair is two rows in one forward; give --batch-size N")
 
 
+def settle_online_run(args, launch):
+    """grpo.py's defaults that depend on other flags, as (value, why) changes: the bundled prompts' reward when
+    no --reward is given on the bundled data; --beta 0.05 under --loss rloo (RLOOConfig's), else 0 (GRPOConfig's)."""
+    changes = {}
+    if not args.reward:
+        if args.dataset:
+            refuse("grpo.py needs a reward for your prompts: give --reward FILE.py:NAME, a function "
+                   "fn(prompts, completions, **columns) -> list[float | None] (recipes/rewards.py has examples)")
+        changes["reward"] = ([BUNDLED_REWARD], "the bundled prompts' reward (no --dataset, no --reward)")
+    if args.beta is None:
+        changes["beta"] = (0.05 if args.loss == "rloo" else 0.0, f"TRL's default for --loss {args.loss}")
+    return changes
+
+
+def check_online_run(args, launch) -> None:
+    """What grpo.py cannot run, and batches that cannot hold whole groups, refused before the model loads."""
+    if args.packing:
+        refuse("--packing joins rows into one sequence, but grpo.py samples and scores each completion on its own; "
+               "drop --packing")
+    if launch.pipeline_stages > 1 or launch.kind == TENSOR_PARALLEL or launch.sequence_parallel > 1:
+        what = ("pipeline stages" if launch.pipeline_stages > 1 else "tensor parallel" if launch.kind == TENSOR_PARALLEL
+                else "sequence parallel")
+        refuse(f"grpo.py does not run {what}: generation needs each process to hold whole layers; launch with "
+               "accelerate_configs/fsdp.yaml or zero3.yaml (they shard the model and gather it once per batch of "
+               "completions)")
+    if args.batch_size == "auto":
+        refuse("--batch-size auto is planned for training rows, not for sampling completions; give --batch-size N")
+    step = args.batch_size * args.grad_accum * launch.data_parallel_size
+    if step % args.num_generations:
+        fits = [n for n in range(2, step + 1) if step % n == 0]
+        refuse(f"the global batch of {step} completions (--batch-size {args.batch_size} x --grad-accum "
+               f"{args.grad_accum} x {launch.data_parallel_size} process(es)) does not hold whole groups of "
+               f"--num-generations {args.num_generations}; use --num-generations "
+               f"{' or '.join(map(str, fits[-3:])) or 'a divisor'}, or a global batch that is a multiple of "
+               f"{args.num_generations} (--global-batch-size {args.num_generations * max(1, step // args.num_generations)})")
+    if args.max_completion_length >= args.max_length:
+        refuse(f"--max-completion-length {args.max_completion_length} leaves no room for a prompt under --max-length "
+               f"{args.max_length}; raise --max-length (prompt + completion) or lower --max-completion-length")
+    if args.loss == "rloo" and "scale_rewards" in args.given_flags:
+        refuse("--scale-rewards is GRPO's; --loss rloo uses the leave-one-out baseline (--normalize-advantages "
+               "scales it over the batch)")
+    if args.loss != "rloo" and args.normalize_advantages:
+        refuse("--normalize-advantages is RLOO's (--loss rloo); GRPO's losses scale with --scale-rewards")
+
+
+def check_prompt_count(prompts: int, per_step: int, args) -> None:
+    """A step takes `per_step` prompts: the training prompts must hold at least one step's."""
+    if prompts < per_step:
+        refuse(f"--dataset has {prompts} training prompts, fewer than the {per_step} one step samples from (the "
+               f"global batch / --num-generations {args.num_generations}); lower --batch-size or --grad-accum, or "
+               "give more prompts")
+
+
 def check_ranges(args) -> None:
     """Every number a flag takes, checked against what the recipe can do with it."""
     import math
 
-    for name, bounds in RANGES.items():
+    ranges = {**RANGES, **ONLINE_RANGES} if getattr(args, "recipe", None) in ONLINE_RECIPES else RANGES
+    for name, bounds in ranges.items():
         value = getattr(args, name, None)
         if value is None or value == "auto":
             continue

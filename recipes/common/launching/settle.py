@@ -15,7 +15,7 @@ from pathlib import Path
 from ..model.adapters import adapter_base, merged_start_model
 from ..model.shard_loading import why_not_read_shards
 from . import eval_tasks, launch_config, memory_plan, preflight
-from .args import PREFERENCE_RECIPES
+from .args import ONLINE_RECIPES, PREFERENCE_RECIPES
 from .batch_size import settle as settle_batch
 from .launch import DDP, FSDP, READS_SHARDS, SINGLE, TENSOR_PARALLEL, Launch, describe
 from .settled import Run
@@ -49,10 +49,15 @@ def settle_launch(args: Run, recipe: str) -> tuple[Run, Launch]:
         preflight.check_sequence_parallel(run, launch)
     if run.recipe in PREFERENCE_RECIPES:
         preflight.check_preference_run(run, launch)
+    if run.recipe in ONLINE_RECIPES:
+        changes = preflight.settle_online_run(run, launch)
+        run = run.settled(changes) if changes else run
     run = settle_compile(run, recipe, launch)  # (after the pipeline's stages are known)
     eval_tasks.check(run, launch)  # lm-eval's tasks: installed, known, their data on this machine
     run, batch_line = settle_batch(run, recipe, launch)  # --batch-size auto, --global-batch-size
     preflight.check_pipeline_micro_batches(run, launch)  # (after --global-batch-size has set --grad-accum)
+    if run.recipe in ONLINE_RECIPES:
+        preflight.check_online_run(run, launch)  # (whole groups in the global batch: after it is settled)
     if batch_line:
         say(batch_line)
     preflight.check_strategy(run, recipe, launch)

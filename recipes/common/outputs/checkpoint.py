@@ -430,8 +430,9 @@ def name_every_adapted_layer(config_file: Path, adapter: dict) -> None:
     config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
-def save_adapter(accelerator, model, stages, tokenizer, path: Path) -> None:
-    """`adapter/`: loadable by `PeftModel.from_pretrained`, checked tensor by tensor.
+def save_adapter(accelerator, model, stages, tokenizer, path: Path, moved: bool = True) -> None:
+    """`adapter/`: loadable by `PeftModel.from_pretrained`, checked tensor by tensor (`moved` False: a run whose
+    updates were all zero, as an online run's whose completions all tied on reward, may save a zero adapter).
 
     peft's `save_pretrained` keeps only the adapter's tensors of the gathered state dict. Trained on an adapter
     merged into its base (an adapter as --model), it is then made to stand alone, without the merged copy in
@@ -439,13 +440,13 @@ def save_adapter(accelerator, model, stages, tokenizer, path: Path) -> None:
     """
     save_full_model(accelerator, model, stages, tokenizer, path)
     if accelerator.is_main_process:
-        check_adapter(path)
+        check_adapter(path, moved)
         how = adapters.stand_alone(Path(path))
         if how:
             print(how, flush=True)
 
 
-def check_adapter(path: Path) -> None:
+def check_adapter(path: Path, moved: bool = True) -> None:
     """Refuse to call a run successful when the saved adapter is empty or untrained."""
     from safetensors.torch import load_file
 
@@ -456,7 +457,7 @@ def check_adapter(path: Path) -> None:
     for name, tensor in lora.items():  # matrices, and DoRA's magnitude vectors
         if tensor.dim() != (1 if "lora_magnitude_vector" in name else 2) or tensor.numel() == 0:
             raise RuntimeError(f"{path}: {name} has shape {tuple(tensor.shape)}; a sharded save lost it")
-    if all(torch.count_nonzero(t) == 0 for name, t in lora.items() if "lora_B" in name):
+    if moved and all(torch.count_nonzero(t) == 0 for name, t in lora.items() if "lora_B" in name):
         raise RuntimeError(f"{path}: every lora_B is zero; the adapter was never trained or was saved empty")
 
 

@@ -175,6 +175,7 @@ class RunLog:
         self.bar = None
         self.log_every = args.log_every
         self.drift = LikelihoodDrift()  # preference runs: both log-probabilities falling while accuracy saturates
+        self.first_step, self.samples_opened = 0, False  # (samples.jsonl: an online run's, opened at its first lines)
         if self.main:
             self.output_dir.mkdir(parents=True, exist_ok=True)
 
@@ -275,6 +276,7 @@ class RunLog:
 
     def start(self, first_step: int, total_steps: int) -> None:
         """Open metrics.jsonl and the progress bar for steps `first_step + 1` on."""
+        self.first_step = first_step
         if not self.main:
             return
         from tqdm.auto import tqdm
@@ -327,6 +329,19 @@ class RunLog:
                 own = "".join(f"  {key} {value:.4f}" for key, value in (figures or {}).items())  # rewards/*, logps/*
                 self.bar.write(f"step {step}: loss {loss:.4f}  lr {lr:.2e}  grad_norm {record['grad_norm'] or 0:.3f}"
                                f"{router}{own}")
+
+    def write_samples(self, step: int, samples: list[dict]) -> None:
+        """Lines of samples.jsonl (main process): an online run's prompts, completions and rewards at `step`. A
+        resumed run drops the lines the interrupted run wrote after its checkpoint, as metrics.jsonl does."""
+        path = self.output_dir / "samples.jsonl"
+        if not self.samples_opened:
+            kept = [line for line in (path.read_text().splitlines() if self.first_step and path.exists() else [])
+                    if json.loads(line)["step"] <= self.first_step]
+            path.write_text("".join(line + "\n" for line in kept))
+            self.samples_opened = True
+        with open(path, "a") as file:
+            for sample in samples:
+                file.write(json.dumps({"step": step, **sample}, default=str) + "\n")
 
     def track(self, record: dict, step: int) -> None:
         """Send the numbers of a metrics.jsonl line to the accelerate trackers (main process only)."""

@@ -1,0 +1,301 @@
+"""recipes/grpo.py: equal to TRL's GRPOTrainer and RLOOTrainer given the same completions; every strategy equal
+to one process, the same completions sampled on any process count; a checkpoint that continues the curve, also on
+another strategy and count; rewards from the user's file, each failure one line; the sampler draws from the
+distribution it is given."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import subprocess
+import sys
+from collections import Counter
+
+import pytest
+
+from conftest import REPO, assert_the_refusal_ends_the_output, launch, long_test
+
+sys.path.insert(0, str(REPO / "recipes"))
+
+from common import rewards  # noqa: E402
+from common.launching import preflight, settle  # noqa: E402
+from common.launching.args import parse_args, recipe_flags  # noqa: E402
+from common.launching.launch import DDP, Launch  # noqa: E402
+from common.refusal import Refusal  # noqa: E402
+
+PROMPTS = 4
+SIMILARITY = f"{REPO / 'recipes' / 'rewards.py'}:answer_similarity"  # partial credit: the tiny model earns some
+
+
+@pytest.fixture(scope="module")
+def prompts(tmp_path_factory):
+    """Four sort prompts of the bundled task with their answers (a step's batch holds all of them)."""
+    import random
+
+    draw = random.Random(0)
+    path = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
+    with open(path, "w") as file:
+        for _ in range(PROMPTS):
+            digits = draw.sample("0123456789", 3)
+            file.write(json.dumps({"prompt": f"### Instruction:\nSort: {' '.join(digits)}\n\n### Response:\n",
+                                   "answer": " ".join(sorted(digits))}) + "\n")
+    return path
+
+
+def flags(prompts, *more: str) -> list[str]:
+    return ["--dataset", str(prompts), "--eval-dataset", str(prompts), "--reward", SIMILARITY, "--num-generations", "4",
+            "--max-completion-length", "8", "--lr", "5e-3", "--warmup-ratio", "0", *more]
+
+
+def train_records(output_dir) -> list[dict]:
+    return [record for record in map(json.loads, (output_dir / "metrics.jsonl").read_text().splitlines())
+            if record["type"] == "train"]
+
+
+# --- TRL's trainers on the same completions -------------------------------------------------------------------------
+
+TRL_CASES = [
+    # every run: DAPO (TRL's default loss) with the KL term, two steps per batch and DAPO's clip-higher, GA 2
+    pytest.param("dapo", ["--batch-size", "8", "--grad-accum", "2", "--beta", "0.1", "--num-iterations", "2",
+                          "--epsilon-high", "0.28", "--max-steps", "4"], id="dapo-beta-iterations"),
+    pytest.param("rloo", ["--batch-size", "8", "--grad-accum", "2", "--max-steps", "3"], id="rloo"),
+    pytest.param("grpo", ["--batch-size", "8", "--grad-accum", "2", "--max-steps", "3"], id="grpo", marks=long_test),
+    pytest.param("dr_grpo", ["--batch-size", "8", "--grad-accum", "2", "--max-steps", "3", "--scale-rewards", "batch"],
+                 id="dr_grpo", marks=long_test),
+    # a mean per micro-batch: the same micro-batches on both sides only when one holds the whole batch
+    pytest.param("bnpo", ["--batch-size", "16", "--max-steps", "3", "--scale-rewards", "none"], id="bnpo",
+                 marks=long_test),
+    pytest.param("rloo", ["--batch-size", "16", "--max-steps", "4", "--normalize-advantages", "--num-iterations", "2"],
+                 id="rloo-normalized", marks=long_test),
+]
+
+
+@pytest.mark.parametrize("loss, more", TRL_CASES)
+def test_the_steps_equal_trls_on_the_same_completions(prompts, tmp_path, loss, more):
+    """Loss, gradient norm and reward of each step equal TRL's (fp32, CPU, one process): the same prompts, the
+    completions the recipe's sampler draws (the worker hands TRL the same ones), the same rewards. Several steps:
+    after the first, both sample from their own updated model."""
+    given = flags(prompts, "--loss", loss, "--samples-every", "0", *more)
+    ours = launch("grpo", tmp_path / "ours", *given, processes=1)
+    assert ours.returncode == 0, ours.output[-3000:]
+    done = subprocess.run([sys.executable, str(REPO / "scripts" / "measure" / "trl_grpo_worker.py"), "--output-dir",
+                           str(tmp_path / "trl"), *given], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    theirs = [json.loads(line) for line in (tmp_path / "trl" / "metrics.jsonl").read_text().splitlines()]
+    mine = train_records(tmp_path / "ours")
+    assert len(mine) == len(theirs) == int(more[more.index("--max-steps") + 1])
+    for step, (a, b) in enumerate(zip(mine, theirs), 1):
+        # (RLOOTrainer counts tied groups after its KL penalty; here, as GRPO does, on the rewards)
+        tied = ("frac_reward_zero_std",) if loss != "rloo" else ()
+        for name in ("loss", "grad_norm", "reward", "reward_std", *tied, "completions/mean_length"):
+            if name in b:  # (TRL logs the reward only at the steps that sample)
+                assert a[name] == pytest.approx(b[name], abs=1e-5, rel=1e-4), (step, name, a, b)
+    assert any(record["grad_norm"] > 0 for record in mine)  # the rewards differed: something trained
+
+
+# --- every strategy against one process -----------------------------------------------------------------------------
+
+STEPS, SAVE_EVERY, GLOBAL = 4, 2, 16
+STRATEGIES = {"one": 1, "ddp": 2, "fsdp": 2, "zero3": 2, "zero2": 2, "fsdp_offload": 2}
+EVERY_RUN = ("one", "fsdp", "zero3")
+
+
+def strategy_args(prompts, processes: int) -> list[str]:
+    return flags(prompts, "--batch-size", "4", "--grad-accum", str(GLOBAL // 4 // processes), "--beta", "0.1",
+                 "--max-steps", str(STEPS), "--save-every", str(SAVE_EVERY), "--samples-every", "1")
+
+
+@pytest.fixture(scope="module")
+def grpo_run(prompts, tmp_path_factory):
+    """One launch per strategy, made once (4 steps, checkpoints at 2 and 4)."""
+    done = {}
+
+    def get(config: str):
+        if config not in done:
+            processes = STRATEGIES[config]
+            output_dir = tmp_path_factory.mktemp(f"grpo-{config}")
+            done[config] = launch("grpo", output_dir, *strategy_args(prompts, processes),
+                                  config=None if config == "one" else config, processes=processes)
+        return done[config]
+
+    return get
+
+
+def completions_of(output_dir) -> list:
+    lines = map(json.loads, (output_dir / "samples.jsonl").read_text().splitlines())
+    return sorted((line["step"], line["prompt"], line["completion"]) for line in lines)
+
+
+@pytest.mark.parametrize("config", [pytest.param(config, marks=() if config in EVERY_RUN else long_test)
+                                    for config in STRATEGIES if config != "one"])
+def test_every_strategy_samples_and_trains_as_one_process(grpo_run, config):
+    """The same completions (the sampler's seeds do not depend on the rank or the batch), and the same loss,
+    gradient norm, reward and KL at every step; under FSDP2 and ZeRO-3 the weights are gathered once per batch."""
+    one, other = grpo_run("one"), grpo_run(config)
+    assert one.returncode == 0, one.output[-3000:]
+    assert other.returncode == 0, other.output[-3000:]
+    assert completions_of(other.output_dir) == completions_of(one.output_dir)
+    assert len(completions_of(one.output_dir)) == STEPS * GLOBAL
+    for a, b in zip(train_records(other.output_dir), train_records(one.output_dir), strict=True):
+        for name in ("loss", "grad_norm", "reward", "kl"):
+            assert a[name] == pytest.approx(b[name], abs=1e-5, rel=1e-4), (a["step"], name, a, b)
+    assert (other.output_dir / "adapter" / "adapter_model.safetensors").exists()
+
+
+@pytest.mark.parametrize("written, resumed, processes", [
+    ("fsdp", None, 1),  # FSDP2's sharded checkpoint, continued by one process: another strategy and count
+    pytest.param("zero3", "ddp", 2, marks=long_test),
+    pytest.param("one", "zero3", 2, marks=long_test),
+])
+def test_a_checkpoint_continues_the_curve_on_another_strategy(grpo_run, prompts, tmp_path, written, resumed, processes):
+    whole = grpo_run(written)
+    assert whole.returncode == 0, whole.output[-3000:]
+    checkpoint = f"step-{SAVE_EVERY}"
+    shutil.copytree(whole.output_dir / "checkpoints" / checkpoint, tmp_path / "checkpoints" / checkpoint)
+    continued = launch("grpo", tmp_path, *strategy_args(prompts, processes), "--resume", "auto", config=resumed,
+                       processes=processes)
+    assert continued.returncode == 0, continued.output[-3000:]
+    mine, theirs = train_records(tmp_path), train_records(whole.output_dir)[SAVE_EVERY:]
+    assert [record["step"] for record in mine] == list(range(SAVE_EVERY + 1, STEPS + 1))
+    for a, b in zip(mine, theirs, strict=True):
+        for name in ("loss", "grad_norm", "reward"):
+            assert a[name] == pytest.approx(b[name], abs=1e-5, rel=1e-4), (a["step"], name, a, b)
+
+
+# --- rewards and refusals -------------------------------------------------------------------------------------------
+
+def write(path, text: str) -> str:
+    path.write_text(text)
+    return str(path)
+
+
+def test_a_reward_file_is_read_and_its_mistakes_named(tmp_path):
+    good = write(tmp_path / "mine.py", "def ones(prompts, completions, **kw):\n    return [1.0 for _ in completions]\n"
+                                       "def half(prompts, completions, **kw):\n    return [None, 0.5]\n"
+                                       "NOT_A_FUNCTION = 3\n")
+    loaded = rewards.load_rewards([f"{good}:ones", f"{good}:half", f"{good}:ones"])
+    assert [reward.name for reward in loaded] == ["ones", "half", "ones_2"]
+    table = rewards.score(loaded[:2], ["p", "q"], ["a", "b"], {})
+    assert table[0] == [1.0, pytest.approx(math.nan, nan_ok=True)] and table[1] == [1.0, 0.5]
+    for spec, message in ((f"{tmp_path}/absent.py:ones", "absent.py does not exist"),
+                          (f"{good}:twos", "defines no `twos` \\(its functions: half, ones\\)"),
+                          (f"{good}:NOT_A_FUNCTION", "is not a function"), (good, "give FILE.py:NAME")):
+        with pytest.raises(Refusal, match=message):
+            rewards.load_rewards([spec])
+    broken = write(tmp_path / "broken.py", "import nonexistent_module_here\n")
+    with pytest.raises(Refusal, match=r"importing .*broken.py failed: ModuleNotFoundError.*\(.*broken.py:1\)"):
+        rewards.load_rewards([f"{broken}:f"])
+
+
+@pytest.mark.parametrize("body, message", [
+    ("raise KeyError('answer')", r"raised KeyError: 'answer' \(.*bad.py:2\)"),
+    ("return [1.0]", "returned 1 values for 2 completions"),
+    ("return [1.0, 'yes']", "returned 'yes' for completion 1; return a finite number"),
+    ("return [1.0, float('nan')]", "returned nan for completion 1"),
+    ("return 1.0", "returned float; return a list"),
+])
+def test_a_reward_that_fails_is_named_with_its_file(tmp_path, body, message):
+    bad = write(tmp_path / "bad.py", f"def f(prompts, completions, **kw):\n    {body}\n")
+    with pytest.raises(rewards.RewardProblem, match=message):
+        rewards.score(rewards.load_rewards([f"{bad}:f"]), ["p", "q"], ["a", "b"], {})
+
+
+def args_of(*argv: str):
+    return parse_args(recipe_flags("grpo"), list(argv))
+
+
+@pytest.mark.parametrize("argv, processes, message", [
+    (["--batch-size", "3", "--num-generations", "4"], 1,
+     r"the global batch of 3 completions .* does not hold whole groups of --num-generations 4; use --num-generations 3"),
+    (["--batch-size", "3", "--grad-accum", "1", "--num-generations", "4"], 2,
+     r"the global batch of 6 completions \(--batch-size 3 x --grad-accum 1 x 2 process\(es\)\) .* use "
+     r"--num-generations 2 or 3 or 6, or .* \(--global-batch-size 4\)"),
+    (["--max-completion-length", "600", "--max-length", "512"], 1, "leaves no room for a prompt"),
+    (["--packing"], 1, "drop --packing"),
+    (["--batch-size", "auto"], 1, "give --batch-size N"),
+    (["--loss", "rloo", "--scale-rewards", "batch"], 1, "--scale-rewards is GRPO's"),
+    (["--normalize-advantages"], 1, "--normalize-advantages is RLOO's"),
+])
+def test_a_batch_or_flag_grpo_cannot_run_is_refused(argv, processes, message):
+    launch_of = Launch(DDP, processes=processes, on_gpu=False, visible_gpus=0, precision="no")
+    with pytest.raises(Refusal, match=message):
+        preflight.check_online_run(args_of("--batch-size", "8", *argv), launch_of)
+
+
+def test_the_defaults_follow_trl_and_a_dataset_needs_a_reward(tmp_path):
+    run, _ = settle.settle_launch(args_of("--output-dir", str(tmp_path / "a")), "lora")
+    assert run.reward == [rewards.BUNDLED_REWARD] and run.beta == 0.0 and run.loss == "dapo"
+    run, _ = settle.settle_launch(args_of("--output-dir", str(tmp_path / "b"), "--loss", "rloo"), "lora")
+    assert run.beta == 0.05
+    with pytest.raises(Refusal, match="needs a reward for your prompts: give --reward FILE.py:NAME"):
+        settle.settle_launch(args_of("--output-dir", str(tmp_path / "c"), "--dataset", str(tmp_path)), "lora")
+    with pytest.raises(Refusal, match=r"--beta must be >= 0"):
+        settle.settle_launch(args_of("--output-dir", str(tmp_path / "d"), "--beta", "-1"), "lora")
+
+
+def test_a_reward_that_raises_mid_run_stops_every_rank_with_one_line_and_keeps_the_steps(prompts, tmp_path):
+    """Step 3's reward raises on one rank only: both ranks stop with its line, after saving step 2."""
+    flaky = write(tmp_path / "flaky.py", "import os\nCALLS = []\ndef f(prompts, completions, **columns):\n"
+                  "    CALLS.append(1)\n    if os.environ['RANK'] == '1' and len(CALLS) == 3:\n"
+                  "        raise ValueError('no answer column')\n    return [float(len(c)) for c in completions]\n")
+    run = launch("grpo", tmp_path / "out", "--dataset", str(prompts), "--eval-dataset", str(prompts),
+                 "--reward", f"{flaky}:f", "--batch-size", "4", "--num-generations", "4", "--max-completion-length",
+                 "6", "--max-steps", "5", config="ddp")
+    assert run.returncode != 0
+    errors = [line for line in run.output.splitlines() if line.startswith("error: ")]
+    assert errors == [f"error: --reward {flaky}:f raised ValueError: no answer column ({flaky}:6) (at step 3; fix it, "
+                      "then continue with --resume auto)"], run.output[-3000:]
+    assert_the_refusal_ends_the_output(run.output, f"error: --reward {flaky}:f raised ValueError: no answer column "
+                                                   f"({flaky}:6) (at step 3; fix it, then continue with --resume auto)")
+    assert (tmp_path / "out" / "checkpoints" / "step-2").is_dir()
+
+
+# --- the sampler ----------------------------------------------------------------------------------------------------
+
+def test_the_sampler_draws_from_the_tempered_cut_distribution():
+    """KeyedSampling's argmax over many seeds follows softmax(logits / T) cut to top-k / top-p."""
+    import torch
+
+    from common.training.rollouts import KeyedSampling
+
+    logits = torch.tensor([[2.0, 1.0, 0.5, -1.0]])
+    draws = 4000
+
+    def frequencies(temperature, top_k, top_p):
+        counts = Counter()
+        for seed in range(draws):
+            sampler = KeyedSampling([torch.Generator().manual_seed(seed)], temperature, top_k, top_p)
+            counts[int(sampler(None, logits.clone()).argmax())] += 1
+        return torch.tensor([counts[i] / draws for i in range(4)])
+
+    expected = (logits[0] / 0.7).softmax(0)
+    assert torch.allclose(frequencies(0.7, 0, 1.0), expected, atol=0.03)
+    top2 = logits[0, :2].softmax(0)
+    assert torch.allclose(frequencies(1.0, 2, 1.0), torch.cat([top2, torch.zeros(2)]), atol=0.03)
+    # top-p 0.8 of softmax(logits) = [0.61, 0.22, 0.14, 0.03]: the first two hold 0.83, the rest are cut
+    assert torch.allclose(frequencies(1.0, 0, 0.8), torch.cat([top2, torch.zeros(2)]), atol=0.03)
+
+
+def test_a_completion_depends_on_its_seed_not_its_batch(tmp_path):
+    """The same prompt and seed give the same completion alone or beside others, and the model's own generation
+    config (sampling with another temperature) changes nothing."""
+    import torch
+    from accelerate import Accelerator
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from common.training.rollouts import sample
+
+    model = AutoModelForCausalLM.from_pretrained(REPO / "models" / "tiny-llama")
+    model.generation_config.do_sample, model.generation_config.temperature = True, 0.3
+    tokenizer = AutoTokenizer.from_pretrained(REPO / "models" / "tiny-llama")
+    prompts = [tokenizer("### Instruction:\nSort: 3 1 2\n\n### Response:\n")["input_ids"],
+               tokenizer("### Instruction:\nCopy: 9\n\n### Response:\n")["input_ids"]]
+    accelerator = Accelerator(cpu=True)
+    settings = dict(max_new_tokens=12, stop_ids=[tokenizer.eos_token_id], pad_id=tokenizer.pad_token_id)
+    together = sample(accelerator, model, prompts, [11, 12], **settings)
+    alone = [sample(accelerator, model, [prompt], [seed], **settings)[0] for prompt, seed in zip(prompts, [11, 12])]
+    assert together == alone
+    torch.manual_seed(0)
+    assert sample(accelerator, model, prompts, [11, 12], **settings) == together  # the global RNG plays no part
+    assert sample(accelerator, model, prompts, [13, 14], **settings) != together
