@@ -321,17 +321,18 @@ def main():
         chunk = run.batch_size * run.grad_accum
         most = -(-len(eval_set) // accelerator.num_processes)  # the rows of the rank with the most
         chunks = -(-most // chunk)
-        texts = []
+        ids = []
         with rollouts.whole_weights(model, launch):
             for index in range(chunks):  # the same count on every rank (a rank with fewer rows samples none)
                 part = rows[index * chunk:(index + 1) * chunk]
-                texts += tokenizer.batch_decode(rollouts.sample(
-                    accelerator, model, [row["prompt_ids"] for row in part], None,
-                    max_new_tokens=run.max_completion_length, stop_ids=stop_ids, pad_id=tokenizer.pad_token_id),
-                    skip_special_tokens=True)
+                ids += rollouts.sample(accelerator, model, [row["prompt_ids"] for row in part], None,
+                                       max_new_tokens=run.max_completion_length, stop_ids=stop_ids,
+                                       pad_id=tokenizer.pad_token_id)
+        texts = tokenizer.batch_decode(ids, skip_special_tokens=True)
         completions = [[{"role": "assistant", "content": text}] for text in texts] if chat else texts
         columns = {name: [row[name] for row in rows] for name in eval_set.column_names
                    if name not in ("prompt", "prompt_ids")}
+        columns["completion_ids"] = ids
         try:
             table = rewards.score(reward_functions, [row["prompt"] for row in rows], completions, columns)
         except rewards.RewardProblem as error:
@@ -352,6 +353,8 @@ def main():
     sync = runtime.StepSync(accelerator, counts_tokens=False)  # the step's one all-reduce; SIGTERM / Ctrl-C stop cleanly
     log.start(start_step, total_steps)
     micro_batches, samples, learned = None, [], start_step > 0
+    if run.eval_every and start_step == 0:  # where the model starts: the baseline its rewards are compared with
+        log.log_eval(0, evaluate()[0])
     for step in range(start_step + 1, total_steps + 1):
         if micro_batches is None or (step - 1) % run.num_iterations == 0:  # a new batch of completions
             epoch, micro_batches, step_tokens, figures, completions, scored, advantages = roll_out(step)

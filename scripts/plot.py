@@ -4,7 +4,8 @@
     python scripts/plot.py outputs/ddp/metrics.jsonl outputs/fsdp --labels ddp,fsdp --x tokens
 
 Each argument is a run folder (the recipe's --output-dir) or its metrics.jsonl. Three panels:
-training loss, evaluation loss and evaluation exact match, one colour per run. A run's label is
+training loss, evaluation loss and evaluation exact match, one colour per run (for grpo.py's runs: the
+training reward, the completions' length and the held-out prompts' reward). A run's label is
 its folder, followed by the strategy and process count from run.json when there is one
 ("outputs/ddp (MULTI_GPU x 4)"). A run resumed with --resume auto appends to its metrics.jsonl;
 a step logged twice is drawn once, from its latest record, and --x tokens / time add up the
@@ -130,12 +131,21 @@ def draw(runs: list[Run], axis: str, output: Path) -> None:
         unit = f" ({unit})"
     colours = plt.get_cmap("tab10" if len(runs) <= 10 else "tab20").colors
 
+    # An online run (grpo.py) logs rewards: its panels are the reward, the completions' length and the held-out
+    # prompts' reward (its loss is near 0 by construction: the advantages of a group sum to 0).
+    online = any("reward" in record for run in runs for record in run.train)
+    train_key, eval_keys = ("reward", "completions/mean_length") if online else ("loss", None)
+    titles = (["training reward", "completion length (tokens)", "eval reward"] if online else
+              ["training loss", "eval loss", "eval exact match"])
     figure, (loss_ax, eval_ax, match_ax) = plt.subplots(1, 3, figsize=(16, 4.8))
-    panels = [(loss_ax, "training loss"), (eval_ax, "eval loss"), (match_ax, "eval exact match")]
+    panels = list(zip((loss_ax, eval_ax, match_ax), titles))
     for index, (run, position) in enumerate(zip(runs, positions)):
         colour = colours[index % len(colours)]
         xs = [position[r["step"]] / scale for r in run.train]
-        loss_ax.plot(xs, [number(r["loss"]) for r in run.train], color=colour, linewidth=1.2, label=run.label)
+        loss_ax.plot(xs, [number(r.get(train_key)) for r in run.train], color=colour, linewidth=1.2, label=run.label)
+        if online:
+            eval_ax.plot(xs, [number(r.get(eval_keys)) for r in run.train], color=colour, linewidth=1.2,
+                         label=run.label)
 
         # An eval point sits at the x of its step's training record (or of the nearest earlier one).
         known = sorted(position)
@@ -143,7 +153,8 @@ def draw(runs: list[Run], axis: str, output: Path) -> None:
         for record in run.evals:
             at = bisect.bisect_right(known, record["step"])
             eval_x.append(position[known[at - 1]] / scale if at else (record["step"] if axis == "step" else 0.0))
-        for ax, key in ((eval_ax, "eval_loss"), (match_ax, "eval_exact_match")):
+        evaluated = ((match_ax, "eval_reward"),) if online else ((eval_ax, "eval_loss"), (match_ax, "eval_exact_match"))
+        for ax, key in evaluated:
             ys = [number(r.get(key)) for r in run.evals]
             if any(not math.isnan(y) for y in ys):
                 ax.plot(eval_x, ys, color=colour, marker="o", markersize=4, linewidth=1.2, label=run.label)
@@ -154,8 +165,8 @@ def draw(runs: list[Run], axis: str, output: Path) -> None:
         ax.grid(True, alpha=0.3)
         if not ax.lines:
             ax.text(0.5, 0.5, "no records", ha="center", va="center", transform=ax.transAxes, color="grey")
-    loss_ax.set_ylabel("loss")
-    match_ax.set_ylabel("exact match")
+    loss_ax.set_ylabel("reward" if online else "loss")
+    match_ax.set_ylabel("reward" if online else "exact match")
     if match_ax.lines:
         match_ax.set_ylim(bottom=0)
     handles, labels = loss_ax.get_legend_handles_labels()
@@ -177,9 +188,12 @@ def summary(run: Run) -> str:
     parts = [f"{run.label}: {len(run.train)} step(s)"]
     if run.train:
         parts.append(f"last loss {number(run.train[-1]['loss']):.4f}")
+        if "reward" in run.train[-1]:
+            parts.append(f"last reward {number(run.train[-1]['reward']):.4f}")
     if run.evals:
         last = run.evals[-1]
-        shown = ", ".join(f"{key} {number(last[key]):.4f}" for key in ("eval_loss", "eval_exact_match") if key in last)
+        shown = ", ".join(f"{key} {number(last[key]):.4f}" for key in ("eval_loss", "eval_exact_match", "eval_reward")
+                          if key in last)
         if shown:
             parts.append(f"at step {last['step']}: {shown}")
     return ", ".join(parts)

@@ -21,7 +21,7 @@ sys.path.insert(0, str(REPO / "recipes"))
 from common import rewards  # noqa: E402
 from common.launching import preflight, settle  # noqa: E402
 from common.launching.args import parse_args, recipe_flags  # noqa: E402
-from common.launching.launch import DDP, Launch  # noqa: E402
+from common.launching.launch import DDP, DEEPSPEED, TENSOR_PARALLEL, Launch  # noqa: E402
 from common.refusal import Refusal  # noqa: E402
 
 PROMPTS = 4
@@ -224,6 +224,18 @@ def test_a_batch_or_flag_grpo_cannot_run_is_refused(argv, processes, message):
         preflight.check_online_run(args_of("--batch-size", "8", *argv), launch_of)
 
 
+@pytest.mark.parametrize("launched, what", [
+    (dict(kind=TENSOR_PARALLEL, tensor_parallel=2), "tensor parallel"),
+    (dict(kind=DDP, pipeline_stages=2), "pipeline stages"),
+    (dict(kind=DEEPSPEED, zero_stage=3, sequence_parallel=2), "sequence parallel"),
+])
+def test_a_strategy_that_cannot_generate_is_refused_naming_one_that_can(launched, what):
+    launch_of = Launch(processes=2, on_gpu=False, visible_gpus=0, precision="no", **launched)
+    with pytest.raises(Refusal, match=f"grpo.py does not run {what}: .* launch with accelerate_configs/fsdp.yaml or "
+                                      "zero3.yaml"):
+        preflight.check_online_run(args_of("--batch-size", "8"), launch_of)
+
+
 def test_the_defaults_follow_trl_and_a_dataset_needs_a_reward(tmp_path):
     run, _ = settle.settle_launch(args_of("--output-dir", str(tmp_path / "a")), "lora")
     assert run.reward == [rewards.BUNDLED_REWARD] and run.beta == 0.0 and run.loss == "dapo"
@@ -250,6 +262,31 @@ def test_a_reward_that_raises_mid_run_stops_every_rank_with_one_line_and_keeps_t
     assert_the_refusal_ends_the_output(run.output, f"error: --reward {flaky}:f raised ValueError: no answer column "
                                                    f"({flaky}:6) (at step 3; fix it, then continue with --resume auto)")
     assert (tmp_path / "out" / "checkpoints" / "step-2").is_dir()
+
+
+def test_chat_prompts_keep_their_system_turn_and_the_rewards_get_messages(tmp_path):
+    """Chat prompts go through the chat template with the assistant's turn opened; the reward functions receive
+    the prompts and completions as message lists, the other columns as lists; run.json records the system turn."""
+    data = tmp_path / "chat.jsonl"
+    with open(data, "w") as file:
+        for digits in ("3 1 2", "9 4 7", "5 0 8", "2 2 1"):
+            file.write(json.dumps({"prompt": [{"role": "system", "content": "Answer with digits."},
+                                              {"role": "user", "content": f"Sort: {digits}"}],
+                                   "answer": " ".join(sorted(digits.split())), "level": len(digits)}) + "\n")
+    checked = write(tmp_path / "checked.py", "def f(prompts, completions, answer, level, completion_ids, **kw):\n"
+                    "    assert all(p[0]['role'] == 'system' and p[-1]['role'] == 'user' for p in prompts)\n"
+                    "    assert all(c[0]['role'] == 'assistant' and isinstance(c[0]['content'], str) for c in completions)\n"
+                    "    assert all(isinstance(n, int) for n in level) and len(completion_ids) == len(completions)\n"
+                    "    return [float(len(c[0]['content'])) for c in completions]\n")
+    run = launch("grpo", tmp_path / "out", "--dataset", str(data), "--eval-dataset", str(data), "--reward",
+                 f"{checked}:f", "--batch-size", "8", "--num-generations", "4", "--max-completion-length", "6",
+                 "--max-steps", "2", "--samples-every", "1", processes=1)
+    assert run.returncode == 0, run.output[-3000:]
+    record = run.run_json()
+    assert record["data_format"] == "chat prompts" and record["system_prompt"] == "Answer with digits."
+    assert "data: chat rows rendered with the plain default" in run.output
+    sample = json.loads((tmp_path / "out" / "samples.jsonl").read_text().splitlines()[0])
+    assert sample["prompt"][0]["content"] == "Answer with digits." and sample["completion"][0]["role"] == "assistant"
 
 
 # --- the sampler ----------------------------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from ..data.formats import IGNORE
-from ..launching.args import PREFERENCE_RECIPES
+from ..launching.args import ONLINE_RECIPES, PREFERENCE_RECIPES
 from ..model import adapters
 
 
@@ -81,7 +81,8 @@ def write_model_card(accelerator, args, recipe: str, artifact: str, samples: lis
         "model": f'AutoModelForCausalLM.from_pretrained("{output_dir / "model"}")',
         "adapter": f'PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained("{base}"), "{output_dir / "adapter"}")',
     }[artifact]
-    bundled = "bundled data/preferences/" if recipe in PREFERENCE_RECIPES else "bundled data/"  # the default --dataset
+    bundled = ("bundled data/preferences/" if recipe in PREFERENCE_RECIPES else "bundled data/prompts/"
+               if recipe in ONLINE_RECIPES else "bundled data/")  # the default --dataset
     start = run.get("start_adapter")
     origin = (f", started from the LoRA adapter `{start}` merged onto it" if start else
               f" ({args.settled_from['model']})" if "model" in args.settled_from else "")
@@ -102,11 +103,16 @@ def write_model_card(accelerator, args, recipe: str, artifact: str, samples: lis
         f"max length {args.max_length}, seed {args.seed}",
         f"- parameters: {run['parameters']['total']:,} ({run['parameters']['trainable']:,} trained)",
     ]
-    if train:
+    if train and "reward" in train[0]:  # an online run: its reward says how it went (its loss stays near 0)
+        card.append(f"- rewards: {', '.join(args.reward)}; reward {train[0]['reward']:.4f} at the first step, "
+                    f"{train[-1]['reward']:.4f} at the last")
+    elif train:
         card.append(f"- training loss: {train[0]['loss']:.4f} at the first step, {train[-1]['loss']:.4f} at the last")
     if evals:
-        card.append("- evaluation: " + ", ".join(f"{key} {value:.4f}" for key, value in evals[-1].items()
-                                                   if key not in ("type", "step")))
+        shown = [key for key in evals[-1] if key not in ("type", "step")]
+        card.append("- evaluation: " + ", ".join(f"{key} {evals[-1][key]:.4f}" for key in shown)
+                    + (f" (before training: {', '.join(f'{key} {evals[0][key]:.4f}' for key in shown if key in evals[0])})"
+                       if len(evals) > 1 and evals[0]["step"] == 0 else ""))
     benchmarks = [line for line in lines if line["type"] == "benchmarks"]
     if benchmarks:  # --eval-tasks: lm-evaluation-harness's scores at the last step they were taken
         scored = benchmarks[-1]
