@@ -37,6 +37,7 @@ Refused here: --packing --pipeline-stages --pipeline-schedule --pipeline-chunks,
 """
 
 import math
+import time
 
 import common.quiet  # noqa: F401  (first: silences library notices nobody can act on)
 from common.launching import args as cli
@@ -240,9 +241,11 @@ def main():
         batch = (step - 1) // run.num_iterations
         epoch, batch_rows = prompts.step_prompts(len(train_set), prompts_per_step, batch + 1, run.seed)
         share = (accelerator.process_index * run.batch_size * run.grad_accum, run.batch_size * run.grad_accum)
+        started = time.perf_counter()
         with rollouts.whole_weights(model, launch):  # every rank at once: a collective under FSDP / ZeRO-3
             completions = rollouts.sample_completions(accelerator, model, train_set, batch_rows, batch, run, tokenizer,
                                                       share, chat)
+        sampling_s = time.perf_counter() - started
         scored = score_everywhere(completions, step)
         micro_batches = [rollouts.training_batch(completions, slice(start, start + run.batch_size),
                                                  run.mask_truncated_completions)
@@ -264,8 +267,8 @@ def main():
         mine = advantages[share[0]:share[0] + share[1]].float()
         for index, b in enumerate(micro_batches):
             b["advantages"] = mine[index * run.batch_size:(index + 1) * run.batch_size].to(accelerator.device)
-        lengths = accelerator.gather(torch.tensor([[len(ids), int(cut)] for ids, cut in zip(
-            completions.completion_ids, completions.truncated)], device=accelerator.device)).cpu().double()
+        lengths = accelerator.gather(torch.tensor([[len(ids), int(cut), sampling_s] for ids, cut in zip(
+            completions.completion_ids, completions.truncated)], device=accelerator.device, dtype=torch.float64)).cpu()
         tokens = int(accelerator.reduce(sum(b["completion_mask"].sum() for b in micro_batches).to(torch.int64), "sum"))
         figures = reward_figures(scored, weights, advantages, lengths)
         return epoch, micro_batches, tokens, figures, completions, scored, advantages
@@ -299,7 +302,10 @@ def main():
         figures.update({"completions/mean_length": lengths[:, 0].mean().item(),
                         "completions/min_length": lengths[:, 0].min().item(),
                         "completions/max_length": lengths[:, 0].max().item(),
-                        "completions/clipped_ratio": lengths[:, 1].mean().item()})
+                        "completions/clipped_ratio": lengths[:, 1].mean().item(),
+                        # the slowest rank's sampling time, and the completion tokens all ranks drew in it
+                        "generation/seconds": lengths[:, 2].max().item(),
+                        "generation/tokens_per_s": lengths[:, 0].sum().item() / max(lengths[:, 2].max().item(), 1e-9)})
         return figures
 
     def write_samples(step, completions, scored, advantages):
@@ -396,7 +402,9 @@ def main():
             log.record_ranks()
         log.log_step(step, epoch, summed_loss, scheduler.get_last_lr()[0], grad_norm, step_tokens, router_mean,
                      figures={**figures, "clip_ratio/region_mean": clipped_sum / max(counted, 1),
-                              **({"kl": kl_sum / max(counted, 1)} if run.beta and run.loss != "rloo" else {})})
+                              **({"kl": kl_sum / max(counted, 1)} if run.beta and run.loss != "rloo" else {})},
+                     shown=("reward", "reward_std", "frac_reward_zero_std", "completions/mean_length", "kl",
+                            "generation/tokens_per_s"))
         if not math.isfinite(summed_loss):  # stop before saving anything from a diverged model
             preflight.refuse(f"the loss became {summed_loss} at step {step}; lower --lr, or check the rewards, and "
                              "start in a new --output-dir (a checkpoint here may already hold the update that diverged)")
@@ -416,6 +424,9 @@ def main():
         log.say("grpo: every group's completions tied on reward at every step, so no completion was better than "
                 "another and the adapter did not move; start from a model that sometimes earns the reward (an SFT "
                 "adapter as --model), or add a reward with partial credit (recipes/rewards.py:answer_similarity)")
+    probe = rollouts.probe_batch([row["prompt_ids"] for row in eval_set.select(range(min(4, len(eval_set))))],
+                                 tokenizer.pad_token_id)
+    checkpoint.save_probe(accelerator, model, None, probe, run.output_dir)  # what a reload must compute
     adapter_dir = f"{run.output_dir}/adapter"
     checkpoint.save_adapter(accelerator, model, None, tokenizer, adapter_dir, moved=learned)
     if run.merge:

@@ -11,8 +11,8 @@ left; a part cut short is rerun with --parts NAME, never by hand (the wheels are
 Each call reinstalls the wheels (skipped when the box still has them) and starts no part it has no time
 left for (--budget-s).
 
-Parts (the default call: speed, headline, codellama, headline_levers, preference, core; then the others in the
-order listed):
+Parts (the default call: speed, headline, codellama, headline_levers, preference, grpo, core; then the others in
+the order listed):
   speed      scripts/measure/step_speed.py: the LoRA step at the headline's shape, lever by lever (the recipes' defaults,
              the step before the chunked loss head and bf16 adapter inputs, each lever alone, dropout 0, compile,
              Liger, all together): tokens/s, MFU, peak, losses; a kernel-time profile by category
@@ -20,6 +20,8 @@ order listed):
              every layer recomputed; steady tokens/s, MFU, peak beside the planner's, a 1,024-row epoch projected
   preference tests/gpu/test_gpu_preferences.py: dpo.py (LoRA, QLoRA) and dpo_full.py under fsdp, zero3 and ddp
              (6 launches): the reference's first step, the held-out margin, the reload; never run on a GPU before
+  grpo       tests/gpu/test_gpu_grpo.py: grpo.py under fsdp, zero3 and ddp (3 launches): sampling with the weights
+             gathered once per batch, generation tokens/s and step time, the reload; never run on a GPU before
   headline   the TinyLlama-1.1B LoRA reference epoch under ddp.yaml (scripts/measure/benchmark.py --workload tinyllama
              --strategies ddp --measure-peak): wall time, tokens/s, MFU against the GPU's peak and a bf16
              matmul measured in the same call, peak memory beside the planner's for the same launch
@@ -78,6 +80,7 @@ PYTEST = ["-m", "pytest", "-q", "-o", "junit_family=legacy"]
 RECIPE_TESTS = "tests/gpu/test_gpu_recipes.py"
 PLANNER_TESTS = "tests/gpu/test_gpu_planner.py"
 PREFERENCE_TESTS = "tests/gpu/test_gpu_preferences.py"
+GRPO_TESTS = "tests/gpu/test_gpu_grpo.py"
 # The order is the order of importance: pytest runs listed cases in the order given, and a part stopped by the
 # budget keeps the cases it finished. The 4-bit path first (bitsandbytes' CUDA kernels: no CPU run checks them).
 MEMORY_CASES = [f"{PLANNER_TESTS}::test_planned_peak_matches_the_measured_one[{case}]"
@@ -103,6 +106,9 @@ PARTS = {
                    "--grad-accum", "4", "--gradient-checkpointing", "--variants", "defaults", "--steps", "8",
                    "--warmup", "2", "--profile-steps", "0"], 360, 200),
     "preference": ([*PYTEST, PREFERENCE_TESTS], 300, 45),
+    # grpo.py under fsdp, zero3, ddp (3 launches of 6 steps with 64-token completions): sampling on the GPU with the
+    # weights gathered once per batch, generation tokens/s and step time; never run on a GPU before
+    "grpo": ([*PYTEST, GRPO_TESTS], 240, 45),
     "headline": ([*TINYLLAMA, "--strategies", "ddp"], 300, 150),
     # the same launch with the speed levers a GPU has (Liger's layer kernels, each layer compiled): the headline the
     # defaults would give if the step table has both win
@@ -133,7 +139,7 @@ PARTS = {
 # The open GPU issues' first: the step lever by lever, the second reference workload's shape, and the headline with
 # the new defaults through the real launch; then what no GPU has run (the preference recipes), then the recipe cases
 # (results/2026-11-27_h200_call1 did not reach their end). The budget reaches as far as it reaches, in this order.
-FIRST_CALL = ("speed", "headline", "codellama", "headline_levers", "preference", "core")
+FIRST_CALL = ("speed", "headline", "codellama", "headline_levers", "preference", "grpo", "core")
 DEFAULT_BUDGET_S = 540  # 9 minutes: with the box's start (1-3 min) and the transfers, within 15 of device time
 BENCHMARKS = ("headline", "headline_levers", "reference", "reference34b")
 CHARTS = ("headline", "reference", "reference34b")  # a chart each: the device tool brings back 8 files a call

@@ -32,6 +32,7 @@ from .formats import (
     filled_columns,
     first_row_lacking,
 )
+from .prompts import PROMPT_FORMATS
 
 SIDES = ("chosen", "rejected")
 # (conversational, explicit prompt) of each pair format
@@ -96,8 +97,8 @@ def side_format(fmt: str) -> str:
 
 def row_formats(data_format: str) -> list[str]:
     """The supervised formats of a run's rows (run.json's data_format: a mixture's joined by "+"); preference
-    pairs as their sides are."""
-    return [side_format(fmt) if fmt in PAIR_FORMATS else fmt for fmt in data_format.split("+")]
+    pairs as their sides are, GRPO's prompts as the rows rendered the same way (chat prompts: chat rows)."""
+    return [side_format(fmt) if fmt in PAIR_FORMATS else PROMPT_FORMATS.get(fmt, fmt) for fmt in data_format.split("+")]
 
 
 def renders_chat(data_format: str) -> bool:

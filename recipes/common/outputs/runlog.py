@@ -295,9 +295,9 @@ class RunLog:
             self.log_every = 0 if not self.bar.disable else 1
 
     def log_step(self, step: int, epoch: int, loss: float, lr: float, grad_norm, tokens: int,
-                 router_loss: float | None = None, figures: dict | None = None) -> None:
+                 router_loss: float | None = None, figures: dict | None = None, shown: tuple | None = None) -> None:
         """One metrics.jsonl line; `figures`: the recipe's own, under the names it gives them (a preference
-        recipe's rewards and log-probabilities)."""
+        recipe's rewards and log-probabilities); `shown`: those of them the console line prints (default all)."""
         self.tokens_seen += tokens
         elapsed = time.perf_counter() - self.started
         record = {
@@ -326,7 +326,8 @@ class RunLog:
             self.bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{record['tokens_per_s']:.0f}", refresh=False)
             if self.log_every and step % self.log_every == 0:
                 router = f"  router_loss {router_loss:.4f}" if router_loss is not None else ""
-                own = "".join(f"  {key} {value:.4f}" for key, value in (figures or {}).items())  # rewards/*, logps/*
+                own = "".join(f"  {key} {value:.4f}" for key, value in (figures or {}).items()  # rewards/*, logps/*
+                              if shown is None or key in shown)
                 self.bar.write(f"step {step}: loss {loss:.4f}  lr {lr:.2e}  grad_norm {record['grad_norm'] or 0:.3f}"
                                f"{router}{own}")
 

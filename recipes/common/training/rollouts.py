@@ -142,6 +142,17 @@ def sample(accelerator, model, prompts: list[list[int]], seeds: list[int] | None
     return completions
 
 
+def probe_batch(prompts: list[list[int]], pad_id: int) -> dict:
+    """The prompts right-padded, with their attention mask: the batch whose logits the export keeps (save_probe),
+    so that a reload of the adapter can be compared with the trained model."""
+    longest = max(map(len, prompts))
+    ids = torch.full((len(prompts), longest), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, prompt in enumerate(prompts):
+        ids[row, :len(prompt)], mask[row, :len(prompt)] = torch.tensor(prompt), 1
+    return {"input_ids": ids, "attention_mask": mask}
+
+
 def stop_tokens(tokenizer, model) -> list[int]:
     """The tokens that end a completion: the model's generation config's, else the tokenizer's end of text."""
     stop = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
