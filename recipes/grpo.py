@@ -37,7 +37,6 @@ Refused here: --packing --pipeline-stages --pipeline-schedule --pipeline-chunks,
 """
 
 import math
-import time
 
 import common.quiet  # noqa: F401  (first: silences library notices nobody can act on)
 from common.launching import args as cli
@@ -47,7 +46,7 @@ if __name__ == "__main__":  # --help answered now: the libraries below take seco
 
 import torch
 import torch.nn.functional as F
-from accelerate.utils import gather_object, set_seed
+from accelerate.utils import set_seed
 from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 from transformers import get_cosine_schedule_with_warmup
 
@@ -58,7 +57,7 @@ from common.launching import deepspeed_config, preflight, settle
 from common.model import loss_head, modeling
 from common.outputs import checkpoint, report
 from common.outputs.runlog import RunLog
-from common.training import benchmarks, rollouts, runtime
+from common.training import benchmarks, online, rollouts, runtime
 
 
 def completion_logps(model, batch, head, temperature):
@@ -87,9 +86,7 @@ def advantages_of(rewards_table, weights, group_size, run, kl_penalty=None):
     GRPO (every --loss but rloo): the reward minus its group's mean, over the group's spread (--scale-rewards
     group; batch: the whole batch's spread; none: not divided). RLOO: the reward (minus --beta x its KL to the
     reference, `kl_penalty`) minus the mean of the others in its group (leave-one-out)."""
-    unscorable = rewards_table.isnan().all(1)
-    reward = (rewards_table * torch.tensor(weights, dtype=rewards_table.dtype)).nansum(1)
-    reward[unscorable] = math.nan
+    reward = online.weighted_total(rewards_table, weights)
     grouped = reward.view(-1, group_size)
     if run.loss == "rloo":
         if kl_penalty is not None:
@@ -98,22 +95,14 @@ def advantages_of(rewards_table, weights, group_size, run, kl_penalty=None):
         baseline = (grouped.nansum(1, keepdim=True) - grouped) / (scorable - 1)
         advantages = (grouped - baseline).view(-1)
         if run.normalize_advantages:
-            advantages = (advantages - advantages.nanmean()) / (nanstd(advantages) + 1e-4)
+            advantages = (advantages - advantages.nanmean()) / (online.nanstd(advantages) + 1e-4)
         return advantages.nan_to_num(0.0)
     advantages = (grouped - grouped.nanmean(1, keepdim=True)).view(-1)
     if run.scale_rewards == "group":
-        advantages = advantages / (nanstd(grouped, dim=1).repeat_interleave(group_size) + 1e-4)
+        advantages = advantages / (online.nanstd(grouped, dim=1).repeat_interleave(group_size) + 1e-4)
     elif run.scale_rewards == "batch":
-        advantages = advantages / (nanstd(reward) + 1e-4)
+        advantages = advantages / (online.nanstd(reward) + 1e-4)
     return advantages.nan_to_num(0.0)
-
-
-def nanstd(values, dim=None):
-    """The standard deviation over the values that are not NaN (with Bessel's correction, as torch.std)."""
-    count = (~values.isnan()).sum(dim) if dim is not None else (~values.isnan()).sum()
-    mean = values.nanmean(dim, keepdim=True) if dim is not None else values.nanmean()
-    squares = ((values - mean) ** 2).nansum(dim) if dim is not None else ((values - mean) ** 2).nansum()
-    return (squares / (count - 1)).sqrt()
 
 
 def completion_losses(logps, old_logps, reference_logps, advantages, run):
@@ -233,141 +222,61 @@ def main():
         accelerator.print(f"resume: step {start_step} is inside a batch of completions (--num-iterations "
                           f"{run.num_iterations}); its completions are sampled again from the model as resumed")
 
+    names = [function.name for function in reward_functions]
+
     def roll_out(step):
-        """The generation batch that step `step` trains on: this rank's share of the batch's completions,
-        sampled with the weights gathered once; their rewards on every rank; the advantages; the log-
-        probabilities they were sampled with (needed where the model moves before they train: --num-iterations
-        > 1) and the reference's (--beta); cut into --grad-accum micro-batches."""
-        batch = (step - 1) // run.num_iterations
-        epoch, batch_rows = prompts.step_prompts(len(train_set), prompts_per_step, batch + 1, run.seed)
-        share = (accelerator.process_index * run.batch_size * run.grad_accum, run.batch_size * run.grad_accum)
-        started = time.perf_counter()
-        with rollouts.whole_weights(model, launch):  # every rank at once: a collective under FSDP / ZeRO-3
-            completions = rollouts.sample_completions(accelerator, model, train_set, batch_rows, batch, run, tokenizer,
-                                                      share, chat)
-        sampling_s = time.perf_counter() - started
-        scored = score_everywhere(completions, step)
-        micro_batches = [rollouts.training_batch(completions, slice(start, start + run.batch_size),
-                                                 run.mask_truncated_completions)
-                         for start in range(0, len(completions.completion_ids), run.batch_size)]
-        micro_batches = [{key: value.to(accelerator.device) for key, value in b.items()} for b in micro_batches]
+        """The generation batch that step `step` trains on (online.py: its prompts, this rank's share of its
+        completions sampled with the weights gathered once, every rank's rewards), with the advantages, the
+        log-probabilities the completions were sampled with (needed where the model moves before they train:
+        --num-iterations > 1; RLOO's KL) and the reference's (--beta), in --grad-accum micro-batches."""
+        rollout = online.sample_and_score(accelerator, model, launch, run, train_set, tokenizer, reward_functions,
+                                          (step - 1) // run.num_iterations, prompts_per_step, chat)
+        if rollout.problem:  # a reward failed on some rank: every rank stops with its line, nothing lost
+            if step - 1 > start_step:
+                checkpoint.save_checkpoint(accelerator, run, launch, step - 1, None)
+            preflight.refuse(f"{rollout.problem} (at step {step}; fix it, then continue with --resume auto)")
         with torch.no_grad():
-            for b in micro_batches:
+            for b in rollout.micro_batches:
                 if run.num_iterations > 1 or (run.loss == "rloo" and run.beta):
                     b["old_logps"] = completion_logps(model, b, head, run.temperature)[0]
-                if run.beta:
+                if run.beta:  # the reference: the base, i.e. this model with its adapters switched off
                     with modeling.adapters_off(accelerator.unwrap_model(model)):
                         b["reference_logps"] = completion_logps(model, b, head, run.temperature)[0]
         kl_penalty = None
         if run.loss == "rloo" and run.beta:  # RLOO's KL in the reward: each completion's sum of log-ratios
-            local = torch.cat([((b["old_logps"] - b["reference_logps"]) * b["completion_mask"]).sum(1)
-                               for b in micro_batches])
-            kl_penalty = accelerator.gather(local).cpu().double()
-        advantages = advantages_of(scored, weights, run.num_generations, run, kl_penalty)
-        mine = advantages[share[0]:share[0] + share[1]].float()
-        for index, b in enumerate(micro_batches):
-            b["advantages"] = mine[index * run.batch_size:(index + 1) * run.batch_size].to(accelerator.device)
-        lengths = accelerator.gather(torch.tensor([[len(ids), int(cut), sampling_s] for ids, cut in zip(
-            completions.completion_ids, completions.truncated)], device=accelerator.device, dtype=torch.float64)).cpu()
-        tokens = int(accelerator.reduce(sum(b["completion_mask"].sum() for b in micro_batches).to(torch.int64), "sum"))
-        figures = reward_figures(scored, weights, advantages, lengths)
-        return epoch, micro_batches, tokens, figures, completions, scored, advantages
-
-    def score_everywhere(completions, step):
-        """[batch's completions, functions] rewards, each rank scoring its own completions (the functions run
-        in parallel), gathered to every rank. A function that fails on any rank stops every rank with its line,
-        after the last finished step is saved."""
-        try:
-            table, problem = rewards.score(reward_functions, completions.prompts, completions.texts,
-                                           {**completions.columns, "completion_ids": completions.completion_ids}), None
-        except rewards.RewardProblem as error:
-            table, problem = [[math.nan] * len(reward_functions)] * len(completions.texts), str(error)
-        problems = [found for found in gather_object([problem]) if found]
-        if problems:
-            if step - 1 > start_step:  # nothing lost: the steps done so far, saved (the checkpoint is kept)
-                checkpoint.save_checkpoint(accelerator, run, launch, step - 1, None)
-            preflight.refuse(f"{problems[0]} (at step {step}; fix it, then continue with --resume auto)")
-        return accelerator.gather(torch.tensor(table, dtype=torch.float64, device=accelerator.device)).cpu()
-
-    def reward_figures(scored, weights, advantages, lengths):
-        """The batch's reward figures, under TRL's names (every rank computes them from the gathered rewards)."""
-        total = (scored * torch.tensor(weights, dtype=scored.dtype)).nansum(1)
-        total[scored.isnan().all(1)] = math.nan
-        grouped = total.view(-1, run.num_generations)
-        figures = {"reward": total.nanmean().item(), "reward_std": nanstd(total).item(),
-                   "frac_reward_zero_std": (nanstd(grouped, dim=1).nan_to_num(0.0) < 1e-8).double().mean().item()}
-        for index, function in enumerate(reward_functions):
-            figures[f"rewards/{function.name}/mean"] = scored[:, index].nanmean().item()
-            figures[f"rewards/{function.name}/std"] = nanstd(scored[:, index]).item()
-        figures.update({"completions/mean_length": lengths[:, 0].mean().item(),
-                        "completions/min_length": lengths[:, 0].min().item(),
-                        "completions/max_length": lengths[:, 0].max().item(),
-                        "completions/clipped_ratio": lengths[:, 1].mean().item(),
-                        # the slowest rank's sampling time, and the completion tokens all ranks drew in it
-                        "generation/seconds": lengths[:, 2].max().item(),
-                        "generation/tokens_per_s": lengths[:, 0].sum().item() / max(lengths[:, 2].max().item(), 1e-9)})
-        return figures
-
-    def write_samples(step, completions, scored, advantages):
-        """The batch's prompts, completions, rewards and advantages, one line each, into samples.jsonl."""
-        texts = [completions.prompts, completions.texts]
-        gathered = gather_object([list(zip(*texts))])
-        if accelerator.is_main_process:
-            lines = [line for part in gathered for line in part]
-            log.write_samples(step, [{"prompt": prompt, "completion": completion, "advantage": advantages[i].item(),
-                                      "rewards": {f.name: (None if math.isnan(scored[i, j]) else scored[i, j].item())
-                                                  for j, f in enumerate(reward_functions)}}
-                                     for i, (prompt, completion) in enumerate(lines)])
-
-    def evaluate():
-        """Each held-out prompt's greedy completion, scored by the rewards: their means (each rank its share)."""
-        mine = list(range(accelerator.process_index, len(eval_set), accelerator.num_processes))
-        rows = eval_set.select(mine).to_list()
-        stop_ids = rollouts.stop_tokens(tokenizer, accelerator.unwrap_model(model))
-        chunk = run.batch_size * run.grad_accum
-        most = -(-len(eval_set) // accelerator.num_processes)  # the rows of the rank with the most
-        chunks = -(-most // chunk)
-        ids = []
-        with rollouts.whole_weights(model, launch):
-            for index in range(chunks):  # the same count on every rank (a rank with fewer rows samples none)
-                part = rows[index * chunk:(index + 1) * chunk]
-                ids += rollouts.sample(accelerator, model, [row["prompt_ids"] for row in part], None,
-                                       max_new_tokens=run.max_completion_length, stop_ids=stop_ids,
-                                       pad_id=tokenizer.pad_token_id)
-        texts = tokenizer.batch_decode(ids, skip_special_tokens=True)
-        completions = [[{"role": "assistant", "content": text}] for text in texts] if chat else texts
-        columns = {name: [row[name] for row in rows] for name in eval_set.column_names
-                   if name not in ("prompt", "prompt_ids")}
-        columns["completion_ids"] = ids
-        try:
-            table = rewards.score(reward_functions, [row["prompt"] for row in rows], completions, columns)
-        except rewards.RewardProblem as error:
-            preflight.refuse(f"{error} (scoring the held-out prompts)")
-        sums = torch.tensor([[sum(0.0 if math.isnan(v) else v for v in column), sum(not math.isnan(v) for v in column)]
-                             for column in zip(*table)] if table else [[0.0, 0.0]] * len(reward_functions),
-                            dtype=torch.float64, device=accelerator.device)
-        sums = accelerator.reduce(sums, "sum").cpu()
-        means = {f"eval_rewards/{f.name}/mean": (sums[j, 0] / sums[j, 1].clamp(min=1)).item()
-                 for j, f in enumerate(reward_functions)}
-        samples = [{"prompt": tokenizer.decode(row["prompt_ids"], skip_special_tokens=True), "generated": text,
-                    "reference": str(row.get("answer", ""))} for row, text in zip(rows[:3], texts[:3])]
-        return {"eval_reward": sum(w * means[f"eval_rewards/{f.name}/mean"] for w, f in zip(weights, reward_functions)),
-                **means}, samples
+            kl_penalty = accelerator.gather(torch.cat([((b["old_logps"] - b["reference_logps"]) * b["completion_mask"])
+                                                       .sum(1) for b in rollout.micro_batches])).cpu().double()
+        advantages = advantages_of(rollout.rewards, weights, run.num_generations, run, kl_penalty)
+        online.hand_out(advantages, rollout, rollout.completions.first, run.batch_size)
+        return rollout, advantages
 
     # The loop: one iteration = one optimizer step over grad_accum micro-batches on every rank.
     model.train()
     sync = runtime.StepSync(accelerator, counts_tokens=False)  # the step's one all-reduce; SIGTERM / Ctrl-C stop cleanly
     log.start(start_step, total_steps)
-    micro_batches, samples, learned = None, [], start_step > 0
+    def evaluate(step):
+        """The held-out prompts' greedy completions scored by the rewards, logged; the first few for the card."""
+        metrics, samples, problem = online.evaluate(accelerator, model, launch, run, eval_set, tokenizer,
+                                                    reward_functions, weights, chat)
+        if problem:
+            preflight.refuse(f"{problem} (scoring the held-out prompts)")
+        log.log_eval(step, metrics)
+        return samples
+
+    rollout, samples, learned = None, [], start_step > 0
     if run.eval_every and start_step == 0:  # where the model starts: the baseline its rewards are compared with
-        log.log_eval(0, evaluate()[0])
+        evaluate(0)
     for step in range(start_step + 1, total_steps + 1):
-        if micro_batches is None or (step - 1) % run.num_iterations == 0:  # a new batch of completions
-            epoch, micro_batches, step_tokens, figures, completions, scored, advantages = roll_out(step)
+        if rollout is None or (step - 1) % run.num_iterations == 0:  # a new batch of completions
+            rollout, advantages = roll_out(step)
+            epoch, step_tokens = rollout.epoch, rollout.tokens
+            figures = online.reward_figures(rollout, weights, names, run.num_generations)
             if run.samples_every and step % run.samples_every == 0:
-                write_samples(step, completions, scored, advantages)
+                lines = online.sample_lines(rollout, advantages, names)  # (a gather: every rank)
+                if accelerator.is_main_process:
+                    log.write_samples(step, lines)
         step_loss, step_sums, step_router_loss = 0.0, torch.zeros(2, dtype=torch.float64), 0.0
-        for batch in micro_batches:
+        for batch in rollout.micro_batches:
             with accelerator.accumulate(model):
                 logps, router_loss = completion_logps(model, batch, head, run.temperature)
                 old_logps = batch.get("old_logps", logps.detach())  # the sampling policy's: this one, unless it moved
@@ -409,8 +318,7 @@ def main():
             preflight.refuse(f"the loss became {summed_loss} at step {step}; lower --lr, or check the rewards, and "
                              "start in a new --output-dir (a checkpoint here may already hold the update that diverged)")
         if step == total_steps or (run.eval_every and step % run.eval_every == 0):
-            metrics, samples = evaluate()
-            log.log_eval(step, metrics)
+            samples = evaluate(step)
             if run.eval_tasks:  # lm-eval's tasks on the model as the launch holds it, each rank its share
                 log.log_benchmarks(step, benchmarks.score_run(accelerator, launch, run, model, tokenizer, data_format))
         if stopping or (run.save_every and step % run.save_every == 0):

@@ -1,0 +1,154 @@
+"""The plumbing of online training (grpo.py, grpo_full.py) that nobody edits: a step's batch of completions
+sampled and scored by the reward functions on every rank, cut into micro-batches; the figures TRL logs; the
+held-out prompts' evaluation. What a recipe edits (the advantages, the loss) stays in the recipe."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+from accelerate.utils import gather_object
+
+from .. import rewards
+from ..data import prompts
+from . import rollouts
+
+
+@dataclass
+class Rollout:
+    """A generation batch as a step trains on it: this rank's completions and micro-batches, the whole batch's
+    rewards ([completions, functions], NaN where a function returned None) and, per completion, [length,
+    truncated, the sampling rank's seconds]. `problem`: a reward function's failure on some rank (else None)."""
+
+    epoch: int
+    completions: rollouts.Completions
+    micro_batches: list[dict]
+    rewards: torch.Tensor
+    lengths: torch.Tensor
+    tokens: int  # the completion tokens that train, on all ranks (the dapo loss's divisor)
+    problem: str | None
+
+
+def sample_and_score(accelerator, model, launch, run, rows, tokenizer, reward_functions, batch: int,
+                     prompts_per_step: int, chat: bool) -> Rollout:
+    """Generation batch `batch` (0-based): its prompts (the same on every rank, for any process count), this
+    rank's share of its completions sampled with the weights gathered once, scored by this rank, the rewards
+    gathered to every rank, and this rank's --grad-accum micro-batches on the device."""
+    epoch, batch_rows = prompts.step_prompts(len(rows), prompts_per_step, batch + 1, run.seed)
+    per_rank = run.batch_size * run.grad_accum
+    share = (accelerator.process_index * per_rank, per_rank)
+    started = time.perf_counter()
+    with rollouts.whole_weights(model, launch):  # every rank at once: a collective under FSDP / ZeRO-3
+        completions = rollouts.sample_completions(accelerator, model, rows, batch_rows, batch, run, tokenizer, share,
+                                                  chat)
+    seconds = time.perf_counter() - started
+    table, problem = scored(reward_functions, completions.prompts, completions.texts,
+                            {**completions.columns, "completion_ids": completions.completion_ids})
+    problems = [found for found in gather_object([problem]) if found]
+    micro_batches = [{key: value.to(accelerator.device) for key, value in rollouts.training_batch(
+        completions, slice(start, start + run.batch_size), run.mask_truncated_completions).items()}
+                     for start in range(0, per_rank, run.batch_size)]
+    device = accelerator.device
+    lengths = accelerator.gather(torch.tensor([[len(ids), int(cut), seconds] for ids, cut in zip(
+        completions.completion_ids, completions.truncated)], dtype=torch.float64, device=device)).cpu()
+    tokens = sum(b["completion_mask"].sum() for b in micro_batches).to(torch.int64)
+    return Rollout(epoch, completions, micro_batches,
+                   accelerator.gather(torch.tensor(table, dtype=torch.float64, device=device)).cpu(), lengths,
+                   int(accelerator.reduce(tokens, "sum")), problems[0] if problems else None)
+
+
+def scored(reward_functions, prompt_cells: list, completions: list, columns: dict) -> tuple[list, str | None]:
+    """([completion][function] rewards, None), or (NaN rows, the line saying how a function failed)."""
+    try:
+        return rewards.score(reward_functions, prompt_cells, completions, columns), None
+    except rewards.RewardProblem as error:
+        return [[math.nan] * len(reward_functions)] * len(completions), str(error)
+
+
+def hand_out(advantages: torch.Tensor, rollout: Rollout, first: int, batch_size: int) -> None:
+    """Each micro-batch's `advantages`: this rank's slice of the batch's (from `first`, its completions' place)."""
+    mine = advantages[first:first + len(rollout.completions.texts)].float()
+    for index, batch in enumerate(rollout.micro_batches):
+        batch["advantages"] = mine[index * batch_size:(index + 1) * batch_size].to(batch["input_ids"].device)
+
+
+def nanstd(values: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """The standard deviation over the values that are not NaN (with Bessel's correction, as torch.std)."""
+    if dim is None:
+        values, dim = values.flatten(), 0
+    count = (~values.isnan()).sum(dim)
+    squares = ((values - values.nanmean(dim, keepdim=True)) ** 2).nansum(dim)
+    return (squares / (count - 1)).sqrt()
+
+
+def weighted_total(table: torch.Tensor, weights: list[float]) -> torch.Tensor:
+    """Each completion's reward: the weighted sum of the functions that apply to it (NaN where none does)."""
+    total = (table * torch.tensor(weights, dtype=table.dtype)).nansum(1)
+    total[table.isnan().all(1)] = math.nan
+    return total
+
+
+def reward_figures(rollout: Rollout, weights: list[float], names: list[str], group_size: int) -> dict:
+    """The batch's figures under TRL's names (every rank computes them from the gathered rewards)."""
+    table, lengths = rollout.rewards, rollout.lengths
+    total = weighted_total(table, weights)
+    figures = {"reward": total.nanmean().item(), "reward_std": nanstd(total).item(),
+               # the share of groups whose rewards all tie: they teach nothing (near 1: nothing learns)
+               "frac_reward_zero_std": (nanstd(total.view(-1, group_size), 1).nan_to_num(0.0) < 1e-8)
+               .double().mean().item()}
+    for index, name in enumerate(names):
+        figures[f"rewards/{name}/mean"] = table[:, index].nanmean().item()
+        figures[f"rewards/{name}/std"] = nanstd(table[:, index]).item()
+    slowest = max(lengths[:, 2].max().item(), 1e-9)
+    figures.update({"completions/mean_length": lengths[:, 0].mean().item(),
+                    "completions/min_length": lengths[:, 0].min().item(),
+                    "completions/max_length": lengths[:, 0].max().item(),
+                    "completions/clipped_ratio": lengths[:, 1].mean().item(),
+                    # the slowest rank's sampling time, and the completion tokens all ranks drew in it
+                    "generation/seconds": slowest, "generation/tokens_per_s": lengths[:, 0].sum().item() / slowest})
+    return figures
+
+
+def sample_lines(rollout: Rollout, advantages: torch.Tensor, names: list[str]) -> list[dict]:
+    """samples.jsonl's lines of the batch (all ranks' completions, gathered: every rank calls it; the lines
+    are whole on every rank)."""
+    gathered = [line for part in gather_object([list(zip(rollout.completions.prompts, rollout.completions.texts))])
+                for line in part]
+    return [{"prompt": prompt, "completion": completion, "advantage": advantages[i].item(),
+             "rewards": {name: None if math.isnan(rollout.rewards[i, j]) else rollout.rewards[i, j].item()
+                         for j, name in enumerate(names)}}
+            for i, (prompt, completion) in enumerate(gathered)]
+
+
+def evaluate(accelerator, model, launch, run, rows, tokenizer, reward_functions, weights, chat: bool):
+    """({"eval_reward", "eval_rewards/<function>/mean"}, the first samples, a failing reward's line or None):
+    each held-out prompt's greedy completion scored by the rewards, each rank its share."""
+    mine = rows.select(range(accelerator.process_index, len(rows), accelerator.num_processes)).to_list()
+    stop_ids = rollouts.stop_tokens(tokenizer, accelerator.unwrap_model(model))
+    chunk = run.batch_size * run.grad_accum
+    most = -(-len(rows) // accelerator.num_processes)  # the rank with the most rows decides the count
+    chunks = -(-most // chunk)
+    ids = []
+    with rollouts.whole_weights(model, launch):
+        for index in range(chunks):  # the same count on every rank (a rank with fewer rows samples none)
+            part = mine[index * chunk:(index + 1) * chunk]
+            ids += rollouts.sample(accelerator, model, [row["prompt_ids"] for row in part], None,
+                                   max_new_tokens=run.max_completion_length, stop_ids=stop_ids,
+                                   pad_id=tokenizer.pad_token_id)
+    texts = tokenizer.batch_decode(ids, skip_special_tokens=True)
+    completions = [[{"role": "assistant", "content": text}] for text in texts] if chat else texts
+    columns = {name: [row[name] for row in mine] for name in prompts.reward_columns(rows)}
+    table, problem = scored(reward_functions, [row["prompt"] for row in mine], completions,
+                            {**columns, "completion_ids": ids})
+    problems = [found for found in gather_object([problem]) if found]
+    values = torch.tensor(table, dtype=torch.float64).reshape(len(mine), len(reward_functions))
+    sums = torch.stack([values.nan_to_num(0.0).sum(0), (~values.isnan()).sum(0).double()], 1)
+    sums = accelerator.reduce(sums.to(accelerator.device), "sum").cpu()
+    means = [(sums[j, 0] / sums[j, 1].clamp(min=1)).item() for j in range(len(reward_functions))]
+    metrics = {"eval_reward": sum(w * m for w, m in zip(weights, means)),
+               **{f"eval_rewards/{f.name}/mean": m for f, m in zip(reward_functions, means)}}
+    samples = [{"prompt": tokenizer.decode(row["prompt_ids"], skip_special_tokens=True), "generated": text,
+                "reference": str(row.get("answer", ""))} for row, text in zip(mine[:3], texts[:3])]
+    return metrics, samples, problems[0] if problems else None
