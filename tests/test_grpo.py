@@ -71,16 +71,26 @@ TRL_CASES = [
 ]
 
 
+TRL_CASES += [  # every weight (grpo_full.py): no reference, so --beta 0
+    pytest.param("dapo", ["--batch-size", "8", "--grad-accum", "2", "--num-iterations", "2", "--max-steps", "4",
+                          "--lr", "1e-3", "--full"], id="full-dapo-iterations"),
+    pytest.param("grpo", ["--batch-size", "8", "--grad-accum", "2", "--max-steps", "3", "--lr", "1e-3", "--full"],
+                 id="full-grpo", marks=long_test),
+]
+
+
 @pytest.mark.parametrize("loss, more", TRL_CASES)
 def test_the_steps_equal_trls_on_the_same_completions(prompts, tmp_path, loss, more):
     """Loss, gradient norm and reward of each step equal TRL's (fp32, CPU, one process): the same prompts, the
     completions the recipe's sampler draws (the worker hands TRL the same ones), the same rewards. Several steps:
     after the first, both sample from their own updated model."""
-    given = flags(prompts, "--loss", loss, "--samples-every", "0", *more)
-    ours = launch("grpo", tmp_path / "ours", *given, processes=1)
+    full = "--full" in more
+    given = flags(prompts, "--loss", loss, "--samples-every", "0", *[flag for flag in more if flag != "--full"])
+    ours = launch("grpo_full" if full else "grpo", tmp_path / "ours", *given, processes=1)
     assert ours.returncode == 0, ours.output[-3000:]
     done = subprocess.run([sys.executable, str(REPO / "scripts" / "measure" / "trl_grpo_worker.py"), "--output-dir",
-                           str(tmp_path / "trl"), *given], cwd=REPO, capture_output=True, text=True, timeout=300)
+                           str(tmp_path / "trl"), *given, *(["--full"] if full else [])], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     theirs = [json.loads(line) for line in (tmp_path / "trl" / "metrics.jsonl").read_text().splitlines()]
     mine = train_records(tmp_path / "ours")
@@ -102,9 +112,10 @@ STRATEGIES = {"one": 1, "ddp": 2, "fsdp": 2, "zero3": 2, "zero2": 2, "fsdp_offlo
 EVERY_RUN = ("one", "fsdp", "zero3")
 
 
-def strategy_args(prompts, processes: int) -> list[str]:
-    return flags(prompts, "--batch-size", "4", "--grad-accum", str(GLOBAL // 4 // processes), "--beta", "0.1",
-                 "--max-steps", str(STEPS), "--save-every", str(SAVE_EVERY), "--samples-every", "1")
+def strategy_args(prompts, processes: int, full: bool = False) -> list[str]:
+    return flags(prompts, "--batch-size", "4", "--grad-accum", str(GLOBAL // 4 // processes),
+                 *(["--lr", "1e-3"] if full else ["--beta", "0.1"]), "--max-steps", str(STEPS), "--save-every",
+                 str(SAVE_EVERY), "--samples-every", "1")
 
 
 @pytest.fixture(scope="module")
@@ -142,6 +153,24 @@ def test_every_strategy_samples_and_trains_as_one_process(grpo_run, config):
         for name in ("loss", "grad_norm", "reward", "kl"):
             assert a[name] == pytest.approx(b[name], abs=1e-5, rel=1e-4), (a["step"], name, a, b)
     assert (other.output_dir / "adapter" / "adapter_model.safetensors").exists()
+
+
+@pytest.mark.parametrize("config", ["zero3", pytest.param("fsdp", marks=long_test), pytest.param("ddp", marks=long_test)])
+def test_every_weight_trains_as_one_process_under_each_strategy(prompts, tmp_path, config):
+    """grpo_full.py: the same completions, loss, gradient norm and reward on one process and under `config`; the
+    saved model loads in transformers."""
+    runs = {}
+    for name, processes in (("one", 1), (config, 2)):
+        runs[name] = launch("grpo_full", tmp_path / name, *strategy_args(prompts, processes, full=True),
+                            config=None if name == "one" else config, processes=processes)
+        assert runs[name].returncode == 0, runs[name].output[-3000:]
+    assert completions_of(runs[config].output_dir) == completions_of(runs["one"].output_dir)
+    for a, b in zip(train_records(runs[config].output_dir), train_records(runs["one"].output_dir), strict=True):
+        for key in ("loss", "grad_norm", "reward"):
+            assert a[key] == pytest.approx(b[key], abs=1e-5, rel=1e-4), (a["step"], key, a, b)
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(runs[config].output_dir / "model")
 
 
 @pytest.mark.parametrize("written, resumed, processes", [
@@ -245,6 +274,12 @@ def test_the_defaults_follow_trl_and_a_dataset_needs_a_reward(tmp_path):
         settle.settle_launch(args_of("--output-dir", str(tmp_path / "c"), "--dataset", str(tmp_path)), "lora")
     with pytest.raises(Refusal, match=r"--beta must be >= 0"):
         settle.settle_launch(args_of("--output-dir", str(tmp_path / "d"), "--beta", "-1"), "lora")
+    full = parse_args(recipe_flags("grpo_full"), ["--output-dir", str(tmp_path / "e"), "--loss", "rloo"])
+    run, _ = settle.settle_launch(full, "full")
+    assert run.beta == 0.0 and run.lr == 1e-6 and "no reference copy" in run.settled_from["beta"]
+    with pytest.raises(Refusal, match="grpo_full.py keeps no reference copy of the model, so --beta 0.1"):
+        settle.settle_launch(parse_args(recipe_flags("grpo_full"), ["--output-dir", str(tmp_path / "f"), "--beta",
+                                                                    "0.1"]), "full")
 
 
 def test_a_reward_that_raises_mid_run_stops_every_rank_with_one_line_and_keeps_the_steps(prompts, tmp_path):

@@ -5,6 +5,8 @@ side-by-side comparison:
     python scripts/measure/trl_grpo_worker.py --dataset prompts.jsonl --reward my_rewards.py:correct \\
         --output-dir outputs/trl-grpo --max-steps 3 --batch-size 8 --num-generations 4 --lr 1e-3
 
+`--full` first: grpo_full.py's workload (every weight trains, its flags).
+
 It parses the recipe's own flags (recipes/common/launching/args.py), so every default is the recipe's, and sets
 the trainer up to do what the recipe does: the adapter built by peft and drawn again from the seed
 (modeling.seed_adapter), the same reward functions (common/rewards.py loads them), fused AdamW, int(warmup_ratio x
@@ -43,7 +45,11 @@ LOGGED = ("loss", "grad_norm", "reward", "reward_std", "frac_reward_zero_std", "
 
 
 def main(argv=None) -> None:
-    run = cli.parse_args(cli.recipe_flags("grpo", __doc__), argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    full = "--full" in argv  # grpo_full.py's workload: every weight trains, no adapter
+    if full:
+        argv.remove("--full")
+    run = cli.parse_args(cli.recipe_flags("grpo_full" if full else "grpo", __doc__), argv)
     import datasets
     import torch
     from peft import LoraConfig, get_peft_model
@@ -53,15 +59,17 @@ def main(argv=None) -> None:
     torch.manual_seed(run.seed)
     tokenizer = modeling.load_tokenizer(run.model, run.trust_remote_code, run.chat_template)
     model = AutoModelForCausalLM.from_pretrained(run.model, dtype=torch.float32)
-    model = get_peft_model(model, LoraConfig(r=run.lora_r, lora_alpha=run.lora_alpha, lora_dropout=run.lora_dropout,
-                                             target_modules=cli.lora_targets(run.lora_targets), task_type="CAUSAL_LM"))
-    modeling.seed_adapter(model, run.seed)
+    if not full:
+        model = get_peft_model(model, LoraConfig(r=run.lora_r, lora_alpha=run.lora_alpha,
+                                                 lora_dropout=run.lora_dropout,
+                                                 target_modules=cli.lora_targets(run.lora_targets), task_type="CAUSAL_LM"))
+        modeling.seed_adapter(model, run.seed)
     functions = [reward.function for reward in rewards.load_rewards(run.reward)]
     prompts = datasets.load_dataset("json", data_files=run.dataset[0], split="train")
     output_dir = Path(run.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     rloo = run.loss == "rloo"
-    beta = run.beta if run.beta is not None else (0.05 if rloo else 0.0)
+    beta = run.beta if run.beta is not None else (0.05 if rloo and not full else 0.0)
     common = dict(
         output_dir=str(output_dir), max_steps=run.max_steps, per_device_train_batch_size=run.batch_size,
         gradient_accumulation_steps=run.grad_accum, learning_rate=run.lr, lr_scheduler_type="cosine",

@@ -28,6 +28,12 @@ DEFAULT_CHAT_TEMPLATE = (
 )
 
 
+# GRPO's prompt formats (data/prompts.py), and the supervised format whose rendering each shares (pairs.row_formats:
+# how a run is scored)
+TEXT_PROMPTS, CHAT_PROMPTS = "prompts", "chat prompts"
+PROMPT_FORMATS = {TEXT_PROMPTS: "text", CHAT_PROMPTS: "messages"}
+
+
 def chat_template_line(accelerator, tokenizer, args, chat: bool) -> None:
     """Where the run has chat rows: which template renders them, printed once beside the data lines (the
     tokenizer saved with the model carries it, so generate.py and a reload see the run's rendering)."""

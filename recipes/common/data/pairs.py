@@ -26,13 +26,13 @@ from .formats import (
     PAIRS_IMPLICIT_CONVERSATIONAL,
     PAIRS_IMPLICIT_TEXT,
     PAIRS_TEXT,
+    PROMPT_FORMATS,
     conversation,
     conversation_problem,
     feature_name,
     filled_columns,
     first_row_lacking,
 )
-from .prompts import PROMPT_FORMATS
 
 SIDES = ("chosen", "rejected")
 # (conversational, explicit prompt) of each pair format

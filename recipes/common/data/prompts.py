@@ -13,13 +13,10 @@ import numpy as np
 
 from ..refusal import refuse
 from .data_files import DEFAULT_DATASET, EVAL_SPLIT_NAMES, read_splits
-from .formats import DataFormat, chat_template_line, conversation
+from .formats import CHAT_PROMPTS, TEXT_PROMPTS, DataFormat, chat_template_line, conversation
 from .mixture import sources_of
 
 DEFAULT_PROMPTS = DEFAULT_DATASET / "prompts"  # what grpo.py trains on by default
-TEXT_PROMPTS, CHAT_PROMPTS = "prompts", "chat prompts"
-# the supervised format whose rendering each prompt format shares (pairs.row_formats: how a run is scored)
-PROMPT_FORMATS = {TEXT_PROMPTS: "text", CHAT_PROMPTS: "messages"}
 PROMPT_IDS = "prompt_ids"  # the tokenised prompt, beside the dataset's own columns
 
 

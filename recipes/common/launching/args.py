@@ -184,7 +184,7 @@ def add_qlora_args(parser: argparse.ArgumentParser) -> None:
 
 
 PREFERENCE_RECIPES = ("dpo", "dpo_full")  # recipes that train on pairs: two rows in one forward
-ONLINE_RECIPES = ("grpo",)  # recipes that train on completions they sample: prompts in, rewards from Python
+ONLINE_RECIPES = ("grpo", "grpo_full")  # recipes that train on completions they sample: prompts in, rewards from Python
 PREFERENCE_LOSSES = ("sigmoid", "ipo", "simpo")
 
 
@@ -266,6 +266,9 @@ def recipe_flags(recipe: str, doc: str = "recipe\n") -> argparse.ArgumentParser:
                             help="quantize the frozen base: 4 = NF4 (QLoRA), 8 = LLM.int8() (default: not quantized)")
         # LoRA's step ~10x full training's (TRL's GRPO default 1e-6); prompt + completion under --max-length
         parser.set_defaults(lr=1e-5, max_length=1024)
+    elif recipe == "grpo_full":  # online RL of every weight
+        add_grpo_args(parser)
+        parser.set_defaults(lr=1e-6, max_length=1024)  # TRL's GRPO default
     else:
         add_qlora_args(parser)
     return parser

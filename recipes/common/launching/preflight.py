@@ -251,7 +251,15 @@ def settle_online_run(args, launch):
             refuse("grpo.py needs a reward for your prompts: give --reward FILE.py:NAME, a function "
                    "fn(prompts, completions, **columns) -> list[float | None] (recipes/rewards.py has examples)")
         changes["reward"] = ([BUNDLED_REWARD], "the bundled prompts' reward (no --dataset, no --reward)")
-    if args.beta is None:
+    if args.recipe == "grpo_full":
+        if args.beta:
+            refuse(f"grpo_full.py keeps no reference copy of the model, so --beta {args.beta:g} has nothing to be "
+                   "measured against; drop --beta (0: TRL's GRPO default), or train LoRA with grpo.py, whose "
+                   "reference is its base at no cost")
+        if args.beta is None:
+            changes["beta"] = (0.0, "grpo_full.py keeps no reference copy" + (
+                " (RLOOConfig's default is 0.05)" if args.loss == "rloo" else ""))
+    elif args.beta is None:
         changes["beta"] = (0.05 if args.loss == "rloo" else 0.0, f"TRL's default for --loss {args.loss}")
     return changes
 

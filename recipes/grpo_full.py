@@ -1,0 +1,322 @@
+"""Online reinforcement learning (GRPO and its loss variants DAPO, Dr. GRPO, BNPO; RLOO) of every weight of a causal
+language model, with rewards you write in Python, under any accelerate strategy.
+
+Launch (pick any file in accelerate_configs/, or your own `accelerate config` file):
+
+    accelerate launch --config_file accelerate_configs/zero3.yaml recipes/grpo_full.py \\
+        --model my-sft-model --dataset prompts.jsonl --reward my_rewards.py:correct --output-dir outputs/grpo-full
+
+Each row of --dataset is a prompt (`prompt`: text, or chat messages); its other columns (an `answer`, test
+cases, ...) go to the reward functions. Each step samples --num-generations completions of each of its prompts
+from the model as it is, scores them with the --reward functions (TRL's signature: fn(prompts, completions,
+**columns) -> list[float | None]; recipes/rewards.py has examples), and trains each completion's tokens by its
+advantage: how much better its reward is than its group's, the other completions of the same prompt. With no
+--model / --dataset / --reward it trains the bundled tiny model on the bundled prompts with the exact-answer
+reward, also on a machine without GPUs (add `--num_processes 2 --mixed_precision no` to the launcher).
+
+Writes to --output-dir: run.json (what ran), metrics.jsonl (one line per step and per evaluation, with TRL's
+names: loss, reward, reward_std, rewards/<function>/mean and /std, frac_reward_zero_std, completions/mean_length,
+completions/clipped_ratio, kl, clip_ratio/region_mean), samples.jsonl (prompts, completions, rewards and
+advantages every --samples-every steps), checkpoints/step-N/ (resumable) and model/
+(AutoModelForCausalLM.from_pretrained). Evaluation: each held-out prompt's greedy
+completion scored by the rewards (eval_reward, eval_rewards/<function>/mean).
+
+Flags: --model --dataset --eval-dataset --columns --chat-template --output-dir --epochs --max-steps --batch-size
+       --global-batch-size --grad-accum --lr --warmup-ratio --weight-decay --max-grad-norm --max-length --seed
+       --eval-every --save-every --save-total-limit --resume --gradient-checkpointing --log-every --report-to
+       --save-dtype --trust-remote-code
+       --config (a YAML file of any of these flags)
+Speed: --compile --no-compile --liger --attention --dataloader-workers
+Benchmarks: --eval-tasks --eval-limit --eval-raw-prompts (lm-evaluation-harness tasks, scored where the eval runs)
+GRPO:  --reward --reward-weights --num-generations --max-completion-length --mask-truncated-completions
+       --temperature --top-p --top-k --loss (dapo, grpo, dr_grpo, bnpo, rloo) --scale-rewards
+       --normalize-advantages --epsilon --epsilon-high --num-iterations --samples-every
+       (--beta above 0 is refused: every weight trains, and no reference copy is kept; grpo.py's LoRA has its
+       base as the reference at no cost)
+--batch-size and --global-batch-size count completions (--num-generations of each prompt).
+Refused here: --packing --pipeline-stages --pipeline-schedule --pipeline-chunks, tensor and sequence parallel
+"""
+
+import math
+
+import common.quiet  # noqa: F401  (first: silences library notices nobody can act on)
+from common.launching import args as cli
+
+if __name__ == "__main__":  # --help answered now: the libraries below take seconds to load
+    cli.answer_help("grpo_full", __doc__)
+
+import torch
+import torch.nn.functional as F
+from accelerate.utils import set_seed
+from transformers import get_cosine_schedule_with_warmup
+
+from common import rewards
+from common.data import prompts
+from common.data.formats import IGNORE
+from common.launching import deepspeed_config, preflight, settle
+from common.model import loss_head, modeling
+from common.outputs import checkpoint, report
+from common.outputs.runlog import RunLog
+from common.training import benchmarks, online, rollouts, runtime
+
+
+def completion_logps(model, batch, head, temperature):
+    """Each completion token's log-probability under `model` ([rows, completion tokens]; 0 on padding), from
+    its logits over the sampling temperature (the distribution it was drawn from). `head`: the run's way to the
+    logits (loss_head.py), a chunk of positions at a time. And a mixture of experts' router loss (else None)."""
+    targets, positions = batch["labels"][:, 1:], batch["target_positions"]  # position t predicts token t + 1
+    outputs = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                    position_ids=batch["position_ids"], use_cache=False, **head.forward_arguments(positions))
+    logps = head.apply(lambda logits, targets: target_logps(logits / temperature, targets), outputs, targets,
+                       positions)
+    return logps, outputs.get("aux_loss")
+
+
+def target_logps(logits, targets):
+    """Each position's log-probability of its target token (0 where there is none), laid out like `targets`."""
+    return -F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE,
+                            reduction="none").view_as(targets)
+
+
+def advantages_of(rewards_table, weights, group_size, run, kl_penalty=None):
+    """Each completion's advantage, from the batch's rewards ([completions, functions], NaN where a function
+    returned None; completions prompt by prompt, `group_size` each). The reward is the weighted sum of the
+    functions'; a completion none applies to gets advantage 0 and stays out of its group's baseline.
+
+    GRPO (every --loss but rloo): the reward minus its group's mean, over the group's spread (--scale-rewards
+    group; batch: the whole batch's spread; none: not divided). RLOO: the reward (minus --beta x its KL to the
+    reference, `kl_penalty`) minus the mean of the others in its group (leave-one-out)."""
+    reward = online.weighted_total(rewards_table, weights)
+    grouped = reward.view(-1, group_size)
+    if run.loss == "rloo":
+        if kl_penalty is not None:
+            grouped = (reward - run.beta * kl_penalty).view(-1, group_size)
+        scorable = (~grouped.isnan()).sum(1, keepdim=True)
+        baseline = (grouped.nansum(1, keepdim=True) - grouped) / (scorable - 1)
+        advantages = (grouped - baseline).view(-1)
+        if run.normalize_advantages:
+            advantages = (advantages - advantages.nanmean()) / (online.nanstd(advantages) + 1e-4)
+        return advantages.nan_to_num(0.0)
+    advantages = (grouped - grouped.nanmean(1, keepdim=True)).view(-1)
+    if run.scale_rewards == "group":
+        advantages = advantages / (online.nanstd(grouped, dim=1).repeat_interleave(group_size) + 1e-4)
+    elif run.scale_rewards == "batch":
+        advantages = advantages / (online.nanstd(reward) + 1e-4)
+    return advantages.nan_to_num(0.0)
+
+
+def completion_losses(logps, old_logps, reference_logps, advantages, run):
+    """The loss of each completion token ([rows, tokens]; with --loss rloo, of each completion: [rows]), and the
+    figures of each: [which ratio was clipped, its KL to the reference]. Every path that trains computes its loss
+    here: edit it here.
+
+    The ratio of the policy to the one that sampled (1 at the first step on a batch: the gradient is then the
+    advantage's), clipped to [1 - epsilon, 1 + epsilon_high] where that lowers the objective (PPO's pessimism);
+    --beta adds the KL to the reference per token (k3, always >= 0), weighted by the ratio. RLOO clips one ratio per completion, of
+    its whole log-probability, and has its KL in the reward instead (advantages_of)."""
+    low, high = 1 - run.epsilon, 1 + (run.epsilon_high if run.epsilon_high is not None else run.epsilon)
+    if run.loss == "rloo":
+        logps, old_logps = logps.sum(1), old_logps.sum(1)  # (0 on padding)
+    else:
+        advantages = advantages[:, None]
+    ratio = torch.exp(logps - old_logps)
+    losses = -torch.minimum(ratio * advantages, ratio.clamp(low, high) * advantages)
+    clipped = ((ratio < low) & (advantages < 0)) | ((ratio > high) & (advantages > 0))
+    kl = torch.zeros_like(ratio)
+    if run.beta and run.loss != "rloo":
+        kl = torch.exp(reference_logps - logps) - (reference_logps - logps) - 1
+        # times the ratio (1 in value on a fresh batch, not in gradient): the unbiased gradient of the reverse KL
+        # (DeepSeek-V3.2; TRL's use_bias_correction_kl, on by default)
+        losses = losses + run.beta * kl * ratio
+    return losses, clipped.float(), kl.detach()
+
+
+def share_of_step_loss(losses, mask, run, step_completions, step_tokens, micro_batches):
+    """This micro-batch's share of the step's loss, as TRL normalises each --loss (the shares of every
+    micro-batch on every rank sum to the step's loss). dapo: the token mean over the step's completions; grpo:
+    each completion's token mean, averaged over the step's completions; dr_grpo: the token sum over completions x
+    --max-completion-length; bnpo: each micro-batch's token mean, averaged over the step's micro-batches; rloo:
+    the mean over the step's completions of each one's loss."""
+    if run.loss == "rloo":
+        return losses.sum() / step_completions
+    if run.loss == "grpo":
+        return ((losses * mask).sum(1) / mask.sum(1).clamp(min=1)).sum() / step_completions
+    if run.loss == "dr_grpo":
+        return (losses * mask).sum() / (step_completions * run.max_completion_length)
+    if run.loss == "bnpo":
+        return (losses * mask).sum() / mask.sum().clamp(min=1) / micro_batches
+    return (losses * mask).sum() / max(step_tokens, 1)  # dapo
+
+
+def parse_args():
+    return cli.parse_args(cli.recipe_flags("grpo_full", __doc__))
+
+
+def main():
+    # The run's settings, settled once (read-only from here); a launch that cannot work is refused here, in one
+    # line, before the model loads: the reward functions are imported now, from your files. Settled as full
+    # fine-tuning: every weight trains.
+    run, launch = settle.settle_launch(parse_args(), recipe="full")
+    reward_functions = rewards.load_rewards(run.reward)
+    weights = rewards.weights_of(run.reward_weights, reward_functions)
+    accelerator = runtime.make_accelerator(run, launch)
+    resume = checkpoint.resume_point(accelerator, run, launch)  # the checkpoint to continue, checked before loading
+    set_seed(run.seed)
+
+    # Prompts, before the model: each tokenised as the model will be asked it; every other column kept for the
+    # rewards. A step's global batch holds --batch-size x --grad-accum x processes completions: whole groups of
+    # --num-generations, of `prompts_per_step` prompts.
+    modeling.ensure_default_model(run.model, accelerator)
+    tokenizer = modeling.load_tokenizer(run.model, run.trust_remote_code, run.chat_template)
+    train_set, eval_set, data_format = prompts.prepare_prompts(accelerator, tokenizer, run)
+    chat = data_format == prompts.CHAT_PROMPTS
+    step_completions = run.batch_size * run.grad_accum * launch.data_parallel_size
+    prompts_per_step = step_completions // run.num_generations
+    preflight.check_prompt_count(len(train_set), prompts_per_step, run)
+
+    # Model: every weight trained, in float32 (mixed precision computes in 16 bits).
+    model = modeling.load_model(run.model, accelerator, launch, frozen=False, attention=run.attention,
+                                liger=run.liger, trust_remote_code=run.trust_remote_code)
+    router_weight = modeling.router_loss_weight(model)  # a mixture of experts' load-balancing loss (else 0)
+    if run.gradient_checkpointing:  # recompute every Nth layer's activations in the backward instead of keeping them
+        modeling.checkpoint_activations(model, every_n_layers=run.gradient_checkpointing)
+    accelerator.print("reference: none (--beta 0: no KL term; every weight trains and no reference copy is kept)")
+    if run.compile:
+        modeling.compile_layers(model)  # the first steps are slower while each shape compiles
+
+    optimizer = torch.optim.AdamW(
+        modeling.trained_parameter_groups(model), lr=run.lr, weight_decay=run.weight_decay, fused=True
+    )
+    batches_per_epoch = prompts.steps_per_epoch(len(train_set), prompts_per_step)
+    total_steps = run.max_steps or math.ceil(run.epochs * batches_per_epoch) * run.num_iterations
+    if run.deepspeed_scheduler:
+        scheduler = deepspeed_config.deepspeed_schedule(optimizer, run.deepspeed_scheduler, run, total_steps)
+    else:
+        scheduler = get_cosine_schedule_with_warmup(optimizer, int(run.warmup_ratio * total_steps), total_steps)
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    parameters = list(model.parameters())  # after prepare (FSDP's shards); listed once, not walked each step
+    head = loss_head.settle(accelerator, model)  # the log-probabilities' way to the logits (loss_head.py)
+
+    log = RunLog(accelerator, run, recipe="grpo_full", launch=launch)
+    start_step = checkpoint.resume_from(accelerator, resume, model, optimizer, None)
+    log.write_run_json(model, None, data_format, optimizer, total_steps, head.description)
+    if start_step % run.num_iterations:
+        accelerator.print(f"resume: step {start_step} is inside a batch of completions (--num-iterations "
+                          f"{run.num_iterations}); its completions are sampled again from the model as resumed")
+
+    names = [function.name for function in reward_functions]
+
+    def roll_out(step):
+        """The generation batch that step `step` trains on (online.py: its prompts, this rank's share of its
+        completions sampled with the weights gathered once, every rank's rewards), with the advantages, the
+        log-probabilities the completions were sampled with (needed where the model moves before they train:
+        --num-iterations > 1), in --grad-accum micro-batches."""
+        rollout = online.sample_and_score(accelerator, model, launch, run, train_set, tokenizer, reward_functions,
+                                          (step - 1) // run.num_iterations, prompts_per_step, chat)
+        if rollout.problem:  # a reward failed on some rank: every rank stops with its line, nothing lost
+            if step - 1 > start_step:
+                checkpoint.save_checkpoint(accelerator, run, launch, step - 1, None)
+            preflight.refuse(f"{rollout.problem} (at step {step}; fix it, then continue with --resume auto)")
+        if run.num_iterations > 1:
+            with torch.no_grad():
+                for b in rollout.micro_batches:
+                    b["old_logps"] = completion_logps(model, b, head, run.temperature)[0]
+        advantages = advantages_of(rollout.rewards, weights, run.num_generations, run)
+        online.hand_out(advantages, rollout, rollout.completions.first, run.batch_size)
+        return rollout, advantages
+
+    # The loop: one iteration = one optimizer step over grad_accum micro-batches on every rank.
+    model.train()
+    sync = runtime.StepSync(accelerator, counts_tokens=False)  # the step's one all-reduce; SIGTERM / Ctrl-C stop cleanly
+    log.start(start_step, total_steps)
+    def evaluate(step):
+        """The held-out prompts' greedy completions scored by the rewards, logged; the first few for the card."""
+        metrics, samples, problem = online.evaluate(accelerator, model, launch, run, eval_set, tokenizer,
+                                                    reward_functions, weights, chat)
+        if problem:
+            preflight.refuse(f"{problem} (scoring the held-out prompts)")
+        log.log_eval(step, metrics)
+        return samples
+
+    rollout, samples, learned = None, [], start_step > 0
+    if run.eval_every and start_step == 0:  # where the model starts: the baseline its rewards are compared with
+        evaluate(0)
+    for step in range(start_step + 1, total_steps + 1):
+        if rollout is None or (step - 1) % run.num_iterations == 0:  # a new batch of completions
+            rollout, advantages = roll_out(step)
+            epoch, step_tokens = rollout.epoch, rollout.tokens
+            figures = online.reward_figures(rollout, weights, names, run.num_generations)
+            if run.samples_every and step % run.samples_every == 0:
+                lines = online.sample_lines(rollout, advantages, names)  # (a gather: every rank)
+                if accelerator.is_main_process:
+                    log.write_samples(step, lines)
+        step_loss, step_sums, step_router_loss = 0.0, torch.zeros(2, dtype=torch.float64), 0.0
+        for batch in rollout.micro_batches:
+            with accelerator.accumulate(model):
+                logps, router_loss = completion_logps(model, batch, head, run.temperature)
+                old_logps = batch.get("old_logps", logps.detach())  # the sampling policy's: this one, unless it moved
+                losses, clipped, kl = completion_losses(logps, old_logps, batch.get("reference_logps"),
+                                                        batch["advantages"], run)
+                mask = batch["completion_mask"]
+                share = share_of_step_loss(losses, mask, run, step_completions, step_tokens,
+                                           run.grad_accum * launch.data_parallel_size)
+                step_loss += share.detach()
+                # figures summed over the trained tokens (rloo: over completions): clipped ratios, KL
+                weight = mask if run.loss != "rloo" else torch.ones_like(clipped)
+                step_sums += torch.stack([(clipped * weight).sum(), (kl * weight).sum()]).double().cpu()
+                # The gradient of the step's loss: undo accelerate's division by grad_accum and the gradient
+                # all-reduce's mean over ranks.
+                objective = share * run.grad_accum * accelerator.num_processes
+                if router_weight:  # the router's loss: its mean over micro-batches and ranks, as the backward scales it
+                    objective = objective + router_weight * router_loss
+                    step_router_loss += router_loss.detach()
+                accelerator.backward(objective)
+        grad_norm = accelerator.clip_grad_norm_(parameters, run.max_grad_norm)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+
+        # The step's one collective: the loss and the figures summed over all ranks, and the stop flag.
+        summed_loss, _, stopping, (clipped_sum, kl_sum, router_sum) = sync.end_of_step(
+            step_loss, [], [*step_sums.tolist(), step_router_loss])
+        learned = learned or figures["frac_reward_zero_std"] < 1  # some group had a better completion than others
+        counted = step_tokens if run.loss != "rloo" else step_completions
+        router_mean = router_sum / (run.grad_accum * accelerator.num_processes) if router_weight else None
+        if step == start_step + 1:  # a gather (every rank takes part): what each rank holds, into run.json
+            log.record_ranks()
+        log.log_step(step, epoch, summed_loss, scheduler.get_last_lr()[0], grad_norm, step_tokens, router_mean,
+                     figures={**figures, "clip_ratio/region_mean": clipped_sum / max(counted, 1),
+                              **({"kl": kl_sum / max(counted, 1)} if run.beta and run.loss != "rloo" else {})},
+                     shown=("reward", "reward_std", "frac_reward_zero_std", "completions/mean_length", "kl",
+                            "generation/tokens_per_s"))
+        if not math.isfinite(summed_loss):  # stop before saving anything from a diverged model
+            preflight.refuse(f"the loss became {summed_loss} at step {step}; lower --lr, or check the rewards, and "
+                             "start in a new --output-dir (a checkpoint here may already hold the update that diverged)")
+        if step == total_steps or (run.eval_every and step % run.eval_every == 0):
+            samples = evaluate(step)
+            if run.eval_tasks:  # lm-eval's tasks on the model as the launch holds it, each rank its share
+                log.log_benchmarks(step, benchmarks.score_run(accelerator, launch, run, model, tokenizer, data_format))
+        if stopping or (run.save_every and step % run.save_every == 0):
+            checkpoint.save_checkpoint(accelerator, run, launch, step, None)
+        if stopping:
+            log.close(f"stopped by {sync.signal_name} after step {step}; continue with --resume auto")
+            return
+
+    # Export: the model, and the model card with the held-out prompts' greedy completions.
+    if not learned:
+        log.say("grpo_full: every group's completions tied on reward at every step, so no completion was better "
+                "than another and the model did not move; start from a model that sometimes earns the reward (an SFT "
+                "model as --model), or add a reward with partial credit (recipes/rewards.py:answer_similarity)")
+    probe = rollouts.probe_batch([row["prompt_ids"] for row in eval_set.select(range(min(4, len(eval_set))))],
+                                 tokenizer.pad_token_id)
+    checkpoint.save_probe(accelerator, model, None, probe, run.output_dir)  # what a reload must compute
+    model_dir = f"{run.output_dir}/model"
+    checkpoint.save_full_model(accelerator, model, None, tokenizer, model_dir, run.save_dtype)
+    report.write_model_card(accelerator, run, "grpo_full", "model", samples)
+    log.close(f"done: {total_steps} steps; model saved to {model_dir}")
+    accelerator.end_training()
+
+
+if __name__ == "__main__":
+    main()
+    runtime.exit_after_a_finished_run()  # a native thread can abort the interpreter's teardown (runtime.py)
