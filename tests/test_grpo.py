@@ -301,7 +301,8 @@ def test_a_reward_that_raises_mid_run_stops_every_rank_with_one_line_and_keeps_t
 
 def test_chat_prompts_keep_their_system_turn_and_the_rewards_get_messages(tmp_path):
     """Chat prompts go through the chat template with the assistant's turn opened; the reward functions receive
-    the prompts and completions as message lists, the other columns as lists; run.json records the system turn."""
+    the prompts and completions as message lists, the other columns as lists; run.json records the system turn;
+    --eval-tasks asks lm-eval's prompts through the chat template and that system turn."""
     data = tmp_path / "chat.jsonl"
     with open(data, "w") as file:
         for digits in ("3 1 2", "9 4 7", "5 0 8", "2 2 1"):
@@ -315,8 +316,12 @@ def test_chat_prompts_keep_their_system_turn_and_the_rewards_get_messages(tmp_pa
                     "    return [float(len(c[0]['content'])) for c in completions]\n")
     run = launch("grpo", tmp_path / "out", "--dataset", str(data), "--eval-dataset", str(data), "--reward",
                  f"{checked}:f", "--batch-size", "8", "--num-generations", "4", "--max-completion-length", "6",
-                 "--max-steps", "2", "--samples-every", "1", processes=1)
+                 "--max-steps", "2", "--samples-every", "1", "--eval-tasks", str(REPO / "data" / "eval_tasks" /
+                                                                              "recipes_answer.yaml"),
+                 "--eval-limit", "4", processes=1)
     assert run.returncode == 0, run.output[-3000:]
+    (scored,) = run.metrics("benchmarks")  # lm-eval's task, asked as the run trained: through the chat template
+    assert "recipes_answer" in scored and scored["prompts"].startswith("chat template"), scored
     record = run.run_json()
     assert record["data_format"] == "chat prompts" and record["system_prompt"] == "Answer with digits."
     assert "data: chat rows rendered with the plain default" in run.output
@@ -372,3 +377,21 @@ def test_a_completion_depends_on_its_seed_not_its_batch(tmp_path):
     torch.manual_seed(0)
     assert sample(accelerator, model, prompts, [11, 12], **settings) == together  # the global RNG plays no part
     assert sample(accelerator, model, prompts, [13, 14], **settings) != together
+
+
+def test_the_plan_counts_what_sampling_holds():
+    """While a rank samples it holds the whole model (FSDP2 / ZeRO-3 gather it), its training state and the KV
+    cache of every completion: the plan's total is the larger of that and the training step."""
+    import planner
+
+    shape = planner.load_shape("tinyllama-1.1b")
+    # TinyLlama: 22 layers, 4 key-value heads of 64: 2 x 22 x 4 x 64 x 2 bytes = 22,528 bytes a token in bf16
+    assert planner.kv_cache_bytes(shape, rows=16, seq_len=1024, compute=2) == 22_528 * 16 * 1024
+    plain = planner.per_gpu_bytes(shape, "lora", "fsdp_full_shard", 4, batch_size=8, seq_len=1024)
+    few = planner.per_gpu_bytes(shape, "lora", "fsdp_full_shard", 4, batch_size=8, seq_len=1024, generation_rows=16)
+    whole = planner.weight_bytes(shape, "lora", "ddp", 1)
+    assert few["generation"] >= whole + 22_528 * 16 * 1024 > plain["weights"]  # the gathered model, the cache
+    assert few["total"] == plain["total"] > few["generation"]  # the training step's activations still decide
+    many = planner.per_gpu_bytes(shape, "lora", "fsdp_full_shard", 4, batch_size=1, seq_len=1024,
+                                 generation_rows=1024)
+    assert many["total"] == many["generation"] > 22_528 * 1024 * 1024  # 1,024 completions at once: the cache decides

@@ -34,6 +34,7 @@ One module per job (every public name of each is importable from `planner` itsel
   the sharding divisors, and the CPU RAM of the offload configs;
 - `peak`: weights, gradients and optimizer state on the busiest GPU: resident + transient;
 - `activations`: the activation bytes per token of a block and per micro-batch;
+- `generation`: what a GPU holds while it samples completions (grpo.py): the whole model, the KV cache;
 - `hardware`: the GPUs by name (`GPUS`: memory, peak, memory bandwidth, usual link; `gpu_key` refuses an
   unknown name naming the closest) and the bus bandwidth a collective reaches over each link;
 - `evidence`: the strategies this project has run on a GPU (`RAN_ON_GPU`), the rest being estimates only;
@@ -72,6 +73,7 @@ from .choose import (
 )
 from .dtypes import NF4_BITS_PER_WEIGHT, compute_dtypes, quantized_bytes_per_weight, state_bytes_per_parameter
 from .evidence import RAN_ON_GPU, gpu_evidence
+from .generation import generation_bytes, kv_cache_bytes
 from .host_load import load_bytes_per_machine, model_bytes_as_loaded, processes_per_machine
 from .hardware import (
     DEFAULT_GPU,

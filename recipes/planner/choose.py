@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from .activations import activation_bytes
 from .evidence import RAN_ON_GPU
+from .generation import generation_bytes
 from .host_load import load_bytes_per_machine
 from .peak import gradient_bytes, optimizer_bytes, weight_bytes
 from .resident import Stage, model_parallel_stages
@@ -48,7 +49,7 @@ def per_gpu_bytes(shape: ModelShape, method: str, strategy: str, gpus: int, batc
                   lora_targets="all-linear", precision: str = "bf16", attention: str = "sdpa",
                   lora_dropout: float = 0.0, grad_accum: int = 1, pipeline_stages: int | None = None,
                   pipeline_chunks: int = 1, pairs: bool = False, dora: bool = False,
-                  sequence_parallel: int | None = None) -> dict:
+                  sequence_parallel: int | None = None, generation_rows: int = 0) -> dict:
     """Memory of the busiest GPU: {"weights", "gradients", "optimizer", "activations", "total"} in
     bytes; the total is their sum, except for full fine-tuning without a gradient wrapper (one process,
     model parallel), where gradients replace activations in the backward. `batch_size` is the micro-batch per GPU (the recipes' --batch-size), `seq_len` the
@@ -61,7 +62,9 @@ def per_gpu_bytes(shape: ModelShape, method: str, strategy: str, gpus: int, batc
     counts preference pairs: two rows each in one forward (a LoRA reference's forward, without gradients,
     keeps less than the training forward does). Sequence parallel (sp) holds zero3's state and the activations
     of its slice, `seq_len / sequence_parallel` positions (a group of 2 by default, sp.yaml's): its attention
-    runs the whole sequence on 1/group of the heads, the same bytes."""
+    runs the whole sequence on 1/group of the heads, the same bytes. With `generation_rows` (grpo.py: the
+    completions a rank samples at once), "generation" is the peak while it samples (`generation.py`), and the total
+    the larger of that and the training step's."""
     _check(method, strategy, precision, attention)
     if gpus < 1 or batch_size < 1 or seq_len < 1:
         raise ValueError("gpus, batch_size and seq_len must be >= 1")
@@ -104,6 +107,11 @@ def per_gpu_bytes(shape: ModelShape, method: str, strategy: str, gpus: int, batc
             head = min(result["gradients"], shape.vocab * shape.hidden * 4 if stage.head else 0)
             result["total"] = (result["weights"] + result["optimizer"]
                                + max(result["activations"] + head, result["gradients"]))
+        if generation_rows:
+            sampling = generation_bytes(shape, method, strategy, generation_rows, seq_len, lora_rank, lora_targets,
+                                        precision)
+            result["generation"] = result["gradients"] + result["optimizer"] + sum(sampling.values())
+            result["total"] = max(result["total"], result["generation"])
         if best is None or result["total"] > best["total"]:
             best = result
     return best

@@ -13,7 +13,7 @@ import planner
 
 from ..model.model_config import is_default_model
 from ..refusal import refuse
-from .args import PREFERENCE_RECIPES
+from .args import ONLINE_RECIPES, PREFERENCE_RECIPES
 
 
 def planner_inputs(args, recipe: str, launch) -> tuple:
@@ -59,12 +59,16 @@ def announce_plan(args, recipe: str, launch) -> None:
         if launch.pipeline_stages > 1 else {}
     try:
         pairs = getattr(args, "recipe", None) in PREFERENCE_RECIPES  # two rows a pair in one forward
+        # an online recipe samples --batch-size x --grad-accum completions at once, with the whole model
+        sampled = args.batch_size * args.grad_accum if getattr(args, "recipe", None) in ONLINE_RECIPES else 0
         need = planner.per_gpu_bytes(shape, recipe, strategy, gpus, batch_size=args.batch_size, **inputs,
-                                     grad_accum=args.grad_accum, **layout, pairs=pairs)
+                                     grad_accum=args.grad_accum, **layout, pairs=pairs, generation_rows=sampled)
     except ValueError as error:  # e.g. LoRA targets the planner does not know
         print(f"plan: skipped ({str(error).splitlines()[0]})", flush=True)
         return
     parts = ", ".join(f"{key} {size(need[key])}" for key in ("weights", "gradients", "optimizer", "activations"))
+    if "generation" in need:  # the peak while sampling: the whole model and the KV cache of every completion
+        parts += f"; sampling {size(need['generation'])}"
     ran = getattr(args, "recipe", recipe)
     name = recipe if ran == recipe else f"{ran} ({recipe})"  # dpo.py settled as LoRA: "dpo (lora)"
     per = "per GPU" if launch.on_gpu else "per process (a GPU's share, planned as on a GPU)"
