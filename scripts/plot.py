@@ -110,6 +110,15 @@ def number(value) -> float:
     return float(value) if isinstance(value, (int, float)) else math.nan
 
 
+def running_mean(values: list[float], window: int) -> list[float]:
+    """Each value's mean with the `window - 1` before it (fewer at the start; NaNs left out)."""
+    means = []
+    for index in range(len(values)):
+        kept = [value for value in values[max(0, index - window + 1):index + 1] if not math.isnan(value)]
+        means.append(sum(kept) / len(kept) if kept else math.nan)
+    return means
+
+
 def time_scale(seconds: float) -> tuple[float, str]:
     if seconds >= 3 * 3600:
         return 3600.0, "h"
@@ -142,9 +151,13 @@ def draw(runs: list[Run], axis: str, output: Path) -> None:
     for index, (run, position) in enumerate(zip(runs, positions)):
         colour = colours[index % len(colours)]
         xs = [position[r["step"]] / scale for r in run.train]
-        loss_ax.plot(xs, [number(r.get(train_key)) for r in run.train], color=colour, linewidth=1.2, label=run.label)
-        if online:
-            eval_ax.plot(xs, [number(r.get(eval_keys)) for r in run.train], color=colour, linewidth=1.2,
+        if online:  # a step's reward is a few prompts' (noisy): each step faint, a running mean over it
+            for ax, key in ((loss_ax, train_key), (eval_ax, eval_keys)):
+                ys = [number(r.get(key)) for r in run.train]
+                ax.plot(xs, ys, color=colour, linewidth=0.6, alpha=0.3)
+                ax.plot(xs, running_mean(ys, max(1, len(ys) // 50)), color=colour, linewidth=1.4, label=run.label)
+        else:
+            loss_ax.plot(xs, [number(r.get(train_key)) for r in run.train], color=colour, linewidth=1.2,
                          label=run.label)
 
         # An eval point sits at the x of its step's training record (or of the nearest earlier one).

@@ -395,3 +395,14 @@ def test_the_plan_counts_what_sampling_holds():
     many = planner.per_gpu_bytes(shape, "lora", "fsdp_full_shard", 4, batch_size=1, seq_len=1024,
                                  generation_rows=1024)
     assert many["total"] == many["generation"] > 22_528 * 1024 * 1024  # 1,024 completions at once: the cache decides
+
+
+@long_test  # ~2 min: README's quickstart SFT, then 1,000 GRPO steps from its adapter
+def test_grpo_after_sft_raises_the_held_out_exact_match(tmp_path):
+    """The user's path on the bundled task (scripts/measure/grpo_path.py): GRPO with the exact-answer reward, from
+    the SFT adapter, answers more held-out prompts exactly (greedy) than the SFT model did."""
+    done = subprocess.run([sys.executable, "scripts/measure/grpo_path.py", "--output-dir", str(tmp_path)], cwd=REPO,
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["grpo_greedy_exact_match"] > summary["sft_greedy_exact_match"], summary

@@ -30,7 +30,7 @@ LAUNCH = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "
 
 def launched(command: list[str]) -> float:
     """Run one launch to its end (its output passed through); its wall time in seconds."""
-    print("$", " ".join(command[3:]), flush=True)
+    print("$ accelerate launch", " ".join(command[3:]), flush=True)
     started = time.monotonic()
     subprocess.run(command, cwd=REPO, check=True)
     return round(time.monotonic() - started, 1)
@@ -62,7 +62,8 @@ def main(argv=None) -> int:
         "grpo_greedy_exact_match": grpo_evals[-1]["eval_rewards/exact_answer/mean"],
         "grpo_exact_match_by_step": {record["step"]: record["eval_rewards/exact_answer/mean"] for record in grpo_evals},
         "held_out_prompts": 128, "seconds": seconds,
-        "commands": {"sft": " ".join(sft[2:]), "grpo": " ".join(grpo[2:])},
+        "commands": {name: " ".join(["accelerate", "launch", *command[3:]]) for name, command in
+                     (("sft", sft), ("grpo", grpo))},
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     subprocess.run([sys.executable, "scripts/plot.py", str(out / "grpo"), "--output", str(out / "curves.png")],
