@@ -60,7 +60,8 @@ TRL_CASES = [
     pytest.param("dapo", ["--batch-size", "8", "--grad-accum", "2", "--beta", "0.1", "--num-iterations", "2",
                           "--epsilon-high", "0.28", "--max-steps", "4"], id="dapo-beta-iterations"),
     pytest.param("rloo", ["--batch-size", "8", "--grad-accum", "2", "--max-steps", "3"], id="rloo"),
-    pytest.param("grpo", ["--batch-size", "8", "--grad-accum", "2", "--max-steps", "3"], id="grpo", marks=long_test),
+    pytest.param("grpo", ["--batch-size", "8", "--grad-accum", "2", "--max-steps", "3", "--mask-truncated-completions"],
+                 id="grpo-masked", marks=long_test),
     pytest.param("dr_grpo", ["--batch-size", "8", "--grad-accum", "2", "--max-steps", "3", "--scale-rewards", "batch"],
                  id="dr_grpo", marks=long_test),
     # a mean per micro-batch: the same micro-batches on both sides only when one holds the whole batch
@@ -108,7 +109,7 @@ def test_the_steps_equal_trls_on_the_same_completions(prompts, tmp_path, loss, m
 # --- every strategy against one process -----------------------------------------------------------------------------
 
 STEPS, SAVE_EVERY, GLOBAL = 4, 2, 16
-STRATEGIES = {"one": 1, "ddp": 2, "fsdp": 2, "zero3": 2, "zero2": 2, "fsdp_offload": 2}
+STRATEGIES = {"one": 1, "ddp": 2, "fsdp": 2, "zero3": 2, "zero2": 2, "fsdp_offload": 2, "model_parallel": 1}
 EVERY_RUN = ("one", "fsdp", "zero3")
 
 
@@ -369,14 +370,21 @@ def test_a_completion_depends_on_its_seed_not_its_batch(tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(REPO / "models" / "tiny-llama")
     prompts = [tokenizer("### Instruction:\nSort: 3 1 2\n\n### Response:\n")["input_ids"],
                tokenizer("### Instruction:\nCopy: 9\n\n### Response:\n")["input_ids"]]
+    from accelerate.state import AcceleratorState
+
     accelerator = Accelerator(cpu=True)
-    settings = dict(max_new_tokens=12, stop_ids=[tokenizer.eos_token_id], pad_id=tokenizer.pad_token_id)
-    together = sample(accelerator, model, prompts, [11, 12], **settings)
-    alone = [sample(accelerator, model, [prompt], [seed], **settings)[0] for prompt, seed in zip(prompts, [11, 12])]
+    try:  # (the process's accelerate state is put back after: other tests make their own)
+        settings = dict(max_new_tokens=12, stop_ids=[tokenizer.eos_token_id], pad_id=tokenizer.pad_token_id)
+        together = sample(accelerator, model, prompts, [11, 12], **settings)
+        alone = [sample(accelerator, model, [prompt], [seed], **settings)[0] for prompt, seed in zip(prompts, [11, 12])]
+        torch.manual_seed(0)
+        again = sample(accelerator, model, prompts, [11, 12], **settings)
+        other = sample(accelerator, model, prompts, [13, 14], **settings)
+    finally:
+        AcceleratorState._reset_state(True)
     assert together == alone
-    torch.manual_seed(0)
-    assert sample(accelerator, model, prompts, [11, 12], **settings) == together  # the global RNG plays no part
-    assert sample(accelerator, model, prompts, [13, 14], **settings) != together
+    assert again == together  # the global RNG plays no part
+    assert other != together
 
 
 def test_the_plan_counts_what_sampling_holds():
@@ -406,3 +414,36 @@ def test_grpo_after_sft_raises_the_held_out_exact_match(tmp_path):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["grpo_greedy_exact_match"] > summary["sft_greedy_exact_match"], summary
+
+
+def test_prompts_that_cannot_be_asked_are_refused_naming_the_fix():
+    from datasets import Dataset
+
+    from common.data import prompts
+
+    with pytest.raises(Refusal, match=r"has no `prompt` column \(it has question, answer\).* --columns question=prompt"):
+        prompts.prompt_format(Dataset.from_list([{"question": "q", "answer": "a"}]), "qa.jsonl")
+    with pytest.raises(Refusal, match=r"row 2's `prompt` is ''"):
+        prompts.prompt_format(Dataset.from_list([{"prompt": "Sort: 1"}, {"prompt": ""}]), "p.jsonl")
+    assert prompts.prompt_format(Dataset.from_list([{"prompt": [{"role": "user", "content": "hi"}]}]), "c") == \
+        prompts.CHAT_PROMPTS
+
+
+def test_a_prompt_longer_than_the_room_left_is_refused_with_the_length_that_fits(prompts, tmp_path):
+    run = launch("grpo", tmp_path / "out", *flags(prompts, "--batch-size", "8", "--max-length", "20",
+                                                  "--max-completion-length", "8"), processes=1)
+    assert run.returncode != 0, run.output[-3000:]
+    errors = [line for line in run.output.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "4 of 4 prompts in --dataset rows are longer than the 12 tokens --max-length 20 " \
+                                "leaves beside --max-completion-length 8" in errors[0], run.output[-2000:]
+    assert "raise --max-length to 24" in errors[0] and not (tmp_path / "out" / "run.json").exists()
+
+
+@long_test
+def test_a_4_bit_base_trains_its_adapters(prompts, tmp_path):
+    """--bits 4: QLoRA's GRPO, the base quantized as it loads (bitsandbytes' CPU kernels here)."""
+    run = launch("grpo", tmp_path / "out", *flags(prompts, "--batch-size", "8", "--max-steps", "2", "--bits", "4"),
+                 processes=1)
+    assert run.returncode == 0, run.output[-3000:]
+    assert run.run_json()["parameters"]["quantized"] > 0
+    assert any(record["grad_norm"] > 0 for record in train_records(tmp_path / "out"))
