@@ -105,7 +105,7 @@ def advantages_of(rewards_table, weights, group_size, run, kl_penalty=None):
     return advantages.nan_to_num(0.0)
 
 
-def completion_losses(logps, old_logps, reference_logps, advantages, run):
+def completion_losses(logps, old_logps, reference_logps, advantages, mask, run):
     """The loss of each completion token ([rows, tokens]; with --loss rloo, of each completion: [rows]), and the
     figures of each: [which ratio was clipped, its KL to the reference]. Every path that trains computes its loss
     here: edit it here.
@@ -116,7 +116,7 @@ def completion_losses(logps, old_logps, reference_logps, advantages, run):
     its whole log-probability, and has its KL in the reward instead (advantages_of)."""
     low, high = 1 - run.epsilon, 1 + (run.epsilon_high if run.epsilon_high is not None else run.epsilon)
     if run.loss == "rloo":
-        logps, old_logps = logps.sum(1), old_logps.sum(1)  # (0 on padding)
+        logps, old_logps = (logps * mask).sum(1), (old_logps * mask).sum(1)  # (its tokens that train)
     else:
         advantages = advantages[:, None]
     ratio = torch.exp(logps - old_logps)
@@ -255,9 +255,9 @@ def main():
             with accelerator.accumulate(model):
                 logps, router_loss = completion_logps(model, batch, head, run.temperature)
                 old_logps = batch.get("old_logps", logps.detach())  # the sampling policy's: this one, unless it moved
-                losses, clipped, kl = completion_losses(logps, old_logps, batch.get("reference_logps"),
-                                                        batch["advantages"], run)
                 mask = batch["completion_mask"]
+                losses, clipped, kl = completion_losses(logps, old_logps, batch.get("reference_logps"),
+                                                        batch["advantages"], mask, run)
                 share = share_of_step_loss(losses, mask, run, step_completions, step_tokens,
                                            run.grad_accum * launch.data_parallel_size)
                 step_loss += share.detach()

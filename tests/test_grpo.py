@@ -69,12 +69,14 @@ TRL_CASES = [
                  marks=long_test),
     pytest.param("rloo", ["--batch-size", "16", "--max-steps", "4", "--normalize-advantages", "--num-iterations", "2"],
                  id="rloo-normalized", marks=long_test),
+    pytest.param("rloo", ["--batch-size", "8", "--grad-accum", "2", "--max-steps", "3", "--mask-truncated-completions"],
+                 id="rloo-masked", marks=long_test),
 ]
 
 
 TRL_CASES += [  # every weight (grpo_full.py): no reference, so --beta 0
     pytest.param("dapo", ["--batch-size", "8", "--grad-accum", "2", "--num-iterations", "2", "--max-steps", "4",
-                          "--lr", "1e-3", "--full"], id="full-dapo-iterations"),
+                          "--lr", "1e-3", "--full"], id="full-dapo-iterations", marks=long_test),
     pytest.param("grpo", ["--batch-size", "8", "--grad-accum", "2", "--max-steps", "3", "--lr", "1e-3", "--full"],
                  id="full-grpo", marks=long_test),
 ]
@@ -192,6 +194,22 @@ def test_a_checkpoint_continues_the_curve_on_another_strategy(grpo_run, prompts,
     for a, b in zip(mine, theirs, strict=True):
         for name in ("loss", "grad_norm", "reward"):
             assert a[name] == pytest.approx(b[name], abs=1e-5, rel=1e-4), (a["step"], name, a, b)
+
+
+def test_an_edited_loss_trains_under_a_sharded_strategy(grpo_run, prompts, tmp_path):
+    """A copy of grpo.py whose completion loss is doubled, under ZeRO-3: its first step's loss and gradient norm
+    (before any update, the same completions) are twice the recipe's; run.json names the copy."""
+    from test_recipes_read_well import launch_edited_copy
+
+    whole = grpo_run("zero3")
+    assert whole.returncode == 0, whole.output[-3000:]
+    edited = launch_edited_copy([("    losses = -torch.minimum(ratio * advantages, ratio.clamp(low, high) * advantages)",
+                                  "    losses = -2 * torch.minimum(ratio * advantages, ratio.clamp(low, high) * advantages)")],
+                                tmp_path / "out", 1, config="zero3", recipe="grpo", processes=2,
+                                flags=strategy_args(prompts, 2))  # (its --max-steps 1 comes after, and wins)
+    first, theirs = train_records(tmp_path / "out")[0], train_records(whole.output_dir)[0]
+    assert first["grad_norm"] == pytest.approx(2 * theirs["grad_norm"], rel=1e-4)
+    assert first["loss"] == pytest.approx(2 * theirs["loss"], rel=1e-4, abs=1e-6)
 
 
 # --- rewards and refusals -------------------------------------------------------------------------------------------
