@@ -465,3 +465,19 @@ def test_a_4_bit_base_trains_its_adapters(prompts, tmp_path):
     assert run.returncode == 0, run.output[-3000:]
     assert run.run_json()["parameters"]["quantized"] > 0
     assert any(record["grad_norm"] > 0 for record in train_records(tmp_path / "out"))
+
+
+@pytest.mark.parametrize("config, argv, what", [
+    ("tp.yaml", [], "tensor parallel"), ("sp.yaml", [], "sequence parallel"),
+    ("pipeline.yaml", ["--pipeline-stages", "2"], "pipeline stages"),
+])
+def test_check_config_says_what_grpo_cannot_run_before_its_other_checks(config, argv, what):
+    """scripts/check_config.py --recipe grpo answers as the launch does: the strategy's refusal comes first (not,
+    under tp.yaml, LoRA's row-split layers)."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    import check_config
+
+    with pytest.raises(Refusal, match=f"grpo.py does not run {what}"):
+        check_config.check(REPO / "accelerate_configs" / config, "grpo", argv, num_processes=4, on_gpu=False)
+    assert check_config.check(REPO / "accelerate_configs" / "fsdp.yaml", "grpo", [], num_processes=2,
+                              on_gpu=False)[-1].startswith("ok: grpo runs as fsdp_full_shard on 2 process(es)")

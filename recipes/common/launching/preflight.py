@@ -264,17 +264,23 @@ def settle_online_run(args, launch):
     return changes
 
 
-def check_online_run(args, launch) -> None:
-    """What grpo.py cannot run, and batches that cannot hold whole groups, refused before the model loads."""
-    if args.packing:
-        refuse("--packing joins rows into one sequence, but grpo.py samples and scores each completion on its own; "
-               "drop --packing")
-    if launch.pipeline_stages > 1 or launch.kind == TENSOR_PARALLEL or launch.sequence_parallel > 1:
-        what = ("pipeline stages" if launch.pipeline_stages > 1 else "tensor parallel" if launch.kind == TENSOR_PARALLEL
-                else "sequence parallel")
+def check_online_strategy(args, launch) -> None:
+    """The strategies an online recipe cannot generate under, refused before their own checks run."""
+    if args.pipeline_stages > 1 or launch.pipeline_stages > 1 or launch.kind == TENSOR_PARALLEL or \
+            launch.sequence_parallel > 1:
+        what = ("pipeline stages" if max(args.pipeline_stages, launch.pipeline_stages) > 1 else "tensor parallel"
+                if launch.kind == TENSOR_PARALLEL else "sequence parallel")
         refuse(f"grpo.py does not run {what}: generation needs each process to hold whole layers; launch with "
                "accelerate_configs/fsdp.yaml or zero3.yaml (they shard the model and gather it once per batch of "
                "completions)")
+
+
+def check_online_run(args, launch) -> None:
+    """What grpo.py cannot run, and batches that cannot hold whole groups, refused before the model loads."""
+    check_online_strategy(args, launch)
+    if args.packing:
+        refuse("--packing joins rows into one sequence, but grpo.py samples and scores each completion on its own; "
+               "drop --packing")
     if args.batch_size == "auto":
         refuse("--batch-size auto is planned for training rows, not for sampling completions; give --batch-size N")
     step = args.batch_size * args.grad_accum * launch.data_parallel_size

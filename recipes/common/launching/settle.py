@@ -42,6 +42,8 @@ def settle_launch(args: Run, recipe: str) -> tuple[Run, Launch]:
     preflight.check_hub(run, adapter_base(run.model) or run.model)
     preflight.check_speed_options(run, launch.on_gpu)
     run = settle_model(run)  # a LoRA adapter as --model: its base with the adapter merged in
+    if run.recipe in ONLINE_RECIPES:  # generation needs whole layers: no pipeline, tensor or sequence parallel
+        preflight.check_online_strategy(run, launch)
     launch = preflight.check_pipeline(run, recipe, launch)
     if launch.kind == TENSOR_PARALLEL:
         preflight.check_tensor_parallel(run, recipe, launch)
