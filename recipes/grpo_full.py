@@ -222,13 +222,9 @@ def main():
                 for b in rollout.micro_batches:
                     b["old_logps"] = completion_logps(model, b, head, run.temperature)[0]
         advantages = advantages_of(rollout.rewards, weights, run.num_generations, run)
-        online.hand_out(advantages, rollout, rollout.completions.first, run.batch_size)
+        online.hand_out(advantages, rollout, run.batch_size)
         return rollout, advantages
 
-    # The loop: one iteration = one optimizer step over grad_accum micro-batches on every rank.
-    model.train()
-    sync = runtime.StepSync(accelerator, counts_tokens=False)  # the step's one all-reduce; SIGTERM / Ctrl-C stop cleanly
-    log.start(start_step, total_steps)
     def evaluate(step):
         """The held-out prompts' greedy completions scored by the rewards, logged; the first few for the card."""
         metrics, samples, problem = online.evaluate(accelerator, model, launch, run, eval_set, tokenizer,
@@ -238,6 +234,10 @@ def main():
         log.log_eval(step, metrics)
         return samples
 
+    # The loop: one iteration = one optimizer step over grad_accum micro-batches on every rank.
+    model.train()
+    sync = runtime.StepSync(accelerator, counts_tokens=False)  # the step's one all-reduce; SIGTERM / Ctrl-C stop cleanly
+    log.start(start_step, total_steps)
     rollout, samples, learned = None, [], start_step > 0
     if run.eval_every and start_step == 0:  # where the model starts: the baseline its rewards are compared with
         evaluate(0)

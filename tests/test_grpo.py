@@ -281,7 +281,7 @@ def test_a_strategy_that_cannot_generate_is_refused_naming_one_that_can(launched
     launch_of = Launch(processes=2, on_gpu=False, visible_gpus=0, precision="no", **launched)
     with pytest.raises(Refusal, match=f"grpo.py does not run {what}: .* launch with accelerate_configs/fsdp.yaml or "
                                       "zero3.yaml"):
-        preflight.check_online_run(args_of("--batch-size", "8"), launch_of)
+        preflight.check_online_strategy(args_of("--batch-size", "8"), launch_of)
 
 
 def test_the_defaults_follow_trl_and_a_dataset_needs_a_reward(tmp_path):

@@ -32,6 +32,12 @@ DEFAULT_CHAT_TEMPLATE = (
 # how a run is scored)
 TEXT_PROMPTS, CHAT_PROMPTS = "prompts", "chat prompts"
 PROMPT_FORMATS = {TEXT_PROMPTS: "text", CHAT_PROMPTS: "messages"}
+PROMPT_IDS = "prompt_ids"  # a prompt's tokens, beside the dataset's own columns
+
+
+def reward_columns(rows) -> list[str]:
+    """The columns the reward functions receive as keyword lists (all but the prompt and its tokens)."""
+    return [name for name in rows.column_names if name not in ("prompt", PROMPT_IDS)]
 
 
 def chat_template_line(accelerator, tokenizer, args, chat: bool) -> None:

@@ -13,11 +13,11 @@ import numpy as np
 
 from ..refusal import refuse
 from .data_files import DEFAULT_DATASET, EVAL_SPLIT_NAMES, read_splits
-from .formats import CHAT_PROMPTS, TEXT_PROMPTS, DataFormat, chat_template_line, conversation
+from .formats import (CHAT_PROMPTS, PROMPT_IDS, TEXT_PROMPTS, DataFormat, chat_template_line, conversation,
+                      reward_columns)
 from .mixture import sources_of
 
 DEFAULT_PROMPTS = DEFAULT_DATASET / "prompts"  # what grpo.py trains on by default
-PROMPT_IDS = "prompt_ids"  # the tokenised prompt, beside the dataset's own columns
 
 
 def prepare_prompts(accelerator, tokenizer, args):
@@ -29,27 +29,28 @@ def prepare_prompts(accelerator, tokenizer, args):
     if len(sources) > 1 or sources[0].weight != 1:
         refuse("grpo.py reads one --dataset of prompts (no mixture yet); join them into one file")
     train, evaluation, name = prompt_splits(sources[0].spec, args)
-    chat = prompt_format(train, name)
-    if prompt_format(evaluation, args.eval_dataset or name) != chat:
-        refuse(f"--eval-dataset {args.eval_dataset} holds {prompt_format(evaluation, args.eval_dataset)} and --dataset "
-               f"{name} {chat}; give both in one format")
+    chat, held = prompt_format(train, name), prompt_format(evaluation, args.eval_dataset or name)
+    if held != chat:
+        refuse(f"--eval-dataset {args.eval_dataset} holds {held} and --dataset {name} {chat}; give both in one format")
     with accelerator.main_process_first():
         train = tokenised(train, tokenizer, chat == CHAT_PROMPTS)
         evaluation = tokenised(evaluation, tokenizer, chat == CHAT_PROMPTS)
     room = args.max_length - args.max_completion_length
-    for split, rows in (("--dataset", train), ("--eval-dataset" if args.eval_dataset else "its held-out", evaluation)):
-        lengths = np.array([len(ids) for ids in rows[PROMPT_IDS]])
-        long = int((lengths > room).sum())
+    lengths = {split: np.array([len(ids) for ids in rows[PROMPT_IDS]]) for split, rows in
+               (("--dataset", train), ("--eval-dataset" if args.eval_dataset else "its held-out", evaluation))}
+    for split, rows in zip(lengths, (train, evaluation)):
+        long = int((lengths[split] > room).sum())
         if long:
             refuse(f"{long:,} of {len(rows):,} prompts in {split} rows are longer than the {room} tokens --max-length "
                    f"{args.max_length} leaves beside --max-completion-length {args.max_completion_length} (the longest: "
-                   f"{lengths.max()} tokens); raise --max-length to {lengths.max() + args.max_completion_length}, "
+                   f"{lengths[split].max()} tokens); raise --max-length to "
+                   f"{lengths[split].max() + args.max_completion_length}, "
                    "shorten the completions, or remove those rows")
     data_format = DataFormat(chat, shared_system_prompt(train) if chat == CHAT_PROMPTS else None)
     chat_template_line(accelerator, tokenizer, args, chat == CHAT_PROMPTS)
     if accelerator.is_main_process:
-        lengths = [len(ids) for ids in train[PROMPT_IDS]]
-        print(f"data: {len(train):,} {chat} from {name} (longest {max(lengths)} tokens, mean {np.mean(lengths):.0f}), "
+        trained = lengths["--dataset"]
+        print(f"data: {len(train):,} {chat} from {name} (longest {trained.max()} tokens, mean {trained.mean():.0f}), "
               f"{len(evaluation):,} for evaluation; columns for the rewards: "
               f"{', '.join(reward_columns(train)) or 'none'}", flush=True)
     return train, evaluation, data_format
@@ -119,11 +120,6 @@ def shared_system_prompt(rows) -> str | None:
         if len(found) > 1:
             return None
     return found.pop() if found else None
-
-
-def reward_columns(rows) -> list[str]:
-    """The columns the reward functions receive as keyword lists (all but the prompt and its tokens)."""
-    return [name for name in rows.column_names if name not in ("prompt", PROMPT_IDS)]
 
 
 def step_prompts(rows: int, prompts_per_step: int, step: int, seed: int) -> tuple[int, list[int]]:

@@ -276,8 +276,8 @@ def check_online_strategy(args, launch) -> None:
 
 
 def check_online_run(args, launch) -> None:
-    """What grpo.py cannot run, and batches that cannot hold whole groups, refused before the model loads."""
-    check_online_strategy(args, launch)
+    """What grpo.py cannot run with these flags, and batches that cannot hold whole groups, refused before the
+    model loads (after check_online_strategy, which settle_launch runs before the strategies' own checks)."""
     if args.packing:
         refuse("--packing joins rows into one sequence, but grpo.py samples and scores each completion on its own; "
                "drop --packing")

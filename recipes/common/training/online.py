@@ -13,6 +13,7 @@ from accelerate.utils import gather_object
 
 from .. import rewards
 from ..data import prompts
+from ..data.formats import reward_columns
 from . import rollouts
 
 
@@ -67,8 +68,9 @@ def scored(reward_functions, prompt_cells: list, completions: list, columns: dic
         return [[math.nan] * len(reward_functions)] * len(completions), str(error)
 
 
-def hand_out(advantages: torch.Tensor, rollout: Rollout, first: int, batch_size: int) -> None:
-    """Each micro-batch's `advantages`: this rank's slice of the batch's (from `first`, its completions' place)."""
+def hand_out(advantages: torch.Tensor, rollout: Rollout, batch_size: int) -> None:
+    """Each micro-batch's `advantages`: this rank's slice of the batch's (from its completions' place in it)."""
+    first = rollout.completions.first
     mine = advantages[first:first + len(rollout.completions.texts)].float()
     for index, batch in enumerate(rollout.micro_batches):
         batch["advantages"] = mine[index * batch_size:(index + 1) * batch_size].to(batch["input_ids"].device)
@@ -137,9 +139,9 @@ def evaluate(accelerator, model, launch, run, rows, tokenizer, reward_functions,
             ids += rollouts.sample(accelerator, model, [row["prompt_ids"] for row in part], None,
                                    max_new_tokens=run.max_completion_length, stop_ids=stop_ids,
                                    pad_id=tokenizer.pad_token_id)
-    texts = tokenizer.batch_decode(ids, skip_special_tokens=True)
-    completions = [[{"role": "assistant", "content": text}] for text in texts] if chat else texts
-    columns = {name: [row[name] for row in mine] for name in prompts.reward_columns(rows)}
+    completions = rollouts.as_rewards_take_them(tokenizer, ids, chat)
+    texts = [completion[-1]["content"] if chat else completion for completion in completions]
+    columns = {name: [row[name] for row in mine] for name in reward_columns(rows)}
     table, problem = scored(reward_functions, [row["prompt"] for row in mine], completions,
                             {**columns, "completion_ids": ids})
     problems = [found for found in gather_object([problem]) if found]

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
-from ..data.formats import IGNORE
+from ..data.batches import PadToLongest
+from ..data.formats import IGNORE, reward_columns
 from ..launching.launch import FSDP
 
 
@@ -94,13 +95,15 @@ def sample_completions(accelerator, model, rows, batch_rows: list[int], batch: i
                             temperature=run.temperature, top_k=run.top_k, top_p=run.top_p, stop_ids=stop_ids,
                             pad_id=tokenizer.pad_token_id)
     truncated = [not ids or ids[-1] not in stop_ids for ids in completion_ids]
-    texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-    if chat:
-        texts = [[{"role": "assistant", "content": text}] for text in texts]
-    columns = {name: [table[prompt][name] for prompt, _ in picked] for name in rows.column_names
-               if name not in ("prompt", "prompt_ids")}
+    columns = {name: [table[prompt][name] for prompt, _ in picked] for name in reward_columns(rows)}
     return Completions(first, prompt_ids, completion_ids, truncated, [table[prompt]["prompt"] for prompt, _ in picked],
-                       texts, columns)
+                       as_rewards_take_them(tokenizer, completion_ids, chat), columns)
+
+
+def as_rewards_take_them(tokenizer, completion_ids: list[list[int]], chat: bool) -> list:
+    """Completions as the reward functions take them: their text, or for chat prompts one assistant message."""
+    texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+    return [[{"role": "assistant", "content": text}] for text in texts] if chat else texts
 
 
 @torch.no_grad()
@@ -143,14 +146,10 @@ def sample(accelerator, model, prompts: list[list[int]], seeds: list[int] | None
 
 
 def probe_batch(prompts: list[list[int]], pad_id: int) -> dict:
-    """The prompts right-padded, with their attention mask: the batch whose logits the export keeps (save_probe),
-    so that a reload of the adapter can be compared with the trained model."""
-    longest = max(map(len, prompts))
-    ids = torch.full((len(prompts), longest), pad_id, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for row, prompt in enumerate(prompts):
-        ids[row, :len(prompt)], mask[row, :len(prompt)] = torch.tensor(prompt), 1
-    return {"input_ids": ids, "attention_mask": mask}
+    """The prompts right-padded, with their attention mask (the collator's padding): the batch whose logits the
+    export keeps (save_probe), so that a reload of the adapter can be compared with the trained model."""
+    batch = PadToLongest(pad_id)([{"input_ids": prompt, "labels": prompt} for prompt in prompts])
+    return {key: batch[key] for key in ("input_ids", "attention_mask")}
 
 
 def stop_tokens(tokenizer, model) -> list[int]:
