@@ -200,9 +200,8 @@ def main():
     log = RunLog(accelerator, run, recipe="grpo_full", launch=launch)
     start_step = checkpoint.resume_from(accelerator, resume, model, optimizer, None)
     log.write_run_json(model, None, data_format, optimizer, total_steps, head.description)
-    if start_step % run.num_iterations:
-        accelerator.print(f"resume: step {start_step} is inside a batch of completions (--num-iterations "
-                          f"{run.num_iterations}); its completions are sampled again from the model as resumed")
+    # A checkpoint inside a batch of completions (--num-iterations > 1) keeps the batch: its steps left train on it
+    kept = checkpoint.read_kept(resume, online.ROLLOUT_FILE) if start_step % run.num_iterations else None
 
     names = [function.name for function in reward_functions]
 
@@ -211,13 +210,15 @@ def main():
         completions sampled with the weights gathered once, every rank's rewards), with the advantages, the
         log-probabilities the completions were sampled with (needed where the model moves before they train:
         --num-iterations > 1), in --grad-accum micro-batches."""
+        fresh = not (kept and step == start_step + 1)  # else the batch the checkpoint kept, as it was sampled
         rollout = online.sample_and_score(accelerator, model, launch, run, train_set, tokenizer, reward_functions,
-                                          (step - 1) // run.num_iterations, prompts_per_step, chat)
+                                          (step - 1) // run.num_iterations, prompts_per_step, chat
+                                          ) if fresh else online.rollout_from(accelerator, run, kept)
         if rollout.problem:  # a reward failed on some rank: every rank stops with its line, nothing lost
             if step - 1 > start_step:
                 checkpoint.save_checkpoint(accelerator, run, launch, step - 1, None)
             preflight.refuse(f"{rollout.problem} (at step {step}; fix it, then continue with --resume auto)")
-        if run.num_iterations > 1:
+        if run.num_iterations > 1 and fresh:
             with torch.no_grad():
                 for b in rollout.micro_batches:
                     b["old_logps"] = completion_logps(model, b, head, run.temperature)[0]
@@ -246,7 +247,7 @@ def main():
             rollout, advantages = roll_out(step)
             epoch, step_tokens = rollout.epoch, rollout.tokens
             figures = online.reward_figures(rollout, weights, names, run.num_generations)
-            if run.samples_every and step % run.samples_every == 0:
+            if run.samples_every and step % run.samples_every == 0 and (step - 1) % run.num_iterations == 0:
                 lines = online.sample_lines(rollout, advantages, names)  # (a gather: every rank)
                 if accelerator.is_main_process:
                     log.write_samples(step, lines)
@@ -297,7 +298,9 @@ def main():
             if run.eval_tasks:  # lm-eval's tasks on the model as the launch holds it, each rank its share
                 log.log_benchmarks(step, benchmarks.score_run(accelerator, launch, run, model, tokenizer, data_format))
         if stopping or (run.save_every and step % run.save_every == 0):
-            checkpoint.save_checkpoint(accelerator, run, launch, step, None)
+            inside = step % run.num_iterations  # steps left on this batch: the checkpoint keeps it (a gather)
+            checkpoint.save_checkpoint(accelerator, run, launch, step, None, {
+                online.ROLLOUT_FILE: online.kept_in_checkpoint(accelerator, rollout)} if inside else None)
         if stopping:
             log.close(f"stopped by {sync.signal_name} after step {step}; continue with --resume auto")
             return

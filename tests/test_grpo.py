@@ -110,7 +110,8 @@ def test_the_steps_equal_trls_on_the_same_completions(prompts, tmp_path, loss, m
 
 # --- every strategy against one process -----------------------------------------------------------------------------
 
-STEPS, SAVE_EVERY, GLOBAL = 4, 2, 16
+# two steps on each batch of completions; the checkpoint at step 3 is taken inside the second batch
+STEPS, SAVE_EVERY, GLOBAL, ITERATIONS = 6, 3, 16, 2
 STRATEGIES = {"one": 1, "ddp": 2, "fsdp": 2, "zero3": 2, "zero2": 2, "fsdp_offload": 2, "model_parallel": 1}
 EVERY_RUN = ("one", "fsdp", "zero3")
 
@@ -118,12 +119,12 @@ EVERY_RUN = ("one", "fsdp", "zero3")
 def strategy_args(prompts, processes: int, full: bool = False) -> list[str]:
     return flags(prompts, "--batch-size", "4", "--grad-accum", str(GLOBAL // 4 // processes),
                  *(["--lr", "1e-3"] if full else ["--beta", "0.1"]), "--max-steps", str(STEPS), "--save-every",
-                 str(SAVE_EVERY), "--samples-every", "1")
+                 str(SAVE_EVERY), "--samples-every", "1", "--num-iterations", str(ITERATIONS))
 
 
 @pytest.fixture(scope="module")
 def grpo_run(prompts, tmp_path_factory):
-    """One launch per strategy, made once (4 steps, checkpoints at 2 and 4)."""
+    """One launch per strategy, made once (6 steps on 3 batches of completions, checkpoints at 3 and 6)."""
     done = {}
 
     def get(config: str):
@@ -151,7 +152,7 @@ def test_every_strategy_samples_and_trains_as_one_process(grpo_run, config):
     assert one.returncode == 0, one.output[-3000:]
     assert other.returncode == 0, other.output[-3000:]
     assert completions_of(other.output_dir) == completions_of(one.output_dir)
-    assert len(completions_of(one.output_dir)) == STEPS * GLOBAL
+    assert len(completions_of(one.output_dir)) == STEPS // ITERATIONS * GLOBAL
     for a, b in zip(train_records(other.output_dir), train_records(one.output_dir), strict=True):
         for name in ("loss", "grad_norm", "reward", "kl"):
             assert a[name] == pytest.approx(b[name], abs=1e-5, rel=1e-4), (a["step"], name, a, b)
@@ -182,9 +183,14 @@ def test_every_weight_trains_as_one_process_under_each_strategy(prompts, tmp_pat
     pytest.param("one", "zero3", 2, marks=long_test),
 ])
 def test_a_checkpoint_continues_the_curve_on_another_strategy(grpo_run, prompts, tmp_path, written, resumed, processes):
+    """The checkpoint at step 3 is inside a batch of completions: it keeps the batch, and step 4 trains on the same
+    completions with the log-probabilities they were sampled with, on any strategy and process count."""
     whole = grpo_run(written)
     assert whole.returncode == 0, whole.output[-3000:]
     checkpoint = f"step-{SAVE_EVERY}"
+    kept = json.loads((whole.output_dir / "checkpoints" / checkpoint / "rollout.json").read_text())
+    assert len(kept["completions"]) == GLOBAL and all(len(c["old_logps"]) == len(c["completion_ids"]) > 0
+                                                      for c in kept["completions"])
     shutil.copytree(whole.output_dir / "checkpoints" / checkpoint, tmp_path / "checkpoints" / checkpoint)
     continued = launch("grpo", tmp_path, *strategy_args(prompts, processes), "--resume", "auto", config=resumed,
                        processes=processes)
@@ -192,8 +198,10 @@ def test_a_checkpoint_continues_the_curve_on_another_strategy(grpo_run, prompts,
     mine, theirs = train_records(tmp_path), train_records(whole.output_dir)[SAVE_EVERY:]
     assert [record["step"] for record in mine] == list(range(SAVE_EVERY + 1, STEPS + 1))
     for a, b in zip(mine, theirs, strict=True):
-        for name in ("loss", "grad_norm", "reward"):
+        for name in ("loss", "grad_norm", "reward", "kl", "clip_ratio/region_mean"):
             assert a[name] == pytest.approx(b[name], abs=1e-5, rel=1e-4), (a["step"], name, a, b)
+    # the batch sampled after the resume is the unbroken run's (and the kept one is not written again)
+    assert completions_of(tmp_path) == [line for line in completions_of(whole.output_dir) if line[0] > SAVE_EVERY]
 
 
 def test_an_edited_loss_trains_under_a_sharded_strategy(grpo_run, prompts, tmp_path):

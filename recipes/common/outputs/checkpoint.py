@@ -58,7 +58,10 @@ def file_digests(folder: Path) -> dict:
     return digests
 
 
-def save_checkpoint(accelerator, args, launch, step: int, stages) -> Path:
+def save_checkpoint(accelerator, args, launch, step: int, stages, kept: dict | None = None) -> Path:
+    """checkpoints/step-N: the trained state, written by every rank, then its digests and state file (last: a
+    checkpoint without one is incomplete). `kept`: {file name: JSON-able} the recipe keeps beside it (the main
+    process writes them; `read_kept` gives them back)."""
     started = time.monotonic()
     final = checkpoints_dir(args.output_dir) / f"step-{step}"
     partial = final.with_name(f".step-{step}.partial")
@@ -72,6 +75,8 @@ def save_checkpoint(accelerator, args, launch, step: int, stages) -> Path:
         os.kill(os.getpid(), signal.SIGKILL)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
+        for name, value in (kept or {}).items():
+            (partial / name).write_text(json.dumps(value))
         # the trained parameters' names in the optimizer's order: how accelerate's optimizer.bin is read by name
         models = accelerator._models
         trained = list(reshard.trained_names(accelerator.unwrap_model(models[0]))) if models else None
@@ -358,6 +363,12 @@ def resume_from(accelerator, resume: Resume | None, model, optimizer, stages) ->
         how = "by parameter name" if resume.by_name else "as written"
         print(f"resumed from {path} at step {step} (read {how} in {time.monotonic() - started:.1f} s)", flush=True)
     return step
+
+
+def read_kept(resume: Resume | None, name: str):
+    """What the checkpoint being continued keeps as `name` (save_checkpoint's `kept`), or None."""
+    path = Path(resume.path) / name if resume is not None else None
+    return json.loads(path.read_text()) if path is not None and path.exists() else None
 
 
 @contextmanager

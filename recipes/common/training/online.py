@@ -48,9 +48,7 @@ def sample_and_score(accelerator, model, launch, run, rows, tokenizer, reward_fu
     table, problem = scored(reward_functions, completions.prompts, completions.texts,
                             {**completions.columns, "completion_ids": completions.completion_ids})
     problems = [found for found in gather_object([problem]) if found]
-    micro_batches = [{key: value.to(accelerator.device) for key, value in rollouts.training_batch(
-        completions, slice(start, start + run.batch_size), run.mask_truncated_completions).items()}
-                     for start in range(0, per_rank, run.batch_size)]
+    micro_batches = micro_batches_of(completions, run, accelerator.device)
     device = accelerator.device
     lengths = accelerator.gather(torch.tensor([[len(ids), int(cut), seconds] for ids, cut in zip(
         completions.completion_ids, completions.truncated)], dtype=torch.float64, device=device)).cpu()
@@ -58,6 +56,58 @@ def sample_and_score(accelerator, model, launch, run, rows, tokenizer, reward_fu
     return Rollout(epoch, completions, micro_batches,
                    accelerator.gather(torch.tensor(table, dtype=torch.float64, device=device)).cpu(), lengths,
                    int(accelerator.reduce(tokens, "sum")), problems[0] if problems else None)
+
+
+def micro_batches_of(completions: rollouts.Completions, run, device, logps: list[dict] | None = None) -> list[dict]:
+    """This rank's --grad-accum micro-batches of its completions, on the device; with `logps` (per completion, the
+    saved log-probabilities by name) laid out as the micro-batches' completion tokens."""
+    batches = []
+    for start in range(0, len(completions.completion_ids), run.batch_size):
+        rows = slice(start, start + run.batch_size)
+        batch = rollouts.training_batch(completions, rows, run.mask_truncated_completions)
+        for name in (logps[0] if logps else {}):
+            values = torch.zeros_like(batch["completion_mask"])
+            for row, saved in enumerate(logps[rows]):
+                values[row, :len(saved[name])] = torch.tensor(saved[name])
+            batch[name] = values
+        batches.append({key: value.to(device) for key, value in batch.items()})
+    return batches
+
+
+SAVED_LOGPS = ("old_logps", "reference_logps")
+ROLLOUT_FILE = "rollout.json"  # in a checkpoint taken inside a batch of completions
+
+
+def kept_in_checkpoint(accelerator, rollout: Rollout) -> dict:
+    """The generation batch as a checkpoint taken inside it keeps it (--num-iterations > 1), whole and in the
+    batch's order so that any process count continues it: each completion's tokens and text, the
+    log-probabilities it was sampled with (and its reference's), the batch's rewards (the dataset's other columns
+    are not kept: the rewards have read them). Every rank calls it (a gather); the main process writes it."""
+    done, mine, k = rollout.completions, [], 0
+    for batch in rollout.micro_batches:
+        for row in range(batch["input_ids"].shape[0]):
+            length = len(done.completion_ids[k])
+            mine.append({"prompt_ids": done.prompt_ids[k], "completion_ids": done.completion_ids[k],
+                         "truncated": done.truncated[k], "prompt": done.prompts[k], "text": done.texts[k],
+                         **{name: batch[name][row, :length].tolist() for name in SAVED_LOGPS if name in batch}})
+            k += 1
+    return {"epoch": rollout.epoch, "tokens": rollout.tokens, "rewards": rollout.rewards.tolist(),
+            "lengths": rollout.lengths.tolist(), "completions": gather_object(mine)}
+
+
+def rollout_from(accelerator, run, kept: dict) -> Rollout:
+    """The generation batch a checkpoint kept (`kept_in_checkpoint`), with this rank's share of it, as it was
+    sampled: the steps left on it train on the same completions and log-probabilities as an unbroken run."""
+    per_rank = run.batch_size * run.grad_accum
+    first = accelerator.process_index * per_rank
+    rows = kept["completions"][first:first + per_rank]
+    completions = rollouts.Completions(first, [row["prompt_ids"] for row in rows],
+                                       [row["completion_ids"] for row in rows], [row["truncated"] for row in rows],
+                                       [row["prompt"] for row in rows], [row["text"] for row in rows], {})
+    logps = [{name: row[name] for name in SAVED_LOGPS if name in row} for row in rows]
+    return Rollout(kept["epoch"], completions, micro_batches_of(completions, run, accelerator.device, logps),
+                   torch.tensor(kept["rewards"], dtype=torch.float64), torch.tensor(kept["lengths"], dtype=torch.float64),
+                   kept["tokens"], None)
 
 
 def scored(reward_functions, prompt_cells: list, completions: list, columns: dict) -> tuple[list, str | None]:
