@@ -107,8 +107,8 @@ def advantages_of(rewards_table, weights, group_size, run, kl_penalty=None):
 
 def completion_losses(logps, old_logps, reference_logps, advantages, mask, run):
     """The loss of each completion token ([rows, tokens]; with --loss rloo, of each completion: [rows]), and the
-    figures of each: [which ratio was clipped, its KL to the reference]. Every path that trains computes its loss
-    here: edit it here.
+    figures of each: [which ratio was clipped, its KL to the reference as the loss weighs it]. Every path that
+    trains computes its loss here: edit it here.
 
     The ratio of the policy to the one that sampled (1 at the first step on a batch: the gradient is then the
     advantage's), clipped to [1 - epsilon, 1 + epsilon_high] where that lowers the objective (PPO's pessimism);
@@ -128,7 +128,7 @@ def completion_losses(logps, old_logps, reference_logps, advantages, mask, run):
         # times the ratio (1 in value on a fresh batch, not in gradient): the unbiased gradient of the reverse KL
         # (DeepSeek-V3.2; TRL's use_bias_correction_kl, on by default)
         losses = losses + run.beta * kl * ratio
-    return losses, clipped.float(), kl.detach()
+    return losses, clipped.float(), (kl * ratio).detach()
 
 
 def share_of_step_loss(losses, mask, run, step_completions, step_tokens, micro_batches):

@@ -30,9 +30,9 @@ Speed: --compile --no-compile --liger --attention --dataloader-workers
 Benchmarks: --eval-tasks --eval-limit --eval-raw-prompts (lm-evaluation-harness tasks, scored where the eval runs)
 GRPO:  --reward --reward-weights --num-generations --max-completion-length --mask-truncated-completions
        --temperature --top-p --top-k --loss (dapo, grpo, dr_grpo, bnpo, rloo) --scale-rewards
-       --normalize-advantages --epsilon --epsilon-high --num-iterations --samples-every
-       (--beta above 0 is refused: every weight trains, and no reference copy is kept; grpo.py's LoRA has its
-       base as the reference at no cost)
+       --normalize-advantages --beta --epsilon --epsilon-high --num-iterations --samples-every
+       (--beta above 0: the KL term's reference is the model as loaded, each process keeping its share of those
+       weights beside the trained ones: one more copy of them)
 --batch-size and --global-batch-size count completions (--num-generations of each prompt).
 Refused here: --packing --pipeline-stages --pipeline-schedule --pipeline-chunks, tensor and sequence parallel
 """
@@ -58,6 +58,7 @@ from common.model import loss_head, modeling
 from common.outputs import checkpoint, report
 from common.outputs.runlog import RunLog
 from common.training import benchmarks, online, rollouts, runtime
+from common.training.reference import StartingWeights
 
 
 def completion_logps(model, batch, head, temperature):
@@ -107,8 +108,8 @@ def advantages_of(rewards_table, weights, group_size, run, kl_penalty=None):
 
 def completion_losses(logps, old_logps, reference_logps, advantages, mask, run):
     """The loss of each completion token ([rows, tokens]; with --loss rloo, of each completion: [rows]), and the
-    figures of each: [which ratio was clipped, its KL to the reference]. Every path that trains computes its loss
-    here: edit it here.
+    figures of each: [which ratio was clipped, its KL to the reference as the loss weighs it]. Every path that
+    trains computes its loss here: edit it here.
 
     The ratio of the policy to the one that sampled (1 at the first step on a batch: the gradient is then the
     advantage's), clipped to [1 - epsilon, 1 + epsilon_high] where that lowers the objective (PPO's pessimism);
@@ -128,7 +129,7 @@ def completion_losses(logps, old_logps, reference_logps, advantages, mask, run):
         # times the ratio (1 in value on a fresh batch, not in gradient): the unbiased gradient of the reverse KL
         # (DeepSeek-V3.2; TRL's use_bias_correction_kl, on by default)
         losses = losses + run.beta * kl * ratio
-    return losses, clipped.float(), kl.detach()
+    return losses, clipped.float(), (kl * ratio).detach()
 
 
 def share_of_step_loss(losses, mask, run, step_completions, step_tokens, micro_batches):
@@ -180,7 +181,6 @@ def main():
     router_weight = modeling.router_loss_weight(model)  # a mixture of experts' load-balancing loss (else 0)
     if run.gradient_checkpointing:  # recompute every Nth layer's activations in the backward instead of keeping them
         modeling.checkpoint_activations(model, every_n_layers=run.gradient_checkpointing)
-    accelerator.print("reference: none (--beta 0: no KL term; every weight trains and no reference copy is kept)")
     if run.compile:
         modeling.compile_layers(model)  # the first steps are slower while each shape compiles
 
@@ -196,6 +196,10 @@ def main():
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     parameters = list(model.parameters())  # after prepare (FSDP's shards); listed once, not walked each step
     head = loss_head.settle(accelerator, model)  # the log-probabilities' way to the logits (loss_head.py)
+    # --beta's reference: the weights as loaded (kept before a resume loads trained ones), each process its share
+    reference = StartingWeights(model, launch) if run.beta else None
+    accelerator.print(f"reference: the model as loaded, its weights kept beside the trained ones, for --beta {run.beta}"
+                      if run.beta else "reference: none (--beta 0: no KL term, no reference forward)")
 
     log = RunLog(accelerator, run, recipe="grpo_full", launch=launch)
     start_step = checkpoint.resume_from(accelerator, resume, model, optimizer, None)
@@ -209,7 +213,7 @@ def main():
         """The generation batch that step `step` trains on (online.py: its prompts, this rank's share of its
         completions sampled with the weights gathered once, every rank's rewards), with the advantages, the
         log-probabilities the completions were sampled with (needed where the model moves before they train:
-        --num-iterations > 1), in --grad-accum micro-batches."""
+        --num-iterations > 1; RLOO's KL) and the reference's (--beta), in --grad-accum micro-batches."""
         fresh = not (kept and step == start_step + 1)  # else the batch the checkpoint kept, as it was sampled
         rollout = online.sample_and_score(accelerator, model, launch, run, train_set, tokenizer, reward_functions,
                                           (step - 1) // run.num_iterations, prompts_per_step, chat
@@ -218,11 +222,19 @@ def main():
             if step - 1 > start_step:
                 checkpoint.save_checkpoint(accelerator, run, launch, step - 1, None)
             preflight.refuse(f"{rollout.problem} (at step {step}; fix it, then continue with --resume auto)")
-        if run.num_iterations > 1 and fresh:
-            with torch.no_grad():
-                for b in rollout.micro_batches:
+        with torch.no_grad():
+            for b in rollout.micro_batches if fresh else []:
+                if run.num_iterations > 1 or (run.loss == "rloo" and run.beta):
                     b["old_logps"] = completion_logps(model, b, head, run.temperature)[0]
-        advantages = advantages_of(rollout.rewards, weights, run.num_generations, run)
+            if reference and fresh:
+                with reference.swapped_in():  # once a batch: the weights as loaded, then the trained ones back
+                    for b in rollout.micro_batches:
+                        b["reference_logps"] = completion_logps(model, b, head, run.temperature)[0]
+        kl_penalty = None
+        if run.loss == "rloo" and run.beta:  # RLOO's KL in the reward: each completion's sum of log-ratios
+            kl_penalty = accelerator.gather(torch.cat([((b["old_logps"] - b["reference_logps"]) * b["completion_mask"])
+                                                       .sum(1) for b in rollout.micro_batches])).cpu().double()
+        advantages = advantages_of(rollout.rewards, weights, run.num_generations, run, kl_penalty)
         online.hand_out(advantages, rollout, run.batch_size)
         return rollout, advantages
 

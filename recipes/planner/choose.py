@@ -49,7 +49,7 @@ def per_gpu_bytes(shape: ModelShape, method: str, strategy: str, gpus: int, batc
                   lora_targets="all-linear", precision: str = "bf16", attention: str = "sdpa",
                   lora_dropout: float = 0.0, grad_accum: int = 1, pipeline_stages: int | None = None,
                   pipeline_chunks: int = 1, pairs: bool = False, dora: bool = False,
-                  sequence_parallel: int | None = None, generation_rows: int = 0) -> dict:
+                  sequence_parallel: int | None = None, generation_rows: int = 0, starting_copy: bool = False) -> dict:
     """Memory of the busiest GPU: {"weights", "gradients", "optimizer", "activations", "total"} in
     bytes; the total is their sum, except for full fine-tuning without a gradient wrapper (one process,
     model parallel), where gradients replace activations in the backward. `batch_size` is the micro-batch per GPU (the recipes' --batch-size), `seq_len` the
@@ -64,7 +64,9 @@ def per_gpu_bytes(shape: ModelShape, method: str, strategy: str, gpus: int, batc
     of its slice, `seq_len / sequence_parallel` positions (a group of 2 by default, sp.yaml's): its attention
     runs the whole sequence on 1/group of the heads, the same bytes. With `generation_rows` (grpo.py: the
     completions a rank samples at once), "generation" is the peak while it samples (`generation.py`), and the total
-    the larger of that and the training step's."""
+    the larger of that and the training step's. With `starting_copy` (grpo_full.py --beta: the weights as loaded
+    kept as the reference, `training.reference.StartingWeights`), "reference": one more copy of what the GPU holds
+    of the weights, through the step and the sampling (none under offload: the copy stays in host RAM)."""
     _check(method, strategy, precision, attention)
     if gpus < 1 or batch_size < 1 or seq_len < 1:
         raise ValueError("gpus, batch_size and seq_len must be >= 1")
@@ -98,6 +100,8 @@ def per_gpu_bytes(shape: ModelShape, method: str, strategy: str, gpus: int, batc
                                             attention=attention, lora_dropout=lora_dropout, gpus=gpus, dora=dora,
                                             **common),
         }
+        if starting_copy:  # kept where the shards are: in host RAM under the offload strategies
+            result["reference"] = 0 if "offload" in strategy else result["weights"]
         result["total"] = sum(result.values())
         if method == "full" and (strategy == "model_parallel" or (strategy == "ddp" and gpus == 1)):
             # No wrapper holds gradient buckets: the backward frees each layer's activations as it writes its
@@ -105,12 +109,13 @@ def per_gpu_bytes(shape: ModelShape, method: str, strategy: str, gpus: int, batc
             # every activation (one H100 and one H200, TinyLlama-1.1B full at micro-batch 2: 19.5 GiB measured
             # where the sum planned 24.0; results/2026-11-27_h200_call1)
             head = min(result["gradients"], shape.vocab * shape.hidden * 4 if stage.head else 0)
-            result["total"] = (result["weights"] + result["optimizer"]
+            result["total"] = (result["weights"] + result["optimizer"] + result.get("reference", 0)
                                + max(result["activations"] + head, result["gradients"]))
         if generation_rows:
             sampling = generation_bytes(shape, method, strategy, generation_rows, seq_len, lora_rank, lora_targets,
                                         precision)
-            result["generation"] = result["gradients"] + result["optimizer"] + sum(sampling.values())
+            result["generation"] = (result["gradients"] + result["optimizer"] + result.get("reference", 0)
+                                    + sum(sampling.values()))
             result["total"] = max(result["total"], result["generation"])
         if best is None or result["total"] > best["total"]:
             best = result

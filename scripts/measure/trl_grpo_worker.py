@@ -46,7 +46,7 @@ LOGGED = ("loss", "grad_norm", "reward", "reward_std", "frac_reward_zero_std", "
 
 def main(argv=None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
-    full = "--full" in argv  # grpo_full.py's workload: every weight trains, no adapter
+    full = "--full" in argv  # grpo_full.py's workload: every weight trains, no adapter (TRL loads a reference copy)
     if full:
         argv.remove("--full")
     run = cli.parse_args(cli.recipe_flags("grpo_full" if full else "grpo", __doc__), argv)
@@ -69,7 +69,7 @@ def main(argv=None) -> None:
     output_dir = Path(run.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     rloo = run.loss == "rloo"
-    beta = run.beta if run.beta is not None else (0.05 if rloo and not full else 0.0)
+    beta = run.beta if run.beta is not None else (0.05 if rloo else 0.0)
     common = dict(
         output_dir=str(output_dir), max_steps=run.max_steps, per_device_train_batch_size=run.batch_size,
         gradient_accumulation_steps=run.grad_accum, learning_rate=run.lr, lr_scheduler_type="cosine",

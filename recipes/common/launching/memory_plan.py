@@ -61,12 +61,16 @@ def announce_plan(args, recipe: str, launch) -> None:
         pairs = getattr(args, "recipe", None) in PREFERENCE_RECIPES  # two rows a pair in one forward
         # an online recipe samples --batch-size x --grad-accum completions at once, with the whole model
         sampled = args.batch_size * args.grad_accum if getattr(args, "recipe", None) in ONLINE_RECIPES else 0
+        # grpo_full.py's reference under --beta: the weights as loaded, one more copy of a GPU's share
+        starting_copy = getattr(args, "recipe", None) == "grpo_full" and bool(getattr(args, "beta", 0))
         need = planner.per_gpu_bytes(shape, recipe, strategy, gpus, batch_size=args.batch_size, **inputs,
-                                     grad_accum=args.grad_accum, **layout, pairs=pairs, generation_rows=sampled)
+                                     grad_accum=args.grad_accum, **layout, pairs=pairs, generation_rows=sampled,
+                                     starting_copy=starting_copy)
     except ValueError as error:  # e.g. LoRA targets the planner does not know
         print(f"plan: skipped ({str(error).splitlines()[0]})", flush=True)
         return
-    parts = ", ".join(f"{key} {size(need[key])}" for key in ("weights", "gradients", "optimizer", "activations"))
+    parts = ", ".join(f"{key} {size(need[key])}" for key in ("weights", "gradients", "optimizer", "activations",
+                                                               "reference") if key in need)
     if "generation" in need:  # the peak while sampling: the whole model and the KV cache of every completion
         parts += f"; sampling {size(need['generation'])}"
     ran = getattr(args, "recipe", recipe)

@@ -244,22 +244,15 @@ def check_preference_run(args, launch) -> None:
 
 def settle_online_run(args, launch):
     """grpo.py's defaults that depend on other flags, as (value, why) changes: the bundled prompts' reward when
-    no --reward is given on the bundled data; --beta 0.05 under --loss rloo (RLOOConfig's), else 0 (GRPOConfig's)."""
+    no --reward is given on the bundled data; --beta 0.05 under --loss rloo (RLOOConfig's), else 0 (GRPOConfig's)
+    (grpo_full.py's reference above 0: the weights as loaded, one more copy of a process's share)."""
     changes = {}
     if not args.reward:
         if args.dataset:
             refuse("grpo.py needs a reward for your prompts: give --reward FILE.py:NAME, a function "
                    "fn(prompts, completions, **columns) -> list[float | None] (recipes/rewards.py has examples)")
         changes["reward"] = ([BUNDLED_REWARD], "the bundled prompts' reward (no --dataset, no --reward)")
-    if args.recipe == "grpo_full":
-        if args.beta:
-            refuse(f"grpo_full.py keeps no reference copy of the model, so --beta {args.beta:g} has nothing to be "
-                   "measured against; drop --beta (0: TRL's GRPO default), or train LoRA with grpo.py, whose "
-                   "reference is its base at no cost")
-        if args.beta is None:
-            changes["beta"] = (0.0, "grpo_full.py keeps no reference copy" + (
-                " (RLOOConfig's default is 0.05)" if args.loss == "rloo" else ""))
-    elif args.beta is None:
+    if args.beta is None:
         changes["beta"] = (0.05 if args.loss == "rloo" else 0.0, f"TRL's default for --loss {args.loss}")
     return changes
 

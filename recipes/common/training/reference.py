@@ -5,12 +5,16 @@ Training every weight leaves no frozen base to switch back to (as LoRA's disable
 frozen copy would cost another model's memory on every GPU. One pass over the pairs instead costs one forward
 a pair, once: the scores are saved in the data cache, keyed by the tokenised pairs, the model's files and the
 precision, so a rerun and a resume (whose model has already moved) read them instead of recomputing them.
+
+Online training (grpo_full.py --beta) scores new completions at every batch, so it keeps the weights as loaded
+instead (`StartingWeights`): each process's own share of them, swapped in for the reference's forward.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +23,7 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from ..data.batches import WithTargetPositions
+from ..launching.launch import FSDP
 from ..model.model_config import weight_files
 
 
@@ -92,3 +97,67 @@ def reference_key(model_name: str, precision: str, max_length: int) -> str:
     files = sorted(set((weight_files(model_name) or {}).values()))
     stats = [(file, Path(file).stat().st_size, Path(file).stat().st_mtime_ns) for file in files]
     return json.dumps({"model": model_name, "files": stats, "precision": precision, "max_length": max_length})
+
+
+class StartingWeights:
+    """The weights as loaded, kept beside the trained ones as each process holds them after `accelerator.prepare`
+    (and before a resume loads trained ones): under FSDP2 and ZeRO-3 its shard, one more copy of a process's
+    share of the weights rather than a second model to load, place and shard. `swapped_in` makes the model
+    compute as it was loaded for the duration (the reference of grpo_full.py's KL term).
+
+    What a forward reads, per strategy: the parameters themselves (one process, DDP, model parallel, ZeRO-1/2's
+    16-bit copies); FSDP2's local shards and ZeRO-3's partitions (`ds_tensor`), gathered at each forward. The
+    weights gathered whole (those FSDP2 or ZeRO-3 keep between forwards too) are released before and after the
+    swap, so that no forward reads stale ones."""
+
+    def __init__(self, model, launch):
+        self.model, self.launch = model, launch
+        with torch.no_grad():
+            self.release_gathered()
+            self.kept = [tensor.clone() for tensor in self.read_by_forward()]
+
+    def read_by_forward(self) -> list[torch.Tensor]:
+        """The tensors a forward reads the weights from (with every gathered weight released)."""
+        tensors = []
+        for parameter in self.model.parameters():
+            if self.launch.kind == FSDP and hasattr(parameter, "to_local"):
+                tensors.append(parameter.to_local())  # (a view of FSDP2's shard storage)
+            elif hasattr(parameter, "ds_tensor"):
+                tensors.append(parameter.ds_tensor)
+            else:
+                tensors.append(parameter.data)
+        return tensors
+
+    def release_gathered(self) -> None:
+        """FSDP2's modules resharded, ZeRO-3's gathered parameters partitioned again (a forward gathers them)."""
+        if self.launch.kind == FSDP:
+            from torch.distributed.fsdp import FSDPModule
+
+            for module in self.model.modules():
+                if isinstance(module, FSDPModule):
+                    module.reshard()
+        elif self.launch.zero_stage == 3:
+            from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+            # every gathered one, those it keeps gathered (`ds_persist`) too, as DeepSpeed does around a checkpoint
+            gathered = [p for p in self.model.parameters() if p.ds_status == ZeroParamStatus.AVAILABLE]
+            if gathered:
+                gathered[0].partition(gathered)
+
+    @contextmanager
+    def swapped_in(self):
+        """The model computes with the weights as loaded while this lasts; its trained weights come back after."""
+        with torch.no_grad():
+            self.release_gathered()
+            self.swap()
+            try:
+                yield
+            finally:
+                self.release_gathered()
+                self.swap()
+
+    def swap(self) -> None:
+        for current, kept in zip(self.read_by_forward(), self.kept, strict=True):
+            trained = current.clone()  # one tensor at a time: no second copy of the whole model
+            current.copy_(kept)
+            kept.copy_(trained)
