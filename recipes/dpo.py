@@ -1,4 +1,4 @@
-"""Preference tuning (DPO, IPO, SimPO) of LoRA adapters on a frozen base (or a 4-bit one: --bits 4, as QLoRA),
+"""Preference tuning (DPO, IPO, SimPO, ORPO) of LoRA adapters on a frozen base (or a 4-bit one: --bits 4, as QLoRA),
 under any accelerate strategy.
 
 Launch (pick any file in accelerate_configs/, or your own `accelerate config` file):
@@ -25,7 +25,7 @@ Flags: --model --dataset --eval-dataset --columns --chat-template --output-dir -
 Speed: --compile --no-compile --liger --attention --dataloader-workers
 Benchmarks: --eval-tasks --eval-limit --eval-raw-prompts (lm-evaluation-harness tasks, scored where the eval runs)
 LoRA:  --lora-r --lora-alpha --lora-dropout --lora-targets --use-dora --use-rslora --merge --bits
-Preference: --loss (sigmoid, ipo, simpo) --beta --simpo-gamma
+Preference: --loss (sigmoid, ipo, simpo, orpo) --beta --simpo-gamma
 Refused here (not for pairs yet): --packing --pipeline-stages --pipeline-schedule --pipeline-chunks
 """
 
@@ -55,17 +55,23 @@ from common.training.evaluation import evaluate_pairs
 
 def sequence_logps(accelerator, model, batch, head):
     """Each row's log-probability of its target tokens (their sum: the probability of the whole reply),
-    how many target tokens it has, and a mixture of experts' router loss (None for other models). Rows are a
-    micro-batch's chosen sides, then its rejected sides. `head`: the run's way to the logits (loss_head.py),
-    only where some row has a target and a chunk of positions at a time."""
-    targets, positions = batch["labels"][:, 1:], batch["target_positions"]  # position t predicts token t + 1
+    how many target tokens it has, ORPO's SFT targets' log-probability (`sft_labels`: the chosen rows' every
+    token, summed over this rank's rows; else None), and a mixture of experts' router loss (None for other
+    models). Rows are a micro-batch's chosen sides, then its rejected sides. `head`: the run's way to the logits
+    (loss_head.py), only where some row has a target and a chunk of positions at a time."""
+    labels, positions = batch["labels"][:, 1:], batch["target_positions"]  # position t predicts token t + 1
     outputs = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"),
                     position_ids=batch.get("position_ids"), use_cache=False, **head.forward_arguments(positions))
-    token_logps = head.apply(target_logps, outputs, targets, positions)
+    token_logps = head.apply(target_logps, outputs, batches.trained_targets(batch), positions)
+    sft_logps = None
+    if "sft_labels" in batch:  # ORPO: the chosen rows' prompts are scored too, for its SFT term
+        at = positions.to(labels.device)
+        sft_logps = (token_logps * (batch["sft_labels"][:, 1:].index_select(1, at) != IGNORE)).sum()
+        token_logps = token_logps * (labels.index_select(1, at) != IGNORE)  # the replies' alone, for the pairs
     # Under sequence parallel each rank holds a slice of every row: the sums are its group's (runtime.py).
     logps = runtime.whole_row_sums(accelerator, model, token_logps.sum(1))
-    tokens = runtime.whole_row_sums(accelerator, model, (targets != IGNORE).sum(1).to(token_logps.device))
-    return logps, tokens, outputs.get("aux_loss")
+    tokens = runtime.whole_row_sums(accelerator, model, (labels != IGNORE).sum(1).to(token_logps.device))
+    return logps, tokens, sft_logps, outputs.get("aux_loss")
 
 
 def target_logps(logits, targets):
@@ -75,42 +81,53 @@ def target_logps(logits, targets):
 
 
 def pair_losses(logps, reference_logps, tokens, run):
-    """The loss of each pair, and the reward of each side (what the logs call rewards/chosen and
-    rewards/rejected). Every path that trains or evaluates computes its loss here: edit it here.
+    """The loss of each pair, the reward of each side (what the logs call rewards/chosen and
+    rewards/rejected), and the loss's own figures by name (ORPO's log-odds). Every path that trains or evaluates
+    computes its pairs' loss here: edit it here (ORPO's SFT term is the training loop's).
 
     sigmoid (DPO): -log sigmoid(beta x how much more the policy raised the chosen reply's log-probability
     over the reference's than the rejected one's). ipo: the same log-ratios per target token, pulled to a
     margin of 1 / (2 beta) by a squared loss. simpo: no reference; per-token log-probabilities, a margin of
-    --simpo-gamma."""
+    --simpo-gamma. orpo: no reference; -beta x log sigmoid of the log-odds ratio of the per-token
+    log-probabilities (its SFT term, the chosen rows' negative log-likelihood, is added in the loop)."""
     chosen, rejected = logps.chunk(2)
     chosen_tokens, rejected_tokens = tokens.chunk(2)
-    if run.loss == "simpo":
+    if run.loss in ("simpo", "orpo"):
         chosen_score, rejected_score = chosen / chosen_tokens, rejected / rejected_tokens
-        losses = -F.logsigmoid(run.beta * (chosen_score - rejected_score) - run.simpo_gamma)
-        return losses, run.beta * chosen_score.detach(), run.beta * rejected_score.detach()
+        if run.loss == "simpo":
+            losses = -F.logsigmoid(run.beta * (chosen_score - rejected_score) - run.simpo_gamma)
+            return losses, run.beta * chosen_score.detach(), run.beta * rejected_score.detach(), {}
+        # the odds p / (1 - p) of each side's mean token probability p, chosen over rejected, in log space
+        log_odds = ((chosen_score - rejected_score)
+                    - (torch.log1p(-chosen_score.exp()) - torch.log1p(-rejected_score.exp())))
+        log_odds_ratio = F.logsigmoid(log_odds)
+        return (-run.beta * log_odds_ratio, run.beta * chosen_score.detach(), run.beta * rejected_score.detach(),
+                {"log_odds_ratio": log_odds_ratio.detach(), "log_odds_chosen": log_odds.detach()})
     reference_chosen, reference_rejected = reference_logps.chunk(2)
     chosen_ratio, rejected_ratio = chosen - reference_chosen, rejected - reference_rejected
     if run.loss == "sigmoid":
         losses = -F.logsigmoid(run.beta * (chosen_ratio - rejected_ratio))
     else:  # ipo
         losses = (chosen_ratio / chosen_tokens - rejected_ratio / rejected_tokens - 1 / (2 * run.beta)) ** 2
-    return losses, run.beta * chosen_ratio.detach(), run.beta * rejected_ratio.detach()
+    return losses, run.beta * chosen_ratio.detach(), run.beta * rejected_ratio.detach(), {}
 
 
 def score_pairs(accelerator, model, batch, run, head):
     """Per pair: its loss (with its graph), and its detached figures: [loss, chosen reward, rejected
-    reward, chosen log-probability, rejected log-probability, 1 where the chosen side's reward is higher];
-    and the micro-batch's router loss (a mixture of experts'; else None)."""
+    reward, chosen log-probability, rejected log-probability, 1 where the chosen side's reward is higher, then the
+    loss's own figures (ORPO's)]; ORPO's SFT targets' log-probability (else None); and the micro-batch's router loss
+    (a mixture of experts'; else None)."""
     reference_logps = None
-    if run.loss != "simpo":  # the reference: the base, i.e. this model with its adapters switched off
+    if run.loss not in ("simpo", "orpo"):  # the reference: the base, i.e. this model with its adapters switched off
         with torch.no_grad(), modeling.adapters_off(accelerator.unwrap_model(model)):
             reference_logps = sequence_logps(accelerator, model, batch, head)[0]
-    logps, tokens, router_loss = sequence_logps(accelerator, model, batch, head)
-    losses, chosen_rewards, rejected_rewards = pair_losses(logps, reference_logps, tokens, run)
+    logps, tokens, sft_logps, router_loss = sequence_logps(accelerator, model, batch, head)
+    losses, chosen_rewards, rejected_rewards, more = pair_losses(logps, reference_logps, tokens, run)
     chosen_logps, rejected_logps = logps.detach().chunk(2)
     won = (chosen_rewards > rejected_rewards).to(chosen_rewards.dtype)
-    figures = torch.stack([losses.detach(), chosen_rewards, rejected_rewards, chosen_logps, rejected_logps, won], 1)
-    return losses, figures, router_loss
+    figures = torch.stack([losses.detach(), chosen_rewards, rejected_rewards, chosen_logps, rejected_logps, won,
+                           *more.values()], 1)
+    return losses, figures, sft_logps, router_loss
 
 
 def parse_args():
@@ -157,13 +174,13 @@ def main():
     model = get_peft_model(model, lora_config)
     modeling.seed_adapter(model, run.seed)  # the same first adapter whatever the strategy split
     modeling.keep_adapter_inputs_in_compute_dtype(model, launch)  # no float32 copy of each adapter's input
-    accelerator.print("reference: none, SimPO scores the policy alone" if run.loss == "simpo" else
+    accelerator.print(f"reference: none, {run.loss} scores the policy alone" if run.loss in ("simpo", "orpo") else
                       "reference: the base, i.e. this model with its adapters switched off (no second copy)")
     if run.compile:
         modeling.compile_layers(model)  # the first steps are slower while each shape compiles
 
     # Batches: shuffled micro-batches of pairs, each one batch of rows (chosen sides, then rejected sides).
-    collate = batches.PadPairs(tokenizer.pad_token_id)
+    collate = batches.PadPairs(tokenizer.pad_token_id, whole_chosen=run.loss == "orpo")  # (ORPO: the SFT term's rows)
     train_loader, eval_loader = batches.make_loaders(train_set, eval_set, collate, run.batch_size,
                                                   run.dataloader_workers)
     probe = next(iter(eval_loader))
@@ -196,20 +213,28 @@ def main():
     log.start(start_step, total_steps)
     steps = batches.optimizer_steps(train_loader, run.grad_accum, start_step)
     epoch, micro_batches = next(steps)
-    step_tokens = sync.count_tokens(micro_batches)  # the target tokens of both sides, for the logs
+    step_tokens = sync.count_tokens(micro_batches)  # the target tokens of both sides (ORPO: its SFT targets)
     # A step's loss is the mean over the pairs of the global batch: every micro-batch holds --batch-size
-    # pairs, on every rank (a tensor- or sequence-parallel group's ranks each count the group's pairs).
+    # pairs, on every rank (a tensor- or sequence-parallel group's ranks each count the group's pairs); ORPO
+    # adds its SFT term, the chosen rows' negative log-likelihood: a mean over the step's chosen tokens.
     step_pairs = run.batch_size * run.grad_accum * accelerator.num_processes
+    names = ["rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected", "rewards/accuracies",
+             *(["log_odds_ratio", "log_odds_chosen"] if run.loss == "orpo" else [])]
     for step in range(start_step + 1, total_steps + 1):
-        step_loss, step_figures, step_router_loss = 0.0, 0.0, 0.0
+        step_loss, step_figures, step_nll, step_router_loss = 0.0, 0.0, 0.0, 0.0
         for batch in micro_batches:
             with accelerator.accumulate(model):
-                losses, figures, router_loss = score_pairs(accelerator, model, batch, run, head)
-                step_loss += losses.sum().detach()
+                losses, figures, sft_logps, router_loss = score_pairs(accelerator, model, batch, run, head)
+                share = losses.sum() / step_pairs  # this micro-batch's share of the step's loss
+                if sft_logps is not None:  # ORPO's SFT term (step_tokens: the step's chosen tokens, all ranks')
+                    nll = -sft_logps / step_tokens
+                    share = share + nll
+                    step_nll += nll.detach()
+                step_loss += share.detach()
                 step_figures += figures[:, 1:].sum(0)  # summed over pairs: rewards, log-probabilities, wins
-                # The gradient of the global pair mean: / step_pairs, and undo accelerate's division by
-                # grad_accum and the gradient all-reduce's mean over ranks.
-                objective = losses.sum() / step_pairs * run.grad_accum * accelerator.num_processes
+                # The gradient of the step's loss: undo accelerate's division by grad_accum and the gradient
+                # all-reduce's mean over ranks.
+                objective = share * run.grad_accum * accelerator.num_processes
                 if router_weight:  # the router's loss: its mean over micro-batches and ranks, as the backward scales it
                     objective = objective + router_weight * router_loss
                     step_router_loss += router_loss.detach()
@@ -222,17 +247,15 @@ def main():
         # The step's one collective: the loss and the pairs' figures summed over all ranks, the stop flag,
         # and the next step's target tokens (its micro-batches are fetched now to travel along).
         next_epoch, next_batches = next(steps) if step < total_steps else (epoch, [])
-        summed_loss, next_tokens, stopping, (*pair_sums, router_sum) = sync.end_of_step(
-            step_loss, next_batches, [*step_figures, step_router_loss])
-        chosen_reward, rejected_reward, chosen_logps, rejected_logps, won = (value / step_pairs for value in pair_sums)
+        loss, next_tokens, stopping, (*pair_sums, nll_sum, router_sum) = sync.end_of_step(
+            step_loss, next_batches, [*step_figures, step_nll, step_router_loss])
+        means = {name: value / step_pairs for name, value in zip(names, pair_sums)}  # over the global batch's pairs
         router_mean = router_sum / (run.grad_accum * accelerator.num_processes) if router_weight else None
-        loss = summed_loss / step_pairs  # the mean over the global batch's pairs
         if step == start_step + 1:  # a gather (every rank takes part): what each rank holds, into run.json
             log.record_ranks()
         log.log_step(step, epoch, loss, scheduler.get_last_lr()[0], grad_norm, int(step_tokens), router_mean, figures={
-            "rewards/chosen": chosen_reward, "rewards/rejected": rejected_reward, "rewards/accuracies": won,
-            "rewards/margins": chosen_reward - rejected_reward, "logps/chosen": chosen_logps,
-            "logps/rejected": rejected_logps})
+            **means, "rewards/margins": means["rewards/chosen"] - means["rewards/rejected"],
+            **({"nll_loss": nll_sum} if run.loss == "orpo" else {})})
         if not math.isfinite(loss):  # stop before saving anything from a diverged model
             preflight.refuse(f"the loss became {loss} at step {step}; lower --lr or --beta, or check the data, and "
                              "start in a new --output-dir (a checkpoint here may already hold the update that diverged)")

@@ -80,13 +80,15 @@ def test_scores_in_the_launch_equal_lm_evals_own_command_on_the_merged_model(con
     assert run.output.count("Tokenizing inputs: 100%") == 1  # lm-eval's bars from the main process alone
     card = (tmp_path / "out" / "README.md").read_text()
     assert f"| recipes_choice | acc | {scores['recipes_choice']['acc']:.4f} |" in card
+    if not LONG_TESTS:  # (scripts/evaluate.py's launches below: ~20 s, in the long tests)
+        return
     # scripts/evaluate.py under the same launch: the run's adapter loaded again on its base, unmerged
     done = subprocess.run(launch_command_of_evaluate(config, tmp_path / "out"), cwd=REPO, capture_output=True,
                           text=True, timeout=600, env=launch_env(OFFLINE))
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     written = json.loads((tmp_path / "out" / "benchmarks.json").read_text())
     assert written["scores"] == scores and written["prompts"] == prompts
-    if chat and LONG_TESTS:  # --raw-prompts: the tasks' text as it is, as lm_eval scores it without the template
+    if chat:  # --raw-prompts: the tasks' text as it is, as lm_eval scores it without the template
         raw = tmp_path / "raw.json"
         done = subprocess.run(launch_command_of_evaluate(config, tmp_path / "out", "--raw-prompts", "--output", str(raw)),
                               cwd=REPO, capture_output=True, text=True, timeout=600, env=launch_env(OFFLINE))

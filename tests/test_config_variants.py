@@ -141,7 +141,8 @@ def test_variant_runs_as_asked_or_is_refused_in_one_line(name, tmp_path, capsys)
 
 
 # Real launches of the translations that change what is built (the wrapping, the checkpointing, the
-# DeepSpeed batch size and precision): they must train and save, not only pass the checks.
+# DeepSpeed batch size and precision): they must train and save, not only pass the checks. (The FSDP1 one runs
+# in the long tests: tests/test_user_configs.py launches an FSDP1 file on every run.)
 LAUNCHED = {
     "fsdp1_wrap_checkpointing": (fsdp(FSDP1, fsdp_auto_wrap_policy="SIZE_BASED_WRAP", fsdp_min_num_params=100000,
                                       fsdp_activation_checkpointing=True, fsdp_state_dict_type="LOCAL_STATE_DICT"),
@@ -173,7 +174,8 @@ LONG_LAUNCHED = {
 }
 
 
-@pytest.mark.parametrize("name", [*sorted(LAUNCHED),
+@pytest.mark.parametrize("name", [*(name if name != "fsdp1_wrap_checkpointing" else pytest.param(name, marks=long_test)
+                                    for name in sorted(LAUNCHED)),
                                   *(pytest.param(name, marks=long_test) for name in sorted(LONG_LAUNCHED))])
 def test_translated_variant_trains_and_saves(name, tmp_path):
     contents, expected = {**LAUNCHED, **LONG_LAUNCHED}[name]

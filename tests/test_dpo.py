@@ -31,10 +31,16 @@ PAIRS_PER_STEP = 8
 PROCESSES = {"model_parallel": 1, "ddp": 2, "fsdp": 2, "fsdp_grad_op": 2, "fsdp_offload": 2, "zero1": 2, "zero2": 2,
              "zero3": 2, "zero3_offload": 2, "sp": 2}
 # (recipe, config, flags): each suite run launches these; RECIPES_LONG_TESTS=1 the rest
-EVERY_RUN = {("dpo", "ddp", ()), ("dpo", "fsdp", ()), ("dpo", "zero3", ()), ("dpo_full", "zero3", ()), ("dpo", "sp", ())}
+ORPO = ("--loss", "orpo")
+# (sequence parallel: lora's every run, tests/test_equivalence.py; the preference recipes' in the long tests)
+EVERY_RUN = {("dpo", "ddp", ()), ("dpo", "fsdp", ()), ("dpo", "zero3", ()), ("dpo_full", "zero3", ()),
+             ("dpo_full", "fsdp", ORPO)}
 DISTRIBUTED = [config for config in PROCESSES if config != "model_parallel"]
 CASES = [*(("dpo", config, ()) for config in DISTRIBUTED), *(("dpo_full", config, ()) for config in DISTRIBUTED),
-         ("dpo", "ddp", ("--bits", "4")), ("dpo", "fsdp_offload", ("--bits", "4")), ("dpo", "zero3_offload", ("--bits", "4"))]
+         ("dpo", "ddp", ("--bits", "4")), ("dpo", "fsdp_offload", ("--bits", "4")), ("dpo", "zero3_offload", ("--bits", "4")),
+         # ORPO: no reference; its SFT term a mean over the step's chosen tokens (the prompts' too), on every rank
+         *(("dpo", config, ORPO) for config in ("ddp", "fsdp", "zero3", "sp")),
+         *(("dpo_full", config, ORPO) for config in ("ddp", "fsdp", "zero3", "sp"))]
 
 
 def run_args(recipe: str, processes: int, *extra: str, sequence_parallel: int = 1) -> list[str]:
@@ -92,12 +98,14 @@ def test_it_trains_the_chosen_reply_above_the_rejected_one(trained, recipe):
 
 
 @pytest.mark.parametrize("recipe, config, flags", [
-    pytest.param(*case, marks=() if case in EVERY_RUN else long_test) for case in CASES])
+    pytest.param(*case, marks=() if case in EVERY_RUN else long_test,
+                 id="-".join([case[0], case[1], *(flag.lstrip("-") for flag in case[2])])) for case in CASES])
 def test_same_curve_as_one_process(trained, recipe, config, flags):
     reference, other = trained(recipe, "model_parallel", *flags), trained(recipe, config, *flags)
     assert reference.returncode == other.returncode == 0, other.output[-3000:]
-    for name in ("loss", "logps/chosen", "logps/rejected"):
+    for name in ("loss", "logps/chosen", "logps/rejected", *(("nll_loss", "log_odds_ratio") if flags == ORPO else ())):
         assert max_relative_difference(curve(reference, name)[1:], curve(other, name)[1:]) <= 1e-5, name
+    assert max_relative_difference(curve(reference, "grad_norm"), curve(other, "grad_norm")) <= 1e-4
     # a reward is a difference of two log-probabilities of ~-20 (in float32), near 0 itself: compared absolutely
     for name in ("rewards/chosen", "rewards/rejected", "rewards/margins"):
         assert curve(reference, name) == pytest.approx(curve(other, name), abs=1e-6, rel=0), name
@@ -105,7 +113,7 @@ def test_same_curve_as_one_process(trained, recipe, config, flags):
     assert curve(reference, "rewards/accuracies")[1:] == curve(other, "rewards/accuracies")[1:]
 
 
-@pytest.mark.parametrize("recipe", ["dpo", pytest.param("dpo_full", marks=long_test)])
+@pytest.mark.parametrize("recipe", [pytest.param("dpo", marks=long_test), pytest.param("dpo_full", marks=long_test)])
 def test_a_sequence_parallel_group_gives_the_gradient_of_one_process(trained, recipe):
     """sp.yaml: each rank holds a slice of every row, the group sums the rows' log-probabilities, and each rank's
     backward takes the group's gradient for its slice: the gradient norm is one process's too."""
@@ -207,7 +215,7 @@ def test_accumulation_does_not_change_the_updates(tmp_path):
     assert max_relative_difference(curve(whole, "grad_norm"), curve(accumulated, "grad_norm")) <= 1e-4
 
 
-@pytest.mark.parametrize("recipe, config", [("dpo", "ddp"), ("dpo_full", "zero3"),
+@pytest.mark.parametrize("recipe, config", [pytest.param("dpo", "ddp", marks=long_test), ("dpo_full", "zero3"),
                                             pytest.param("dpo", "sp", marks=long_test)])
 def test_a_resumed_run_continues_the_same_curve(trained, tmp_path, recipe, config):
     """From step 4's checkpoint to step 8: the same losses as the run that went through (full tuning's

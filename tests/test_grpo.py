@@ -59,7 +59,7 @@ TRL_CASES = [
     # every run: DAPO (TRL's default loss) with the KL term, two steps per batch and DAPO's clip-higher, GA 2
     pytest.param("dapo", ["--batch-size", "8", "--grad-accum", "2", "--beta", "0.1", "--num-iterations", "2",
                           "--epsilon-high", "0.28", "--max-steps", "4"], id="dapo-beta-iterations"),
-    pytest.param("rloo", ["--batch-size", "8", "--grad-accum", "2", "--max-steps", "3"], id="rloo"),
+    pytest.param("rloo", ["--batch-size", "8", "--grad-accum", "2", "--max-steps", "3"], id="rloo", marks=long_test),
     pytest.param("grpo", ["--batch-size", "8", "--grad-accum", "2", "--max-steps", "3", "--mask-truncated-completions"],
                  id="grpo-masked", marks=long_test),
     pytest.param("dr_grpo", ["--batch-size", "8", "--grad-accum", "2", "--max-steps", "3", "--scale-rewards", "batch"],

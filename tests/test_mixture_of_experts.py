@@ -81,7 +81,7 @@ def test_lora_on_a_mixture_of_experts_trains_its_router_loss_alike_on_every_stra
     assert "router_loss" in runs["ddp"].output  # the step lines show it
 
 
-@pytest.mark.parametrize("recipe", ["dpo", pytest.param("dpo_full", marks=long_test)])
+@pytest.mark.parametrize("recipe", [pytest.param("dpo", marks=long_test), pytest.param("dpo_full", marks=long_test)])
 def test_preference_tuning_a_mixture_of_experts_trains_its_router_loss_alike_on_one_process_and_two(recipe, tmp_path):
     """dpo.py / dpo_full.py add the router's loss as the SFT recipes do: logged, and (long) the same on one process
     as on two, micro-batches of 2 pairs (4 rows) alike."""

@@ -102,6 +102,34 @@ def test_the_slices_of_a_batch_are_the_batch(size, packed):
             assert torch.equal(piece["target_positions"], expected_positions)
 
 
+@pytest.mark.parametrize("size", [2, 3])
+def test_orpos_pair_batches_slice_their_sft_targets_as_labels(size):
+    """ORPO's pairs (PadPairs with whole_chosen): the chosen rows' every token but the first is an SFT target, the
+    rejected rows' none; the slices hold each of those targets once, at the position that predicts it, and the
+    step counts the SFT targets."""
+    from common.data.batches import PadPairs
+
+    collate = WithTargetPositions(PadPairs(pad_token_id=3, whole_chosen=True))
+    for seed in range(10):
+        sides = random_rows(6, seed, packed=False)
+        pairs = [{"chosen_input_ids": a["input_ids"], "chosen_labels": a["labels"], "rejected_input_ids": b["input_ids"],
+                  "rejected_labels": b["labels"]} for a, b in zip(sides[:3], sides[3:])]
+        whole = collate(pairs)
+        for row, pair in enumerate(pairs):
+            length = len(pair["chosen_input_ids"])
+            assert whole["sft_labels"][row, :length].tolist() == pair["chosen_input_ids"]
+            assert (whole["sft_labels"][row, length:] == IGNORE).all() and (whole["sft_labels"][3 + row] == IGNORE).all()
+        assert int(target_tokens(whole)) == sum(len(pair["chosen_input_ids"]) - 1 for pair in pairs)
+        slices = [SequenceSlice(collate, rank, size)(pairs) for rank in range(size)]
+        length = whole["input_ids"].shape[1]
+        sft = torch.cat([piece["sft_labels"][:, 1:] for piece in slices], 1)
+        assert torch.equal(sft[:, :length - 1], whole["sft_labels"][:, 1:]) and (sft[:, length - 1:] == IGNORE).all()
+        assert sum(int(target_tokens(piece)) for piece in slices) == int(target_tokens(whole))
+        for piece in slices:  # the logits the loss needs: where a reply or an SFT target is
+            wanted = ((piece["labels"][:, 1:] != IGNORE) | (piece["sft_labels"][:, 1:] != IGNORE)).any(0)
+            assert torch.equal(piece["target_positions"], wanted.nonzero().squeeze(1))
+
+
 # --- launches -----------------------------------------------------------------------------------
 
 
@@ -110,7 +138,7 @@ def test_sequence_parallel_keeps_the_gradient_norm(trained):
     assert_same_curve(trained("lora", "model_parallel"), trained("lora", "sp"))
 
 
-@pytest.mark.parametrize("zero_stage", [1, pytest.param(2, marks=long_test)])
+@pytest.mark.parametrize("zero_stage", [pytest.param(1, marks=long_test), pytest.param(2, marks=long_test)])
 def test_zero_1_and_2_give_the_gradient_of_one_process(zero_stage, trained, tmp_path):
     """ZeRO-1 and 2 divide the summed gradients by the data-parallel groups, not by every rank: without
     the accelerator's correction the gradient norm comes out twice one process's (Adam hides it in the loss)."""
@@ -165,6 +193,7 @@ def test_rows_of_sixteen_thousand_tokens(tmp_path):
     assert min(record["tokens"] for record in split.metrics()) > 2 * 12_000
 
 
+@long_test  # (tests/test_bad_input.py checks the refusal's place through the launcher in every run)
 def test_a_refusal_ends_the_launch_output(tmp_path):
     run = launch("lora", tmp_path / "out", "--packing", config="sp")
     assert run.returncode != 0

@@ -1,7 +1,8 @@
 #!/usr/bin/env python
-"""recipes/dpo.py beside TRL's DPOTrainer on the same workload: time per optimizer step, side by side.
+"""recipes/dpo.py beside TRL's DPOTrainer (--loss orpo: trl.experimental's ORPOTrainer) on the same workload: time
+per optimizer step, side by side.
 
-    python scripts/measure/compare_trl_dpo.py --steps 40 --rounds 3 --output-dir outputs/compare_trl_dpo
+    python scripts/measure/compare_trl_dpo.py --steps 40 --rounds 3 --output-dir outputs/compare_trl_dpo [--loss orpo]
 
 Both sides train the bundled tiny model's LoRA adapters on the bundled pairs (data/preferences/train.jsonl,
 prompt / chosen / rejected text), one process, fp32 on CPU, with the recipe's flags (scripts/measure/trl_dpo_worker.py
@@ -54,10 +55,11 @@ def main(argv=None) -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--loss", default="sigmoid", help="the recipe's --loss (orpo: against ORPOTrainer)")
     parser.add_argument("--output-dir", type=Path, default=REPO / "outputs" / "compare_trl_dpo")
     args = parser.parse_args(argv)
     flags = ["--dataset", str(PAIRS), "--max-steps", str(args.steps), "--batch-size", str(args.batch_size),
-             "--grad-accum", "1", "--lr", "5e-3", "--lora-dropout", "0"]
+             "--grad-accum", "1", "--lr", "5e-3", "--lora-dropout", "0", "--loss", args.loss]
     runs = {"ours": [], "TRL": []}
     for round_ in range(1, args.rounds + 1):
         for side in runs:
@@ -74,7 +76,7 @@ def main(argv=None) -> None:
     args.output_dir.mkdir(parents=True, exist_ok=True)
     (args.output_dir / "summary.json").write_text(json.dumps(
         {"pairs_per_s": runs, "median_pairs_per_s": medians, "ratio": ratio, "steps": args.steps,
-         "batch_size": args.batch_size, "rounds": args.rounds}, indent=2) + "\n")
+         "batch_size": args.batch_size, "rounds": args.rounds, "loss": args.loss}, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""recipes/dpo.py's workload trained by TRL's DPOTrainer, one process, for a side-by-side comparison:
+"""recipes/dpo.py's workload trained by TRL's DPOTrainer (with --loss orpo, trl.experimental's ORPOTrainer), one
+process, for a side-by-side comparison:
 
     python scripts/measure/trl_dpo_worker.py --dataset pairs.jsonl --output-dir outputs/trl-dpo --max-steps 3 \\
         --batch-size 8 --lr 5e-3 --lora-dropout 0 --warmup-ratio 0
@@ -36,7 +37,7 @@ if __name__ == "__main__":
 from common.model import modeling  # noqa: E402
 
 LOGGED = ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
-          "logps/rejected")
+          "logps/rejected", "nll_loss", "log_odds_ratio", "log_odds_chosen")
 
 
 def main(argv=None) -> None:
@@ -56,15 +57,20 @@ def main(argv=None) -> None:
     pairs = datasets.load_dataset("json", data_files=run.dataset[0], split="train")
     output_dir = Path(run.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
-    config = DPOConfig(
+    common = dict(
         output_dir=str(output_dir), max_steps=run.max_steps, per_device_train_batch_size=run.batch_size,
         gradient_accumulation_steps=run.grad_accum, learning_rate=run.lr, lr_scheduler_type="cosine",
         warmup_steps=int(run.warmup_ratio * run.max_steps), weight_decay=run.weight_decay,
-        max_grad_norm=run.max_grad_norm, seed=run.seed, beta=run.beta, loss_type=[run.loss],
-        max_length=run.max_length, bf16=False, fp16=False, use_cpu=True, logging_steps=1, save_strategy="no",
-        eval_strategy="no", report_to=[], optim="adamw_torch_fused", dataloader_num_workers=0,
-        gradient_checkpointing=False, remove_unused_columns=False,
+        max_grad_norm=run.max_grad_norm, seed=run.seed, beta=run.beta, max_length=run.max_length, bf16=False,
+        fp16=False, use_cpu=True, logging_steps=1, save_strategy="no", eval_strategy="no", report_to=[],
+        optim="adamw_torch_fused", dataloader_num_workers=0, gradient_checkpointing=False, remove_unused_columns=False,
     )
+    if run.loss == "orpo":
+        from trl.experimental.orpo import ORPOConfig, ORPOTrainer
+
+        config, trainer_class = ORPOConfig(**common), ORPOTrainer
+    else:
+        config, trainer_class = DPOConfig(**common, loss_type=[run.loss]), DPOTrainer
     records = []
     started = time.perf_counter()
 
@@ -75,7 +81,7 @@ def main(argv=None) -> None:
                                 **{name: logs[name] for name in LOGGED if name in logs},
                                 "elapsed_s": round(time.perf_counter() - started, 3)})
 
-    trainer = DPOTrainer(model=model, args=config, train_dataset=pairs, processing_class=tokenizer,
+    trainer = trainer_class(model=model, args=config, train_dataset=pairs, processing_class=tokenizer,
                          callbacks=[Recorder()])
     trainer.train()
     (output_dir / "metrics.jsonl").write_text("".join(json.dumps(record) + "\n" for record in records))

@@ -57,14 +57,21 @@ class PadToLongest:
 
 class PadPairs:
     """A micro-batch of preference pairs as one batch of rows: the pairs' chosen sides, then their
-    rejected sides in the same order, all padded to the longest (one forward runs both)."""
+    rejected sides in the same order, all padded to the longest (one forward runs both). With
+    `whole_chosen` (ORPO's SFT term), `sft_labels` too, laid out like the labels: each chosen row's every token,
+    its prompt's too (the rejected rows none)."""
 
-    def __init__(self, pad_token_id: int):
+    def __init__(self, pad_token_id: int, whole_chosen: bool = False):
         self.pad_rows = PadToLongest(pad_token_id)
+        self.whole_chosen = whole_chosen
 
     def __call__(self, pairs: list[dict]) -> dict:
         batch = self.pad_rows([{"input_ids": pair[f"{side}_input_ids"], "labels": pair[f"{side}_labels"]}
                                for side in ("chosen", "rejected") for pair in pairs])
+        if self.whole_chosen:
+            sft = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, IGNORE)
+            sft[len(pairs):] = IGNORE
+            batch["sft_labels"] = sft
         if "pair_index" in pairs[0]:  # which pairs these are: where their reference scores are kept
             batch["pair_index"] = torch.tensor([pair["pair_index"] for pair in pairs])
         return batch
@@ -83,7 +90,7 @@ class WithTargetPositions:
 
     def __call__(self, rows: list[dict]) -> dict:
         batch = self.collate(rows)
-        batch["target_positions"] = positions_with_targets(batch["labels"][:, 1:])
+        batch["target_positions"] = positions_with_targets(trained_targets(batch))
         mask = batch.get("attention_mask")
         if self.unpadded_without_mask and mask is not None and bool(mask.all()):
             del batch["attention_mask"]
@@ -111,6 +118,7 @@ class SequenceSlice:
         extra = piece * self.size - length
         positions = batch.pop("position_ids", None)
         weights = batch.pop("loss_weights", None)
+        sft_labels = batch.pop("sft_labels", None)
         if positions is None:
             positions = torch.arange(length).expand(count, length)
         sliced = {}
@@ -124,7 +132,9 @@ class SequenceSlice:
         sliced["labels"] = torch.nn.functional.pad(labels, (0, extra + 1), value=IGNORE)[:, start:end + 1]
         if weights is not None:  # laid out like the labels: the same slice, so the weights of its own targets
             sliced["loss_weights"] = torch.nn.functional.pad(weights, (0, extra + 1))[:, start:end + 1]
-        sliced["target_positions"] = positions_with_targets(sliced["labels"][:, 1:])
+        if sft_labels is not None:  # (ORPO's: laid out like the labels too)
+            sliced["sft_labels"] = torch.nn.functional.pad(sft_labels, (0, extra + 1), value=IGNORE)[:, start:end + 1]
+        sliced["target_positions"] = positions_with_targets(trained_targets(sliced))
         return sliced
 
 
@@ -147,8 +157,18 @@ def make_loaders(train, evaluation, collate, batch_size: int, workers: int | Non
 
 
 def target_tokens(batch: dict) -> torch.Tensor:
-    """How many tokens of the batch are predicted and scored (labels are shifted by one)."""
-    return (batch["labels"][:, 1:] != IGNORE).sum()
+    """How many tokens of the batch are predicted and scored (labels are shifted by one); of ORPO's batches, the
+    tokens its SFT term is a mean over (`sft_labels`)."""
+    return (batch.get("sft_labels", batch["labels"])[:, 1:] != IGNORE).sum()
+
+
+def trained_targets(batch: dict) -> torch.Tensor:
+    """The batch's targets (labels shifted by one), with ORPO's `sft_labels` where a row has them."""
+    targets = batch["labels"][:, 1:]
+    if "sft_labels" not in batch:
+        return targets
+    sft = batch["sft_labels"][:, 1:]
+    return torch.where(sft != IGNORE, sft, targets)
 
 
 def target_weights(weights: torch.Tensor | None) -> torch.Tensor | None:

@@ -185,13 +185,14 @@ def add_qlora_args(parser: argparse.ArgumentParser) -> None:
 
 PREFERENCE_RECIPES = ("dpo", "dpo_full")  # recipes that train on pairs: two rows in one forward
 ONLINE_RECIPES = ("grpo", "grpo_full")  # recipes that train on completions they sample: prompts in, rewards from Python
-PREFERENCE_LOSSES = ("sigmoid", "ipo", "simpo")
+PREFERENCE_LOSSES = ("sigmoid", "ipo", "simpo", "orpo")
 
 
 def add_preference_args(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add("--loss", choices=PREFERENCE_LOSSES, default="sigmoid",
-        help="sigmoid: DPO; ipo: IPO (per-token log-ratios, squared); simpo: SimPO (no reference model)")
+        help="sigmoid: DPO; ipo: IPO (per-token log-ratios, squared); simpo: SimPO (no reference model); orpo: "
+             "ORPO (no reference model; the odds ratio plus the chosen rows' SFT loss)")
     add("--beta", type=float, default=0.1,
         help="how far from the reference the policy may move: the scale of the log-ratios in the loss")
     add("--simpo-gamma", type=float, default=0.5, help="SimPO's target margin between chosen and rejected")

@@ -36,4 +36,4 @@ class LikelihoodDrift:
         return (f"warning: step {step}: reward accuracy {now[2]:.2f}, but the chosen replies' log-probability fell "
                 f"too ({self.first[0]:.1f} -> {now[0]:.1f}; rejected {self.first[1]:.1f} -> {now[1]:.1f}): the "
                 "margin grows by pushing both down and the answers may get worse; raise --beta, lower --lr, train "
-                "fewer steps, or add an SFT term on the chosen replies to pair_losses")
+                "fewer steps, or add an SFT term on the chosen replies (--loss orpo has one)")
