@@ -55,7 +55,8 @@ def chat_rows(tmp_path) -> str:
     return str(rows)
 
 
-@pytest.mark.parametrize("config", ["ddp", pytest.param("fsdp", marks=long_test), pytest.param("zero3", marks=long_test)])
+# (~50 s each: long tests; --eval-tasks in a launch, through a chat template, runs every time in tests/test_grpo.py)
+@pytest.mark.parametrize("config", [pytest.param(config, marks=long_test) for config in ("ddp", "fsdp", "zero3")])
 def test_scores_in_the_launch_equal_lm_evals_own_command_on_the_merged_model(config, tmp_path):
     """Two processes, each scoring half the requests of a multiple-choice and a generation task, LoRA unmerged
     (sharded under FSDP2 and ZeRO-3); lm-eval's command on the merged folder in one process gets the same
@@ -80,8 +81,6 @@ def test_scores_in_the_launch_equal_lm_evals_own_command_on_the_merged_model(con
     assert run.output.count("Tokenizing inputs: 100%") == 1  # lm-eval's bars from the main process alone
     card = (tmp_path / "out" / "README.md").read_text()
     assert f"| recipes_choice | acc | {scores['recipes_choice']['acc']:.4f} |" in card
-    if not LONG_TESTS:  # (scripts/evaluate.py's launches below: ~20 s, in the long tests)
-        return
     # scripts/evaluate.py under the same launch: the run's adapter loaded again on its base, unmerged
     done = subprocess.run(launch_command_of_evaluate(config, tmp_path / "out"), cwd=REPO, capture_output=True,
                           text=True, timeout=600, env=launch_env(OFFLINE))

@@ -14,7 +14,7 @@ from collections import Counter
 
 import pytest
 
-from conftest import REPO, assert_the_refusal_ends_the_output, launch, long_test
+from conftest import LONG_TESTS, REPO, TINY_MODEL, assert_the_refusal_ends_the_output, launch, long_test
 
 sys.path.insert(0, str(REPO / "recipes"))
 
@@ -182,7 +182,7 @@ def test_every_weight_trains_as_one_process_under_each_strategy(prompts, tmp_pat
     from transformers import AutoModelForCausalLM
 
     AutoModelForCausalLM.from_pretrained(runs[config].output_dir / "model")
-    if config == "zero3":
+    if config == "zero3" and LONG_TESTS:  # (a third launch: in the long tests)
         checkpoint = f"step-{SAVE_EVERY}"
         shutil.copytree(runs[config].output_dir / "checkpoints" / checkpoint, tmp_path / "resumed" / "checkpoints" /
                         checkpoint)
@@ -476,6 +476,25 @@ def test_prompts_that_cannot_be_asked_are_refused_naming_the_fix():
         prompts.CHAT_PROMPTS
 
 
+def test_the_room_a_prompt_needs_is_checked_with_the_length_that_fits(prompts, tmp_path):
+    """In-process, every run: the prompts, tokenised as asked, against --max-length less the completion's room."""
+    from contextlib import nullcontext
+    from types import SimpleNamespace
+
+    from common.data import prompts as prompt_data
+    from common.model import modeling
+
+    ranks = SimpleNamespace(main_process_first=nullcontext, is_main_process=True)
+    tokenizer = modeling.load_tokenizer(str(TINY_MODEL))
+    too_short = args_of(*flags(prompts, "--max-length", "20"))  # (--max-completion-length 8)
+    with pytest.raises(Refusal, match=r"4 of 4 prompts in --dataset rows are longer than the 12 tokens --max-length 20 "
+                                      r"leaves beside --max-completion-length 8 .* raise --max-length to 24"):
+        prompt_data.prepare_prompts(ranks, tokenizer, too_short)
+    train, _, _ = prompt_data.prepare_prompts(ranks, tokenizer, args_of(*flags(prompts, "--max-length", "24")))
+    assert len(train) == PROMPTS and max(len(ids) for ids in train["prompt_ids"]) == 16
+
+
+@long_test  # (the same refusal through the launcher: the line, and no run.json)
 def test_a_prompt_longer_than_the_room_left_is_refused_with_the_length_that_fits(prompts, tmp_path):
     run = launch("grpo", tmp_path / "out", *flags(prompts, "--batch-size", "8", "--max-length", "20",
                                                   "--max-completion-length", "8"), processes=1)
