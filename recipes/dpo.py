@@ -92,7 +92,7 @@ def pair_losses(logps, reference_logps, tokens, run):
     log-probabilities (its SFT term, the chosen rows' negative log-likelihood, is added in the loop)."""
     chosen, rejected = logps.chunk(2)
     chosen_tokens, rejected_tokens = tokens.chunk(2)
-    if run.loss in ("simpo", "orpo"):
+    if run.loss in cli.REFERENCE_FREE_LOSSES:
         chosen_score, rejected_score = chosen / chosen_tokens, rejected / rejected_tokens
         if run.loss == "simpo":
             losses = -F.logsigmoid(run.beta * (chosen_score - rejected_score) - run.simpo_gamma)
@@ -118,7 +118,7 @@ def score_pairs(accelerator, model, batch, run, head):
     loss's own figures (ORPO's)]; ORPO's SFT targets' log-probability (else None); and the micro-batch's router loss
     (a mixture of experts'; else None)."""
     reference_logps = None
-    if run.loss not in ("simpo", "orpo"):  # the reference: the base, i.e. this model with its adapters switched off
+    if run.loss not in cli.REFERENCE_FREE_LOSSES:  # the reference: the base, i.e. this model with its adapters off
         with torch.no_grad(), modeling.adapters_off(accelerator.unwrap_model(model)):
             reference_logps = sequence_logps(accelerator, model, batch, head)[0]
     logps, tokens, sft_logps, router_loss = sequence_logps(accelerator, model, batch, head)
@@ -174,8 +174,8 @@ def main():
     model = get_peft_model(model, lora_config)
     modeling.seed_adapter(model, run.seed)  # the same first adapter whatever the strategy split
     modeling.keep_adapter_inputs_in_compute_dtype(model, launch)  # no float32 copy of each adapter's input
-    accelerator.print(f"reference: none, {run.loss} scores the policy alone" if run.loss in ("simpo", "orpo") else
-                      "reference: the base, i.e. this model with its adapters switched off (no second copy)")
+    accelerator.print(f"reference: none, {run.loss} scores the policy alone" if run.loss in cli.REFERENCE_FREE_LOSSES
+                      else "reference: the base, i.e. this model with its adapters switched off (no second copy)")
     if run.compile:
         modeling.compile_layers(model)  # the first steps are slower while each shape compiles
 

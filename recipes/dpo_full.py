@@ -89,7 +89,7 @@ def pair_losses(logps, reference_logps, tokens, run):
     log-probabilities (its SFT term, the chosen rows' negative log-likelihood, is added in the loop)."""
     chosen, rejected = logps.chunk(2)
     chosen_tokens, rejected_tokens = tokens.chunk(2)
-    if run.loss in ("simpo", "orpo"):
+    if run.loss in cli.REFERENCE_FREE_LOSSES:
         chosen_score, rejected_score = chosen / chosen_tokens, rejected / rejected_tokens
         if run.loss == "simpo":
             losses = -F.logsigmoid(run.beta * (chosen_score - rejected_score) - run.simpo_gamma)
@@ -115,7 +115,7 @@ def score_pairs(accelerator, model, batch, run, head, reference_scores):
     loss's own figures (ORPO's)]; ORPO's SFT targets' log-probability (else None); and the micro-batch's router loss
     (a mixture of experts'; else None)."""
     reference_logps = None
-    if run.loss not in ("simpo", "orpo"):  # the reference: the model as loaded, which scored every pair before training
+    if run.loss not in cli.REFERENCE_FREE_LOSSES:  # the reference: the model as loaded, which scored every pair
         reference_logps = reference.of_batch(reference_scores, batch)
     logps, tokens, sft_logps, router_loss = sequence_logps(accelerator, model, batch, head)
     losses, chosen_rewards, rejected_rewards, more = pair_losses(logps, reference_logps, tokens, run)
@@ -179,7 +179,7 @@ def main():
     # hidden states, never the whole batch's logits at once (loss_head.py; run.json's loss_path).
     head = loss_head.settle(accelerator, model)
     train_reference = eval_reference = None
-    if run.loss not in ("simpo", "orpo"):  # the reference: the model as loaded scores every pair once, before any update
+    if run.loss not in cli.REFERENCE_FREE_LOSSES:  # the reference: the model as loaded scores every pair once
         key = reference.reference_key(run.model, launch.precision, run.max_length)
         scores = lambda model, batch: sequence_logps(accelerator, model, batch, head)  # noqa: E731  (the recipe's own)
         train_reference, eval_reference = (reference.reference_logps(
@@ -207,7 +207,8 @@ def main():
         step_loss, step_figures, step_nll, step_router_loss = 0.0, 0.0, 0.0, 0.0
         for batch in micro_batches:
             with accelerator.accumulate(model):
-                losses, figures, sft_logps, router_loss = score_pairs(accelerator, model, batch, run, head, train_reference)
+                losses, figures, sft_logps, router_loss = score_pairs(accelerator, model, batch, run, head,
+                                                                      train_reference)
                 share = losses.sum() / step_pairs  # this micro-batch's share of the step's loss
                 if sft_logps is not None:  # ORPO's SFT term (step_tokens: the step's chosen tokens, all ranks')
                     nll = -sft_logps / step_tokens

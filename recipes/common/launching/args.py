@@ -186,6 +186,7 @@ def add_qlora_args(parser: argparse.ArgumentParser) -> None:
 PREFERENCE_RECIPES = ("dpo", "dpo_full")  # recipes that train on pairs: two rows in one forward
 ONLINE_RECIPES = ("grpo", "grpo_full")  # recipes that train on completions they sample: prompts in, rewards from Python
 PREFERENCE_LOSSES = ("sigmoid", "ipo", "simpo", "orpo")
+REFERENCE_FREE_LOSSES = ("simpo", "orpo")  # the preference losses that score the policy alone
 
 
 def add_preference_args(parser: argparse.ArgumentParser) -> None:

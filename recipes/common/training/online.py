@@ -105,9 +105,9 @@ def rollout_from(accelerator, run, kept: dict) -> Rollout:
                                        [row["completion_ids"] for row in rows], [row["truncated"] for row in rows],
                                        [row["prompt"] for row in rows], [row["text"] for row in rows], {})
     logps = [{name: row[name] for name in SAVED_LOGPS if name in row} for row in rows]
-    return Rollout(kept["epoch"], completions, micro_batches_of(completions, run, accelerator.device, logps),
-                   torch.tensor(kept["rewards"], dtype=torch.float64), torch.tensor(kept["lengths"], dtype=torch.float64),
-                   kept["tokens"], None)
+    table, lengths = (torch.tensor(kept[name], dtype=torch.float64) for name in ("rewards", "lengths"))
+    return Rollout(kept["epoch"], completions, micro_batches_of(completions, run, accelerator.device, logps), table,
+                   lengths, kept["tokens"], None)
 
 
 def scored(reward_functions, prompt_cells: list, completions: list, columns: dict) -> tuple[list, str | None]:
