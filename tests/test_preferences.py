@@ -21,6 +21,7 @@ from common.refusal import Refusal  # noqa: E402
 
 FIXTURES = REPO / "tests" / "fixtures" / "preferences"
 IGNORE = formats.IGNORE
+READ_PAIRS = {"found_format": pairs.pair_format_of, "problem": pairs.pair_problem}  # load_sources reading pairs
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +109,7 @@ def test_implicit_prompt_is_the_turns_both_conversations_open_with(tok):
 
 
 def test_ultrafeedback_reads_the_conversations_not_the_prompt_or_the_scores(tok, tmp_path):
-    train, evaluation = checked_rows.load_sources(str(FIXTURES / "ultrafeedback_binarized.jsonl"), 0, pairs=True)
+    train, evaluation = checked_rows.load_sources(str(FIXTURES / "ultrafeedback_binarized.jsonl"), 0, **READ_PAIRS)
     assert train[0].fmt == formats.PAIRS_IMPLICIT_CONVERSATIONAL
     # the SFT recipes still read the same file as chat rows, from its `messages`
     assert checked_rows.load_sources(str(FIXTURES / "ultrafeedback_binarized.jsonl"), 0)[0][0].fmt == "messages"
@@ -173,7 +174,7 @@ def test_bad_pairs_are_dropped_with_their_reason(tok):
 def refusal(tmp_path, rows_or_file, **options) -> str:
     path = rows_or_file if not isinstance(rows_or_file, list) else write_jsonl(tmp_path / "pairs.jsonl", rows_or_file)
     with pytest.raises(Refusal) as refused:
-        checked_rows.load_sources(str(path), 0, pairs=True, **options)
+        checked_rows.load_sources(str(path), 0, **READ_PAIRS, **options)
     assert "\n" not in str(refused.value)
     return str(refused.value)
 
@@ -182,7 +183,7 @@ def test_supervised_rows_are_refused_naming_what_pairs_need(tmp_path):
     line = refusal(tmp_path, REPO / "data" / "train.jsonl")
     assert "no `chosen` or `rejected` column" in line and "--columns chosen=good,rejected=bad" in line
     renamed = write_jsonl(tmp_path / "renamed.jsonl", [{"q": "a", "good": "x", "bad": "y"}] * 4)
-    assert checked_rows.load_sources(str(renamed), 0, "prompt=q,chosen=good,rejected=bad", pairs=True)[0][0].fmt \
+    assert checked_rows.load_sources(str(renamed), 0, "prompt=q,chosen=good,rejected=bad", **READ_PAIRS)[0][0].fmt \
         == formats.PAIRS_TEXT
 
 
@@ -277,7 +278,7 @@ def test_no_pair_left_is_one_line_naming_the_fix(tok, tmp_path):
 
 
 def test_the_bundled_pairs_train_the_toy_task(tok):
-    train, evaluation = checked_rows.load_sources(str(REPO / "data" / "preferences"), 0, pairs=True)
+    train, evaluation = checked_rows.load_sources(str(REPO / "data" / "preferences"), 0, **READ_PAIRS)
     assert train[0].fmt == formats.PAIRS_TEXT and (len(train[0].rows), len(evaluation[0].rows)) == (2048, 128)
     supervised = [json.loads(line) for line in (REPO / "data" / "train.jsonl").read_text().splitlines()]
     for row, pair in zip(supervised, train[0].rows):

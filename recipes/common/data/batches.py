@@ -77,6 +77,28 @@ class PadPairs:
         return batch
 
 
+class PadFeedback:
+    """A micro-batch of KTO's judged replies as one batch of rows: the rows, then their mismatched rows in the same
+    order (preferences.WithMismatched), all padded to the longest; `desirable` (a row's label) and `pair_index`
+    (where the reference scores of a row and its mismatched row are kept) one a row."""
+
+    def __init__(self, pad_token_id: int):
+        self.pad_rows = PadToLongest(pad_token_id)
+
+    def __call__(self, rows: list[dict]) -> dict:
+        batch = self.pad_rows([{"input_ids": row["input_ids"], "labels": row["labels"]} for row in rows]
+                              + [{"input_ids": row["kl_input_ids"], "labels": row["kl_labels"]} for row in rows])
+        batch["desirable"] = torch.tensor([row["label"] for row in rows])
+        batch["pair_index"] = torch.tensor([row["pair_index"] for row in rows])
+        return batch
+
+
+def rows_of(batch: dict, rows: slice) -> dict:
+    """The micro-batch's `rows`: its tensors of a row each (ids, labels, mask, positions) sliced, the others
+    (target positions, a pair's figures) kept."""
+    return {key: value[rows] if torch.is_tensor(value) and value.dim() > 1 else value for key, value in batch.items()}
+
+
 class WithTargetPositions:
     """`collate`'s batches with `target_positions` added: the positions where some row has a target
     (`positions_with_targets`), found on the CPU from the labels `collate` gave, so that the training step

@@ -19,7 +19,6 @@ from .formats import (
     row_problem,
 )
 from .mixture import Source, sources_of
-from .pairs import PAIR_FORMATS, pair_format_of, pair_problem
 
 
 @dataclass
@@ -32,7 +31,8 @@ class SourceRows:
     source: Source
 
 
-def load_sources(given, seed: int, columns: str | None = None, eval_spec: str | None = None, pairs: bool = False):
+def load_sources(given, seed: int, columns: str | None = None, eval_spec: str | None = None, found_format=None,
+                 problem=None):
     """(training rows, evaluation rows), each a list of SourceRows: one per --dataset source, read
     and checked on every rank. A source's evaluation rows are its eval / validation / test split, else
     a share of its rows held out (before its weight draws from the rest, so a changed weight never
@@ -40,9 +40,11 @@ def load_sources(given, seed: int, columns: str | None = None, eval_spec: str | 
     every source's rows then train.
 
     `columns` renames every source's columns to the ones a format expects, e.g.
-    "instruction=question,response=answer". With `pairs`, the rows are preference pairs (pairs.py).
+    "instruction=question,response=answer". `found_format(rows, name)` finds (and checks) a source's format and
+    `problem(row, fmt)` says why a row cannot train: the supervised rows' by default; pairs.py's for preference
+    pairs, feedback.py's for judged replies.
     """
-    found_format = pair_format_of if pairs else format_of
+    found_format, problem = found_format or format_of, problem or row_problem
     train, evaluation = [], []
     for source in sources_of(given):
         loaded, name = read_splits(source.spec, columns)
@@ -54,7 +56,7 @@ def load_sources(given, seed: int, columns: str | None = None, eval_spec: str | 
         elif eval_name is not None:
             held = loaded[eval_name]
         else:
-            rows, held = held_out(rows, fmt, name, seed)
+            rows, held = held_out(rows, fmt, name, seed, problem)
         train.append(SourceRows(name, fmt, rows, source))
         if held is not None:
             evaluation.append(SourceRows(name, fmt, held, source))
@@ -81,14 +83,13 @@ def load_splits(spec: str | None, seed: int, columns: str | None = None, eval_sp
     return train[0].rows, evaluation[0].rows
 
 
-def held_out(train, fmt: str, name: str, seed: int):
+def held_out(train, fmt: str, name: str, seed: int, problem=row_problem):
     """(training rows, evaluation rows): 5% of the rows (1 to 256) held out, chosen by the seed among
-    the rows that can train."""
+    the rows that can train (`problem(row, fmt)`: why one cannot)."""
     if len(train) < 2:
         refuse(f"--dataset {name} has {len(train)} rows; it needs at least 2 (some are held out for evaluation)")
     held = max(1, min(256, len(train) // 20))
     split = train.train_test_split(test_size=held, seed=seed)
-    problem = pair_problem if fmt in PAIR_FORMATS else row_problem
     if all(problem(row, fmt) is None for row in split["test"]):
         return split["train"], split["test"]
     # Hold out rows that can train instead: an unusable row there could leave evaluation empty while

@@ -81,10 +81,15 @@ TEXT_COLUMNS = ("instruction", "input", "output", "response", "prompt", "complet
 # implicit one (the start `chosen` and `rejected` share), each as text or as chat messages
 PAIRS_TEXT, PAIRS_CONVERSATIONAL = "preference pairs, text", "preference pairs, conversational"
 PAIRS_IMPLICIT_TEXT, PAIRS_IMPLICIT_CONVERSATIONAL = f"{PAIRS_TEXT}, implicit prompt", f"{PAIRS_CONVERSATIONAL}, implicit prompt"
+# Judged replies (feedback.py reads them), for KTO: TRL's unpaired preference rows (`prompt`, `completion`, `label`:
+# true for a reply to learn from, false for one to avoid), as text or as chat messages
+FEEDBACK_TEXT, FEEDBACK_CONVERSATIONAL = "judged replies, text", "judged replies, conversational"
 READ_COLUMNS = {"messages": ("messages", "tools"), "instruction": ("instruction", "input", "output", "response"),
                 "prompt_completion": ("prompt", "completion"), "text": ("text",),
                 PAIRS_TEXT: ("prompt", "chosen", "rejected"), PAIRS_CONVERSATIONAL: ("prompt", "chosen", "rejected", "tools"),
-                PAIRS_IMPLICIT_TEXT: ("chosen", "rejected"), PAIRS_IMPLICIT_CONVERSATIONAL: ("chosen", "rejected", "tools")}
+                PAIRS_IMPLICIT_TEXT: ("chosen", "rejected"), PAIRS_IMPLICIT_CONVERSATIONAL: ("chosen", "rejected", "tools"),
+                FEEDBACK_TEXT: ("prompt", "completion", "label"),
+                FEEDBACK_CONVERSATIONAL: ("messages", "label", "tools")}
 FORMAT_KEYS = {"messages": "messages", "instruction": "instruction", "prompt_completion": "prompt", "text": "text"}
 
 

@@ -22,6 +22,8 @@ import os
 
 from ..refusal import refuse
 from .formats import (
+    FEEDBACK_CONVERSATIONAL,
+    FEEDBACK_TEXT,
     PAIRS_CONVERSATIONAL,
     PAIRS_IMPLICIT_CONVERSATIONAL,
     PAIRS_IMPLICIT_TEXT,
@@ -38,6 +40,9 @@ SIDES = ("chosen", "rejected")
 # (conversational, explicit prompt) of each pair format
 PAIR_FORMATS = {PAIRS_TEXT: (False, True), PAIRS_CONVERSATIONAL: (True, True),
                 PAIRS_IMPLICIT_TEXT: (False, False), PAIRS_IMPLICIT_CONVERSATIONAL: (True, False)}
+# KTO's judged replies (feedback.py): one reply a row, its prompt explicit; read as a pair's side is
+FEEDBACK_FORMATS = {FEEDBACK_TEXT: (False, True), FEEDBACK_CONVERSATIONAL: (True, True)}
+LAYOUTS = {**PAIR_FORMATS, **FEEDBACK_FORMATS}
 SUPERVISED_ROWS = ("messages", "instruction", "text", "completion")  # a row of one of these is no pair
 HH_REPLY_START = "\n\nAssistant:"
 
@@ -91,14 +96,14 @@ def kind_of(feature, spec: str, name: str) -> str:
 
 
 def side_format(fmt: str) -> str:
-    """The supervised format of a pair's sides."""
-    return "messages" if PAIR_FORMATS[fmt][0] else "prompt_completion"
+    """The supervised format of a pair's sides (of a judged reply)."""
+    return "messages" if LAYOUTS[fmt][0] else "prompt_completion"
 
 
 def row_formats(data_format: str) -> list[str]:
     """The supervised formats of a run's rows (run.json's data_format: a mixture's joined by "+"); preference
     pairs as their sides are, GRPO's prompts as the rows rendered the same way (chat prompts: chat rows)."""
-    return [side_format(fmt) if fmt in PAIR_FORMATS else PROMPT_FORMATS.get(fmt, fmt) for fmt in data_format.split("+")]
+    return [side_format(fmt) if fmt in LAYOUTS else PROMPT_FORMATS.get(fmt, fmt) for fmt in data_format.split("+")]
 
 
 def renders_chat(data_format: str) -> bool:
@@ -149,11 +154,11 @@ def opening_system_texts(rows, fmt: str, batch_rows: int = 1_000) -> set | None:
     """The texts of the system turns conversational pairs open with (their prompt's first turn; with an implicit
     prompt, the chosen conversation's); None when a pair opens with another turn; empty for text pairs. Read
     `batch_rows` pairs at a time (the rows are a selection over memory-mapped files), and no further once two
-    texts differ."""
-    conversational, explicit = PAIR_FORMATS[fmt]
+    texts differ. Judged replies (KTO's) as pairs with a prompt."""
+    conversational, explicit = LAYOUTS[fmt]
     if not conversational:
         return set()
-    column = "prompt" if explicit else "chosen"
+    column = "messages" if fmt in FEEDBACK_FORMATS else "prompt" if explicit else "chosen"
     found = set()
     for batch in rows.select_columns([column]).iter(batch_rows):
         for turns in map(conversation, batch[column]):

@@ -1,25 +1,41 @@
-"""The data half of preference tuning (DPO): pairs read and checked as the supervised rows are, each side
-tokenised as the supervised recipes tokenise a row (the prompt masked, the reply and its stop signal
-trained), so a pair's tokens are what the model sees at inference.
+"""The data half of preference tuning (DPO, KTO): pairs (or judged replies) read and checked as the supervised
+rows are, each side tokenised as the supervised recipes tokenise a row (the prompt masked, the reply and its stop
+signal trained), so a pair's tokens are what the model sees at inference.
 
 A row of the result: `chosen_input_ids`, `chosen_labels`, `rejected_input_ids`, `rejected_labels` (int32;
 labels aligned with the ids, formats.IGNORE where a token is not trained). Each side is cut to
---max-length; a pair with a side that keeps no target is dropped and counted.
+--max-length; a pair with a side that keeps no target is dropped and counted. KTO's rows (prepare_feedback):
+`input_ids`, `labels`, `label` (true: desirable), each with its mismatched row (`WithMismatched`).
 """
 
 from __future__ import annotations
 
+import numpy as np
+import torch
+
+from ..refusal import refuse
 from . import batches
 from .checked_rows import load_sources
 from .data_files import DEFAULT_PAIRS
-from .formats import DataFormat, chat_template_line
-from .pairs import SIDES, opening_system_texts, pair_sides, renders_chat, side_format
+from .feedback import feedback_format_of, feedback_problem, judged_replies
+from .formats import IGNORE, DataFormat, chat_template_line
+from .pairs import (
+    PAIR_FORMATS,
+    SIDES,
+    opening_system_texts,
+    pair_format_of,
+    pair_problem,
+    pair_sides,
+    renders_chat,
+    side_format,
+)
 from .targets import NO_TOKENS, require_offsets, tokenize_rows
 from .tokens import (
     REPORT_COLUMNS,
     data_path_code,
     dropped_reason,
     kept_tokens,
+    many,
     mapped,
     needed_length,
     tokenised_features,
@@ -38,7 +54,7 @@ def prepare_pairs(accelerator, tokenizer, args, launch):
     turn every conversational pair opened with (run.json records it, as for chat rows)."""
     given = args.dataset or [str(DEFAULT_PAIRS)]  # the bundled pairs by default
     train_parts, eval_parts = load_sources(given, args.seed, args.columns, getattr(args, "eval_dataset", None),
-                                           pairs=True)
+                                           pair_format_of, pair_problem)
     require_offsets(tokenizer)  # on every rank, before rank 0 tokenises
     with accelerator.main_process_first():
         train_tokens = [tokenize_pairs(part.rows, part.fmt, tokenizer, args.max_length) for part in train_parts]
@@ -110,3 +126,120 @@ def chosen_rows(pairs):
     """The pairs' chosen sides as supervised rows (`input_ids`, `labels`): what a trained model should answer."""
     return pairs.select_columns(["chosen_input_ids", "chosen_labels"]).rename_columns(
         {"chosen_input_ids": "input_ids", "chosen_labels": "labels"})
+
+
+def prepare_feedback(accelerator, tokenizer, args, launch):
+    """(train set, eval set, format name) of KTO's judged replies, as prepare_pairs makes pairs: preference pairs
+    become two rows (their chosen reply desirable, their rejected one undesirable). Each row comes with its
+    mismatched row (`WithMismatched`). Refused: training rows all of one label (KTO weighs the two against the
+    policy's KL to the reference: it needs both)."""
+    given = args.dataset or [str(DEFAULT_PAIRS)]  # the bundled pairs by default, each two judged replies
+    train_parts, eval_parts = load_sources(given, args.seed, args.columns, getattr(args, "eval_dataset", None),
+                                           feedback_format_of, feedback_problem)
+    require_offsets(tokenizer)
+    with accelerator.main_process_first():
+        train_tokens = [tokenize_feedback(part.rows, part.fmt, tokenizer, args.max_length) for part in train_parts]
+        eval_tokens = [tokenize_feedback(part.rows, part.fmt, tokenizer, args.max_length) for part in eval_parts]
+    train_set, eval_set = training_sets(accelerator, args, train_parts, train_tokens, eval_parts, eval_tokens)
+    desirable = int(np.count_nonzero(train_set["label"]))
+    undesirable = len(train_set) - desirable
+    if not desirable or not undesirable:
+        refuse(f"every one of the {many(len(train_set), 'training row')} is labelled {'true' if desirable else 'false'}; "
+               "KTO needs replies to learn from (label true) and replies to avoid (label false): add rows of the "
+               "other label (desirable replies alone train with lora.py / full.py, as SFT rows)")
+    if accelerator.is_main_process:
+        pairs = " (each preference pair gives one of each)" if any(part.fmt in PAIR_FORMATS for part in train_parts) else ""
+        print(f"data: {desirable:,} desirable and {undesirable:,} undesirable replies to train on{pairs}"
+              f"{weights_advice(desirable, undesirable, args)}", flush=True)
+    data_format = DataFormat("+".join(sorted({part.fmt for part in train_parts})), shared_system_prompt(train_parts))
+    chat_template_line(accelerator, tokenizer, args, renders_chat(data_format))
+    batches.say_steps(accelerator, len(train_set), args, launch.data_parallel_size, "rows")
+    return WithMismatched(train_set, args.max_length), WithMismatched(eval_set, args.max_length), data_format
+
+
+def weights_advice(desirable: int, undesirable: int, args) -> str:
+    """`; with this imbalance ...` where neither weight is in the range the KTO paper gives (its Eq. 8: the
+    desirable rows' weighted count between 1 and 4/3 times the undesirable rows'), as TRL warns; else ""."""
+    ratio = undesirable / desirable
+    desirable_range = (ratio * args.undesirable_weight, ratio * args.undesirable_weight * 4 / 3)
+    undesirable_range = (args.desirable_weight / ratio * 3 / 4, args.desirable_weight / ratio)
+    if desirable == undesirable or desirable_range[0] <= args.desirable_weight <= desirable_range[1] or \
+            undesirable_range[0] <= args.undesirable_weight <= undesirable_range[1]:
+        return ""
+    return (f"; with this imbalance the KTO paper advises --desirable-weight {desirable_range[0]:.2f} to "
+            f"{desirable_range[1]:.2f} or --undesirable-weight {undesirable_range[0]:.2f} to {undesirable_range[1]:.2f}")
+
+
+def tokenize_feedback(dataset, fmt: str, tokenizer, max_length: int):
+    """Every judged reply tokenised as a supervised row, with its `label`; a preference pair gives two rows.
+    Each row also gets what tokens.tokenize_counted gives a row for the data line. A batch of pairs gives its
+    chosen replies, then its rejected ones, so that a row's neighbour (whose reply its mismatched row borrows)
+    answers another prompt."""
+    supervised = side_format(fmt)
+    width = 2 if fmt in PAIR_FORMATS else 1  # replies a row gives
+
+    def batch_of_rows(columns: dict, code: str) -> dict:  # `code` only keys datasets' cache (see tokens.mapped)
+        found = [judged_replies(dict(zip(columns, values)), fmt) for values in zip(*columns.values())]
+        judged = [(replies, False) if isinstance(replies, str) else replies[i] for i in range(width) for replies in found]
+        tokenised = iter(tokenize_rows([reply for reply, _ in judged if not isinstance(reply, str)], tokenizer,
+                                       supervised))
+        out = {key: [] for key in ["input_ids", "labels", "label", *REPORT_COLUMNS]}
+        for reply, label in judged:
+            row = dict(UNTOKENISED, problem=reply) if isinstance(reply, str) else next(tokenised)
+            needs = needed_length(row["labels"])
+            dropped = dropped_reason(row["problem"], needs, max_length)
+            for key, value in {**kept_tokens(row, max_length, keep=not dropped), "dropped": dropped,
+                               "needs": needs, "label": label}.items():
+                out[key].append(value)
+        return out
+
+    return mapped(dataset, batch_of_rows, feedback_features(), data_path_code("feedback.py", "preferences.py"))
+
+
+def feedback_features():
+    """The supervised rows' columns (tokens.tokenised_features) and the label."""
+    from datasets import Features, Value
+
+    return Features({**tokenised_features(), "label": Value("bool")})
+
+
+class WithMismatched(torch.utils.data.Dataset):
+    """KTO's rows, each with its mismatched row: its prompt followed by the previous row's reply (the first row
+    borrows the last one's), cut to `max_length`. The policy's and the reference's log-probabilities of those
+    replies estimate KTO's KL term (TRL pairs each prompt with the previous reply of its batch, in the rows'
+    order). The pairing is fixed by the rows' order, not by the shuffle, so the reference can score every row
+    and its mismatched row once (kto_full.py). An item: the row, `kl_input_ids`, `kl_labels`, and `pair_index`
+    (where its two reference scores are kept: reference.py)."""
+
+    def __init__(self, rows, max_length: int):
+        self.rows, self.max_length = rows, max_length
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> dict:
+        row, other = self.rows[index], self.rows[(index - 1) % len(self.rows)]
+        start, other_start = first_target(row["labels"]), first_target(other["labels"])
+        mismatched_ids = (row["input_ids"][:start] + other["input_ids"][other_start:])[:self.max_length]
+        mismatched_labels = ([IGNORE] * start + other["labels"][other_start:])[:self.max_length]
+        return {**row, "kl_input_ids": mismatched_ids, "kl_labels": mismatched_labels, "pair_index": index}
+
+    # what reference.py keys its cache by: the rows' own (the pairing follows from them)
+    @property
+    def cache_files(self):
+        return self.rows.cache_files
+
+    @property
+    def _fingerprint(self) -> str:
+        return f"{self.rows._fingerprint}-mismatched"
+
+
+def first_target(labels: list[int]) -> int:
+    """Where a row's reply starts: its first trained token."""
+    return next(i for i, label in enumerate(labels) if label != IGNORE)
+
+
+def desirable_rows(rows: WithMismatched):
+    """The desirable replies as supervised rows (`input_ids`, `labels`): what a trained model should answer."""
+    table = rows.rows
+    return table.select(np.flatnonzero(table["label"])).select_columns(["input_ids", "labels"])

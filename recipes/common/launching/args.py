@@ -184,6 +184,7 @@ def add_qlora_args(parser: argparse.ArgumentParser) -> None:
 
 
 PREFERENCE_RECIPES = ("dpo", "dpo_full")  # recipes that train on pairs: two rows in one forward
+FEEDBACK_RECIPES = ("kto", "kto_full")  # recipes that train on replies judged one at a time (KTO)
 ONLINE_RECIPES = ("grpo", "grpo_full")  # recipes that train on completions they sample: prompts in, rewards from Python
 PREFERENCE_LOSSES = ("sigmoid", "ipo", "simpo", "orpo")
 REFERENCE_FREE_LOSSES = ("simpo", "orpo")  # the preference losses that score the policy alone
@@ -197,6 +198,16 @@ def add_preference_args(parser: argparse.ArgumentParser) -> None:
     add("--beta", type=float, default=0.1,
         help="how far from the reference the policy may move: the scale of the log-ratios in the loss")
     add("--simpo-gamma", type=float, default=0.5, help="SimPO's target margin between chosen and rejected")
+
+
+def add_kto_args(parser: argparse.ArgumentParser) -> None:
+    """KTO's flags, with TRL 1.16's names and defaults (KTOConfig)."""
+    add = parser.add_argument
+    add("--beta", type=float, default=0.1,
+        help="how far from the reference the policy may move: the scale of the log-ratios in the loss")
+    add("--desirable-weight", type=float, default=1.0,
+        help="weight of the desirable replies' losses (raise it when they are the fewer: the data line advises)")
+    add("--undesirable-weight", type=float, default=1.0, help="weight of the undesirable replies' losses")
 
 
 GRPO_LOSSES = ("dapo", "grpo", "dr_grpo", "bnpo", "rloo")
@@ -258,6 +269,15 @@ def recipe_flags(recipe: str, doc: str = "recipe\n") -> argparse.ArgumentParser:
     elif recipe == "dpo":  # preference tuning of LoRA adapters on a frozen base, 16-bit or quantized
         add_lora_args(parser)
         add_preference_args(parser)
+        parser.add_argument("--bits", type=int, choices=(4, 8), default=None,
+                            help="quantize the frozen base: 4 = NF4 (QLoRA), 8 = LLM.int8() (default: not quantized)")
+        parser.set_defaults(lr=5e-5)
+    elif recipe == "kto_full":  # KTO on every weight
+        add_kto_args(parser)
+        parser.set_defaults(lr=1e-6)  # TRL's KTO default: every weight moves, and the policy stays near its reference
+    elif recipe == "kto":  # KTO of LoRA adapters on a frozen base, 16-bit or quantized
+        add_lora_args(parser)
+        add_kto_args(parser)
         parser.add_argument("--bits", type=int, choices=(4, 8), default=None,
                             help="quantize the frozen base: 4 = NF4 (QLoRA), 8 = LLM.int8() (default: not quantized)")
         parser.set_defaults(lr=5e-5)

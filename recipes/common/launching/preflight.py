@@ -242,6 +242,18 @@ def check_preference_run(args, launch) -> None:
         refuse("--batch-size auto is planned for rows, and a preference pair is two rows in one forward; give --batch-size N")
 
 
+def check_feedback_run(args, launch) -> None:
+    """What KTO does not run yet: rows packed together (each reply and its mismatched row are scored as whole
+    rows), pipeline stages, sequence parallel, --batch-size auto (each row brings its mismatched row)."""
+    if args.packing:
+        refuse("--packing joins rows into one sequence, but KTO scores each reply as a whole row; drop --packing")
+    if launch.pipeline_stages > 1 or launch.sequence_parallel > 1:
+        refuse(f"{args.recipe}.py does not run {'pipeline stages' if launch.pipeline_stages > 1 else 'sequence parallel'} "
+               "yet; launch with fsdp.yaml or a zero*.yaml config instead")
+    if args.batch_size == "auto":
+        refuse("--batch-size auto is planned for rows, and KTO scores each row with a mismatched one; give --batch-size N")
+
+
 def settle_online_run(args, launch):
     """grpo.py's defaults that depend on other flags, as (value, why) changes: the bundled prompts' reward when
     no --reward is given on the bundled data; --beta 0.05 under --loss rloo (RLOOConfig's), else 0 (GRPOConfig's)

@@ -15,7 +15,7 @@ from pathlib import Path
 from ..model.adapters import adapter_base, merged_start_model
 from ..model.shard_loading import why_not_read_shards
 from . import eval_tasks, launch_config, memory_plan, preflight
-from .args import ONLINE_RECIPES, PREFERENCE_RECIPES
+from .args import FEEDBACK_RECIPES, ONLINE_RECIPES, PREFERENCE_RECIPES
 from .batch_size import settle as settle_batch
 from .launch import DDP, FSDP, READS_SHARDS, SINGLE, TENSOR_PARALLEL, Launch, describe
 from .settled import Run
@@ -51,6 +51,8 @@ def settle_launch(args: Run, recipe: str) -> tuple[Run, Launch]:
         preflight.check_sequence_parallel(run, launch)
     if run.recipe in PREFERENCE_RECIPES:
         preflight.check_preference_run(run, launch)
+    if run.recipe in FEEDBACK_RECIPES:
+        preflight.check_feedback_run(run, launch)
     if run.recipe in ONLINE_RECIPES:
         changes = preflight.settle_online_run(run, launch)
         run = run.settled(changes) if changes else run

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from ..data.formats import IGNORE
-from ..launching.args import ONLINE_RECIPES, PREFERENCE_RECIPES
+from ..launching.args import FEEDBACK_RECIPES, ONLINE_RECIPES, PREFERENCE_RECIPES
 from ..model import adapters
 
 
@@ -81,7 +81,7 @@ def write_model_card(accelerator, args, recipe: str, artifact: str, samples: lis
         "model": f'AutoModelForCausalLM.from_pretrained("{output_dir / "model"}")',
         "adapter": f'PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained("{base}"), "{output_dir / "adapter"}")',
     }[artifact]
-    bundled = ("bundled data/preferences/" if recipe in PREFERENCE_RECIPES else "bundled data/prompts/"
+    bundled = ("bundled data/preferences/" if recipe in (*PREFERENCE_RECIPES, *FEEDBACK_RECIPES) else "bundled data/prompts/"
                if recipe in ONLINE_RECIPES else "bundled data/")  # the default --dataset
     start = run.get("start_adapter")
     origin = (f", started from the LoRA adapter `{start}` merged onto it" if start else

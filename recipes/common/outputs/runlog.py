@@ -316,7 +316,7 @@ class RunLog:
         if not self.main:
             return
         self.metrics.write(json.dumps(record) + "\n")
-        if figures and "logps/chosen" in figures:
+        if figures and "rewards/accuracies" in figures:  # (pairs: a preference recipe's)
             warning = self.drift.check(step, figures["logps/chosen"], figures["logps/rejected"],
                                        figures["rewards/accuracies"])
             if warning:

@@ -74,3 +74,24 @@ def evaluate_pairs(accelerator, model, eval_loader, pair_figures) -> dict:
     losses, chosen, rejected = torch.cat(gathered).T
     return {"eval_loss": losses.mean().item(), "eval_rewards/accuracies": (chosen > rejected).double().mean().item(),
             "eval_rewards/margins": (chosen - rejected).mean().item()}
+
+
+@torch.no_grad()
+def evaluate_feedback(accelerator, model, eval_loader, row_scores, row_losses) -> dict:
+    """The held-out judged replies under KTO's loss, its KL estimate taken over all of them (as training takes it
+    over a step's rows). `row_scores(batch)` gives, per row, the policy's and the reference's log-probabilities of
+    its reply and of its mismatched row's, and its label (a tensor of rows x 5); `row_losses(logps, reference,
+    desirable, kl)` the recipe's losses and rewards. Every rank runs every batch; `gather_for_metrics` drops the
+    rows accelerate repeated to even out the last batch."""
+    model.eval()
+    gathered = [accelerator.gather_for_metrics(row_scores(batch).double()) for batch in eval_loader]
+    model.train()
+    logps, reference, mismatched, mismatched_reference, desirable = torch.cat(gathered).T
+    kl = (mismatched - mismatched_reference).mean().clamp(min=0)
+    desirable = desirable.bool()
+    losses, rewards = row_losses(logps, reference, desirable, kl)
+    figures = {"eval_loss": losses.mean().item(), "eval_kl": kl.item()}
+    for name, rows in (("chosen", desirable), ("rejected", ~desirable)):
+        if rows.any():
+            figures[f"eval_rewards/{name}"] = rewards[rows].mean().item()
+    return figures

@@ -32,17 +32,19 @@ def indexed(pairs):
     return pairs.add_column("pair_index", np.arange(len(pairs), dtype=np.int64))
 
 
-def reference_logps(accelerator, model, pairs, collate, batch_size: int, sequence_logps, key: str) -> torch.Tensor:
+def reference_logps(accelerator, model, pairs, collate, batch_size: int, sequence_logps, key: str,
+                    unit: str = "pairs") -> torch.Tensor:
     """(pairs x 2) float32 on the CPU: each pair's chosen and rejected log-probabilities under `model` as it is
     now (`sequence_logps(model, batch)`: the recipe's own), read from the cache where an earlier run wrote them
-    under `key` (reference_key). `pairs` are `indexed`. Every rank takes part (sharded forwards are collective),
+    under `key` (reference_key). `pairs` are `indexed` (KTO's: a row and its mismatched row, `unit` "rows").
+    Every rank takes part (sharded forwards are collective),
     so the ranks read the cache only when every one of them has it (machines may each keep their own)."""
     cache = cache_file(pairs, key)
     scores = read_cache(cache, len(pairs))
     everyone_has_it = bool(accelerator.gather(torch.tensor([int(scores is not None)], device=accelerator.device)).all())
     if everyone_has_it:
         if accelerator.is_main_process:
-            print(f"reference: {len(pairs):,} pairs' scores read from {cache} (the model as loaded scored "
+            print(f"reference: {len(pairs):,} {unit}' scores read from {cache} (the model as loaded scored "
                   "them in an earlier run)", flush=True)
         return torch.from_numpy(scores).float()
     # every pair once, in order: the training loader's shuffle drops a ragged tail
@@ -65,7 +67,7 @@ def reference_logps(accelerator, model, pairs, collate, batch_size: int, sequenc
         partial.replace(cache)  # whole or absent: a crash never leaves part of the scores to be read as all
     if accelerator.is_main_process:
         kept = f"; kept in {cache}" if cache is not None else ""
-        print(f"reference: {len(pairs):,} pairs scored by the model as loaded, before training{kept}", flush=True)
+        print(f"reference: {len(pairs):,} {unit} scored by the model as loaded, before training{kept}", flush=True)
     return torch.from_numpy(scores).float()
 
 
