@@ -3,6 +3,7 @@
 
     python scripts/measure/preference_speed.py --pairs 100000 --out results/<date>_cpu_preference-100k
     python scripts/measure/preference_speed.py --pairs 200                      # the test's run
+    python scripts/measure/preference_speed.py --recipe kto --no-full --pairs 100000 --out results/<date>_cpu_kto-100k
 
 Pairs: UltraFeedback's layout (whole `chosen` / `rejected` conversations sharing their opening turns: the
 implicit prompt), of scripts/measure/prepare_speed.py's sentences (1-2 exchanges, replies of 1-4 sentences, about
@@ -15,6 +16,10 @@ optimizer step, each launch with the same fresh datasets cache (HF_DATASETS_CACH
   dpo_full cold     recipes/dpo_full.py on the cached pairs: the model as loaded scores every pair once
                     (the reference log-probabilities, sharded over the processes)
   dpo_full cached   the same again: the scores read back
+
+`--recipe kto`: kto.py and kto_full.py in their places (each pair two judged replies, so twice the rows, each
+with its mismatched row); `--no-full` leaves out the full-weight launches (their reference pass is a forward of
+every row and takes the longest).
 
 Per launch: wall seconds, each rank's peak resident memory by the start-up line (loading and the
 reference pass) and with the first step (run.json's host_peak_*_gib_by_rank), and the lines the recipe
@@ -39,7 +44,8 @@ sys.path.insert(0, str(REPO / "scripts" / "measure"))
 
 from prepare_speed import sentence  # noqa: E402
 
-LAUNCHES = (("dpo", "cold"), ("dpo", "cached"), ("dpo_full", "cold"), ("dpo_full", "cached"))
+def launches(recipe: str, full: bool) -> list[tuple[str, str]]:
+    return [(name, cache) for name in (recipe, f"{recipe}_full")[:2 if full else 1] for cache in ("cold", "cached")]
 
 
 def pairs_file(path: Path, count: int, seed: int = 0) -> Path:
@@ -73,7 +79,8 @@ def launch(recipe: str, pairs: Path, output_dir: Path, cache: Path) -> dict:
     return {"recipe": recipe, "seconds": round(seconds, 1),
             "peak_at_start_gib_by_rank": record["host_peak_at_start_gib_by_rank"],
             "peak_with_first_step_gib_by_rank": record["host_peak_gib_by_rank"],
-            "lines": [line for line in output.splitlines() if line.startswith(("data (", "reference:"))],
+            "lines": [line for line in output.splitlines() if line.startswith(("data (", "data: ", "reference:"))
+                      and not line.startswith("data: chat rows")],
             "command": " ".join(command[2:])}
 
 
@@ -91,25 +98,28 @@ def table(runs: list[dict]) -> str:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.partition("\n")[0])
     parser.add_argument("--pairs", type=int, default=100_000)
+    parser.add_argument("--recipe", choices=("dpo", "kto"), default="dpo")
+    parser.add_argument("--no-full", action="store_true", help="leave out dpo_full.py / kto_full.py")
     parser.add_argument("--out", type=Path, default=None, help="write results.json and results.md here")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as scratch:
         root = Path(scratch)
         pairs = pairs_file(root / "pairs.jsonl", args.pairs)
         runs = []
-        for recipe, cache in LAUNCHES:
+        for recipe, cache in launches(args.recipe, not args.no_full):
             run = launch(recipe, pairs, root / f"{recipe}-{cache}", root / "datasets-cache")
             runs.append({**run, "cache": cache})
             print(f"{recipe} {cache}: {run['seconds']} s, peak by start-up {run['peak_at_start_gib_by_rank']} GiB",
                   flush=True)
-    text = (f"# Preference tuning on {args.pairs:,} generated pairs (CPU, 2 processes, {date.today()})\n\n"
-            f"`python scripts/measure/preference_speed.py --pairs {args.pairs} --out <this folder>` on {os.cpu_count()} "
+    flags = f"{' --recipe kto' if args.recipe == 'kto' else ''}{' --no-full' if args.no_full else ''}"
+    text = (f"# Preference tuning ({args.recipe}) on {args.pairs:,} generated pairs (CPU, 2 processes, {date.today()})\n\n"
+            f"`python scripts/measure/preference_speed.py{flags} --pairs {args.pairs} --out <this folder>` on {os.cpu_count()} "
             "CPU cores, no GPU; the bundled tiny model. Each launch's command is in results.json.\n\n"
             + table(runs) + "\n")
     print(text)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "results.json").write_text(json.dumps({"pairs": args.pairs, "cpus": os.cpu_count(),
+        (args.out / "results.json").write_text(json.dumps({"recipe": args.recipe, "pairs": args.pairs, "cpus": os.cpu_count(),
                                                            "date": str(date.today()), "runs": runs}, indent=2) + "\n")
         (args.out / "results.md").write_text(text)
 

@@ -53,3 +53,27 @@ def test_preference_recipe_on_gpu(recipe, config, flags, tmp_path, record_proper
         record_property("peak_allocated_gib", max(record.get("peak_allocated_gib") or 0 for record in records))
 
     check_reloads("full" if recipe == "dpo_full" else "qlora" if flags else "lora", run, base, record_property)
+
+
+# KTO on the same pairs (each two judged replies): its LoRA recipe under full sharding, every weight under ZeRO-3
+KTO_CASES = [("kto", "fsdp"), ("kto_full", "zero3")]
+
+
+@pytest.mark.parametrize("recipe, config", KTO_CASES)
+def test_kto_recipe_on_gpu(recipe, config, tmp_path, record_property):
+    base = shaped_model()
+    lr = "1e-5" if recipe == "kto_full" else "2e-3"
+    run = gpu_launch(recipe, tmp_path / "out", "--max-steps", str(STEPS), "--batch-size", "4", "--lr", lr,
+                     "--max-length", "256", config=config, model=base)
+    assert run.returncode == 0, run.output[-4000:]
+    record_property("launch_seconds", round(run.seconds, 1))
+    check_what_ran(run, config, record_property)
+    records = run.metrics()
+    assert len(records) == STEPS
+    # the first step's policy is the reference: rewards 0, the KL estimate 0, the loss 1 - sigmoid(0)
+    assert records[0]["loss"] == pytest.approx(0.5, abs=1e-2) and all(record["kl"] >= 0 for record in records)
+    record_property("losses", json.dumps([round(record["loss"], 4) for record in records]))
+    record_property("kl", json.dumps([round(record["kl"], 4) for record in records]))
+    if HAS_GPU:
+        record_property("peak_allocated_gib", max(record.get("peak_allocated_gib") or 0 for record in records))
+    check_reloads("full" if recipe == "kto_full" else "lora", run, base, record_property)
