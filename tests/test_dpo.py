@@ -33,8 +33,7 @@ PROCESSES = {"model_parallel": 1, "ddp": 2, "fsdp": 2, "fsdp_grad_op": 2, "fsdp_
 # (recipe, config, flags): each suite run launches these; RECIPES_LONG_TESTS=1 the rest
 ORPO = ("--loss", "orpo")
 # (sequence parallel: lora's every run, tests/test_equivalence.py; the preference recipes' in the long tests)
-EVERY_RUN = {("dpo", "ddp", ()), ("dpo", "fsdp", ()), ("dpo", "zero3", ()), ("dpo_full", "zero3", ()),
-             ("dpo_full", "fsdp", ORPO)}
+EVERY_RUN = {("dpo", "ddp", ()), ("dpo", "fsdp", ()), ("dpo_full", "zero3", ()), ("dpo_full", "fsdp", ORPO)}
 DISTRIBUTED = [config for config in PROCESSES if config != "model_parallel"]
 CASES = [*(("dpo", config, ()) for config in DISTRIBUTED), *(("dpo_full", config, ()) for config in DISTRIBUTED),
          ("dpo", "ddp", ("--bits", "4")), ("dpo", "fsdp_offload", ("--bits", "4")), ("dpo", "zero3_offload", ("--bits", "4")),
@@ -232,7 +231,8 @@ def test_a_resumed_run_continues_the_same_curve(trained, tmp_path, recipe, confi
 
 
 @pytest.mark.parametrize("recipe, written, config, processes", [
-    ("dpo", "zero3", "fsdp", 1), pytest.param("dpo_full", "zero3", "ddp", 1, marks=long_test),
+    ("dpo", "fsdp", "zero3", 1), pytest.param("dpo", "zero3", "fsdp", 1, marks=long_test),
+    pytest.param("dpo_full", "zero3", "ddp", 1, marks=long_test),
     pytest.param("dpo_full", "fsdp", "zero3", 4, marks=long_test)])
 def test_a_checkpoint_continues_under_another_strategy(trained, tmp_path, recipe, written, config, processes):
     """The preference recipes' checkpoints continue under another strategy and process count on the same curve

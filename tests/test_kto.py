@@ -33,7 +33,8 @@ ROWS_PER_STEP = 8
 PROCESSES = {"model_parallel": 1, "ddp": 2, "fsdp": 2, "fsdp_offload": 2, "zero1": 2, "zero2": 2, "zero3": 2,
              "zero3_offload": 2, "tp": 2}
 # (recipe, config, flags): each suite run launches these; RECIPES_LONG_TESTS=1 the rest
-EVERY_RUN = {("kto", "zero3", ()), ("kto_full", "fsdp", ())}
+# (kto.py every run: TRL's equality on one process; its strategies in the long tests, beside dpo.py's every-run ones)
+EVERY_RUN = {("kto_full", "fsdp", ())}
 DISTRIBUTED = [config for config in PROCESSES if config not in ("model_parallel", "tp")]
 CASES = [*(("kto", config, ()) for config in DISTRIBUTED), *(("kto_full", config, ()) for config in DISTRIBUTED),
          ("kto", "ddp", ("--bits", "4")), ("kto", "zero3_offload", ("--bits", "4")),
@@ -128,7 +129,7 @@ def test_same_curve_as_one_process(trained, recipe, config, flags):
     assert max(curve(other, "kl")) > 0  # the policy moved from the reference: the estimate is in play
 
 
-@pytest.mark.parametrize("recipe", ["kto", "kto_full"])
+@pytest.mark.parametrize("recipe", [pytest.param("kto", marks=long_test), "kto_full"])
 def test_it_trains_and_says_what_it_read(trained, recipe):
     run = trained(recipe, "zero3" if recipe == "kto" else "fsdp")
     assert run.returncode == 0, run.output[-3000:]
@@ -148,7 +149,9 @@ def test_it_trains_and_says_what_it_read(trained, recipe):
 
 
 @pytest.mark.parametrize("recipe, written, config, processes", [
-    ("kto_full", "fsdp", "model_parallel", 1), pytest.param("kto", "zero3", "fsdp", 2, marks=long_test),
+    # (every run: dpo_full.py's resume, the same checkpoint and reference-cache code)
+    pytest.param("kto_full", "fsdp", "model_parallel", 1, marks=long_test),
+    pytest.param("kto", "zero3", "fsdp", 2, marks=long_test),
     pytest.param("kto", "ddp", "ddp", 2, marks=long_test)])
 def test_a_checkpoint_continues_the_same_curve(trained, tmp_path, recipe, written, config, processes):
     """From step 3's checkpoint (another strategy and process count where they differ): the same steps 4-6 as
