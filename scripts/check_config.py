@@ -27,7 +27,8 @@ from unittest import mock
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT / "recipes"))
 
-from common.launching.args import FEEDBACK_RECIPES, ONLINE_RECIPES, PREFERENCE_RECIPES, answer_help_with, recipe_flags  # noqa: E402
+from common.launching.args import (FEEDBACK_RECIPES, ONLINE_RECIPES, PREFERENCE_RECIPES,  # noqa: E402
+                                   REWARD_RECIPES, answer_help_with, recipe_flags)
 from common.launching.args import parse_args as parse_recipe_args  # noqa: E402
 
 
@@ -36,7 +37,8 @@ def flags() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=summary, epilog=details,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("config_file", type=Path, help="an accelerate config file (.yaml or .json)")
-    parser.add_argument("--recipe", choices=("full", "lora", "qlora", *PREFERENCE_RECIPES, *FEEDBACK_RECIPES, *ONLINE_RECIPES), default="lora",
+    parser.add_argument("--recipe", choices=("full", "lora", "qlora", *PREFERENCE_RECIPES, *FEEDBACK_RECIPES, *REWARD_RECIPES,
+                                                 *ONLINE_RECIPES), default="lora",
                         help="default: lora")
     parser.add_argument("--num-processes", type=int, default=None, help="as the launcher's --num_processes")
     parser.add_argument("--gpu", action="store_true", help="check as on a machine with CUDA GPUs")
@@ -114,7 +116,8 @@ def refuse_what_the_launcher_chokes_on(path: Path) -> None:
 
 # The start-up checks a preference or online recipe runs as: dpo.py, kto.py and grpo.py as LoRA (QLoRA with
 # --bits), dpo_full.py, kto_full.py and grpo_full.py as full tuning.
-SETTLED_AS = {"dpo": "lora", "dpo_full": "full", "kto": "lora", "kto_full": "full", "grpo": "lora", "grpo_full": "full"}
+SETTLED_AS = {"dpo": "lora", "dpo_full": "full", "kto": "lora", "kto_full": "full", "reward": "lora",
+              "reward_full": "full", "grpo": "lora", "grpo_full": "full"}
 
 
 def check(config_file: Path, recipe: str = "lora", recipe_argv: list[str] = (), num_processes: int | None = None,
@@ -133,7 +136,7 @@ def check(config_file: Path, recipe: str = "lora", recipe_argv: list[str] = (), 
         preflight.refuse(f"{path.name}: {problem}" if problem else f"accelerate cannot launch {path.name}: {lines[0]}")
     args = parse_recipe_args(recipe_flags(recipe), list(recipe_argv))
     shown = recipe  # the recipe named; the checks below run as the one it settles as
-    recipe = "qlora" if recipe in ("dpo", "kto", "grpo") and args.bits else SETTLED_AS.get(recipe, recipe)
+    recipe = "qlora" if recipe in ("dpo", "kto", "reward", "grpo") and args.bits else SETTLED_AS.get(recipe, recipe)
     on_gpu = (__import__("torch").cuda.is_available()) if on_gpu is None else on_gpu
     with mock.patch.dict(os.environ, env, clear=True), mock.patch("torch.cuda.is_available", return_value=on_gpu):
         run, notes = launch_config.adapt_launch(args, config_file=None if is_deepspeed_json(path) else path,
@@ -146,6 +149,8 @@ def check(config_file: Path, recipe: str = "lora", recipe_argv: list[str] = (), 
         preflight.check_ranges(run)  # values the file handed to the flags, too
         if shown in ONLINE_RECIPES:  # generation needs whole layers: no pipeline, tensor or sequence parallel
             preflight.check_online_strategy(run, launch)
+        if shown in REWARD_RECIPES:  # what a reward model cannot run (packing, tp / sp / pipeline, --eval-tasks)
+            preflight.check_reward_run(run, launch)
         launch = preflight.check_pipeline(run, recipe, launch)  # --pipeline-stages against the processes, the model
         preflight.check_strategy(run, recipe, launch)  # FSDP's layer classes against the model, ...
         if launch.kind == TENSOR_PARALLEL:  # what the recipe can split (its model's heads, LoRA's targets)
@@ -156,6 +161,7 @@ def check(config_file: Path, recipe: str = "lora", recipe_argv: list[str] = (), 
             preflight.check_preference_run(run, launch)
         if shown in FEEDBACK_RECIPES:  # what KTO cannot run (packing, pipeline stages, sequence parallel, auto)
             preflight.check_feedback_run(run, launch)
+
         run, batch_line = settle_batch(run, recipe, launch)  # the file's train_batch_size must split over the ranks
         preflight.check_pipeline_micro_batches(run, launch)
         if shown in ONLINE_RECIPES:  # whole groups in the global batch; what cannot generate (tp, pipeline, sp)

@@ -73,8 +73,9 @@ def test_the_preference_part_runs_each_preference_recipe_under_sharding_and_ddp(
     cases = json.loads((tmp_path / "results.json").read_text())["results"]["preference"]["cases"]
     names = [case["name"] for case in cases]
     assert names[:3] == ["test_preference_recipe_on_gpu[dpo-fsdp]", "test_preference_recipe_on_gpu[dpo_full-zero3]",
-                         "test_preference_recipe_on_gpu[dpo-qlora-zero3]"] and len(names) == 8
-    assert names[-2:] == ["test_kto_recipe_on_gpu[kto-fsdp]", "test_kto_recipe_on_gpu[kto_full-zero3]"]
+                         "test_preference_recipe_on_gpu[dpo-qlora-zero3]"] and len(names) == 10
+    assert names[-4:] == ["test_kto_recipe_on_gpu[kto-fsdp]", "test_kto_recipe_on_gpu[kto_full-zero3]",
+                          "test_reward_model_on_gpu[reward-fsdp]", "test_reward_model_on_gpu[reward_full-zero3]"]
     assert all("needs a CUDA GPU" in case["outcome"] for case in cases)
 
 

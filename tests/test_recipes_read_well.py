@@ -37,7 +37,7 @@ def docstring_flags(recipe: str) -> set[str]:
     return set(re.findall(r"--[a-z][a-z0-9-]+", listed))
 
 
-@pytest.mark.parametrize("recipe", [*RECIPES, "dpo", "dpo_full", "kto", "kto_full", "grpo", "grpo_full"])
+@pytest.mark.parametrize("recipe", [*RECIPES, "dpo", "dpo_full", "kto", "kto_full", "reward", "reward_full", "grpo", "grpo_full"])
 def test_docstring_lists_exactly_the_real_flags(recipe):
     assert docstring_flags(recipe) == help_flags(recipe) - {"--help"}
 

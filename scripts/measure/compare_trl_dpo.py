@@ -1,9 +1,11 @@
 #!/usr/bin/env python
 """recipes/dpo.py beside TRL's DPOTrainer (--loss orpo: trl.experimental's ORPOTrainer; --recipe kto: recipes/kto.py
-beside KTOTrainer) on the same workload: time per optimizer step, side by side.
+beside KTOTrainer; --recipe reward: recipes/reward.py beside RewardTrainer) on the same workload: time per optimizer
+step, side by side.
 
     python scripts/measure/compare_trl_dpo.py --steps 40 --rounds 3 --output-dir outputs/compare_trl_dpo [--loss orpo]
     python scripts/measure/compare_trl_dpo.py --recipe kto --steps 40 --rounds 3 --output-dir outputs/compare_trl_kto
+    python scripts/measure/compare_trl_dpo.py --recipe reward --steps 40 --rounds 3 --output-dir outputs/compare_trl_reward
 
 Both sides train the bundled tiny model's LoRA adapters on the bundled pairs (data/preferences/train.jsonl,
 prompt / chosen / rejected text), one process, fp32 on CPU, with the recipe's flags (scripts/measure/trl_dpo_worker.py
@@ -11,7 +13,9 @@ sets DPOTrainer up as the recipe runs: the same adapter, optimizer, schedule, be
 is the base with the adapter switched off on both sides). The rounds alternate the two sides. A side's time
 is its training loop from the end of its first step to the end of its last (the first step's warm-up left
 out), from each step's `elapsed_s` in its metrics.jsonl; pairs/s = pairs trained in those steps / that time
-(KTO: rows/s, each pair two judged replies, scripts/measure/trl_kto_worker.py its TRL side).
+(KTO: rows/s, each pair two judged replies, scripts/measure/trl_kto_worker.py its TRL side; reward models: pairs/s,
+scripts/measure/trl_reward_worker.py its TRL side, both with the LoRA targets named: --lora-targets all-linear would
+adapt the score head too on TRL's sequence classifier).
 Prints a line per run, the medians and `ratio: X` (ours / TRL's pairs per second; above 1: ours is faster);
 writes --output-dir/summary.json. What it does not measure: GPUs, several processes, data preparation.
 """
@@ -58,14 +62,16 @@ def main(argv=None) -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--recipe", choices=("dpo", "kto"), default="dpo", help="kto: recipes/kto.py beside KTOTrainer")
+    parser.add_argument("--recipe", choices=("dpo", "kto", "reward"), default="dpo",
+                        help="kto: recipes/kto.py beside KTOTrainer; reward: recipes/reward.py beside RewardTrainer")
     parser.add_argument("--loss", default="sigmoid", help="dpo.py's --loss (orpo: against ORPOTrainer)")
     parser.add_argument("--output-dir", type=Path, default=REPO / "outputs" / "compare_trl_dpo")
     args = parser.parse_args(argv)
     flags = ["--dataset", str(PAIRS), "--max-steps", str(args.steps), "--batch-size", str(args.batch_size),
              "--grad-accum", "1", "--lr", "5e-3", "--lora-dropout", "0",
-             *(["--loss", args.loss] if args.recipe == "dpo" else [])]
-    unit = "pairs" if args.recipe == "dpo" else "rows"
+             *(["--loss", args.loss] if args.recipe == "dpo" else []),
+             *(["--lora-targets", "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"] if args.recipe == "reward" else [])]
+    unit = "rows" if args.recipe == "kto" else "pairs"
     runs = {"ours": [], "TRL": []}
     for round_ in range(1, args.rounds + 1):
         for side in runs:

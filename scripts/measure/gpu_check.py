@@ -19,8 +19,8 @@ the order listed):
   codellama  scripts/measure/step_speed.py at CodeLlama-34B's whole shape, built on the GPU: LoRA, micro-batch 4 x GA 4,
              every layer recomputed; steady tokens/s, MFU, peak beside the planner's, a 1,024-row epoch projected
   preference tests/gpu/test_gpu_preferences.py: dpo.py (LoRA, QLoRA) and dpo_full.py under fsdp, zero3 and ddp,
-             kto.py under fsdp and kto_full.py under zero3 (8 launches): the reference's first step, the held-out
-             margin, the reload; never run on a GPU before
+             kto.py and reward.py under fsdp, kto_full.py and reward_full.py under zero3 (10 launches): the
+             reference's first step, the held-out margin, the reload; never run on a GPU before
   grpo       tests/gpu/test_gpu_grpo.py: grpo.py under fsdp, zero3 and ddp (3 launches): sampling with the weights
              gathered once per batch, generation tokens/s and step time, the reload; never run on a GPU before
   headline   the TinyLlama-1.1B LoRA reference epoch under ddp.yaml (scripts/measure/benchmark.py --workload tinyllama
@@ -98,7 +98,7 @@ TINYLLAMA = ["scripts/measure/benchmark.py", "--workload", "tinyllama", "--measu
 # loading, saving and the reload dominate); the first call's wheels 20 s.
 PARTS = {
     # call 1 (the default): the step lever by lever, the headline through the launch, the preference recipes
-    # (8 launches, KTO's two too), the core. The step table: 8 variants x 20 steps of ~0.5-0.9 s at the
+    # (10 launches, KTO's and the reward models' too), the core. The step table: 8 variants x 20 steps of ~0.5-0.9 s at the
     # headline's shape built once, compile's ~1 min, two 3-step profiles (scripts/measure/step_speed.py)
     "speed": (["scripts/measure/step_speed.py", "--steps", "12", "--warmup", "3"], 300, 120),
     # CodeLlama-34B's whole shape built on the GPU (no files: 63 GiB of random bf16 weights), LoRA at the reference's
@@ -106,7 +106,7 @@ PARTS = {
     "codellama": (["scripts/measure/step_speed.py", "--config", "data/model_configs/codellama-34b.json", "--batch-size", "4",
                    "--grad-accum", "4", "--gradient-checkpointing", "--variants", "defaults", "--steps", "8",
                    "--warmup", "2", "--profile-steps", "0"], 360, 200),
-    "preference": ([*PYTEST, PREFERENCE_TESTS], 360, 45),
+    "preference": ([*PYTEST, PREFERENCE_TESTS], 420, 45),
     # grpo.py under fsdp, zero3, ddp (3 launches of 6 steps with 64-token completions): sampling on the GPU with the
     # weights gathered once per batch, generation tokens/s and step time; never run on a GPU before
     "grpo": ([*PYTEST, GRPO_TESTS], 240, 45),

@@ -1,7 +1,8 @@
 """The preference recipes on the GPUs, in bf16, on a model of TinyLlama-1.1B's shape cut to 2 layers, on the
 bundled pairs: dpo.py (LoRA, and QLoRA with --bits 4) and dpo_full.py under the sharded configs and DDP. The
 first step's policy is its reference (loss log 2), the held-out chosen replies gain on the rejected ones, and
-what was saved reloads in plain peft / transformers to the trained model's logits.
+what was saved reloads in plain peft / transformers to the trained model's logits. Then KTO (kto.py, kto_full.py)
+and reward models (reward.py, reward_full.py, saved as sequence classifiers) under a sharded config each.
 
 Runs where CUDA is available (scripts/measure/gpu_check.py, part `preference`); skipped elsewhere, with the reason.
 """
@@ -77,3 +78,28 @@ def test_kto_recipe_on_gpu(recipe, config, tmp_path, record_property):
     if HAS_GPU:
         record_property("peak_allocated_gib", max(record.get("peak_allocated_gib") or 0 for record in records))
     check_reloads("full" if recipe == "kto_full" else "lora", run, base, record_property)
+
+
+# reward models on the same pairs: LoRA under full sharding, every weight under ZeRO-3
+REWARD_CASES = [("reward", "fsdp"), ("reward_full", "zero3")]
+
+
+@pytest.mark.parametrize("recipe, config", REWARD_CASES)
+def test_reward_model_on_gpu(recipe, config, tmp_path, record_property):
+    from transformers import AutoModelForSequenceClassification
+
+    base = shaped_model()
+    lr = "1e-5" if recipe == "reward_full" else "2e-4"
+    run = gpu_launch(recipe, tmp_path / "out", "--max-steps", str(STEPS), "--batch-size", "4", "--lr", lr,
+                     "--max-length", "256", config=config, model=base)
+    assert run.returncode == 0, run.output[-4000:]
+    record_property("launch_seconds", round(run.seconds, 1))
+    check_what_ran(run, config, record_property)
+    records = run.metrics()
+    assert len(records) == STEPS and all(0 <= record["accuracy"] <= 1 for record in records)
+    record_property("losses", json.dumps([round(record["loss"], 4) for record in records]))
+    if HAS_GPU:
+        record_property("peak_allocated_gib", max(record.get("peak_allocated_gib") or 0 for record in records))
+    saved = AutoModelForSequenceClassification.from_pretrained(
+        run.output_dir / ("merged" if recipe == "reward" else "model"))
+    assert saved.config.num_labels == 1  # the family's sequence classifier, one score a row

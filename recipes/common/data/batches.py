@@ -74,6 +74,8 @@ class PadPairs:
             batch["sft_labels"] = sft
         if "pair_index" in pairs[0]:  # which pairs these are: where their reference scores are kept
             batch["pair_index"] = torch.tensor([pair["pair_index"] for pair in pairs])
+        if "margin" in pairs[0]:  # how much better each chosen reply is (a reward model's margin)
+            batch["margin"] = torch.tensor([pair["margin"] for pair in pairs], dtype=torch.float32)
         return batch
 
 

@@ -86,8 +86,10 @@ PAIRS_IMPLICIT_TEXT, PAIRS_IMPLICIT_CONVERSATIONAL = f"{PAIRS_TEXT}, implicit pr
 FEEDBACK_TEXT, FEEDBACK_CONVERSATIONAL = "judged replies, text", "judged replies, conversational"
 READ_COLUMNS = {"messages": ("messages", "tools"), "instruction": ("instruction", "input", "output", "response"),
                 "prompt_completion": ("prompt", "completion"), "text": ("text",),
-                PAIRS_TEXT: ("prompt", "chosen", "rejected"), PAIRS_CONVERSATIONAL: ("prompt", "chosen", "rejected", "tools"),
-                PAIRS_IMPLICIT_TEXT: ("chosen", "rejected"), PAIRS_IMPLICIT_CONVERSATIONAL: ("chosen", "rejected", "tools"),
+                PAIRS_TEXT: ("prompt", "chosen", "rejected", "margin"),
+                PAIRS_CONVERSATIONAL: ("prompt", "chosen", "rejected", "tools", "margin"),
+                PAIRS_IMPLICIT_TEXT: ("chosen", "rejected", "margin"),
+                PAIRS_IMPLICIT_CONVERSATIONAL: ("chosen", "rejected", "tools", "margin"),
                 FEEDBACK_TEXT: ("prompt", "completion", "label"),
                 FEEDBACK_CONVERSATIONAL: ("messages", "label", "tools")}
 FORMAT_KEYS = {"messages": "messages", "instruction": "instruction", "prompt_completion": "prompt", "text": "text"}

@@ -59,6 +59,10 @@ def prepare_pairs(accelerator, tokenizer, args, launch):
     with accelerator.main_process_first():
         train_tokens = [tokenize_pairs(part.rows, part.fmt, tokenizer, args.max_length) for part in train_parts]
         eval_tokens = [tokenize_pairs(part.rows, part.fmt, tokenizer, args.max_length) for part in eval_parts]
+    with_margins = {"margin" in part.rows.column_names for part in train_parts + eval_parts}
+    if len(with_margins) > 1:
+        refuse("some --dataset / --eval-dataset sources have a `margin` column and some have none; give every source "
+               "one (0 where you have no margin) or none")
     train_set, eval_set = training_sets(accelerator, args, train_parts, train_tokens, eval_parts, eval_tokens, "pair")
     data_format = DataFormat("+".join(sorted({part.fmt for part in train_parts})), shared_system_prompt(train_parts))
     chat_template_line(accelerator, tokenizer, args, renders_chat(data_format))
@@ -83,14 +87,23 @@ def tokenize_pairs(dataset, fmt: str, tokenizer, max_length: int):
     """Every pair tokenised: the 2N sides of a batch of N pairs in one targets.tokenize_rows call, then
     regrouped. Each pair also gets what tokens.tokenize_counted gives a row for the data line: `dropped`
     (the pair's problem, else a side's, else too long: `needs`, the larger side's, above `max_length`),
-    `cut` (a side cut), and the two sides' `eos_added`, `stops` and `boundary`."""
+    `cut` (a side cut), and the two sides' `eos_added`, `stops` and `boundary`. A source with a `margin` column
+    (a number a pair: how much better the chosen reply is, TRL's reward-model margin) keeps it; a pair without
+    a number there is dropped."""
     supervised = side_format(fmt)
+    margins = "margin" in dataset.column_names
 
     def batch_of_pairs(columns: dict, code: str) -> dict:  # `code` only keys datasets' cache (see tokens.mapped)
-        found = [pair_sides(dict(zip(columns, values)), fmt) for values in zip(*columns.values())]
+        rows = [dict(zip(columns, values)) for values in zip(*columns.values())]
+        found = [pair_sides(row, fmt) for row in rows]
+        if margins:
+            found = [pair if isinstance(pair, str) or isinstance(row["margin"], (int, float)) else "no margin"
+                     for pair, row in zip(found, rows)]
         tokenised = iter(tokenize_rows([side for pair in found if not isinstance(pair, str) for side in pair],
                                        tokenizer, supervised))
-        out = {key: [] for key in [*PAIR_COLUMNS, *REPORT_COLUMNS]}
+        out = {key: [] for key in [*PAIR_COLUMNS, *REPORT_COLUMNS, *(["margin"] if margins else [])]}
+        if margins:
+            out["margin"] = [float(row["margin"]) if isinstance(row["margin"], (int, float)) else 0.0 for row in rows]
         for pair in found:
             sides = (UNTOKENISED, UNTOKENISED) if isinstance(pair, str) else (next(tokenised), next(tokenised))
             lengths = [needed_length(side["labels"]) for side in sides]
@@ -110,16 +123,18 @@ def tokenize_pairs(dataset, fmt: str, tokenizer, max_length: int):
             out["boundary"].append(any(side["boundary"] for side in kept))
         return out
 
-    return mapped(dataset, batch_of_pairs, pair_features(), data_path_code("pairs.py", "preferences.py"))
+    return mapped(dataset, batch_of_pairs, pair_features(margins), data_path_code("pairs.py", "preferences.py"))
 
 
-def pair_features():
-    """The four token columns as int32 (as tokens.tokenised_features), then what the data line counts."""
-    from datasets import Features
+def pair_features(margins: bool = False):
+    """The four token columns as int32 (as tokens.tokenised_features), then what the data line counts, and the
+    pairs' `margin` where the source has one."""
+    from datasets import Features, Value
 
     row = tokenised_features()
     return Features({**{column: row[column.partition("_")[2]] for column in PAIR_COLUMNS},
-                     **{column: row[column] for column in REPORT_COLUMNS}})
+                     **{column: row[column] for column in REPORT_COLUMNS},
+                     **({"margin": Value("float32")} if margins else {})})
 
 
 def chosen_rows(pairs):

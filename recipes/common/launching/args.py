@@ -185,6 +185,7 @@ def add_qlora_args(parser: argparse.ArgumentParser) -> None:
 
 PREFERENCE_RECIPES = ("dpo", "dpo_full")  # recipes that train on pairs: two rows in one forward
 FEEDBACK_RECIPES = ("kto", "kto_full")  # recipes that train on replies judged one at a time (KTO)
+REWARD_RECIPES = ("reward", "reward_full")  # recipes that train a reward model (a score a row) on pairs
 ONLINE_RECIPES = ("grpo", "grpo_full")  # recipes that train on completions they sample: prompts in, rewards from Python
 PREFERENCE_LOSSES = ("sigmoid", "ipo", "simpo", "orpo")
 REFERENCE_FREE_LOSSES = ("simpo", "orpo")  # the preference losses that score the policy alone
@@ -208,6 +209,13 @@ def add_kto_args(parser: argparse.ArgumentParser) -> None:
     add("--desirable-weight", type=float, default=1.0,
         help="weight of the desirable replies' losses (raise it when they are the fewer: the data line advises)")
     add("--undesirable-weight", type=float, default=1.0, help="weight of the undesirable replies' losses")
+
+
+def add_reward_args(parser: argparse.ArgumentParser) -> None:
+    """The reward model's flags, with TRL 1.16's names (RewardConfig)."""
+    parser.add_argument("--center-rewards-coefficient", type=float, default=0.0,
+                        help="weight of a penalty on (chosen + rejected reward)^2, which keeps the rewards centred "
+                             "on 0 (TRL's center_rewards_coefficient; 0: none)")
 
 
 GRPO_LOSSES = ("dapo", "grpo", "dr_grpo", "bnpo", "rloo")
@@ -281,6 +289,15 @@ def recipe_flags(recipe: str, doc: str = "recipe\n") -> argparse.ArgumentParser:
         parser.add_argument("--bits", type=int, choices=(4, 8), default=None,
                             help="quantize the frozen base: 4 = NF4 (QLoRA), 8 = LLM.int8() (default: not quantized)")
         parser.set_defaults(lr=5e-5)
+    elif recipe == "reward_full":  # a reward model of every weight
+        add_reward_args(parser)
+        parser.set_defaults(lr=1e-5)
+    elif recipe == "reward":  # a reward model: LoRA adapters and the score head on a frozen base, 16-bit or quantized
+        add_lora_args(parser)
+        add_reward_args(parser)
+        parser.add_argument("--bits", type=int, choices=(4, 8), default=None,
+                            help="quantize the frozen base: 4 = NF4 (QLoRA), 8 = LLM.int8() (default: not quantized)")
+        parser.set_defaults(lr=1e-4)  # TRL's RewardConfig default
     elif recipe == "grpo":  # online RL of LoRA adapters on a frozen base, 16-bit or quantized
         add_lora_args(parser)
         add_grpo_args(parser)

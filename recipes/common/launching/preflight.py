@@ -19,6 +19,7 @@ from ..data.data_files import looks_local, missing_source
 from ..data.mixture import sources_of
 from ..model.model_config import is_default_model, meta_model, module_kinds, quantizable_weights
 from ..model.pipeline_layout import check_layout, unstageable
+from ..model.score_head import why_not_a_reward_model
 from ..refusal import Refusal, refuse  # noqa: F401  (preflight.refuse and preflight.Refusal, as the recipes and tests use them)
 from ..rewards import BUNDLED_REWARD
 from .args import ONLINE_RECIPES, lora_targets
@@ -252,6 +253,29 @@ def check_feedback_run(args, launch) -> None:
                "yet; launch with fsdp.yaml or a zero*.yaml config instead")
     if args.batch_size == "auto":
         refuse("--batch-size auto is planned for rows, and KTO scores each row with a mismatched one; give --batch-size N")
+
+
+def check_reward_run(args, launch) -> None:
+    """What a reward model does not run: rows packed together (a pair's two sides are scored as whole rows),
+    pipeline stages, tensor or sequence parallel (the score head is one output, read at one position), --eval-tasks
+    (lm-eval's tasks score text a model writes; a reward model writes none), --batch-size auto; and a model family
+    whose sequence classifier would not read like its causal model with a score head."""
+    if args.packing:
+        refuse("--packing joins rows into one sequence, but a preference pair is scored as two whole rows; "
+               "drop --packing")
+    split = ("pipeline stages" if args.pipeline_stages > 1 or launch.pipeline_stages > 1
+             else "tensor parallel" if launch.kind == TENSOR_PARALLEL
+             else "sequence parallel" if launch.sequence_parallel > 1 else None)
+    if split:
+        refuse(f"{args.recipe}.py does not run {split}; launch with fsdp.yaml or a zero*.yaml config instead")
+    if args.eval_tasks:
+        refuse("--eval-tasks scores the text a model writes, and a reward model writes none; drop --eval-tasks "
+               "(its held-out pairs' accuracy is in metrics.jsonl)")
+    if args.batch_size == "auto":
+        refuse("--batch-size auto is planned for rows, and a preference pair is two rows in one forward; give --batch-size N")
+    why_not = why_not_a_reward_model(model_config(args.model))
+    if why_not:
+        refuse(f"--model {args.model} cannot train as a reward model here: {why_not}")
 
 
 def settle_online_run(args, launch):

@@ -15,7 +15,7 @@ from pathlib import Path
 from ..model.adapters import adapter_base, merged_start_model
 from ..model.shard_loading import why_not_read_shards
 from . import eval_tasks, launch_config, memory_plan, preflight
-from .args import FEEDBACK_RECIPES, ONLINE_RECIPES, PREFERENCE_RECIPES
+from .args import FEEDBACK_RECIPES, ONLINE_RECIPES, PREFERENCE_RECIPES, REWARD_RECIPES
 from .batch_size import settle as settle_batch
 from .launch import DDP, FSDP, READS_SHARDS, SINGLE, TENSOR_PARALLEL, Launch, describe
 from .settled import Run
@@ -44,6 +44,8 @@ def settle_launch(args: Run, recipe: str) -> tuple[Run, Launch]:
     run = settle_model(run)  # a LoRA adapter as --model: its base with the adapter merged in
     if run.recipe in ONLINE_RECIPES:  # generation needs whole layers: no pipeline, tensor or sequence parallel
         preflight.check_online_strategy(run, launch)
+    if run.recipe in REWARD_RECIPES:  # (before the strategies' own checks: the strategy is what to change)
+        preflight.check_reward_run(run, launch)
     launch = preflight.check_pipeline(run, recipe, launch)
     if launch.kind == TENSOR_PARALLEL:
         preflight.check_tensor_parallel(run, recipe, launch)
@@ -131,7 +133,8 @@ def settle_loading(run: Run, recipe: str, launch: Launch) -> Launch:
         return dataclasses.replace(launch, loading=None)
     if launch.kind != FSDP or not launch.main_process_loads or recipe == "qlora" or launch.pipeline_stages > 1:
         return launch
-    why_not = why_not_read_shards(run.model, run.trust_remote_code)
+    why_not = ("a reward model's score head is not in the model's files" if run.recipe in REWARD_RECIPES
+               else why_not_read_shards(run.model, run.trust_remote_code))
     if why_not:
         say(f"loading: the main process reads the weights and sends each process its shards, since {why_not}")
         return launch

@@ -25,6 +25,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from .model_config import bits_config
+from .score_head import as_sequence_classifier, head_name, put_score_head
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -64,11 +65,12 @@ def trained_on_4bit(adapter: str) -> bool:
 
 
 def merge(base: str, adapter: str, output: str, base_4bit: bool = False, dtype: torch.dtype | None = None,
-          trust_remote_code: bool = False) -> None:
+          trust_remote_code: bool = False, reward: bool = False) -> None:
     """`adapter` merged into `base`'s weights, saved to `output` as a plain transformers model with the adapter's
     tokenizer (its chat template as trained; the base's where the adapter folder has none). With `base_4bit` the
     base is loaded in NF4, as QLoRA trained against it, and dequantized before the merge. `dtype`: of the merged
-    weights (None: the base's)."""
+    weights (None: the base's). With `reward`, the adapter trained a score head in the LM head's place
+    (score_head.py): saved as the family's AutoModelForSequenceClassification."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -80,12 +82,18 @@ def merge(base: str, adapter: str, output: str, base_4bit: bool = False, dtype: 
             trust_remote_code=trust_remote_code).dequantize()
     else:
         model = AutoModelForCausalLM.from_pretrained(base, dtype="auto", trust_remote_code=trust_remote_code)
+    if reward:  # the head the adapter's trained copy is loaded into (its values are the adapter's)
+        head_key = f"{head_name(model)}.weight"
+        put_score_head(model, 0, model.get_input_embeddings().weight.dtype)
     merged = PeftModel.from_pretrained(model, adapter).merge_and_unload()
     if dtype is not None:  # after the merge, which adds the adapter's update in the base's precision
         merged = merged.to(dtype)
     merged.save_pretrained(output, safe_serialization=True)
     tokenizer_source = adapter if (Path(adapter) / "tokenizer_config.json").is_file() else base
-    AutoTokenizer.from_pretrained(tokenizer_source, trust_remote_code=trust_remote_code).save_pretrained(output)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_source, trust_remote_code=trust_remote_code)
+    tokenizer.save_pretrained(output)
+    if reward:
+        as_sequence_classifier(Path(output), head_key, tokenizer.pad_token_id)
 
 
 def merged_folder(adapter: str, base: str) -> Path:

@@ -472,14 +472,16 @@ def check_adapter(path: Path, moved: bool = True) -> None:
         raise RuntimeError(f"{path}: every lora_B is zero; the adapter was never trained or was saved empty")
 
 
-def merge_adapter(accelerator, base_model: str, adapter, merged, base_4bit: bool = False, dtype: str = "auto") -> None:
+def merge_adapter(accelerator, base_model: str, adapter, merged, base_4bit: bool = False, dtype: str = "auto",
+                  reward: bool = False) -> None:
     """`merged/`: the adapter merged into the base weights, as a plain transformers model, in `dtype` (a
     --save-dtype name; auto: the base's).
 
     Done by the main process in a fresh Python (merge.py): a process outside the training's
     process group loads the base without any FSDP or ZeRO-3 collective, so nothing can hang. Where the run
     trained on a merged adapter (`base_model` a merged start), the exported adapter names its own base
-    (save_adapter made it stand alone), and that is the base it merges onto.
+    (save_adapter made it stand alone), and that is the base it merges onto. `reward`: a reward model's adapter
+    (its score head trained too), merged into the family's AutoModelForSequenceClassification.
     """
     if accelerator.is_main_process:
         if adapters.merged_start(str(base_model)):
@@ -487,7 +489,8 @@ def merge_adapter(accelerator, base_model: str, adapter, merged, base_4bit: bool
         command = [sys.executable, str(Path(__file__).with_name("merge.py")),
                    "--base", str(base_model), "--adapter", str(adapter), "--output", str(merged)]
         clean_env = {k: v for k, v in os.environ.items() if not k.startswith(LAUNCH_ENV_PREFIXES)}
-        subprocess.run(command + (["--base-4bit"] if base_4bit else []) + ["--dtype", dtype], check=True, env=clean_env)
+        subprocess.run(command + (["--base-4bit"] if base_4bit else []) + (["--reward"] if reward else [])
+                       + ["--dtype", dtype], check=True, env=clean_env)
     accelerator.wait_for_everyone()
 
 

@@ -22,9 +22,10 @@ from common.launching.args import SAVE_DTYPES
 from common.model import adapters
 
 
-def merge(base: str, adapter: str, output: str, base_4bit: bool = False, dtype: str = "auto") -> None:
+def merge(base: str, adapter: str, output: str, base_4bit: bool = False, dtype: str = "auto", reward: bool = False) -> None:
     """adapters.merge with `dtype` a --save-dtype name (auto: the base's)."""
-    adapters.merge(base, adapter, output, base_4bit, None if dtype == "auto" else getattr(torch, SAVE_DTYPES[dtype]))
+    adapters.merge(base, adapter, output, base_4bit, None if dtype == "auto" else getattr(torch, SAVE_DTYPES[dtype]),
+                   reward=reward)
 
 
 def main() -> None:
@@ -35,8 +36,10 @@ def main() -> None:
     parser.add_argument("--base-4bit", action="store_true", help="the adapter was trained on an NF4 base (QLoRA)")
     parser.add_argument("--dtype", default="auto", choices=("auto", *SAVE_DTYPES),
                         help="dtype of the merged weights (auto: the base's)")
+    parser.add_argument("--reward", action="store_true",
+                        help="the adapter trained a reward model's score head (reward.py): save a sequence classifier")
     args = parser.parse_args()
-    merge(args.base, args.adapter, args.output, args.base_4bit, args.dtype)
+    merge(args.base, args.adapter, args.output, args.base_4bit, args.dtype, args.reward)
 
 
 if __name__ == "__main__":

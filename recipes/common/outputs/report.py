@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from ..data.formats import IGNORE
-from ..launching.args import FEEDBACK_RECIPES, ONLINE_RECIPES, PREFERENCE_RECIPES
+from ..launching.args import FEEDBACK_RECIPES, ONLINE_RECIPES, PREFERENCE_RECIPES, REWARD_RECIPES
 from ..model import adapters
 
 
@@ -80,8 +80,12 @@ def write_model_card(accelerator, args, recipe: str, artifact: str, samples: lis
     load = {
         "model": f'AutoModelForCausalLM.from_pretrained("{output_dir / "model"}")',
         "adapter": f'PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained("{base}"), "{output_dir / "adapter"}")',
+        # a reward model (reward.py: merged/, reward_full.py: model/): one score a row
+        "merged": f'AutoModelForSequenceClassification.from_pretrained("{output_dir / "merged"}")',
     }[artifact]
-    bundled = ("bundled data/preferences/" if recipe in (*PREFERENCE_RECIPES, *FEEDBACK_RECIPES) else "bundled data/prompts/"
+    loader = "AutoModelForSequenceClassification" if recipe in REWARD_RECIPES else "AutoModelForCausalLM"
+    load = load.replace("AutoModelForCausalLM", loader)
+    bundled = ("bundled data/preferences/" if recipe in (*PREFERENCE_RECIPES, *FEEDBACK_RECIPES, *REWARD_RECIPES) else "bundled data/prompts/"
                if recipe in ONLINE_RECIPES else "bundled data/")  # the default --dataset
     start = run.get("start_adapter")
     origin = (f", started from the LoRA adapter `{start}` merged onto it" if start else
@@ -120,7 +124,7 @@ def write_model_card(accelerator, args, recipe: str, artifact: str, samples: lis
                  "|---|---|---:|"]
         card += [f"| {task} | {metric} | {value:.4f} |" for task, metrics in scored.items()
                  if isinstance(metrics, dict) for metric, value in metrics.items()]
-    card += ["", "## Load it", "", "```python", "from transformers import AutoModelForCausalLM",
+    card += ["", "## Load it", "", "```python", f"from transformers import {loader}",
              *(["from peft import PeftModel"] if artifact == "adapter" else []), f"model = {load}", "```"]
     if samples:
         card += ["", "## Samples (greedy, evaluation prompts)", ""]
