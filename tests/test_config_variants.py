@@ -174,8 +174,8 @@ LONG_LAUNCHED = {
 }
 
 
-@pytest.mark.parametrize("name", [*(name if name != "fsdp1_wrap_checkpointing" else pytest.param(name, marks=long_test)
-                                    for name in sorted(LAUNCHED)),
+# (both long: test_user_configs.py launches an FSDP1 and a DeepSpeed file every run, test_mixed_precision.py bf16)
+@pytest.mark.parametrize("name", [*(pytest.param(name, marks=long_test) for name in sorted(LAUNCHED)),
                                   *(pytest.param(name, marks=long_test) for name in sorted(LONG_LAUNCHED))])
 def test_translated_variant_trains_and_saves(name, tmp_path):
     contents, expected = {**LAUNCHED, **LONG_LAUNCHED}[name]

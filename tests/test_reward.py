@@ -29,8 +29,9 @@ STEPS = 6
 PAIRS_PER_STEP = 8
 PROCESSES = {"model_parallel": 1, "ddp": 2, "fsdp": 2, "fsdp_offload": 2, "zero1": 2, "zero2": 2, "zero3": 2,
              "zero3_offload": 2}
-# (recipe, config, flags): each suite run launches these; RECIPES_LONG_TESTS=1 the rest
-EVERY_RUN = {("reward_full", "fsdp", ())}
+# (recipe, config, flags): each suite run launches these; RECIPES_LONG_TESTS=1 the rest (every run: reward.py's TRL
+# equality on one process, and reward_full.py under FSDP2, reloaded and scored, without its one-process partner)
+EVERY_RUN = set()
 DISTRIBUTED = [config for config in PROCESSES if config != "model_parallel"]
 CENTRED = ("--center-rewards-coefficient", "0.01")
 CASES = [*(("reward", config, ()) for config in DISTRIBUTED), *(("reward_full", config, ()) for config in DISTRIBUTED),
@@ -88,6 +89,22 @@ def test_the_first_steps_equal_trls(tmp_path, flags, margins):
         for name in ("loss", "grad_norm", "accuracy", "margin", "mean_reward"):
             assert mine[name] == pytest.approx(trl[name], rel=1e-5, abs=1e-6), (step, name, mine, trl)
     assert theirs[-1]["loss"] < theirs[0]["loss"]  # both trained
+    assert_it_scores_as_trained(ours, ours.output_dir / "merged")  # LoRA's merged/: the adapter and the score head
+
+
+def assert_it_scores_as_trained(run, folder):
+    """`folder` loads as a one-label AutoModelForSequenceClassification whose score of each probe row (the first
+    evaluation batch) is the trained model's score at the row's last token."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForSequenceClassification
+
+    probe = load_file(str(run.output_dir / "probe_logits.safetensors"))
+    model = AutoModelForSequenceClassification.from_pretrained(folder)
+    assert type(model).__name__ == "LlamaForSequenceClassification" and model.config.num_labels == 1
+    with torch.no_grad():
+        scores = model(input_ids=probe["input_ids"], attention_mask=probe["attention_mask"]).logits[:, 0]
+    trained_scores = score_head.rewards_at_last_token(probe["logits"], probe["input_ids"], model.config.pad_token_id)
+    assert torch.allclose(scores, trained_scores, atol=1e-5), (scores, trained_scores)
 
 
 @pytest.mark.parametrize("recipe, config, flags", [
@@ -109,19 +126,10 @@ def test_same_curve_as_one_process(trained, recipe, config, flags):
 def test_the_saved_reward_model_loads_as_a_sequence_classifier_and_scores_as_trained(trained, recipe, config):
     """merged/ (LoRA) or model/ (every weight): AutoModelForSequenceClassification with one label, whose score of
     each probe row is the trained model's score at the row's last token."""
-    from safetensors.torch import load_file
-    from transformers import AutoModelForSequenceClassification
-
     run = trained(recipe, config)
     assert run.returncode == 0, run.output[-3000:]
-    folder = run.output_dir / ("merged" if recipe == "reward" else "model")
-    probe = load_file(str(run.output_dir / "probe_logits.safetensors"))
-    model = AutoModelForSequenceClassification.from_pretrained(folder)
-    assert type(model).__name__ == "LlamaForSequenceClassification" and model.config.num_labels == 1
-    with torch.no_grad():
-        scores = model(input_ids=probe["input_ids"], attention_mask=probe["attention_mask"]).logits[:, 0]
-    trained_scores = score_head.rewards_at_last_token(probe["logits"], probe["input_ids"], model.config.pad_token_id)
-    assert torch.allclose(scores, trained_scores, atol=1e-5), (scores, trained_scores)
+    assert_it_scores_as_trained(run, run.output_dir / ("merged" if recipe == "reward" else "model"))
+    assert all(0 <= record["accuracy"] <= 1 for record in run.metrics()) and len(run.metrics()) == STEPS
     assert "AutoModelForSequenceClassification.from_pretrained" in (run.output_dir / "README.md").read_text()
     (evaluation,) = run.metrics("eval")
     assert {"eval_loss", "eval_rewards/accuracies", "eval_rewards/margins"} <= set(evaluation)
