@@ -23,15 +23,14 @@ reward_std, frac_reward_zero_std, kl, clip_ratio/region_mean, completions/mean_l
 
 from __future__ import annotations
 
-import json
 import sys
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "recipes"))
 
 from common.launching import args as cli  # noqa: E402
+from trl_steps import step_recorder  # noqa: E402
 
 if __name__ == "__main__":
     cli.answer_help("grpo", __doc__)  # before the libraries below load (seconds)
@@ -53,7 +52,7 @@ def main(argv=None) -> None:
     import datasets
     import torch
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM, TrainerCallback
+    from transformers import AutoModelForCausalLM
     from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 
     torch.manual_seed(run.seed)
@@ -86,15 +85,7 @@ def main(argv=None) -> None:
         config, trainer_class = RLOOConfig(**common, normalize_advantages=run.normalize_advantages), RLOOTrainer
     else:
         config, trainer_class = GRPOConfig(**common, loss_type=run.loss, scale_rewards=run.scale_rewards), GRPOTrainer
-    records = []
-    started = time.perf_counter()
-
-    class Recorder(TrainerCallback):
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            if logs and "loss" in logs:
-                records.append({"type": "train", "step": state.global_step,
-                                **{name: logs[name] for name in LOGGED if name in logs},
-                                "elapsed_s": round(time.perf_counter() - started, 3)})
+    recorder = step_recorder(LOGGED)
 
     class RecipeSampling(trainer_class):
         """TRL's trainer with the recipe's completions: each drawn from the seed the recipe gives it."""
@@ -115,9 +106,9 @@ def main(argv=None) -> None:
             return completions if rloo else (completions, None)  # (RLOO's returns the ids alone)
 
     trainer = RecipeSampling(model=model, reward_funcs=functions, args=config, train_dataset=prompts,
-                             processing_class=tokenizer, callbacks=[Recorder()])
+                             processing_class=tokenizer, callbacks=[recorder])
     trainer.train()
-    (output_dir / "metrics.jsonl").write_text("".join(json.dumps(record) + "\n" for record in records))
+    recorder.write(output_dir)
 
 
 if __name__ == "__main__":

@@ -21,15 +21,14 @@ began.
 
 from __future__ import annotations
 
-import json
 import sys
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "recipes"))
 
 from common.launching import args as cli  # noqa: E402
+from trl_steps import step_recorder  # noqa: E402
 
 if __name__ == "__main__":
     cli.answer_help("kto", __doc__)  # before the libraries below load (seconds)
@@ -45,7 +44,7 @@ def main(argv=None) -> None:
     import datasets
     import torch
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM, TrainerCallback
+    from transformers import AutoModelForCausalLM
     from trl import KTOConfig, KTOTrainer
 
     torch.manual_seed(run.seed)
@@ -66,20 +65,12 @@ def main(argv=None) -> None:
         logging_steps=1, save_strategy="no", eval_strategy="no", report_to=[], optim="adamw_torch_fused",
         dataloader_num_workers=0, gradient_checkpointing=False, remove_unused_columns=False,
     )
-    records = []
-    started = time.perf_counter()
-
-    class Recorder(TrainerCallback):
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            if logs and "loss" in logs:
-                records.append({"type": "train", "step": state.global_step,
-                                **{name: logs[name] for name in LOGGED if name in logs},
-                                "elapsed_s": round(time.perf_counter() - started, 3)})
+    recorder = step_recorder(LOGGED)
 
     trainer = KTOTrainer(model=model, args=config, train_dataset=rows, processing_class=tokenizer,
-                         callbacks=[Recorder()])
+                         callbacks=[recorder])
     trainer.train()
-    (output_dir / "metrics.jsonl").write_text("".join(json.dumps(record) + "\n" for record in records))
+    recorder.write(output_dir)
 
 
 if __name__ == "__main__":

@@ -19,15 +19,14 @@ accuracy, margin, mean_reward) and `elapsed_s` since training began.
 
 from __future__ import annotations
 
-import json
 import sys
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "recipes"))
 
 from common.launching import args as cli  # noqa: E402
+from trl_steps import step_recorder  # noqa: E402
 
 if __name__ == "__main__":
     cli.answer_help("reward", __doc__)  # before the libraries below load (seconds)
@@ -42,7 +41,7 @@ def main(argv=None) -> None:
     import datasets
     import torch
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForSequenceClassification, TrainerCallback
+    from transformers import AutoModelForSequenceClassification
     from trl import RewardConfig, RewardTrainer
 
     torch.manual_seed(run.seed)
@@ -67,20 +66,12 @@ def main(argv=None) -> None:
         logging_steps=1, save_strategy="no", eval_strategy="no", report_to=[], optim="adamw_torch_fused",
         dataloader_num_workers=0, gradient_checkpointing=False,
     )
-    records = []
-    started = time.perf_counter()
-
-    class Recorder(TrainerCallback):
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            if logs and "loss" in logs:
-                records.append({"type": "train", "step": state.global_step,
-                                **{name: logs[name] for name in LOGGED if name in logs},
-                                "elapsed_s": round(time.perf_counter() - started, 3)})
+    recorder = step_recorder(LOGGED)
 
     trainer = RewardTrainer(model=model, args=config, train_dataset=pairs, processing_class=tokenizer,
-                            callbacks=[Recorder()])
+                            callbacks=[recorder])
     trainer.train()
-    (output_dir / "metrics.jsonl").write_text("".join(json.dumps(record) + "\n" for record in records))
+    recorder.write(output_dir)
 
 
 if __name__ == "__main__":
