@@ -326,3 +326,12 @@ def test_a_margin_won_by_pushing_both_replies_down_is_said_once():
     assert run(lambda s: -50 + s / 10, lambda s: -50 - 3 * s, lambda s: 1.0) == []  # the chosen replies gain
     assert run(lambda s: -50 - s, lambda s: -50 - 3 * s, lambda s: 0.8) == []  # not saturated
     assert run(lambda s: -50 - 0.01 * s, lambda s: -50 - 3 * s, lambda s: 1.0) == []  # within noise
+
+
+def test_a_margin_column_in_some_sources_only_is_refused_before_tokenising(tok, tmp_path):
+    """A reward model's per-pair `margin`: every source has one or none (the joined pairs share their columns)."""
+    with_margin = write_jsonl(tmp_path / "with.jsonl", [dict(TEXT_PAIRS[0], margin=1.0)] * 4)
+    without = write_jsonl(tmp_path / "without.jsonl", [TEXT_PAIRS[0]] * 4)
+    with pytest.raises(Refusal, match="some --dataset / --eval-dataset sources have a `margin` column"):
+        preferences.prepare_pairs(OneProcess(), tok, run_of([str(with_margin), str(without)]),
+                                  SimpleNamespace(data_parallel_size=1))

@@ -55,14 +55,14 @@ def prepare_pairs(accelerator, tokenizer, args, launch):
     given = args.dataset or [str(DEFAULT_PAIRS)]  # the bundled pairs by default
     train_parts, eval_parts = load_sources(given, args.seed, args.columns, getattr(args, "eval_dataset", None),
                                            pair_format_of, pair_problem)
+    with_margins = {"margin" in part.rows.column_names for part in train_parts + eval_parts}
+    if len(with_margins) > 1:  # (before tokenising: the joined sets would not share their columns)
+        refuse("some --dataset / --eval-dataset sources have a `margin` column and some have none; give every source "
+               "one (0 where you have no margin) or none")
     require_offsets(tokenizer)  # on every rank, before rank 0 tokenises
     with accelerator.main_process_first():
         train_tokens = [tokenize_pairs(part.rows, part.fmt, tokenizer, args.max_length) for part in train_parts]
         eval_tokens = [tokenize_pairs(part.rows, part.fmt, tokenizer, args.max_length) for part in eval_parts]
-    with_margins = {"margin" in part.rows.column_names for part in train_parts + eval_parts}
-    if len(with_margins) > 1:
-        refuse("some --dataset / --eval-dataset sources have a `margin` column and some have none; give every source "
-               "one (0 where you have no margin) or none")
     train_set, eval_set = training_sets(accelerator, args, train_parts, train_tokens, eval_parts, eval_tokens, "pair")
     data_format = DataFormat("+".join(sorted({part.fmt for part in train_parts})), shared_system_prompt(train_parts))
     chat_template_line(accelerator, tokenizer, args, renders_chat(data_format))

@@ -17,7 +17,7 @@ import planner
 
 from ..data.data_files import looks_local, missing_source
 from ..data.mixture import sources_of
-from ..model.model_config import is_default_model, meta_model, module_kinds, quantizable_weights
+from ..model.model_config import is_default_model, meta_model, model_config_object, module_kinds, quantizable_weights
 from ..model.pipeline_layout import check_layout, unstageable
 from ..model.score_head import why_not_a_reward_model
 from ..refusal import Refusal, refuse  # noqa: F401  (preflight.refuse and preflight.Refusal, as the recipes and tests use them)
@@ -256,13 +256,12 @@ def check_feedback_run(args, launch) -> None:
 
 
 def check_reward_run(args, launch) -> None:
-    """What a reward model does not run: rows packed together (a pair's two sides are scored as whole rows),
-    pipeline stages, tensor or sequence parallel (the score head is one output, read at one position), --eval-tasks
-    (lm-eval's tasks score text a model writes; a reward model writes none), --batch-size auto; and a model family
-    whose sequence classifier would not read like its causal model with a score head."""
-    if args.packing:
-        refuse("--packing joins rows into one sequence, but a preference pair is scored as two whole rows; "
-               "drop --packing")
+    """What a reward model does not run: what pairs cannot (check_preference_run), tensor or sequence parallel and
+    pipeline stages asked by flag (the score head is one output, read at one position), --eval-tasks (lm-eval's
+    tasks score text a model writes; a reward model writes none); and a model family whose sequence classifier
+    would not read like its causal model with a score head (its config read as from_pretrained reads it, a hub
+    model's too: a family found wanting only at saving would have trained for nothing)."""
+    check_preference_run(args, launch)
     split = ("pipeline stages" if args.pipeline_stages > 1 or launch.pipeline_stages > 1
              else "tensor parallel" if launch.kind == TENSOR_PARALLEL
              else "sequence parallel" if launch.sequence_parallel > 1 else None)
@@ -271,9 +270,8 @@ def check_reward_run(args, launch) -> None:
     if args.eval_tasks:
         refuse("--eval-tasks scores the text a model writes, and a reward model writes none; drop --eval-tasks "
                "(its held-out pairs' accuracy is in metrics.jsonl)")
-    if args.batch_size == "auto":
-        refuse("--batch-size auto is planned for rows, and a preference pair is two rows in one forward; give --batch-size N")
-    why_not = why_not_a_reward_model(model_config(args.model))
+    config = model_config_object(args.model, args.trust_remote_code)
+    why_not = why_not_a_reward_model(config.to_dict() if config is not None else None)
     if why_not:
         refuse(f"--model {args.model} cannot train as a reward model here: {why_not}")
 

@@ -13,7 +13,6 @@ from pathlib import Path
 import torch
 
 
-
 def put_score_head(model, seed: int, dtype: torch.dtype) -> torch.nn.Linear:
     """`model`'s LM head replaced by a score head of one output (float `dtype`), drawn as transformers initialises
     a new head (normal, the config's initializer_range) from `seed`: the same on every process, strategy and run
@@ -57,7 +56,8 @@ def rewards_at_last_token(logits: torch.Tensor, input_ids: torch.Tensor, pad_tok
 def why_not_a_reward_model(config: dict | None) -> str | None:
     """None where the model's family has a sequence classifier that reads like its causal model with a score
     head (transformers' AutoModelForSequenceClassification, its head `score`, nothing after the head); else
-    why not, for a refusal. `config`: the model's config.json (None: not readable here, checked at saving)."""
+    why not, for a refusal. `config`: the model's config as a dict (None: not readable here; then the model cannot
+    load either)."""
     if config is None:
         return None
     from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES as CLASSES

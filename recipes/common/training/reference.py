@@ -37,8 +37,8 @@ def reference_logps(accelerator, model, pairs, collate, batch_size: int, sequenc
     """(pairs x 2) float32 on the CPU: each pair's chosen and rejected log-probabilities under `model` as it is
     now (`sequence_logps(model, batch)`: the recipe's own), read from the cache where an earlier run wrote them
     under `key` (reference_key). `pairs` are `indexed` (KTO's: a row and its mismatched row, `unit` "rows").
-    Every rank takes part (sharded forwards are collective),
-    so the ranks read the cache only when every one of them has it (machines may each keep their own)."""
+    Every rank takes part (sharded forwards are collective), so the ranks read the cache only when every one of
+    them has it (machines may each keep their own)."""
     cache = cache_file(pairs, key)
     scores = read_cache(cache, len(pairs))
     everyone_has_it = bool(accelerator.gather(torch.tensor([int(scores is not None)], device=accelerator.device)).all())
