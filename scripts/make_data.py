@@ -17,6 +17,9 @@ Writes, relative to the repository root:
   prompts, ``{"prompt": ..., "answer": ...}``: the prompt template around the
   instruction, and the correct response for the exact-answer reward
   (recipes/rewards.py).
+* ``data/chat/train.jsonl`` and ``eval.jsonl``: the same rows as one-turn
+  conversations, ``{"messages": [{"role": "user", ...}, {"role": "assistant",
+  ...}]}``, for a real model's chat template (README's real-model quickstart).
 
 The task is a small mix of deterministic list operations over short digit
 sequences written with spaces (one correct response per instruction)::
@@ -125,6 +128,12 @@ def grpo_prompt(row: dict[str, str]) -> dict[str, str]:
     return {"prompt": PROMPT_TEMPLATE.format(instruction=row["instruction"]), "answer": row["response"]}
 
 
+def chat_row(row: dict[str, str]) -> dict[str, list[dict[str, str]]]:
+    """The row as a conversation: the instruction from the user, the response from the assistant."""
+    return {"messages": [{"role": "user", "content": row["instruction"]},
+                         {"role": "assistant", "content": row["response"]}]}
+
+
 def write_jsonl(path: Path, rows: list[dict[str, str]]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w", encoding="utf-8", newline="\n") as f:
@@ -204,12 +213,14 @@ def main(argv: list[str] | None = None) -> None:
     write_jsonl(data_dir / "preferences" / "eval.jsonl", [preference_pair(row) for row in eval_rows])
     write_jsonl(data_dir / "prompts" / "train.jsonl", [grpo_prompt(row) for row in train_rows])
     write_jsonl(data_dir / "prompts" / "eval.jsonl", [grpo_prompt(row) for row in eval_rows])
+    write_jsonl(data_dir / "chat" / "train.jsonl", [chat_row(row) for row in train_rows])
+    write_jsonl(data_dir / "chat" / "eval.jsonl", [chat_row(row) for row in eval_rows])
 
     tok_dir = data_dir / "tokenizer"
     build_tokenizer(train_rows, tok_dir)
     check_tokenizer(tok_dir, train_rows + eval_rows)
 
-    print(f"wrote {len(train_rows)} train rows, {len(eval_rows)} eval rows, their preference pairs and prompts, and a tokenizer "
+    print(f"wrote {len(train_rows)} train rows, {len(eval_rows)} eval rows, their preference pairs, prompts and conversations, and a tokenizer "
           f"to {data_dir}")
 
 

@@ -152,7 +152,7 @@ def test_the_data_lines_name_the_chat_template_that_renders_chat_rows(capsys):
     for template, chat_template, which in (
             (DEFAULT_CHAT_TEMPLATE, None, "the plain default (`<|user|>` / `<|assistant|>` turns), as org/model's "
                                           "tokenizer has none (--chat-template FILE for another)"),
-            ("{{ messages }}", None, "org/model's own"), ("{{ messages }}", "mine.jinja", "--chat-template mine.jinja")):
+            ("{{ messages }}", None, "org/model's own chat template"), ("{{ messages }}", "mine.jinja", "--chat-template mine.jinja")):
         chat_template_line(main, SimpleNamespace(chat_template=template),
                            SimpleNamespace(chat_template=chat_template, model="org/model"), chat=True)
         assert capsys.readouterr().out == f"data: chat rows rendered with {which}; the tokenizer saved with the model carries it\n"

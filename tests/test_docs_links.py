@@ -54,7 +54,7 @@ def test_the_readme_reads_in_ten_minutes():
 
 # What a user runs; the measurement harnesses and their library live in scripts/measure/.
 USER_TOOLS = {"build_tiny_model.py", "check_config.py", "evaluate.py", "generate.py", "inspect_data.py", "make_data.py", "merge.py",
-              "plan.py", "plot.py", "slurm", "measure"}
+              "plan.py", "plot.py", "slurm", "measure", "smollm2_from_pypi.py"}
 
 
 def test_scripts_top_level_is_the_users_menu():

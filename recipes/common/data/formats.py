@@ -51,7 +51,7 @@ def chat_template_line(accelerator, tokenizer, args, chat: bool) -> None:
         which = (f"the plain default (`<|user|>` / `<|assistant|>` turns), as {args.model}'s tokenizer has none "
                  "(--chat-template FILE for another)")
     else:
-        which = f"{args.model}'s own"
+        which = f"{args.model}'s own chat template"
     print(f"data: chat rows rendered with {which}; the tokenizer saved with the model carries it", flush=True)
 
 
