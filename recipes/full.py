@@ -85,8 +85,6 @@ def main():
     # Pipeline parallel (--pipeline-stages N): this process keeps its stage of the layers, and a schedule runs
     # the step's micro-batches through the stages (None for every other launch).
     stages = pipeline.split(accelerator, launch, run, model, tokenizer.pad_token_id)
-    if run.compile:
-        modeling.compile_layers(model)  # the first steps are slower while each shape compiles
 
     # Batches: shuffled micro-batches, each padded to its longest row; a fixed one to check reloads against.
     # To batch differently, swap the collator: any function from a list of rows to a dict of tensors. To weight
@@ -103,6 +101,10 @@ def main():
     )
     steps_per_epoch = batches.steps_per_epoch(len(train_loader) // launch.data_parallel_size, run.grad_accum)
     total_steps = run.max_steps or math.ceil(run.epochs * steps_per_epoch)
+    # compiled by default only where the planned steps repay compiling (a flag or a config file decides first)
+    run = settle.settle_compile_steps(run, total_steps)
+    if run.compile:
+        modeling.compile_layers(model)  # the first steps are slower while each shape compiles
     # The learning rate: linear warm-up over --warmup-ratio of the steps, then cosine decay to 0; a DeepSpeed
     # config's own `scheduler` section replaces it, run as its file asks (docs/config-files.md).
     if run.deepspeed_scheduler:

@@ -199,14 +199,16 @@ def main():
     modeling.keep_adapter_inputs_in_compute_dtype(model, launch)  # no float32 copy of each adapter's input
     accelerator.print(f"reference: the base, i.e. this model with its adapters switched off, for --beta {run.beta}"
                       if run.beta else "reference: none (--beta 0: no KL term, no reference forward)")
-    if run.compile:
-        modeling.compile_layers(model)  # the first steps are slower while each shape compiles
 
     optimizer = torch.optim.AdamW(
         modeling.trained_parameter_groups(model), lr=run.lr, weight_decay=run.weight_decay, fused=True
     )
     batches_per_epoch = prompts.steps_per_epoch(len(train_set), prompts_per_step)
     total_steps = run.max_steps or math.ceil(run.epochs * batches_per_epoch) * run.num_iterations
+    # compiled by default only where the planned steps repay compiling (a flag or a config file decides first)
+    run = settle.settle_compile_steps(run, total_steps)
+    if run.compile:
+        modeling.compile_layers(model)  # the first steps are slower while each shape compiles
     if run.deepspeed_scheduler:
         scheduler = deepspeed_config.deepspeed_schedule(optimizer, run.deepspeed_scheduler, run, total_steps)
     else:

@@ -181,14 +181,16 @@ def main():
     router_weight = modeling.router_loss_weight(model)  # a mixture of experts' load-balancing loss (else 0)
     if run.gradient_checkpointing:  # recompute every Nth layer's activations in the backward instead of keeping them
         modeling.checkpoint_activations(model, every_n_layers=run.gradient_checkpointing)
-    if run.compile:
-        modeling.compile_layers(model)  # the first steps are slower while each shape compiles
 
     optimizer = torch.optim.AdamW(
         modeling.trained_parameter_groups(model), lr=run.lr, weight_decay=run.weight_decay, fused=True
     )
     batches_per_epoch = prompts.steps_per_epoch(len(train_set), prompts_per_step)
     total_steps = run.max_steps or math.ceil(run.epochs * batches_per_epoch) * run.num_iterations
+    # compiled by default only where the planned steps repay compiling (a flag or a config file decides first)
+    run = settle.settle_compile_steps(run, total_steps)
+    if run.compile:
+        modeling.compile_layers(model)  # the first steps are slower while each shape compiles
     if run.deepspeed_scheduler:
         scheduler = deepspeed_config.deepspeed_schedule(optimizer, run.deepspeed_scheduler, run, total_steps)
     else:

@@ -132,8 +132,6 @@ def main():
     model = get_peft_model(model, lora_config)
     modeling.seed_adapter(model, run.seed)  # the same first adapter whatever the strategy split
     modeling.keep_adapter_inputs_in_compute_dtype(model, launch)  # no float32 copy of each adapter's input
-    if run.compile:
-        modeling.compile_layers(model)  # the first steps are slower while each shape compiles
 
     # Batches: shuffled micro-batches of pairs, each one batch of rows (chosen sides, then rejected sides).
     collate = batches.PadPairs(tokenizer.pad_token_id)
@@ -146,6 +144,10 @@ def main():
     )
     steps_per_epoch = batches.steps_per_epoch(len(train_loader) // launch.data_parallel_size, run.grad_accum)
     total_steps = run.max_steps or math.ceil(run.epochs * steps_per_epoch)
+    # compiled by default only where the planned steps repay compiling (a flag or a config file decides first)
+    run = settle.settle_compile_steps(run, total_steps)
+    if run.compile:
+        modeling.compile_layers(model)  # the first steps are slower while each shape compiles
     if run.deepspeed_scheduler:
         scheduler = deepspeed_config.deepspeed_schedule(optimizer, run.deepspeed_scheduler, run, total_steps)
     else:

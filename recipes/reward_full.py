@@ -112,8 +112,6 @@ def main():
     router_weight = modeling.router_loss_weight(model)
     if run.gradient_checkpointing:  # recompute every Nth layer's activations in the backward instead of keeping them
         modeling.checkpoint_activations(model, every_n_layers=run.gradient_checkpointing)
-    if run.compile:
-        modeling.compile_layers(model)  # the first steps are slower while each shape compiles
 
     # Batches: shuffled micro-batches of pairs, each one batch of rows (chosen sides, then rejected sides).
     collate = batches.PadPairs(tokenizer.pad_token_id)
@@ -126,6 +124,10 @@ def main():
     )
     steps_per_epoch = batches.steps_per_epoch(len(train_loader) // launch.data_parallel_size, run.grad_accum)
     total_steps = run.max_steps or math.ceil(run.epochs * steps_per_epoch)
+    # compiled by default only where the planned steps repay compiling (a flag or a config file decides first)
+    run = settle.settle_compile_steps(run, total_steps)
+    if run.compile:
+        modeling.compile_layers(model)  # the first steps are slower while each shape compiles
     if run.deepspeed_scheduler:
         scheduler = deepspeed_config.deepspeed_schedule(optimizer, run.deepspeed_scheduler, run, total_steps)
     else:

@@ -143,7 +143,8 @@ def test_the_commit_comes_from_the_file_written_beside_the_wheels(tmp_path):
 def test_the_default_call_is_the_first_calls_parts_within_the_budget_and_the_files_brought_back():
     args = gpu_check.parse_args([])
     parts = args.parts.split(",")
-    assert parts == ["speed", "headline", "codellama", "headline_levers", "preference", "grpo", "core"]
+    assert parts == ["headline", "headline_compiled_cold", "headline_compiled_warm", "trl", "speed", "codellama",
+                     "preference", "grpo", "core"]
     assert args.budget_s == 540
     benchmark_files = sum(1 + (part in gpu_check.CHARTS) for part in parts if part in gpu_check.BENCHMARKS)
     step_tables = sum(part in gpu_check.STEP_TABLES for part in parts)

@@ -120,29 +120,56 @@ def test_speed_options_script_measures_and_writes_its_table(tmp_path):
     assert table.split("| packing | `--packing` |")[1].split("|")[3].strip() == "-"  # no defaults to compare with
 
 
-@pytest.mark.parametrize("recipe, kind, on_gpu, flags, compiled", [
-    ("lora", "ddp", True, [], True),  # measured: 38.7% MFU against 26.0% on one H200
-    ("full", "fsdp", True, [], True),
-    ("dpo", "single", True, [], True),
-    ("lora", "ddp", False, [], False),  # a CPU: it lost there (0.68x)
-    ("qlora", "ddp", True, [], False),  # 4-bit layers compiled: never measured
-    ("lora", "deepspeed", True, [], False),
-    ("lora", "model_parallel", True, [], False),
-    ("lora", "ddp", True, ["--liger"], False),  # compile with Liger ran slower than compile alone
-    ("lora", "ddp", True, ["--no-compile"], False),
-    ("lora", "ddp", True, ["--max-steps", "99"], False),  # compiling (~25 s on the H200) would not be repaid
-    ("lora", "ddp", True, ["--max-steps", "100"], True),
-    ("lora", "deepspeed", False, ["--compile"], True),  # asked: always
+PLANNED = 1000  # steps the run plans: enough to repay compiling where it is on by default
+
+
+@pytest.mark.parametrize("recipe, kind, on_gpu, flags, planned, compiled", [
+    ("lora", "ddp", True, [], PLANNED, True),  # measured: 38.7% MFU against 26.0% on one H200
+    ("full", "fsdp", True, [], PLANNED, True),
+    ("dpo", "single", True, [], PLANNED, True),
+    ("lora", "ddp", False, [], PLANNED, False),  # a CPU: it lost there (0.68x)
+    ("qlora", "ddp", True, [], PLANNED, False),  # 4-bit layers compiled: never measured
+    ("lora", "deepspeed", True, [], PLANNED, False),
+    ("lora", "model_parallel", True, [], PLANNED, False),
+    ("lora", "ddp", True, ["--liger"], PLANNED, False),  # compile with Liger ran slower than compile alone
+    ("lora", "ddp", True, ["--no-compile"], PLANNED, False),
+    ("lora", "ddp", True, [], 99, False),  # compiling (~25 s on the H200) would not be repaid
+    ("lora", "ddp", True, [], 32, False),  # the reference epoch: 32 steps, eager's end to end was shorter
+    ("lora", "ddp", True, [], 100, True),
+    ("lora", "ddp", True, ["--compile"], 32, True),  # asked: always
+    ("lora", "deepspeed", False, ["--compile"], 1, True),
 ], ids=lambda value: " ".join(value) if isinstance(value, list) else str(value))
-def test_compile_is_on_by_default_only_where_it_was_measured_to_win(recipe, kind, on_gpu, flags, compiled):
+def test_compile_is_on_by_default_only_where_it_was_measured_to_win(recipe, kind, on_gpu, flags, planned, compiled,
+                                                                    capsys, monkeypatch):
     from common.launching.args import parse_args, recipe_flags
     from common.launching.launch import Launch
-    from common.launching.settle import settle_compile
+    from common.launching.settle import settle_compile, settle_compile_steps
 
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/cache/inductor")
     launch = Launch(kind=kind, processes=2, on_gpu=on_gpu, visible_gpus=1, precision="bf16")
-    run = settle_compile(parse_args(recipe_flags(recipe), flags), recipe, launch)
+    run = settle_compile_steps(settle_compile(parse_args(recipe_flags(recipe), flags), recipe, launch), planned)
     assert run.compile is compiled
     assert ("compile" in run.settled_from) == (not any("compile" in flag for flag in flags))
+    said = capsys.readouterr().out
+    decided_by_steps = on_gpu and kind in ("ddp", "fsdp", "single") and recipe != "qlora" and not flags
+    assert bool(said) == decided_by_steps  # one speed: line where the steps decided, none where a rule or flag did
+    if decided_by_steps and compiled:
+        assert said == (f"speed: --compile on ({planned} planned steps repay compiling each decoder layer, the first "
+                        "step ~25 s slower; kernels cached in /cache/inductor for the next launch; --no-compile turns "
+                        "it off)\n")
+    elif decided_by_steps:
+        assert said == (f"speed: --compile off ({planned} planned steps would not repay compiling: ~25 s, repaid after "
+                        "~100 steps; --compile forces it)\n")
+
+
+def test_compiled_kernels_are_cached_where_launches_find_them_again(monkeypatch):
+    from common.model.modeling import compile_cache_dir
+
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setenv("TORCH_HOME", "/home/me/.cache/torch")
+    assert compile_cache_dir() == "/home/me/.cache/torch/inductor"  # not torch's default under /tmp
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/scratch/inductor")
+    assert compile_cache_dir() == "/scratch/inductor"  # the user's own wins
 
 
 def test_compile_under_a_pipeline_or_sequence_parallel_stays_off_by_default():

@@ -36,7 +36,9 @@ model.train(). These costs are fixed per micro-batch: large next to a 2-layer mo
 next to a real model's compute on GPUs, so the ratio measured here says little about GPU runs.
 
 Prints one line per run, the target tokens and mean loss of both sides, the median tokens/s of each,
-what limits the comparison and, as the last line, `ratio: X` (median tokens/s, ours / TRL).
+what limits the comparison, the median end to end of each (from the launch to the adapter saved: start-up,
+loading and tokenising too; x TRL's / ours) and, as the last line, `ratio: X` (median tokens/s of the loop,
+ours / TRL).
 <output-dir>/summary.json holds the same numbers; each run's files and logs are in
 <output-dir>/round<R>-<side>/. A launch that fails ends the script with one line and its stderr's tail.
 """
@@ -189,6 +191,7 @@ def run_side(side: str, round_number: int, args) -> dict:
     output_dir.mkdir(parents=True)
     command = launch_command(side, output_dir, args, free_port())
     busy = cpu_busy_fraction()
+    started = time.monotonic()
     with open(output_dir / "stdout.log", "w") as stdout, open(output_dir / "stderr.log", "w") as stderr:
         try:
             done = subprocess.run(command, cwd=REPO, env=launch_env(args.processes), stdout=stdout,
@@ -204,8 +207,9 @@ def run_side(side: str, round_number: int, args) -> dict:
         raise LaunchFailed(tail, f"the {SIDES[side][0]} launch of round {round_number} failed ({failure}): "
                                  f"{failure_cause(tail)}; logs in {output_dir}")
     records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    # end to end: what the user waits for, from the launch to the adapter saved (start-up, loading, tokenising)
     run = {"round": round_number, "side": side, "output_dir": str(output_dir), "cpu_busy_before": busy,
-           **timed_part(records)}
+           "end_to_end_s": round(time.monotonic() - started, 3), **timed_part(records)}
     if side == "trl":
         trl_run = json.loads((output_dir / "trl_run.json").read_text())
         run.update(mean_loss=trl_run.get("train_loss"), torch_threads=trl_run.get("torch_threads"),
@@ -289,8 +293,12 @@ def main(argv=None) -> int:
           f"per-op and per-step overhead, not arithmetic; {verdict(ratio)}"
           + (f"; other processes kept the CPU {statistics.median(busy):.0%} busy before a run (median; "
              f"max {max(busy):.0%})" if busy else ""))
+    end_to_end = {side: statistics.median(run["end_to_end_s"] for run in by_side[side]) for side in SIDES}
+    print(f"median end to end (launch to adapter saved): ours {end_to_end['ours']:.1f} s, TRL "
+          f"{end_to_end['trl']:.1f} s (x{end_to_end['trl'] / end_to_end['ours']:.2f})")
     summary = {"arguments": vars(args), "runs": runs, "median_tokens_per_s": medians, "spread": spreads,
-               "mean_loss": losses, "ratio": ratio}
+               "mean_loss": losses, "ratio": ratio, "median_end_to_end_s": end_to_end,
+               "end_to_end_ratio": end_to_end["trl"] / end_to_end["ours"]}
     (Path(args.output_dir) / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(f"ratio: {ratio:.2f}")
     return 0

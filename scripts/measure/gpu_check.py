@@ -6,13 +6,14 @@ of importance, and writes each result as soon as it has it.
 
 A lent GPU comes for 15 minutes of device time in all (the box's start, the transfers and its idle
 time included), 10 a call: one call of about 9 minutes is what it reliably gives. The default is that
-call; a second (--parts memory,planner,recipes,reference,options,reference34b,trl,trl_liger) runs the rest when time is
+call; a second (--parts memory,planner,recipes,reference,options,reference34b,headline_levers,trl_liger) runs the
+rest when time is
 left; a part cut short is rerun with --parts NAME, never by hand (the wheels are on its PYTHONPATH only).
 Each call reinstalls the wheels (skipped when the box still has them) and starts no part it has no time
 left for (--budget-s).
 
-Parts (the default call: speed, headline, codellama, headline_levers, preference, grpo, core; then the others in
-the order listed):
+Parts (the default call: headline, headline_compiled_cold, headline_compiled_warm, trl, speed, codellama,
+preference, grpo, core; then the others in the order listed):
   speed      scripts/measure/step_speed.py: the LoRA step at the headline's shape, lever by lever (the recipes' defaults,
              the step before the chunked loss head and bf16 adapter inputs, each lever alone, dropout 0, compile,
              Liger, all together): tokens/s, MFU, peak, losses; a kernel-time profile by category
@@ -26,6 +27,10 @@ the order listed):
   headline   the TinyLlama-1.1B LoRA reference epoch under ddp.yaml (scripts/measure/benchmark.py --workload tinyllama
              --strategies ddp --measure-peak): wall time, tokens/s, MFU against the GPU's peak and a bf16
              matmul measured in the same call, peak memory beside the planner's for the same launch
+  headline_compiled_cold, headline_compiled_warm  the same launch with --compile, first with the call's own empty
+             kernel cache (TORCHINDUCTOR_CACHE_DIR), then again with what the first compiled there: the user's clock
+             (end_to_end_s, from the launch to the adapter saved) of eager (headline, the default for its 32 steps),
+             compiled cold and compiled warm; each peak beside the planner's
   headline_levers  the same launch with --liger --compile: the headline the defaults give if both levers win the
              step table (results.json only: the device tool brings back 8 files)
   core       tests/gpu/test_gpu_recipes.py for the three recipes under fsdp, zero3 and ddp (9 launches, the
@@ -39,14 +44,16 @@ the order listed):
   options    tests/gpu/test_gpu_speed_options.py: bitsandbytes CUDA, Liger, attention kernels, compile, workers,
              --batch-size auto's probe
   reference34b  the CodeLlama-34B LoRA workload, layer-scaled to 8 of 48 layers
-  trl        scripts/measure/compare_trl.py on one GPU in bf16: the recipe against TRL's SFTTrainer
+  trl        scripts/measure/compare_trl.py on one GPU in bf16: the recipe against TRL's SFTTrainer, the loop's tokens/s
+             and each side's end to end
   trl_liger  the same with each side's Liger (--liger: TRL's use_liger_kernel, its fused loss too)
 
 Written to --results (default results/<date>_<gpu>/), rewritten after every part, so that a run cut
 short still leaves its numbers: summary.md (tables, the benchmarks' too), results.json (the same,
 machine-readable, with every test case's recorded figures and the box's package versions), log.txt
 (every command and its output), and <part>.json / <part>.png for each benchmark part: 8 files for the
-first call (with speed.json, codellama.json and headline_levers.json), 7 for the second, within the 8 the device tool brings back. No git needed there: the commit
+first call (with headline.json, headline_compiled_cold.json, headline_compiled_warm.json, speed.json and
+codellama.json), 8 for the second, within the 8 the device tool brings back. No git needed there: the commit
 is read from the COMMIT file scripts/measure/gpu_wheels.sh writes beside the wheels, else from git.
 
 --cpu-stand-in runs the same parts on a machine without a GPU (RECIPES_GPU_SUITE_ON_CPU=1, the benchmark's
@@ -111,6 +118,10 @@ PARTS = {
     # weights gathered once per batch, generation tokens/s and step time; never run on a GPU before
     "grpo": ([*PYTEST, GRPO_TESTS], 240, 45),
     "headline": ([*TINYLLAMA, "--strategies", "ddp"], 300, 150),
+    # the user's clock (end_to_end_s: launch to adapter saved) of the same launch compiled: first with the call's
+    # fresh kernel cache (cold), then again with what the first left there (warm, as a second launch on a box)
+    "headline_compiled_cold": ([*TINYLLAMA, "--strategies", "ddp", "--recipe-args", "--compile"], 300, 150),
+    "headline_compiled_warm": ([*TINYLLAMA, "--strategies", "ddp", "--recipe-args", "--compile"], 300, 120),
     # the same launch with the speed levers a GPU has (Liger's layer kernels, each layer compiled): the headline the
     # defaults would give if the step table has both win
     "headline_levers": ([*TINYLLAMA, "--strategies", "ddp", "--recipe-args", "--liger --compile"], 300, 170),
@@ -140,13 +151,19 @@ PARTS = {
 # The open GPU issues' first: the step lever by lever, the second reference workload's shape, and the headline with
 # the new defaults through the real launch; then what no GPU has run (the preference recipes), then the recipe cases
 # (results/2026-11-27_h200_call1 did not reach their end). The budget reaches as far as it reaches, in this order.
-FIRST_CALL = ("speed", "headline", "codellama", "headline_levers", "preference", "grpo", "core")
+# The clock the user sees first (issue: eager, compiled cold, compiled warm, TRL beside, each end to end; the compiled
+# peaks beside the planner's), then the step lever by lever and the rest.
+FIRST_CALL = ("headline", "headline_compiled_cold", "headline_compiled_warm", "trl", "speed", "codellama",
+              "preference", "grpo", "core")
 DEFAULT_BUDGET_S = 540  # 9 minutes: with the box's start (1-3 min) and the transfers, within 15 of device time
-BENCHMARKS = ("headline", "headline_levers", "reference", "reference34b")
-CHARTS = ("headline", "reference", "reference34b")  # a chart each: the device tool brings back 8 files a call
+BENCHMARKS = ("headline", "headline_compiled_cold", "headline_compiled_warm", "headline_levers", "reference",
+              "reference34b")
+CHARTS = ("reference", "reference34b")  # a chart each: the device tool brings back 8 files a call
 STEP_TABLES = ("speed", "codellama")  # scripts/measure/step_speed.py's parts: <part>.json and the table in the summary
 # What a part runs instead on the CPU stand-in: the benchmark's smoke path (2 CPU processes, the tiny model).
 CPU_STAND_IN = {"headline": ["scripts/measure/benchmark.py", "--smoke", "--strategies", "ddp"],
+                "headline_compiled_cold": ["scripts/measure/benchmark.py", "--smoke", "--strategies", "ddp"],
+                "headline_compiled_warm": ["scripts/measure/benchmark.py", "--smoke", "--strategies", "ddp"],
                 "headline_levers": ["scripts/measure/benchmark.py", "--smoke", "--strategies", "ddp"],
                 "reference": ["scripts/measure/benchmark.py", "--smoke", "--strategies", "zero2"],
                 "reference34b": ["scripts/measure/benchmark.py", "--smoke", "--strategies", "ddp"],
@@ -332,12 +349,16 @@ def summary_markdown(record: dict) -> str:
             lines += ["| " + " | ".join([c["name"], c["outcome"], f"{c['seconds']:.0f}",
                                          *(str(c.get(k, "")) for k in keys)]) + " |" for c in cases]
             lines.append("")
+        if result.get("end_to_end_s"):
+            lines += ["end to end (launch to adapter saved): " + ", ".join(f"{name} {seconds} s" for name, seconds
+                                                                     in result["end_to_end_s"].items()), ""]
         if result.get("table"):
             lines += [result["table"], ""]
         if result.get("summary"):
             summary = result["summary"]
             lines += [f"median target tokens/s: {summary.get('median_tokens_per_s')}; ratio (ours / TRL): "
-                      f"{summary.get('ratio')}", ""]
+                      f"{summary.get('ratio')}; median end to end: {summary.get('median_end_to_end_s')} s (TRL / ours: "
+                      f"{summary.get('end_to_end_ratio')})", ""]
     return "\n".join(lines) + "\n"
 
 
@@ -349,6 +370,8 @@ def copy_benchmark(part: str, folder: Path, results_dir: Path, result: dict) -> 
         return
     source = tables[-1].parent
     result["table"] = tables[-1].read_text().replace("(chart.png)", f"({part}.png)")
+    rows = json.loads((source / "results.json").read_text()).get("rows", []) if (source / "results.json").exists() else []
+    result["end_to_end_s"] = {row["strategy"]: row["end_to_end_s"] for row in rows if row.get("end_to_end_s")}
     copied = [("results.json", f"{part}.json")] + ([("chart.png", f"{part}.png")] if part in CHARTS else [])
     for name, target in copied:
         if (source / name).exists():
@@ -400,6 +423,9 @@ def main(argv=None) -> int:
         save()
         scratch = Path("/tmp/gpu-check")
         scratch.mkdir(parents=True, exist_ok=True)
+        # compiled kernels in a cache of this call's own: the first compiled launch starts cold, later ones warm
+        kernels = {"TORCHINDUCTOR_CACHE_DIR": str(scratch / f"inductor-{os.getpid()}")}
+        record["kernel_cache"] = kernels["TORCHINDUCTOR_CACHE_DIR"]
         for part in parts:
             command, timeout, needed = PARTS[part]
             if args.cpu_stand_in and part in CPU_STAND_IN:
@@ -424,7 +450,8 @@ def main(argv=None) -> int:
                 command += ["--output-dir", str(scratch / part)]
             else:
                 command += [f"--junitxml={junit}"]
-            result = run(command, log, timeout=timeout if left is None else int(min(timeout, left)), env=stand_in)
+            result = run(command, log, timeout=timeout if left is None else int(min(timeout, left)),
+                         env={**kernels, **(stand_in or {})})
             if part in ("trl", "trl_liger") and (scratch / part / "summary.json").exists():
                 result["summary"] = json.loads((scratch / part / "summary.json").read_text())
             result["cases"] = junit_cases(junit)

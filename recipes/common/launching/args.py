@@ -138,7 +138,8 @@ def recipe_parser(doc: str) -> argparse.ArgumentParser:
     # Speed: the defaults are the measured winners (docs/speed-options.md); these switch extras on.
     add("--compile", action=argparse.BooleanOptionalAction, default=None,
         help="torch.compile each decoder layer (regional compilation); default: on with a CUDA GPU for one process, "
-             "DDP and FSDP (not QLoRA, --liger or --max-steps under 100), off elsewhere; --no-compile turns it off")
+             "DDP and FSDP where the run plans 100 steps or more (not QLoRA or --liger), off elsewhere; --no-compile "
+             "turns it off")
     add("--liger", action="store_true", help="Liger's Triton kernels for RMSNorm, RoPE and SwiGLU (the loss is "
         "the recipe's own either way); needs `pip install liger-kernel` and a CUDA GPU")
     add("--attention", default=None, choices=("sdpa", "eager", "flash_attention_2", "flex_attention"),

@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 
 from ..model.adapters import adapter_base, merged_start_model
+from ..model.modeling import compile_cache_dir
 from ..model.shard_loading import why_not_read_shards
 from . import eval_tasks, launch_config, memory_plan, preflight
 from .args import FEEDBACK_RECIPES, ONLINE_RECIPES, PREFERENCE_RECIPES, REWARD_RECIPES
@@ -90,24 +91,39 @@ def settle_launch(args: Run, recipe: str) -> tuple[Run, Launch]:
 # per-layer wrapping (one process, FSDP2). Not QLoRA's 4-bit layers, DeepSpeed, tensor, pipeline or sequence
 # parallel, model parallel: none of them has run compiled on a GPU. Liger's kernels with it ran slower than
 # compile alone (34.6% against 38.7%), so --liger keeps compile off unless asked. Compiling is the first step (25.6 s
-# there against 1.2 s eager), repaid after ~125 steps of 0.6 s: a run of fewer --max-steps stays eager.
+# there, with a cold cache, against 0.40 s a compiled step and 0.59 s an eager one): repaid after ~130 steps, so a
+# run planned shorter (the reference epoch: 32 steps) stays eager.
 COMPILED_BY_DEFAULT = (SINGLE, DDP, FSDP)
 FEWEST_COMPILED_STEPS = 100
 
 
 def settle_compile(run: Run, recipe: str, launch: Launch) -> Run:
-    """--compile when neither --compile, --no-compile nor a config file said: on where it was measured to win."""
+    """--compile when neither --compile, --no-compile nor a config file said: off where it was not measured to
+    win; where it was, left to `settle_compile_steps`, which knows the run's planned steps."""
     if run.compile is not None:
         return run
-    on = (launch.on_gpu and launch.kind in COMPILED_BY_DEFAULT and recipe != "qlora" and not run.liger
-          and launch.pipeline_stages == 1 and launch.sequence_parallel == 1
-          and not 0 < run.max_steps < FEWEST_COMPILED_STEPS)
+    if (launch.on_gpu and launch.kind in COMPILED_BY_DEFAULT and recipe != "qlora" and not run.liger
+            and launch.pipeline_stages == 1 and launch.sequence_parallel == 1):
+        return run  # decided with the planned steps, after the data (settle_compile_steps)
+    return run.settled({"compile": (False, "the default here (on only with a CUDA GPU, one process / DDP / FSDP, "
+                                           "not QLoRA or --liger)")})
+
+
+def settle_compile_steps(run: Run, planned_steps: int) -> Run:
+    """Where compiling is on by default (settle_compile left it open): on when the run's planned steps repay
+    compiling, said in one `speed:` line either way. The steps are known after the data: --max-steps, or the
+    epochs over the rows."""
+    if run.compile is not None:
+        return run
+    on = planned_steps >= FEWEST_COMPILED_STEPS
     if on:
-        say("speed: --compile on (each decoder layer compiled: the first steps are slower while it compiles; "
-            "--no-compile turns it off)")
-    why = ("the default on a CUDA GPU under this launch" if on else
-           "the default here (on only with a CUDA GPU, one process / DDP / FSDP, not QLoRA or --liger, "
-           f"not under --max-steps {FEWEST_COMPILED_STEPS})")
+        say(f"speed: --compile on ({planned_steps} planned steps repay compiling each decoder layer, the first step "
+            f"~25 s slower; kernels cached in {compile_cache_dir()} for the next launch; --no-compile turns it off)")
+        why = f"the default on a CUDA GPU under this launch: {planned_steps} planned steps"
+    else:
+        say(f"speed: --compile off ({planned_steps} planned steps would not repay compiling: ~25 s, repaid after "
+            f"~{FEWEST_COMPILED_STEPS} steps; --compile forces it)")
+        why = f"the default: {planned_steps} planned steps, fewer than the {FEWEST_COMPILED_STEPS} that repay compiling"
     return run.settled({"compile": (on, why)})
 
 

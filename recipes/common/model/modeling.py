@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import inspect
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -259,14 +260,24 @@ def checkpoint_activations(model, every_n_layers: int) -> None:
     enable(every_n_layers=every_n_layers)
 
 
+def compile_cache_dir() -> str:
+    """Where inductor keeps compiled kernels between launches: TORCHINDUCTOR_CACHE_DIR when set, else
+    <torch home>/inductor (~/.cache/torch/inductor), not torch's default under /tmp, which a machine or a
+    job scheduler may clear between runs."""
+    return os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.path.join(os.path.dirname(torch.hub.get_dir()), "inductor")
+
+
 def compile_layers(model) -> None:
-    """torch.compile every decoder layer in place (regional compilation).
+    """torch.compile every decoder layer in place (regional compilation), its kernels cached in
+    compile_cache_dir() so that the next launch of the same shapes compiles faster.
 
     The layers share one compiled graph, so compiling costs about one layer's time, not the
     model's. In place, the module tree stays as it was: DDP, FSDP2 and DeepSpeed wrap it, hooks
     still fire, and checkpoints and exports keep their parameter names.
     """
     from transformers.modeling_layers import GradientCheckpointingLayer
+
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = compile_cache_dir()  # read by inductor when it first compiles
 
     layers = [module for module in model.modules() if isinstance(module, GradientCheckpointingLayer)]
     if not layers:  # remote code without transformers' layer class: the whole model, and one graph per shape

@@ -98,4 +98,4 @@ def scaled_estimate(wall_s: float, per_gpu: float, strategy: Strategy, settings:
 def progress_line(strategy: Strategy, row: dict, per_gpu: float) -> str:
     return (f"[{strategy.name}] wall {format_duration(row['wall_s'])} ({row['steps']} steps), "
             f"{per_gpu:,.0f} tokens/s/GPU, MFU {percent(row['mfu'])}, GPU util {percent(row['gpu_util'])}, "
-            f"launch {format_duration(row['launch_s'])}")
+            f"launch {format_duration(row['end_to_end_s'])}")
