@@ -15,7 +15,8 @@ from .strategies import ZERO3, _check, tensor_parallel_size
 def layer_activation_bytes_per_token(shape: ModelShape, method: str, strategy: str, seq_len: int,
                                      lora_rank: int = 16, lora_targets="all-linear", precision: str = "bf16",
                                      attention: str = "sdpa", lora_dropout: float = 0.0,
-                                     tensor_parallel: int = 1, dora: bool = False) -> float:
+                                     tensor_parallel: int = 1, dora: bool = False, compiled: bool = False,
+                                     padded: bool = True) -> float:
     """Bytes autograd keeps for one Llama block, per token of the micro-batch (no checkpointing).
 
     Notation: h hidden, f ffn, a heads, d head dim, q = a*d, kv = kv_heads*d, s sequence length,
@@ -55,6 +56,20 @@ def layer_activation_bytes_per_token(shape: ModelShape, method: str, strategy: s
     is the arithmetic of the split, not yet measured against autograd (DTensor's own copies are
     not in it).
 
+    `padded=False` (every row of the micro-batch as long as the longest: no padding mask, as in packed-free
+    benchmarks of fixed-length rows): transformers hands sdpa no mask and lets it read the key / value heads
+    unrepeated, so sdpa keeps q and out c*q each, k and v c*kv each, the log-sum-exp 4a, and no mask (measured
+    on CPU as below: 7.5 KiB a token less for TinyLlama at 256 positions, eager and compiled alike).
+
+    `compiled` (LoRA with --compile: each block one torch.compile graph, whose partitioner recomputes
+    pointwise ops in the backward rather than keep their outputs): each RMSNorm keeps its input as it
+    comes, r*h + 4 (no fp32 upcast); SwiGLU keeps the gate and up outputs, 2*m*f (SiLU's output is
+    recomputed); without dropout each adapted group's input is kept once in c bytes (o_proj's is the
+    attention kernel's output, as eager). The rest as above. Measured with the
+    same hooks on TinyLlama-1.1B's block on CPU (scripts/measure/measure_activations.py --compile:
+    equal to the byte, dropout 0 and 0.05); the rules are the partitioner's, not CUDA's, and other
+    methods are planned eager (not measured compiled).
+
     Checked against `torch.autograd.graph.saved_tensors_hooks` on the tiny Llama (fp32 and bf16
     autocast; full, LoRA and QLoRA; sdpa and eager): equal to the byte, with the CPU's dropout
     mask being a float tensor (4 B) where CUDA's is a bool (1 B, used here).
@@ -76,11 +91,12 @@ def layer_activation_bytes_per_token(shape: ModelShape, method: str, strategy: s
         lora = [name for name in consumers if name in adapted]
         if not lora:
             return 0
-        if dropout or x_bytes != c:
+        if dropout or (x_bytes != c and not compiled):
             return len(lora) * (c + (1 if dropout else 0)) * width
         return 0 if kept_already else c * width
 
-    norms = 2 * (4 * h + 4 + (r * h if full else 0))
+    compiled = compiled and method == "lora"
+    norms = 2 * (r * h + 4) if compiled else 2 * (4 * h + 4 + (r * h if full else 0))
     kernel_keeps_output = attention != "eager"
     t = tensor_parallel
     inputs = (saved_input(["q_proj", "k_proj", "v_proj"], h, r)
@@ -91,13 +107,15 @@ def layer_activation_bytes_per_token(shape: ModelShape, method: str, strategy: s
     if dora:
         widths = {"q_proj": q, "k_proj": kv, "v_proj": kv, "o_proj": h, "gate_proj": f, "up_proj": f, "down_proj": h}
         lora_outputs += (m + c) * sum(width for name, width in widths.items() if name in adapted)
-    if attention == "sdpa":
+    if attention == "sdpa" and not padded:
+        core = (2 * c * q + 2 * c * kv + 4 * a) / t
+    elif attention == "sdpa":
         core = (4 * c * q + 4 * a) / t + c * seq_len
     elif attention == "flash":
         core = (2 * c * q + 2 * c * kv + 4 * a) / t
     else:
         core = (3 * c * q + 4 * a * seq_len + (c * a * seq_len if c != 4 else 0)) / t
-    mlp = 3 * m * f / t
+    mlp = (2 if compiled else 3) * m * f / t
     return float(norms + inputs + lora_outputs + core + mlp)
 
 
@@ -132,7 +150,8 @@ def loss_bytes(shape: ModelShape, method: str, strategy: str, dt: dict, tokens: 
 def activation_bytes(shape: ModelShape, method: str, strategy: str, batch_size: int, seq_len: int,
                      gradient_checkpointing: int = 0, lora_rank: int = 16, lora_targets="all-linear",
                      precision: str = "bf16", attention: str = "sdpa", lora_dropout: float = 0.0,
-                     stage: Stage | None = None, gpus: int = 1, dora: bool = False) -> int:
+                     stage: Stage | None = None, gpus: int = 1, dora: bool = False, compiled: bool = False,
+                     padded: bool = True) -> int:
     """Activation memory of one micro-batch (b sequences of s tokens, T = b*s) on a GPU running
     `stage` (the whole model unless model parallel). Not sharded by FSDP / ZeRO: every GPU runs its
     own micro-batch.
@@ -152,7 +171,8 @@ def activation_bytes(shape: ModelShape, method: str, strategy: str, batch_size: 
       fp32 trained linear weight (lm_head included) is kept by the backward: 2 bytes per such
       parameter (of the rank's tensor parallel part), whatever the batch.
     - `gpus`: for tp / fsdp_tp, the per-token block term divides as `layer_activation_bytes_per_token`
-      says for t = `tensor_parallel_size(strategy, gpus)`.
+      says for t = `tensor_parallel_size(strategy, gpus)`; `compiled` and `padded` as it says (no mask when
+      not padded).
     """
     stage = stage or Stage(shape.layers)
     tokens = batch_size * seq_len
@@ -161,14 +181,14 @@ def activation_bytes(shape: ModelShape, method: str, strategy: str, batch_size: 
     h, d = shape.hidden, shape.head_dim
     tp = tensor_parallel_size(strategy, gpus)
     per_layer = layer_activation_bytes_per_token(shape, method, strategy, seq_len, lora_rank, lora_targets,
-                                                 precision, attention, lora_dropout, tp, dora)
+                                                 precision, attention, lora_dropout, tp, dora, compiled, padded)
     if gradient_checkpointing:
         recomputed = math.ceil(stage.layers / int(gradient_checkpointing))
         kept = stage.layers - recomputed
         blocks = recomputed * r * h + kept * per_layer + (per_layer if recomputed else 0)
     else:
         blocks = stage.layers * per_layer
-    once = 16 + 2 * r * d + (seq_len if attention != "flash" else 0)
+    once = 16 + 2 * r * d + (seq_len if attention != "flash" and padded else 0)
     logits = 0
     if stage.head:
         full = method == "full"

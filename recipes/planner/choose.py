@@ -49,7 +49,8 @@ def per_gpu_bytes(shape: ModelShape, method: str, strategy: str, gpus: int, batc
                   lora_targets="all-linear", precision: str = "bf16", attention: str = "sdpa",
                   lora_dropout: float = 0.0, grad_accum: int = 1, pipeline_stages: int | None = None,
                   pipeline_chunks: int = 1, pairs: bool = False, dora: bool = False,
-                  sequence_parallel: int | None = None, generation_rows: int = 0, starting_copy: bool = False) -> dict:
+                  sequence_parallel: int | None = None, generation_rows: int = 0, starting_copy: bool = False,
+                  compiled: bool = False, padded: bool = True) -> dict:
     """Memory of the busiest GPU: {"weights", "gradients", "optimizer", "activations", "total"} in
     bytes; the total is their sum, except for full fine-tuning without a gradient wrapper (one process,
     model parallel), where gradients replace activations in the backward. `batch_size` is the micro-batch per GPU (the recipes' --batch-size), `seq_len` the
@@ -66,7 +67,9 @@ def per_gpu_bytes(shape: ModelShape, method: str, strategy: str, gpus: int, batc
     completions a rank samples at once), "generation" is the peak while it samples (`generation.py`), and the total
     the larger of that and the training step's. With `starting_copy` (grpo_full.py --beta: the weights as loaded
     kept as the reference, `training.reference.StartingWeights`), "reference": one more copy of what the GPU holds
-    of the weights, through the step and the sampling (none under offload: the copy stays in host RAM)."""
+    of the weights, through the step and the sampling (none under offload: the copy stays in host RAM).
+    `compiled`: each block compiled (--compile), which keeps less of a LoRA block; `padded=False`: rows all of the
+    micro-batch's length, no padding mask (activations.py)."""
     _check(method, strategy, precision, attention)
     if gpus < 1 or batch_size < 1 or seq_len < 1:
         raise ValueError("gpus, batch_size and seq_len must be >= 1")
@@ -98,7 +101,7 @@ def per_gpu_bytes(shape: ModelShape, method: str, strategy: str, gpus: int, batc
             "activations": activation_bytes(shape, method, strategy, batch_size * (2 if pairs else 1) * in_flight, seq_len,
                                             gradient_checkpointing,
                                             attention=attention, lora_dropout=lora_dropout, gpus=gpus, dora=dora,
-                                            **common),
+                                            compiled=compiled, padded=padded, **common),
         }
         if starting_copy:  # kept where the shards are: in host RAM under the offload strategies
             result["reference"] = 0 if "offload" in strategy else result["weights"]
@@ -136,14 +139,14 @@ def max_micro_batch(shape: ModelShape, method: str, strategy: str, gpus: int, gp
                     seq_len: int = 512, gradient_checkpointing: int = 0, lora_rank: int = 16,
                     lora_targets="all-linear", precision: str = "bf16", attention: str = "sdpa",
                     lora_dropout: float = 0.0, grad_accum: int = 1, pairs: bool = False, dora: bool = False,
-                    **pipeline_layout) -> int:
+                    compiled: bool = False, **pipeline_layout) -> int:
     """The largest micro-batch (1..256) that fits, by bisection (memory grows with the batch);
     0 when not even one sequence fits. `pipeline_layout`: `per_gpu_bytes`'s pipeline_stages and
     pipeline_chunks, or sequence_parallel."""
     def ok(batch: int) -> bool:
         total = per_gpu_bytes(shape, method, strategy, gpus, batch, seq_len, gradient_checkpointing, lora_rank,
                               lora_targets, precision, attention, lora_dropout, grad_accum,
-                              **pipeline_layout, pairs=pairs, dora=dora)["total"]
+                              **pipeline_layout, pairs=pairs, dora=dora, compiled=compiled)["total"]
         return fits(total, gpu_memory_gib)
 
     if not ok(1):

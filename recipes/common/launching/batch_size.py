@@ -50,6 +50,9 @@ def planned_micro_batch(args, recipe: str, launch) -> dict:
         refuse(f"--batch-size auto plans from the model's config.json, which cannot be read here ({reason}); "
                "give --batch-size N")
     gib, device = memory_gib(launch)
+    # eager's activations even under --compile: the step that confirms the micro-batch on the GPU runs before the
+    # layers are compiled (confirm_on_gpu), and keeps what eager keeps
+    inputs["compiled"] = False
     if launch.pipeline_stages > 1:  # the launch's layout, with as many micro-batches in flight as its schedule holds
         inputs.update(pipeline_stages=launch.pipeline_stages, pipeline_chunks=launch.pipeline_chunks,
                       grad_accum=PIPELINE_FULL)

@@ -21,8 +21,10 @@ def planner_inputs(args, recipe: str, launch) -> tuple:
     Raises when the shape cannot be read (an offline hub id, an unknown architecture)."""
     source = "tiny-llama" if is_default_model(args.model) else args.model  # before its first build
     shape = planner.load_shape(source)
+    # compiled blocks keep less (--compile, or a config file's); undecided yet (the default, decided by the planned
+    # steps after the data) plans eager: the larger of the two
     inputs = dict(seq_len=args.max_length, gradient_checkpointing=args.gradient_checkpointing,
-                  precision="bf16" if launch.precision in ("bf16", "fp16") else "fp32")
+                  precision="bf16" if launch.precision in ("bf16", "fp16") else "fp32", compiled=bool(args.compile))
     if launch.planner_strategy == "sp":  # the planner's sp: zero3 at the length of each rank's slice
         inputs["sequence_parallel"] = launch.sequence_parallel
     elif launch.sequence_parallel > 1:  # ZeRO-1 or 2 under sequence parallel: their stage at a slice's length

@@ -68,14 +68,16 @@ def measurements(summary: dict, per_gpu: float, strategy: Strategy, settings: di
 
 
 def planned_peak_gib(strategy: Strategy, settings: dict, devices: int) -> float | None:
-    """The planner's per-GPU peak for this launch (bf16, the recipes' LoRA defaults, rows padded to
-    --max-length), to set beside the measured one; None for a config the planner does not plan."""
+    """The planner's per-GPU peak for this launch (bf16, the recipes' LoRA defaults, rows of exactly --max-length
+    as random_data writes them: no padding mask; compiled blocks under --compile), to set beside the measured one; None for a config the
+    planner does not plan."""
     planned_names = [name for name, path in PLANNED_CONFIGS.items() if path == f"accelerate_configs/{strategy.config}.yaml"]
     if not planned_names:
         return None
     planned = per_gpu_bytes(settings["shape"], method_of(strategy), planned_names[0], devices,
                             batch_size=settings["batch_size"], seq_len=settings["workload"].max_length,
-                            gradient_checkpointing=int(settings["gradient_checkpointing"]), precision="bf16")
+                            gradient_checkpointing=int(settings["gradient_checkpointing"]), precision="bf16",
+                            compiled="--compile" in settings["recipe_args"], padded=False)  # rows of --max-length
     return round(planned["total"] / 2**30, 3)
 
 
