@@ -29,7 +29,8 @@ CASES = [
     pytest.param("lora", ["--liger"], id="liger", marks=[
         needs_gpu, pytest.mark.skipif(find_spec("liger_kernel") is None, reason="liger-kernel is not installed")]),
     pytest.param("lora", ["--compile"], id="compile"),
-    pytest.param("lora", ["--no-compile"], id="no-compile"),  # the default with a CUDA GPU is compiled
+    pytest.param("lora", ["--no-compile"], id="no-compile"),
+    pytest.param("lora", [], id="default"),  # on a CUDA GPU: eager, as 8 planned steps would not repay compiling
     pytest.param("lora", ["--dataloader-workers", "2"], id="dataloader-workers"),
     pytest.param("lora", ["--gradient-checkpointing"], id="gradient-checkpointing"),
 ]
@@ -47,6 +48,9 @@ def test_speed_option_on_gpu(recipe, flags, tmp_path, record_property):
         record_property("peak_allocated_gib", max(r["peak_allocated_gib"] for r in run.metrics()))
         record_property("tokens_per_s", run.metrics()[-1]["tokens_per_s"])
     assert sum(losses[-2:]) < sum(losses[:2]), losses
+    if HAS_GPU and not flags:
+        assert "speed: --compile off (8 planned steps would not repay compiling" in run.output
+        assert run.run_json()["arguments"]["compile"] is False
 
 
 @pytest.mark.skipif(not HAS_GPU, reason="the --batch-size auto probe runs only on GPUs (batch_size.confirm_on_gpu)")
