@@ -56,7 +56,7 @@ def layer_activation_bytes_per_token(shape: ModelShape, method: str, strategy: s
     is the arithmetic of the split, not yet measured against autograd (DTensor's own copies are
     not in it).
 
-    `padded=False` (every row of the micro-batch as long as the longest: no padding mask, as in packed-free
+    `padded=False` (every row of the micro-batch as long as the longest: no padding mask, as in
     benchmarks of fixed-length rows): transformers hands sdpa no mask and lets it read the key / value heads
     unrepeated, so sdpa keeps q and out c*q each, k and v c*kv each, the log-sum-exp 4a, and no mask (measured
     on CPU as below: 7.5 KiB a token less for TinyLlama at 256 positions, eager and compiled alike).
