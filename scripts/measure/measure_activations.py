@@ -33,7 +33,6 @@ from types import SimpleNamespace
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "recipes"))
 import planner  # noqa: E402
-from common.model.modeling import keep_adapter_inputs_in_compute_dtype  # noqa: E402
 
 
 def saved_by_autograd(model, batch: int, seq_len: int, bf16: bool, padded: bool = True) -> int:
@@ -67,6 +66,7 @@ def saved_by_autograd(model, batch: int, seq_len: int, bf16: bool, padded: bool 
 def kept_bytes(config: dict, layers: int, seq_len: int, rank: int, dropout: float, compiled: bool = False,
                padded: bool = True) -> int:
     import torch
+    from common.model.modeling import keep_adapter_inputs_in_compute_dtype
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, LlamaConfig
 
