@@ -59,7 +59,8 @@ def generate_one(accelerator, generator, tokenizer, row, max_new_tokens: int, sh
         )
     reference = [t for t, label in zip(row["input_ids"], row["labels"]) if label != IGNORE]
     return {
-        "prompt": tokenizer.decode(prompt[0], skip_special_tokens=True),
+        # the prompt as the model saw it, its template's markers included (a chat row's roles and turns)
+        "prompt": tokenizer.decode(prompt[0]),
         "reference": tokenizer.decode(reference, skip_special_tokens=True),
         "generated": tokenizer.decode(output[0, prompt_length:], skip_special_tokens=True),
     }
