@@ -19,7 +19,7 @@ from conftest import CONFIGS, REPO, long_test
 sys.path.insert(0, str(REPO / "recipes"))
 sys.path.insert(0, str(REPO / "scripts" / "measure"))
 import planner  # noqa: E402
-from measure_activations import saved_by_autograd  # noqa: E402
+from measure_activations import kept_bytes, saved_by_autograd  # noqa: E402
 
 TINY_CONFIG = REPO / "data" / "tiny-llama-config.json"
 PLAN = REPO / "scripts" / "plan.py"
@@ -340,42 +340,25 @@ def test_layer_activations_are_what_autograd_saves(method, precision, attention,
         assert saved_bytes(2, 24) - saved_bytes(1, 24) == expected(24) + autocast_copies
 
 
-def lora_layer_saved_bytes(layers: int, seq: int, dropout: float = 0.0, compiled: bool = False,
-                           padded: bool = True) -> int:
-    """What autograd keeps from a training forward of the tiny Llama with LoRA (rank 8), as the recipes run DDP
-    in bf16: the frozen base in bf16 under autocast, the adapters in float32 taking bf16 inputs; each decoder
-    layer compiled (as --compile does) when `compiled`."""
-    import torch
-    from common.launching.launch import DDP, Launch
-    from common.model.modeling import compile_layers, keep_adapter_inputs_in_compute_dtype
-    from peft import LoraConfig, get_peft_model
-
-    torch.manual_seed(0)
-    model = get_peft_model(tiny_llama_model(layers).to(torch.bfloat16),
-                           LoraConfig(r=8, target_modules="all-linear", lora_dropout=dropout, task_type="CAUSAL_LM"))
-    for param in model.parameters():
-        if param.requires_grad:
-            param.data = param.data.float()
-    keep_adapter_inputs_in_compute_dtype(model, Launch(DDP, 2, True, 1, "bf16"))
-    if compiled:
-        compile_layers(model)
-    model.train()
-    return saved_by_autograd(model, 2, seq, bf16=True, padded=padded)
+def lora_layer_saved_bytes(seq: int, dropout: float = 0.0, compiled: bool = False, padded: bool = True) -> int:
+    """What autograd keeps of one tiny-Llama layer with LoRA (rank 8) as the recipes run DDP in bf16, one row of
+    `seq` tokens: scripts/measure/measure_activations.py's measurement (a 2-layer model minus a 1-layer one)."""
+    config = json.loads(TINY_CONFIG.read_text())
+    return (kept_bytes(config, 2, seq, 8, dropout, compiled, padded)
+            - kept_bytes(config, 1, seq, 8, dropout, compiled, padded))
 
 
 def expected_lora_layer(seq: int, **options) -> float:
-    """The planner's bytes of one such layer for a micro-batch of 2 rows, with autocast's bf16 copies of its
-    float32 adapters."""
+    """The planner's bytes of one such layer for one row, with autocast's bf16 copies of its float32 adapters."""
     shape = planner.load_shape("tiny-llama")
     per_token = planner.layer_activation_bytes_per_token(shape, "lora", "ddp", seq, lora_rank=8, precision="bf16",
                                                          **options)
-    return per_token * 2 * seq + 2 * planner.lora_parameters_per_layer(shape, 8)
+    return per_token * seq + 2 * planner.lora_parameters_per_layer(shape, 8)
 
 
 def test_rows_without_padding_keep_no_mask_and_unrepeated_keys():
     """No padding mask: transformers lets sdpa read the key / value heads unrepeated (the tiny Llama has 2 of 4)."""
-    measured = lora_layer_saved_bytes(2, 24, padded=False) - lora_layer_saved_bytes(1, 24, padded=False)
-    assert measured == expected_lora_layer(24, padded=False) < expected_lora_layer(24)
+    assert lora_layer_saved_bytes(24, padded=False) == expected_lora_layer(24, padded=False) < expected_lora_layer(24)
 
 
 @long_test  # torch.compile of the tiny Llama's layers on CPU: ~20 s a case
@@ -385,10 +368,8 @@ def test_compiled_layers_keep_what_the_planner_plans(dropout, padded):
     keeps each adapted input once; dropout keeps inductor's bool masks, as CUDA's. (Rows without padding,
     compiled: equal at TinyLlama-1.1B's block, measure_activations.py --compile --no-padding; at the tiny Llama's
     24 positions CPU's compiled attention keeps 512 bytes a token less than planned, not followed further.)"""
-    measured = (lora_layer_saved_bytes(2, 24, dropout, compiled=True, padded=padded)
-                - lora_layer_saved_bytes(1, 24, dropout, compiled=True, padded=padded))
     expected = expected_lora_layer(24, lora_dropout=dropout, compiled=True, padded=padded)
-    assert measured == expected
+    assert lora_layer_saved_bytes(24, dropout, compiled=True, padded=padded) == expected
     assert expected < expected_lora_layer(24, lora_dropout=dropout, padded=padded)  # less than eager keeps
 
 

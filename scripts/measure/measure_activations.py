@@ -66,7 +66,7 @@ def saved_by_autograd(model, batch: int, seq_len: int, bf16: bool, padded: bool 
 def kept_bytes(config: dict, layers: int, seq_len: int, rank: int, dropout: float, compiled: bool = False,
                padded: bool = True) -> int:
     import torch
-    from common.model.modeling import keep_adapter_inputs_in_compute_dtype
+    from common.model.modeling import compile_layers, keep_adapter_inputs_in_compute_dtype
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, LlamaConfig
 
@@ -79,11 +79,7 @@ def kept_bytes(config: dict, layers: int, seq_len: int, rank: int, dropout: floa
     keep_adapter_inputs_in_compute_dtype(model, SimpleNamespace(autocasts=True))  # as the recipes run DDP in bf16
     model.train()
     if compiled:
-        from transformers.modeling_layers import GradientCheckpointingLayer
-
-        for layer in model.modules():
-            if isinstance(layer, GradientCheckpointingLayer):
-                layer.compile()
+        compile_layers(model)  # as --compile does
     return saved_by_autograd(model, 1, seq_len, bf16=True, padded=padded)
 
 
