@@ -33,9 +33,9 @@ import torch
 from accelerate.utils import set_seed
 from transformers import get_cosine_schedule_with_warmup
 
-from common.data import batches, preparation
+from common.data import batches, images, preparation
 from common.launching import batch_size, deepspeed_config, preflight, settle
-from common.model import loss_head, modeling
+from common.model import loss_head, modeling, processors
 from common.outputs import checkpoint, report
 from common.outputs.runlog import RunLog
 from common.training import benchmarks, pipeline, runtime
@@ -70,11 +70,13 @@ def main():
     # cannot train are counted and dropped. Prompt tokens are masked: the loss covers the responses only.
     modeling.ensure_default_model(run.model, accelerator)
     tokenizer = modeling.load_tokenizer(run.model, run.trust_remote_code, run.chat_template)
-    train_set, eval_set, data_format = preparation.prepare(accelerator, tokenizer, run, launch)
+    processor = processors.load(run.model, tokenizer, run.trust_remote_code)  # None: the model reads text only
+    train_set, eval_set, data_format = preparation.prepare(accelerator, tokenizer, run, launch, processor)
 
     # Model: every weight is trained, so it stays in fp32 (mixed precision runs the maths in 16 bits).
     model = modeling.load_model(run.model, accelerator, launch, frozen=False, attention=run.attention,
                                 liger=run.liger, trust_remote_code=run.trust_remote_code)
+    modeling.freeze_vision_parts(model)  # a vision-language model's vision tower and projector stay as loaded
     # A mixture of experts whose config asks for it (output_router_logits) also trains its router to spread
     # the tokens over the experts: transformers' load-balancing loss with this weight (0 for other models).
     router_weight = modeling.router_loss_weight(model)
@@ -90,6 +92,8 @@ def main():
     # To batch differently, swap the collator: any function from a list of rows to a dict of tensors. To weight
     # tokens by their whole row, add weights=f: f(row) gives a weight per label (docs/architecture.md).
     collate = batches.PadToLongest(tokenizer.pad_token_id)
+    if processor:  # images in the rows: the model's processor makes its pixel inputs as it collates (images.py)
+        collate = images.PadImageRows(processor)
     train_loader, eval_loader = batches.make_loaders(train_set, eval_set, collate, run.batch_size,
                                                   run.dataloader_workers)
     probe = next(iter(eval_loader))
@@ -200,9 +204,10 @@ def main():
 
     # Export: what the trained model computes, then the files that reproduce it.
     checkpoint.save_probe(accelerator, model, stages, probe, run.output_dir)
-    samples = report.sample_generations(accelerator, launch, model, stages, tokenizer, eval_set, run.output_dir)
+    samples = report.sample_generations(accelerator, launch, model, stages, tokenizer, eval_set, run.output_dir,
+                                        processor=processor)
     model_dir = f"{run.output_dir}/model"
-    checkpoint.save_full_model(accelerator, model, stages, tokenizer, model_dir, run.save_dtype)
+    checkpoint.save_full_model(accelerator, model, stages, processor or tokenizer, model_dir, run.save_dtype)
     report.write_model_card(accelerator, run, "full", "model", samples)
     log.close(f"done: {total_steps} steps; model saved to {model_dir}")
     accelerator.end_training()

@@ -36,9 +36,9 @@ from accelerate.utils import set_seed
 from peft import LoraConfig, get_peft_model
 from transformers import get_cosine_schedule_with_warmup
 
-from common.data import batches, preparation
+from common.data import batches, images, preparation
 from common.launching import batch_size, deepspeed_config, preflight, settle
-from common.model import loss_head, modeling
+from common.model import loss_head, modeling, processors
 from common.outputs import checkpoint, report
 from common.outputs.runlog import RunLog
 from common.training import benchmarks, pipeline, runtime
@@ -73,7 +73,8 @@ def main():
     # cannot train are counted and dropped. Prompt tokens are masked: the loss covers the responses only.
     modeling.ensure_default_model(run.model, accelerator)
     tokenizer = modeling.load_tokenizer(run.model, run.trust_remote_code, run.chat_template)
-    train_set, eval_set, data_format = preparation.prepare(accelerator, tokenizer, run, launch)
+    processor = processors.load(run.model, tokenizer, run.trust_remote_code)  # None: the model reads text only
+    train_set, eval_set, data_format = preparation.prepare(accelerator, tokenizer, run, launch, processor)
 
     # Model: the frozen base in 16 bits where mixed precision allows, trainable adapters on top.
     model = modeling.load_model(run.model, accelerator, launch, frozen=True, attention=run.attention,
@@ -87,7 +88,7 @@ def main():
         r=run.lora_r,
         lora_alpha=run.lora_alpha,
         lora_dropout=run.lora_dropout,
-        target_modules=cli.lora_targets(run.lora_targets),
+        target_modules=modeling.lora_targets(model, cli.lora_targets(run.lora_targets)),  # a VLM: its language model's
         use_dora=run.use_dora,
         use_rslora=run.use_rslora,
         task_type="CAUSAL_LM",
@@ -105,6 +106,8 @@ def main():
     # To batch differently, swap the collator: any function from a list of rows to a dict of tensors. To weight
     # tokens by their whole row, add weights=f: f(row) gives a weight per label (docs/architecture.md).
     collate = batches.PadToLongest(tokenizer.pad_token_id)
+    if processor:  # images in the rows: the model's processor makes its pixel inputs as it collates (images.py)
+        collate = images.PadImageRows(processor)
     train_loader, eval_loader = batches.make_loaders(train_set, eval_set, collate, run.batch_size,
                                                   run.dataloader_workers)
     probe = next(iter(eval_loader))
@@ -215,9 +218,10 @@ def main():
 
     # Export: what the trained model computes, then the files that reproduce it.
     checkpoint.save_probe(accelerator, model, stages, probe, run.output_dir)
-    samples = report.sample_generations(accelerator, launch, model, stages, tokenizer, eval_set, run.output_dir)
+    samples = report.sample_generations(accelerator, launch, model, stages, tokenizer, eval_set, run.output_dir,
+                                        processor=processor)
     adapter_dir = f"{run.output_dir}/adapter"
-    checkpoint.save_adapter(accelerator, model, stages, tokenizer, adapter_dir)
+    checkpoint.save_adapter(accelerator, model, stages, processor or tokenizer, adapter_dir)
     if run.merge:
         checkpoint.merge_adapter(accelerator, run.model, adapter_dir, f"{run.output_dir}/merged", dtype=run.save_dtype)
     report.write_model_card(accelerator, run, "lora", "adapter", samples)

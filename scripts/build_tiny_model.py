@@ -12,9 +12,19 @@ The output folder is written atomically: everything is built in a temporary
 folder next to the target and then renamed into place, so concurrent builders
 never leave a half-written model behind.
 
+``--family qwen2-vl`` / ``--family llava`` (or :func:`build_tiny_vlm`) build a
+tiny random-init vision-language model on the same text model instead
+(models/tiny-qwen2-vl, models/tiny-llava): the tokenizer with the family's
+special tokens and a chat template of its layout, a PIL image processor (no
+torchvision needed), and the processor's config, so that
+``AutoModelForImageTextToText``, ``AutoImageProcessor`` and ``AutoTokenizer``
+load the folder (and ``AutoProcessor`` for LLaVA; Qwen2VLProcessor needs
+torchvision for its video processor, so build it from the parts with
+``video_processor=None``).
+
 Usage::
 
-    python scripts/build_tiny_model.py [--output-dir models/tiny-llama] [--seed 0]
+    python scripts/build_tiny_model.py [--family llama] [--output-dir models/tiny-llama] [--seed 0]
 """
 
 from __future__ import annotations
@@ -24,6 +34,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CONFIG_PATH = REPO_ROOT / "data" / "tiny-llama-config.json"
@@ -33,6 +44,37 @@ DEFAULT_OUTPUT_DIR = REPO_ROOT / "models" / "tiny-llama"
 
 def _resolve(path: str | Path) -> Path:
     return Path(path).expanduser().resolve()
+
+
+def _write_atomically(output_dir: Path, save: Callable[[Path], None]) -> None:
+    """Run ``save(folder)`` on a temporary folder next to ``output_dir``, then rename it into place."""
+    tmp_dir = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.tmp-", dir=output_dir.parent))
+    try:
+        save(tmp_dir)
+        os.chmod(tmp_dir, 0o755)
+        for f in tmp_dir.iterdir():
+            os.chmod(f, 0o644)
+        try:
+            # Atomic when output_dir does not exist (or is an empty folder).
+            os.replace(tmp_dir, output_dir)
+        except OSError:
+            # output_dir already holds a model: move it aside, then swap in the
+            # new one. A reader may briefly find no folder, never a partial one.
+            old_dir = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.old-", dir=output_dir.parent))
+            try:
+                os.replace(output_dir, old_dir / "model")
+            except FileNotFoundError:
+                pass  # another process removed it in between
+            try:
+                os.replace(tmp_dir, output_dir)
+            except OSError:
+                # Another process won the race and put a complete model there.
+                if not (output_dir / "config.json").is_file():
+                    raise
+            shutil.rmtree(old_dir, ignore_errors=True)
+    finally:
+        if tmp_dir.exists():
+            shutil.rmtree(tmp_dir, ignore_errors=True)
 
 
 def build_tiny_model(output_dir: str | Path = DEFAULT_OUTPUT_DIR, seed: int = 0) -> Path:
@@ -66,53 +108,213 @@ def build_tiny_model(output_dir: str | Path = DEFAULT_OUTPUT_DIR, seed: int = 0)
     model = LlamaForCausalLM(config)
     model.eval()
 
-    tmp_dir = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.tmp-", dir=output_dir.parent))
-    try:
-        model.save_pretrained(str(tmp_dir), safe_serialization=True)
-        tokenizer.save_pretrained(str(tmp_dir))
-        os.chmod(tmp_dir, 0o755)
-        for f in tmp_dir.iterdir():
-            os.chmod(f, 0o644)
-        try:
-            # Atomic when output_dir does not exist (or is an empty folder).
-            os.replace(tmp_dir, output_dir)
-        except OSError:
-            # output_dir already holds a model: move it aside, then swap in the
-            # new one. A reader may briefly find no folder, never a partial one.
-            old_dir = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.old-", dir=output_dir.parent))
-            try:
-                os.replace(output_dir, old_dir / "model")
-            except FileNotFoundError:
-                pass  # another process removed it in between
-            try:
-                os.replace(tmp_dir, output_dir)
-            except OSError:
-                # Another process won the race and put a complete model there.
-                if not (output_dir / "config.json").is_file():
-                    raise
-            shutil.rmtree(old_dir, ignore_errors=True)
-    finally:
-        if tmp_dir.exists():
-            shutil.rmtree(tmp_dir, ignore_errors=True)
+    def save(folder: Path) -> None:
+        model.save_pretrained(str(folder), safe_serialization=True)
+        tokenizer.save_pretrained(str(folder))
+
+    _write_atomically(output_dir, save)
+    return output_dir
+
+
+# --- tiny vision-language models ------------------------------------------------------------------------------
+
+FAMILIES = ("llama", "qwen2-vl", "llava")
+VLM_OUTPUT_DIRS = {
+    "qwen2-vl": REPO_ROOT / "models" / "tiny-qwen2-vl",
+    "llava": REPO_ROOT / "models" / "tiny-llava",
+}
+
+# Both templates are written for this repository, in their family's layout. A message's content is a string or a
+# list of parts, {"type": "image"} and {"type": "text", "text": ...}, rendered in their order. The assistant's
+# reply is wrapped in {% generation %} so that `return_assistant_tokens_mask=True` finds it; a rendering with the
+# generation prompt is a prefix of the rendering with the reply.
+QWEN2_VL_CHAT_TEMPLATE = (
+    "{%- macro content_of(content) -%}"
+    "{%- if content is string -%}{{ content }}"
+    "{%- else -%}{%- for part in content -%}"
+    "{%- if part['type'] == 'image' -%}{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{%- elif part['type'] == 'text' -%}{{ part['text'] }}"
+    "{%- endif -%}{%- endfor -%}{%- endif -%}"
+    "{%- endmacro -%}"
+    "{%- for message in messages -%}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' }}"
+    "{%- if message['role'] == 'assistant' -%}"
+    "{% generation %}{{ content_of(message['content']) + '<|im_end|>' }}{% endgeneration %}{{ '\\n' }}"
+    "{%- else -%}{{ content_of(message['content']) + '<|im_end|>\\n' }}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}"
+)
+LLAVA_CHAT_TEMPLATE = (
+    "{%- macro content_of(content) -%}"
+    "{%- if content is string -%}{{ content }}"
+    "{%- else -%}{%- for part in content -%}"
+    "{%- if part['type'] == 'image' -%}{{ '<image>\\n' }}"
+    "{%- elif part['type'] == 'text' -%}{{ part['text'] }}"
+    "{%- endif -%}{%- endfor -%}{%- endif -%}"
+    "{%- endmacro -%}"
+    "{%- for message in messages -%}"
+    "{%- if message['role'] == 'assistant' -%}"
+    "{{ 'ASSISTANT:' }}{% generation %}{{ ' ' + content_of(message['content']) + '</s>' }}{% endgeneration %}"
+    "{%- elif message['role'] == 'user' -%}{{ 'USER: ' + content_of(message['content']) + ' ' }}"
+    "{%- else -%}{{ content_of(message['content']) + ' ' }}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ 'ASSISTANT:' }}{%- endif -%}"
+)
+
+# Added after the bundled tokenizer's 301 tokens, in this order (so their ids are fixed: 301, 302, ...).
+QWEN2_VL_TOKENS = ["<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+LLAVA_TOKENS = ["<image>"]
+VLM_VOCAB_MULTIPLE = 32
+
+
+def _vlm_tokenizer(tokens: list[str], chat_template: str):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(TOKENIZER_DIR))
+    first = len(tokenizer)
+    tokenizer.add_special_tokens({"additional_special_tokens": tokens})
+    ids = tokenizer.convert_tokens_to_ids(tokens)
+    if ids != list(range(first, first + len(tokens))):
+        raise ValueError(f"added tokens got ids {ids}, expected {first}..{first + len(tokens) - 1}")
+    tokenizer.chat_template = chat_template
+    return tokenizer
+
+
+def _text_config_dict(tokenizer) -> dict:
+    """data/tiny-llama-config.json's text model, its vocabulary grown to a multiple of 32 covering the added tokens."""
+    import json
+
+    text = json.loads(CONFIG_PATH.read_text())
+    for key in ("architectures", "model_type"):
+        text.pop(key)
+    text["vocab_size"] = -(-len(tokenizer) // VLM_VOCAB_MULTIPLE) * VLM_VOCAB_MULTIPLE
+    return text
+
+
+def _qwen2_vl(seed: int):
+    import torch
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    tokenizer = _vlm_tokenizer(QWEN2_VL_TOKENS, QWEN2_VL_CHAT_TEMPLATE)
+    ids = dict(zip(QWEN2_VL_TOKENS, tokenizer.convert_tokens_to_ids(QWEN2_VL_TOKENS)))
+    text = _text_config_dict(tokenizer)
+    text.pop("head_dim")  # Qwen2-VL's text model takes hidden_size / num_attention_heads (16)
+    for key in ("mlp_bias", "attention_bias"):
+        text.pop(key)
+    text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
+    config = Qwen2VLConfig(
+        text_config=text,
+        vision_config={"depth": 2, "embed_dim": 32, "hidden_size": text["hidden_size"], "num_heads": 2,
+                       "mlp_ratio": 2, "in_channels": 3, "patch_size": 14, "spatial_merge_size": 2,
+                       "temporal_patch_size": 2},
+        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = Qwen2VLForConditionalGeneration(config)
+    model.eval()
+    # Generation stops at the end of the assistant's turn as well as at </s>.
+    model.generation_config.eos_token_id = [text["eos_token_id"], ids["<|im_end|>"]]
+    model.generation_config.pad_token_id = text["pad_token_id"]
+    model.generation_config.bos_token_id = text["bos_token_id"]
+    # 56x56 images stay 56x56 (4x4 patches of 14, merged 2x2: 4 tokens); larger ones shrink to at most 56*56 pixels.
+    image_processor = Qwen2VLImageProcessorPil(min_pixels=28 * 28, max_pixels=56 * 56)
+
+    def save(folder: Path) -> None:
+        import json
+
+        model.save_pretrained(str(folder), safe_serialization=True)
+        tokenizer.save_pretrained(str(folder))
+        image_processor.save_pretrained(str(folder))
+        # Qwen2VLProcessor cannot be built without torchvision (its video processor), so its parts are saved one
+        # by one: what its own save_pretrained writes, less the video processor.
+        (folder / "processor_config.json").write_text(
+            json.dumps({"processor_class": "Qwen2VLProcessor"}, indent=2, sort_keys=True) + "\n")
+        (folder / "chat_template.jinja").write_text(QWEN2_VL_CHAT_TEMPLATE)
+
+    return model, save
+
+
+def _llava(seed: int):
+    import torch
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+    tokenizer = _vlm_tokenizer(LLAVA_TOKENS, LLAVA_CHAT_TEMPLATE)
+    image_token_id = tokenizer.convert_tokens_to_ids("<image>")
+    vision = CLIPVisionConfig(image_size=56, patch_size=14, hidden_size=32, num_hidden_layers=2,
+                              num_attention_heads=2, intermediate_size=64, projection_dim=32)
+    patches = (vision.image_size // vision.patch_size) ** 2  # 16; the tower adds a CLS token, which "default" drops
+    config = LlavaConfig(
+        vision_config=vision, text_config=LlamaConfig(**_text_config_dict(tokenizer)),
+        image_token_index=image_token_id, image_seq_length=patches,
+        vision_feature_select_strategy="default", vision_feature_layer=-1,  # the last layer: no vision weight unused
+        projector_hidden_act="gelu", tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = LlavaForConditionalGeneration(config)
+    model.eval()
+    image_processor = CLIPImageProcessorPil(size={"shortest_edge": vision.image_size},
+                                            crop_size={"height": vision.image_size, "width": vision.image_size})
+    processor = LlavaProcessor(image_processor=image_processor, tokenizer=tokenizer, patch_size=vision.patch_size,
+                               vision_feature_select_strategy="default", chat_template=LLAVA_CHAT_TEMPLATE,
+                               image_token="<image>", num_additional_image_tokens=1)
+
+    def save(folder: Path) -> None:
+        model.save_pretrained(str(folder), safe_serialization=True)
+        processor.save_pretrained(str(folder))
+        image_processor.save_pretrained(str(folder))  # preprocessor_config.json too, for AutoImageProcessor
+
+    return model, save
+
+
+def build_tiny_vlm(family: str, output_dir: str | Path | None = None, seed: int = 0) -> Path:
+    """Create a tiny random-init vision-language model (``"qwen2-vl"`` or ``"llava"``) and save it with its
+    tokenizer, image processor, processor config and chat template; ``"llama"`` is :func:`build_tiny_model`.
+
+    The text model is data/tiny-llama-config.json's, the tokenizer data/tokenizer with the family's special
+    tokens added (vocabulary padded to a multiple of 32). ``output_dir`` defaults to models/tiny-<family> under
+    the repository root. Returns the absolute path of the saved folder, written atomically.
+    """
+    if family == "llama":
+        return build_tiny_model(DEFAULT_OUTPUT_DIR if output_dir is None else output_dir, seed=seed)
+    if family not in VLM_OUTPUT_DIRS:
+        raise ValueError(f"unknown family {family!r}; choose one of {', '.join(FAMILIES)}")
+    output_dir = _resolve(VLM_OUTPUT_DIRS[family] if output_dir is None else output_dir)
+    output_dir.parent.mkdir(parents=True, exist_ok=True)
+    _model, save = (_qwen2_vl if family == "qwen2-vl" else _llava)(seed)
+    _write_atomically(output_dir, save)
     return output_dir
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description="Build the tiny random-init Llama (config: data/tiny-llama-config.json, "
-        "tokenizer: data/tokenizer) and save it with its tokenizer."
+        "tokenizer: data/tokenizer) and save it with its tokenizer; or, with --family, a tiny "
+        "vision-language model on the same text model."
+    )
+    parser.add_argument(
+        "--family",
+        choices=FAMILIES,
+        default="llama",
+        help="llama (default), qwen2-vl (Qwen2-VL layout) or llava (LLaVA-1.5 layout, CLIP vision tower)",
     )
     parser.add_argument(
         "--output-dir",
-        default=str(DEFAULT_OUTPUT_DIR),
-        help="where to save the model (default: models/tiny-llama under the repository root, "
-        "whatever the current directory)",
+        default=None,
+        help="where to save the model (default: models/tiny-llama, models/tiny-qwen2-vl or models/tiny-llava "
+        "under the repository root, whatever the current directory)",
     )
     parser.add_argument("--seed", type=int, default=0, help="torch seed for the random init (default: 0)")
     args = parser.parse_args(argv)
-    path = build_tiny_model(args.output_dir, seed=args.seed)
-    print(f"saved tiny Llama to {path}")
-
+    if args.family == "llama":
+        path = build_tiny_model(DEFAULT_OUTPUT_DIR if args.output_dir is None else args.output_dir, seed=args.seed)
+        print(f"saved tiny Llama to {path}")
+    else:
+        path = build_tiny_vlm(args.family, args.output_dir, seed=args.seed)
+        print(f"saved tiny {args.family} to {path}")
 
 if __name__ == "__main__":
     main()

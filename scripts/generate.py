@@ -5,6 +5,7 @@
 
     python scripts/generate.py outputs/chat --prompt "Sort: 3 1 2" --system "Answer in one line."
     python scripts/generate.py outputs/dpo/merged --prompt "Sort: 3 1 2"
+    python scripts/generate.py outputs/vision --prompt "What colour is the shape?" --image photo.png
 
 Each prompt is wrapped the way the run's training rows were (run.json's data_format): an
 instruction in the "### Instruction: ... ### Response:" template, a chat message through the
@@ -36,6 +37,7 @@ if __name__ == "__main__":  # the flags read (--help, a mistyped one) before tor
 import torch  # noqa: E402
 
 from common.data.formats import IGNORE, PROMPT_TEMPLATE, RowProblem  # noqa: E402
+from common.data.images import load_image  # noqa: E402
 from common.data.pairs import renders_chat, row_formats  # noqa: E402
 from common.data.tokens import tokenize_row  # noqa: E402
 from common.model import adapters  # noqa: E402
@@ -90,21 +92,23 @@ def load_tokenizer(model: str):
 
 
 def load(model: str, run: dict | None, device: str):
-    """A model folder or hub id, loaded; an adapter goes on the base it names (found again beside it when the
-    two were moved together), quantized as its run trained it (qlora.py's and dpo.py's --bits)."""
-    from transformers import AutoModelForCausalLM
+    """A model folder or hub id, loaded (a vision-language model's image-text-to-text class); an adapter goes on the
+    base it names (found again beside it when the two were moved together), quantized as its run trained it
+    (qlora.py's and dpo.py's --bits)."""
+    from common.model.model_config import model_class, model_config_object, unquantized_modules
 
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     base = adapters.adapter_base(model)
     if base is None:
-        return AutoModelForCausalLM.from_pretrained(model, dtype=dtype).to(device)
+        return model_class(model_config_object(model)).from_pretrained(model, dtype=dtype).to(device)
     from peft import PeftModel
 
     from common.model.modeling import bits_config, keep_4bit_weights_unpacked_on_cpu
 
     bits = run["arguments"].get("bits") if run else None
-    kwargs = dict(quantization_config=bits_config(bits, dtype), device_map={"": device}) if bits else {}
-    base_model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype, **kwargs)
+    kwargs = dict(quantization_config=bits_config(bits, dtype, keep=unquantized_modules(base)),
+                  device_map={"": device}) if bits else {}
+    base_model = model_class(model_config_object(base)).from_pretrained(base, dtype=dtype, **kwargs)
     if bits and device == "cpu":
         keep_4bit_weights_unpacked_on_cpu(base_model)  # as the recipes do on CPU
     adapted = PeftModel.from_pretrained(base_model, model)
@@ -128,17 +132,21 @@ def is_chat(data_format: str, raw: bool) -> bool:
     return renders_chat(data_format) and not raw
 
 
-def prompt_ids(prompt: str, tokenizer, data_format: str, raw: bool, system: str | None = None) -> list[int]:
+def prompt_ids(prompt: str, tokenizer, data_format: str, raw: bool, system: str | None = None,
+               image_count: int = 0) -> list[int]:
     """The prompt's tokens as training tokenised such prompts. A chat message (after the system turn `system`
     when there is one) is rendered and tokenised as a training row by the training code, with a reply, and
     its tokens before the reply's first trained one are the prompt: the saved template (the plain default
     where there is none), the template's text before a reply as training saw it (not a generation prompt
-    that differs, as DeepSeek-R1's `<think>`), its own BOS. Plain text with the tokenizer's own special
-    tokens. RowProblem when the template refuses the conversation."""
+    that differs, as DeepSeek-R1's `<think>`), its own BOS; `image_count` images' places before the message's
+    text. Plain text with the tokenizer's own special tokens. RowProblem when the template refuses the
+    conversation."""
     if is_chat(data_format, raw):
         turns = [{"role": "system", "content": system}] if system else []
-        turns += [{"role": "user", "content": prompt}, {"role": "assistant", "content": REPLY}]
-        row = tokenize_row({"messages": turns}, tokenizer, "messages")
+        text = [{"type": "text", "text": prompt}]
+        turns += [{"role": "user", "content": [{"type": "image"}] * image_count + text if image_count else prompt},
+                  {"role": "assistant", "content": REPLY}]
+        row = tokenize_row({"messages": turns}, tokenizer, "messages", images=bool(image_count))
         return row["input_ids"][:next(i for i, label in enumerate(row["labels"]) if label != IGNORE)]
     formats = row_formats(data_format)
     text = PROMPT_TEMPLATE.format(instruction=prompt) if formats == ["instruction"] and not raw else prompt
@@ -147,13 +155,18 @@ def prompt_ids(prompt: str, tokenizer, data_format: str, raw: bool, system: str 
 
 @torch.no_grad()
 def answer(model, tokenizer, ids: list[int], max_new_tokens: int, device: str, temperature: float = 0.0,
-           top_p: float = 1.0) -> str:
-    """The model's continuation of `ids`: greedy at temperature 0, else sampled (nucleus `top_p`)."""
-    prompt = torch.tensor([ids], device=device)
+           top_p: float = 1.0, processor=None, image_files=()) -> str:
+    """The model's continuation of `ids`: greedy at temperature 0, else sampled (nucleus `top_p`). With a
+    vision-language model's `processor`, `image_files` go with the prompt, their placeholders expanded."""
     sampling = dict(do_sample=True, temperature=temperature, top_p=top_p) if temperature > 0 else dict(do_sample=False)
-    output = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=max_new_tokens,
-                            pad_token_id=tokenizer.pad_token_id, **sampling)
-    return tokenizer.decode(output[0, len(ids):], skip_special_tokens=True)
+    if processor is not None:
+        inputs = processor(text=[tokenizer.decode(ids)], images=[load_image(path) for path in image_files] or None,
+                           add_special_tokens=False, return_tensors="pt").to(device)
+    else:
+        prompt = torch.tensor([ids], device=device)
+        inputs = {"input_ids": prompt, "attention_mask": torch.ones_like(prompt)}
+    output = model.generate(**inputs, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id, **sampling)
+    return tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
 
 
 def system_prompt(asked: str | None, run: dict | None, data_format: str, raw: bool) -> str | None:
@@ -206,6 +219,14 @@ def main(argv=None) -> int:
     except ValueError as problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
+    from common.model.processors import load as load_processor
+
+    processor = load_processor(model, tokenizer, config_from=adapters.adapter_base(model) or model)
+    images = [str(Path(path).expanduser()) for path in args.image or ()]
+    if images and (processor is None or not is_chat(data_format, args.raw)):
+        why = f"{model} reads text only" if processor is None else "the prompts are not chat messages"
+        print(f"error: --image needs a vision-language model's chat prompts; {why}: drop --image", file=sys.stderr)
+        return 2
     device = "cuda" if torch.cuda.is_available() else "cpu"
     loaded = load(model, run, device)
     loaded.eval()
@@ -213,12 +234,13 @@ def main(argv=None) -> int:
         torch.manual_seed(args.seed)  # and CUDA's generators: the sampled answers repeat
     for prompt in prompts:
         try:
-            ids = prompt_ids(prompt, tokenizer, data_format, args.raw, system)
+            ids = prompt_ids(prompt, tokenizer, data_format, args.raw, system, len(images))
         except RowProblem as problem:  # a template that takes no system turn, ...
             fix = "; leave the system turn out with --system ''" if system else ""
             print(f"error: {problem}{fix}", file=sys.stderr)
             return 2
-        reply = answer(loaded, tokenizer, ids, args.max_new_tokens, device, args.temperature, args.top_p)
+        reply = answer(loaded, tokenizer, ids, args.max_new_tokens, device, args.temperature, args.top_p,
+                       processor if images else None, images)
         print(f"{prompt!r} -> {reply!r}", flush=True)
     return 0
 

@@ -20,6 +20,10 @@ Writes, relative to the repository root:
 * ``data/chat/train.jsonl`` and ``eval.jsonl``: the same rows as one-turn
   conversations, ``{"messages": [{"role": "user", ...}, {"role": "assistant",
   ...}]}``, for a real model's chat template (README's real-model quickstart).
+* ``data/vision/train.jsonl`` (1024 rows) and ``eval.jsonl`` (128 rows, images
+  never drawn for train): a vision task in TRL's conversational layout, one
+  56x56 PNG per row under ``data/vision/images/`` showing one solid shape on
+  white, asked its colour or its shape, answered in one word.
 
 The task is a small mix of deterministic list operations over short digit
 sequences written with spaces (one correct response per instruction)::
@@ -28,8 +32,9 @@ sequences written with spaces (one correct response per instruction)::
     Reverse: 3 9 1  -> 1 9 3
     Sort: 3 9 1     -> 1 3 9
 
-Everything is seeded (pure-Python ``random.Random``), so running the script
-twice gives byte-identical files.
+Everything is seeded (pure-Python ``random.Random``; the images drawn with PIL
+and saved with fixed PNG settings), so running the script twice gives
+byte-identical files.
 
 Usage::
 
@@ -134,6 +139,96 @@ def chat_row(row: dict[str, str]) -> dict[str, list[dict[str, str]]]:
                          {"role": "assistant", "content": row["response"]}]}
 
 
+# The vision task: one solid shape on white per image, asked its colour or its shape (about equal shares).
+NUM_VISION_TRAIN = 1024
+NUM_VISION_EVAL = 128
+IMAGE_SIZE = 56  # one 56x56 image: 16 patches of 14 pixels (4 tokens for the tiny Qwen2-VL, 16 for the tiny LLaVA)
+BACKGROUND = (255, 255, 255)
+# Well apart in RGB, so that even a random vision tower's features tell them apart.
+COLOURS = {
+    "red": (220, 30, 30),
+    "green": (30, 160, 50),
+    "blue": (30, 70, 220),
+    "yellow": (240, 210, 20),
+    "purple": (130, 40, 160),
+    "orange": (245, 130, 20),
+}
+SHAPES = ("square", "circle", "triangle")
+MIN_SHAPE, MAX_SHAPE = 36, 48  # side / diameter / base and height in pixels: most of the image
+MARGIN = 2
+QUESTIONS = {"colour": "What colour is the shape?", "shape": "What shape is it?"}
+
+
+def vision_spec(rng: random.Random) -> tuple[str, str, int, int, int]:
+    """One image's drawing: (shape, colour, size, left, top)."""
+    shape = rng.choice(SHAPES)
+    colour = rng.choice(sorted(COLOURS))
+    size = rng.randint(MIN_SHAPE, MAX_SHAPE)
+    left = rng.randint(MARGIN, IMAGE_SIZE - MARGIN - size)
+    top = rng.randint(MARGIN, IMAGE_SIZE - MARGIN - size)
+    return shape, colour, size, left, top
+
+
+def draw_shape(spec: tuple[str, str, int, int, int]):
+    """The image of a spec: its shape filled with its colour on a white background (no anti-aliasing)."""
+    from PIL import Image, ImageDraw
+
+    shape, colour, size, left, top = spec
+    image = Image.new("RGB", (IMAGE_SIZE, IMAGE_SIZE), BACKGROUND)
+    draw = ImageDraw.Draw(image)
+    box = (left, top, left + size - 1, top + size - 1)
+    fill = COLOURS[colour]
+    if shape == "square":
+        draw.rectangle(box, fill=fill)
+    elif shape == "circle":
+        draw.ellipse(box, fill=fill)
+    else:  # pointing up
+        bottom, right = top + size - 1, left + size - 1
+        draw.polygon([(left + (size - 1) // 2, top), (left, bottom), (right, bottom)], fill=fill)
+    return image
+
+
+def vision_row(spec: tuple[str, str, int, int, int], question: str, image: str) -> dict:
+    """The row in TRL's conversational vision layout: the image's path relative to the data file."""
+    answer = spec[1] if question == "colour" else spec[0]
+    question_parts = [{"type": "image"}, {"type": "text", "text": QUESTIONS[question]}]
+    return {"messages": [{"role": "user", "content": question_parts},
+                         {"role": "assistant", "content": [{"type": "text", "text": answer}]}],
+            "images": [image]}
+
+
+def make_vision_splits(seed: int = 0) -> dict[str, list[tuple[tuple[str, str, int, int, int], str]]]:
+    """{"train": [(spec, question)], "eval": [...]}: every image drawn once (eval's never in train)."""
+    rng = random.Random(f"vision:{seed}")  # its own stream: the other files do not change with it
+    seen: set[tuple[str, str, int, int, int]] = set()
+    splits = {}
+    for split, count in (("eval", NUM_VISION_EVAL), ("train", NUM_VISION_TRAIN)):
+        rows = []
+        while len(rows) < count:
+            spec = vision_spec(rng)
+            question = rng.choice(sorted(QUESTIONS))
+            if spec not in seen:
+                seen.add(spec)
+                rows.append((spec, question))
+        splits[split] = rows
+    return splits
+
+
+def write_vision(vision_dir: Path, seed: int = 0) -> None:
+    """data/vision/{train,eval}.jsonl and their images (PNG, fixed settings: the same bytes every run)."""
+    image_dir = vision_dir / "images"
+    image_dir.mkdir(parents=True, exist_ok=True)
+    for old in image_dir.glob("*.png"):
+        old.unlink()
+    for split, rows in make_vision_splits(seed).items():
+        out = []
+        for index, (spec, question) in enumerate(rows, start=1):
+            name = f"images/{split}_{index:05d}.png"
+            draw_shape(spec).save(vision_dir / name, format="PNG", optimize=False, compress_level=9)
+            out.append(vision_row(spec, question, name))
+        write_jsonl(vision_dir / f"{split}.jsonl", out)
+
+
 def write_jsonl(path: Path, rows: list[dict[str, str]]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w", encoding="utf-8", newline="\n") as f:
@@ -216,12 +311,14 @@ def main(argv: list[str] | None = None) -> None:
     write_jsonl(data_dir / "chat" / "train.jsonl", [chat_row(row) for row in train_rows])
     write_jsonl(data_dir / "chat" / "eval.jsonl", [chat_row(row) for row in eval_rows])
 
+    write_vision(data_dir / "vision", args.seed)
+
     tok_dir = data_dir / "tokenizer"
     build_tokenizer(train_rows, tok_dir)
     check_tokenizer(tok_dir, train_rows + eval_rows)
 
-    print(f"wrote {len(train_rows)} train rows, {len(eval_rows)} eval rows, their preference pairs, prompts and conversations, and a tokenizer "
-          f"to {data_dir}")
+    print(f"wrote {len(train_rows)} train rows, {len(eval_rows)} eval rows, their preference pairs, prompts and "
+          f"conversations, {NUM_VISION_TRAIN} + {NUM_VISION_EVAL} vision rows with their images, and a tokenizer to {data_dir}")
 
 
 if __name__ == "__main__":

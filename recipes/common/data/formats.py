@@ -84,7 +84,7 @@ PAIRS_IMPLICIT_TEXT, PAIRS_IMPLICIT_CONVERSATIONAL = f"{PAIRS_TEXT}, implicit pr
 # Judged replies (feedback.py reads them), for KTO: TRL's unpaired preference rows (`prompt`, `completion`, `label`:
 # true for a reply to learn from, false for one to avoid), as text or as chat messages
 FEEDBACK_TEXT, FEEDBACK_CONVERSATIONAL = "judged replies, text", "judged replies, conversational"
-READ_COLUMNS = {"messages": ("messages", "tools"), "instruction": ("instruction", "input", "output", "response"),
+READ_COLUMNS = {"messages": ("messages", "tools", "images", "image"), "instruction": ("instruction", "input", "output", "response"),
                 "prompt_completion": ("prompt", "completion"), "text": ("text",),
                 PAIRS_TEXT: ("prompt", "chosen", "rejected", "margin"),
                 PAIRS_CONVERSATIONAL: ("prompt", "chosen", "rejected", "tools", "margin"),
@@ -120,10 +120,12 @@ def conversation(cell) -> list | None:
             return None
         role = turn.get("role") or turn.get("from")
         content = turn.get("content") if turn.get("content") is not None else turn.get("value")
+        images = None
         if isinstance(content, list):
+            images = image_parts(content)
             parts = [part if isinstance(part, str) else part.get("text") for part in content
                      if isinstance(part, str) or (isinstance(part, dict) and part.get("type", "text") == "text")]
-            content = "".join(part for part in parts if isinstance(part, str)) if parts else None
+            content = "".join(part for part in parts if isinstance(part, str)) if parts else "" if images else None
         role = SPEAKERS.get(str(role).lower(), str(role).lower()) if isinstance(role, str) else role
         extras = {key: turn[key] for key in TURN_EXTRAS if turn.get(key) is not None}  # datasets fills absent keys with None
         if turn.get("function_call") and "tool_calls" not in extras:  # OpenAI's older form of one call
@@ -133,8 +135,65 @@ def conversation(cell) -> list | None:
                 call["function"].get("arguments")))) if isinstance(call, dict) and isinstance(call.get("function"), dict)
                 else call for call in json_value(extras["tool_calls"]) or []])
             content = "" if content is None else content  # a turn that only calls a tool
+        if images:  # the content's parts in their order, images among the text (images.py renders them)
+            extras["parts"] = images
         turns.append({"role": role, "content": content, "weight": turn.get("weight", 1), **extras})
     return turns
+
+
+IMAGE_PART_TYPES = ("image", "image_url")
+PLACEHOLDER = "<image>"  # an image's place in a turn's text (LLaVA, ShareGPT)
+
+
+def image_parts(content: list) -> list | None:
+    """A content list with images among its parts, as [{"type": "image"} | {"type": "text", "text": ...}] in their
+    order; None when it holds no image (its text is the turn's content)."""
+    if not any(isinstance(part, dict) and part.get("type") in IMAGE_PART_TYPES for part in content):
+        return None
+    return [{"type": "image"} if isinstance(part, dict) and part.get("type") in IMAGE_PART_TYPES
+            else {"type": "text", "text": part if isinstance(part, str) else part.get("text") or ""}
+            for part in content
+            if isinstance(part, str) or (isinstance(part, dict) and part.get("type", "text") in ("text", *IMAGE_PART_TYPES))]
+
+
+def with_parts(message: dict) -> dict:
+    """A message for a vision-language model's chat template: its content as a list of parts, the images'
+    parts where the row put them (`<image>` in the text read as one)."""
+    message = dict(message)
+    parts = message.pop("parts", None)
+    if parts is None:
+        parts = text_parts(message["content"])
+    message["content"] = parts
+    return message
+
+
+def without_parts(message: dict) -> dict:
+    message = dict(message)
+    message.pop("parts", None)
+    return message
+
+
+def text_parts(text: str) -> list[dict]:
+    """A turn's text as parts: an image's part for each `<image>`, the text around it as text parts."""
+    pieces = text.split(PLACEHOLDER)
+    parts = []
+    for k, piece in enumerate(pieces):
+        if k:
+            parts.append({"type": "image"})
+        if piece:
+            parts.append({"type": "text", "text": piece})
+    return parts or [{"type": "text", "text": ""}]
+
+
+def places(turns: list[dict]) -> int:
+    """How many images a conversation (as formats.conversation reads it) places."""
+    count = 0
+    for turn in turns:
+        if "parts" in turn:
+            count += sum(part["type"] == "image" for part in turn["parts"])
+        elif isinstance(turn.get("content"), str):
+            count += turn["content"].count(PLACEHOLDER)
+    return count
 
 
 def tools_of(row: dict) -> list | None:

@@ -9,6 +9,8 @@ from __future__ import annotations
 from . import batches
 from .checked_rows import load_sources
 from .formats import SPEAKERS, DataFormat, chat_template_line, conversation
+from ..refusal import refuse
+from .images import ImageSizes, folder_of, image_rows
 from .packing import pack
 from .pairs import renders_chat
 from .targets import require_offsets
@@ -84,7 +86,7 @@ def text_turn_keys(column_type) -> tuple[str, str] | None:
     return (role, content) if texts else None
 
 
-def prepare(accelerator, tokenizer, args, launch):
+def prepare(accelerator, tokenizer, args, launch, processor=None):
     """(train set, eval set, format name): read, checked and tokenised before the model loads.
 
     Every rank reads and checks the files itself, so a file that cannot be read is one line on
@@ -92,12 +94,26 @@ def prepare(accelerator, tokenizer, args, launch):
     and the others reuse its cache. Rows that cannot train are dropped and counted; with no row
     left the run stops with the limit or the fix to change. Several --dataset sources are tokenised
     each on its own (each may have a format of its own), then drawn by their weights and joined.
+
+    `processor` (a vision-language model's, processors.load): rows with images keep their rendering and
+    their images' files, which the processor turns into the model's inputs a batch at a time (images.py).
     """
     train_parts, eval_parts = load_sources(args.dataset, args.seed, args.columns, getattr(args, "eval_dataset", None))
     require_offsets(tokenizer)  # on every rank, before rank 0 tokenises (in worker processes for a large set)
+    if image_rows(train_parts + eval_parts):
+        if processor is None:
+            refuse(f"--dataset holds images, but --model {args.model} reads text only; give an image-text-to-text "
+                   "model (Qwen2-VL, LLaVA, ...: its config names a vision part), or drop the images column")
+        if args.packing:
+            refuse("--packing does not keep a row's images with it; leave --packing out for rows with images")
+
+    def tokenised(part):
+        images = (ImageSizes(processor), folder_of(part.name)) if processor is not None else None
+        return tokenize_counted(part.rows, tokenizer, args.max_length, images)[0]
+
     with accelerator.main_process_first():
-        train_tokens = [tokenize_counted(part.rows, tokenizer, args.max_length)[0] for part in train_parts]
-        eval_tokens = [tokenize_counted(part.rows, tokenizer, args.max_length)[0] for part in eval_parts]
+        train_tokens = [tokenised(part) for part in train_parts]
+        eval_tokens = [tokenised(part) for part in eval_parts]
     train_set, eval_set = training_sets(accelerator, args, train_parts, train_tokens, eval_parts, eval_tokens)
     data_format = DataFormat("+".join(sorted({part.fmt for part in train_parts})), shared_system_prompt(train_parts))
     chat_template_line(accelerator, tokenizer, args, renders_chat(data_format))

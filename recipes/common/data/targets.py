@@ -33,6 +33,8 @@ from .formats import (
     row_problem,
     split_prompt,
     tools_of,
+    with_parts,
+    without_parts,
 )
 
 # Private-use characters: no template writes them and no row is expected to hold them.
@@ -56,8 +58,9 @@ class ChatTemplate:
     """The tokenizer's chat template (the default one where it has none), with what is needed to find
     the replies in its renderings: its special tokens and the text a reply opens with."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, images: bool = False):
         self.tokenizer = tokenizer
+        self.images = images  # a vision-language model's rows: every turn's content given as a list of parts
         self.template = tokenizer.chat_template or DEFAULT_CHAT_TEMPLATE
         specials = {token for token in tokenizer.all_special_tokens if token}
         specials |= {added.content for added in tokenizer.added_tokens_decoder.values() if added.special and added.content}
@@ -67,6 +70,7 @@ class ChatTemplate:
         self.opening_specials = set(self.special.findall(self.opening)) if self.special else set()
 
     def render(self, messages: list[dict], generation_prompt: bool = False, tools: list | None = None) -> str:
+        messages = [with_parts(message) if self.images else without_parts(message) for message in messages]
         try:
             return self.tokenizer.apply_chat_template(messages, tools=tools, chat_template=self.template, tokenize=False,
                                                       add_generation_prompt=generation_prompt)
@@ -116,6 +120,7 @@ def _marked(turns: list[dict], replies: list[int], only: int | None = None) -> l
     for k, i in enumerate(replies):
         if only is None or k == only:
             marked[i]["content"] = f"{MARK_OPEN}{k}{MARK_CLOSE}"
+            marked[i].pop("parts", None)
     return marked
 
 
@@ -151,8 +156,8 @@ def render_chat(turns: list[dict], chat: ChatTemplate, tools: list | None = None
     tool has no text to mark (and templates write such a turn differently): it starts where the model
     starts writing and ends at the first special token after the call.
     """
-    messages = [{"role": turn["role"], "content": turn["content"], **{key: turn[key] for key in TURN_EXTRAS if key in turn}}
-                for turn in turns]
+    messages = [{"role": turn["role"], "content": turn["content"],
+                 **{key: turn[key] for key in (*TURN_EXTRAS, "parts") if key in turn}} for turn in turns]
     replies = [i for i in range(len(turns)) if is_reply(turns, i)]
     with_text = [i for i in replies if messages[i]["content"].strip() or not messages[i].get("tool_calls")]
 
@@ -239,12 +244,14 @@ def require_offsets(tokenizer) -> None:
                "needs for character offsets; give a model folder with a tokenizer.json")
 
 
-def tokenize_rows(rows: list[dict], tokenizer, fmt: str) -> list[dict]:
+def tokenize_rows(rows: list[dict], tokenizer, fmt: str, images: bool = False) -> list[dict]:
     """Each row as {input_ids, labels, problem ("" or why it cannot train), eos_added, stops (its replies'
-    stop signals), boundary},
-    all rows tokenised in one call."""
+    stop signals), boundary, text (the rendering)},
+    all rows tokenised in one call. With `images` (a vision-language model's rows), each turn's content is
+    given to the chat template as a list of parts, an image's part where the row has it (images.py); the
+    rendering's image placeholders are then one token each, which the processor expands as it collates."""
     require_offsets(tokenizer)
-    chat = ChatTemplate(tokenizer) if fmt == "messages" else None
+    chat = ChatTemplate(tokenizer, images) if fmt == "messages" else None
     renderings: list[Rendering | str] = []
     for row in rows:
         turns = conversation(row["messages"]) if chat else None  # the cell read once, for the check and the rendering
@@ -263,7 +270,7 @@ def tokenize_rows(rows: list[dict], tokenizer, fmt: str) -> list[dict]:
     for rendering in renderings:
         if not isinstance(rendering, Rendering):
             out.append({"input_ids": NO_TOKENS, "labels": NO_TOKENS, "problem": rendering, "eos_added": 0, "stops": [],
-                        "boundary": False})
+                        "boundary": False, "text": ""})
             continue
         encoding = next(encodings)
         ids = np.array(encoding.ids, dtype=np.int32)
@@ -277,7 +284,8 @@ def tokenize_rows(rows: list[dict], tokenizer, fmt: str) -> list[dict]:
         if rendering.plain and eos_id is not None:
             ids, labels = np.append(ids, np.int32(eos_id)), np.append(labels, np.int32(eos_id))
         out.append({"input_ids": ids, "labels": labels, "problem": "", "eos_added": rendering.eos_added,
-                    "stops": [stop for stop in dict.fromkeys(rendering.stops) if stop], "boundary": rendering.boundary})
+                    "stops": [stop for stop in dict.fromkeys(rendering.stops) if stop], "boundary": rendering.boundary,
+                    "text": rendering.text})
     return out
 
 
@@ -297,10 +305,10 @@ def encode(tokenizer, texts: list[str], special_tokens: bool) -> list:
     return backend.encode_batch(texts, add_special_tokens=special_tokens)
 
 
-def tokenize_row(row: dict, tokenizer, fmt: str, max_length: int | None = None) -> dict:
+def tokenize_row(row: dict, tokenizer, fmt: str, max_length: int | None = None, images: bool = False) -> dict:
     """input_ids and labels of one row, cut to `max_length` tokens (None: uncut); RowProblem when it
-    cannot train."""
-    (one,) = tokenize_rows([row], tokenizer, fmt)
+    cannot train. `images`: a vision-language model's row (tokenize_rows)."""
+    (one,) = tokenize_rows([row], tokenizer, fmt, images)
     if one["problem"]:
         raise RowProblem(one["problem"])
     return {"input_ids": one["input_ids"][:max_length].tolist(), "labels": one["labels"][:max_length].tolist()}

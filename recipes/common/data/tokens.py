@@ -15,6 +15,7 @@ import pyarrow.compute as pc
 
 from ..refusal import refuse
 from .formats import IGNORE, detect_format, filled_columns, unread_columns
+from .images import header_size, image_column, image_path, references
 from .mixture import draw, drawn_words, joined, shares
 from .targets import NO_TOKENS, tokenize_row, tokenize_rows  # noqa: F401 (tokenize_row: one row, for scripts and tests)
 
@@ -129,29 +130,58 @@ def data_path_code(*more: str) -> str:
     from pathlib import Path
 
     here = Path(__file__).parent
-    names = ("formats.py", "targets.py", "tokens.py", *more)
+    names = ("formats.py", "targets.py", "tokens.py", "images.py", *more)
     return hashlib.sha256(b"".join((here / name).read_bytes() for name in names)).hexdigest()[:16]
 
 
-def tokenize_counted(dataset, tokenizer, max_length: int):
+def tokenize_counted(dataset, tokenizer, max_length: int, images=None):
     """(every row tokenised, format name). Each row also gets `dropped`: why it cannot train ("" when
     it can), `needs`: the --max-length that keeps one of its targets, `cut`: whether it trains on its
     first `max_length` tokens only (the rest of its targets are lost), and what the data line reports
-    (`eos_added`, `stops`, `boundary`: see targets.tokenize_rows)."""
+    (`eos_added`, `stops`, `boundary`: see targets.tokenize_rows).
+
+    `images` (a vision-language model's run: (images.ImageSizes, the folder relative image paths start at)):
+    each row keeps its rendering (`text`) and its images' files (`images`) for the processor, which expands
+    each image's placeholder token as it collates; a row is never cut (that could cut through an image), one
+    longer than `max_length` with its images' tokens is dropped."""
     fmt = detect_format(filled_columns(dataset))
+    column = image_column(dataset.column_names) if images else None
+    if images and fmt != "messages":
+        refuse(f"rows with images must be chat rows (`messages`, or TRL's conversational `prompt` / `completion`) "
+               f"whose turns place them; these are {fmt} rows (docs/data.md#images)")
 
     def batch_of_rows(columns: dict, code: str) -> dict:  # `code` only keys datasets' cache (see mapped)
         rows = [dict(zip(columns, values)) for values in zip(*columns.values())]
-        out = {key: [] for key in ["input_ids", "labels", *REPORT_COLUMNS]}
-        for row in tokenize_rows(rows, tokenizer, fmt):
+        out = {key: [] for key in ["input_ids", "labels", *REPORT_COLUMNS, *(["text", "images"] if images else [])]}
+        for source, row in zip(rows, tokenize_rows(rows, tokenizer, fmt, images=bool(images))):
             needs = needed_length(row["labels"])
             dropped = dropped_reason(row["problem"], needs, max_length)
-            for key, value in {**kept_tokens(row, max_length, keep=not dropped), "dropped": dropped,
+            if images:
+                files = [image_path(reference, images[1]) for reference in references(source.get(column))]
+                needs = len(row["input_ids"]) if dropped else expanded_length(row["input_ids"], files, images[0])
+                dropped = row["problem"] or (f"too long for --max-length {max_length} with its images"
+                                             if needs > max_length else "")
+                out["text"].append(row["text"] if not dropped else "")
+                out["images"].append(files if not dropped else [])
+            keep = not dropped
+            for key, value in {**kept_tokens(row, max_length if not images else None, keep=keep), "dropped": dropped,
                                "needs": needs}.items():
                 out[key].append(value)
         return out
 
-    return mapped(dataset, batch_of_rows, tokenised_features(), data_path_code()), fmt
+    features = tokenised_features()
+    if images:
+        from datasets import List, Value
+
+        features["text"], features["images"] = Value("string"), List(Value("string"))
+    return mapped(dataset, batch_of_rows, features, data_path_code()), fmt
+
+
+def expanded_length(ids, files: list[str], sizes) -> int:
+    """A row's tokens once the processor has expanded each image's placeholder token into the image's tokens
+    (the images' sizes read from their headers); its tokens as they are where the processor cannot tell."""
+    tokens = sizes.tokens([header_size(path) for path in files])
+    return len(ids) if tokens is None else len(ids) + sum(tokens) - len(files)
 
 
 def needed_length(labels: np.ndarray) -> int:
@@ -166,12 +196,12 @@ def dropped_reason(problem: str, needs: int, max_length: int) -> str:
     return problem or (f"too long for --max-length {max_length}" if needs > max_length else "")
 
 
-def kept_tokens(row: dict, max_length: int, keep: bool) -> dict:
-    """A tokenised row (targets.tokenize_rows) cut to `max_length`, with what the data line counts of it;
-    empty where it is not kept."""
+def kept_tokens(row: dict, max_length: int | None, keep: bool) -> dict:
+    """A tokenised row (targets.tokenize_rows) cut to `max_length` (None: whole), with what the data line counts
+    of it; empty where it is not kept."""
     return {"input_ids": row["input_ids"][:max_length] if keep else NO_TOKENS,
             "labels": row["labels"][:max_length] if keep else NO_TOKENS,
-            "cut": keep and len(row["input_ids"]) > max_length,
+            "cut": keep and max_length is not None and len(row["input_ids"]) > max_length,
             **{key: row[key] if keep else type(row[key])() for key in ("eos_added", "stops", "boundary")}}
 
 

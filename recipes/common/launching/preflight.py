@@ -17,13 +17,14 @@ import planner
 
 from ..data.data_files import looks_local, missing_source
 from ..data.mixture import sources_of
-from ..model.model_config import is_default_model, meta_model, model_config_object, module_kinds, quantizable_weights
+from ..model.model_config import (is_default_model, meta_model, model_config_object, module_kinds, quantizable_weights,
+                                  vision_language)
 from ..model.pipeline_layout import check_layout, unstageable
 from ..model.score_head import why_not_a_reward_model
 from ..refusal import Refusal, refuse  # noqa: F401  (preflight.refuse and preflight.Refusal, as the recipes and tests use them)
 from ..rewards import BUNDLED_REWARD
 from .args import ONLINE_RECIPES, lora_targets
-from .launch import DDP, FSDP, TENSOR_PARALLEL
+from .launch import DDP, DEEPSPEED, FSDP, MODEL_PARALLEL, SINGLE, TENSOR_PARALLEL
 from .launch import flag as env_flag  # (`flag` names the flags in the checks below)
 from .memory_plan import size
 from .versions import too_old
@@ -191,6 +192,26 @@ def check_pipeline_micro_batches(args, launch) -> None:
         refuse(f"1F1B needs at least as many micro-batches per step as stages: --grad-accum {stages} or more (with "
                f"{2 * stages} each stage idles {(stages - 1) / (3 * stages - 1):.0%} of a step), or "
                "--pipeline-schedule gpipe")
+
+
+# the recipes that train a vision-language model (images in the rows); the others refuse one before it loads
+VISION_RECIPES = ("lora", "qlora", "full")
+# the strategies a vision-language model has run under (the others refuse it, naming these)
+VISION_STRATEGIES = (SINGLE, MODEL_PARALLEL, DDP, FSDP, DEEPSPEED)
+
+
+def check_vision_language(args, launch) -> None:
+    """A vision-language model trains with the supervised recipes under the strategies listed above; anything
+    else is refused before it loads, naming what runs it."""
+    config = model_config_object(args.model, args.trust_remote_code)
+    if config is None or not vision_language(config):
+        return
+    if args.recipe not in VISION_RECIPES:
+        refuse(f"--model {args.model} is a vision-language model, which {args.recipe}.py does not train yet; "
+               "recipes/lora.py, qlora.py and full.py do (docs/data.md#images)")
+    if launch.kind not in VISION_STRATEGIES or launch.pipeline_stages > 1 or launch.sequence_parallel > 1:
+        refuse(f"--model {args.model} is a vision-language model, which {launch.name} does not run "
+               "yet; use accelerate_configs/ddp.yaml, fsdp.yaml or zero3.yaml (docs/data.md#images)")
 
 
 def check_strategy(args, recipe: str, launch) -> None:
@@ -663,14 +684,16 @@ def check_model_folder(model: str) -> None:
         refuse(f"--model {model} holds no config.json; give the folder a model was saved to (save_pretrained)")
     kind = str(config.get("model_type", ""))
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+                                                        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
 
     remote = "AutoModelForCausalLM" in str(config.get("auto_map", {}))  # its own code (--trust-remote-code)
-    if kind and kind not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and not remote:
+    readable = kind in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or kind in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+    if kind and not readable and not remote:
         what = ("not a causal language model (transformers has no causal-LM class for it)"
                 if kind in CONFIG_MAPPING_NAMES else "a model type this transformers does not know")
         refuse(f"--model {model} is a {kind} model, {what}; these recipes fine-tune decoder-only causal LMs "
-               "(Llama, Mistral, Qwen, Gemma, GPT-2, ...)")
+               "(Llama, Mistral, Qwen, Gemma, GPT-2, ...) and image-text-to-text models (Qwen2-VL, LLaVA, ...)")
     if kind in ENCODER_TYPES and not config.get("is_decoder"):
         refuse(f"--model {model} is a {kind} encoder: it attends both ways, so next-token training would see the "
                "answers; use a decoder-only model (or set is_decoder: true in its config.json)")

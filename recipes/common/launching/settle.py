@@ -48,6 +48,7 @@ def settle_launch(args: Run, recipe: str) -> tuple[Run, Launch]:
     if run.recipe in REWARD_RECIPES:  # (before the strategies' own checks: the strategy is what to change)
         preflight.check_reward_run(run, launch)
     launch = preflight.check_pipeline(run, recipe, launch)
+    preflight.check_vision_language(run, launch)  # images: the supervised recipes, the strategies run so far
     if launch.kind == TENSOR_PARALLEL:
         preflight.check_tensor_parallel(run, recipe, launch)
     if launch.sequence_parallel > 1:

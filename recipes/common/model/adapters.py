@@ -24,7 +24,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from .model_config import bits_config
+from . import processors
+from .model_config import bits_config, model_class, model_config_object, unquantized_modules
 from .score_head import as_sequence_classifier, head_name, put_score_head
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -72,16 +73,17 @@ def merge(base: str, adapter: str, output: str, base_4bit: bool = False, dtype: 
     weights (None: the base's). With `reward`, the adapter trained a score head in the LM head's place
     (score_head.py): saved as the family's AutoModelForSequenceClassification."""
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
+    auto_class = model_class(model_config_object(base, trust_remote_code))  # a VLM's: its image-text-to-text class
     if base_4bit:
         compute_dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
         device = "cuda:0" if torch.cuda.is_available() else "cpu"
-        model = AutoModelForCausalLM.from_pretrained(
-            base, quantization_config=bits_config(4, compute_dtype), device_map={"": device}, dtype=compute_dtype,
+        model = auto_class.from_pretrained(
+            base, quantization_config=bits_config(4, compute_dtype, keep=unquantized_modules(base, trust_remote_code)), device_map={"": device}, dtype=compute_dtype,
             trust_remote_code=trust_remote_code).dequantize()
     else:
-        model = AutoModelForCausalLM.from_pretrained(base, dtype="auto", trust_remote_code=trust_remote_code)
+        model = auto_class.from_pretrained(base, dtype="auto", trust_remote_code=trust_remote_code)
     if reward:  # the head the adapter's trained copy is loaded into (its values are the adapter's)
         head_key = f"{head_name(model)}.weight"
         put_score_head(model, 0, model.get_input_embeddings().weight.dtype)
@@ -91,7 +93,8 @@ def merge(base: str, adapter: str, output: str, base_4bit: bool = False, dtype: 
     merged.save_pretrained(output, safe_serialization=True)
     tokenizer_source = adapter if (Path(adapter) / "tokenizer_config.json").is_file() else base
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_source, trust_remote_code=trust_remote_code)
-    tokenizer.save_pretrained(output)
+    processor = processors.load(tokenizer_source, tokenizer, trust_remote_code, config_from=base)  # a VLM's too
+    (processor or tokenizer).save_pretrained(output)
     if reward:
         as_sequence_classifier(Path(output), head_key, tokenizer.pad_token_id)
 

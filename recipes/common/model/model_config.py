@@ -81,12 +81,24 @@ def empty_model(config, trust_remote_code: bool = False, attention: str | None =
     """The model of `config` with its parameters on the meta device (in `dtype`; default: the config's) and
     its buffers (the rotary frequencies) computed as usual."""
     from accelerate import init_empty_weights
-    from transformers import AutoModelForCausalLM
 
     extra = {"attn_implementation": attention} if attention else {}
     extra.update({"dtype": dtype} if dtype is not None else {})
     with init_empty_weights(include_buffers=False):
-        return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code, **extra)
+        return model_class(config).from_config(config, trust_remote_code=trust_remote_code, **extra)
+
+
+def vision_language(config) -> bool:
+    """Whether the model of `config` reads images beside text (its config names a vision part)."""
+    return getattr(config, "vision_config", None) is not None
+
+
+def model_class(config):
+    """The auto class that builds the model of `config` with its LM head: a vision-language model's image-text-to-
+    text class (its vision tower and projector kept), else the causal LM class."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText if config is not None and vision_language(config) else AutoModelForCausalLM
 
 
 @functools.lru_cache(maxsize=4)
@@ -143,12 +155,31 @@ def quantizable_weights(name: str, trust_remote_code: bool = False) -> dict | No
     return {"quantized": quantized, "left": left, "left_kinds": sorted(left_kinds)}
 
 
-def bits_config(bits: int, compute_dtype: torch.dtype, storage: torch.dtype = torch.uint8):
-    """The recipes' quantisation of a base: NF4 with double quantisation (QLoRA), or LLM.int8().
+def bits_config(bits: int, compute_dtype: torch.dtype, storage: torch.dtype = torch.uint8,
+                keep: list[str] | None = None):
+    """The recipes' quantisation of a base: NF4 with double quantisation (QLoRA), or LLM.int8(); the modules
+    `keep` names (a vision-language model's vision part: `unquantized_modules`) left in the float dtype.
     Also what model/adapters.py and scripts/generate.py load an adapter's base with, as it was trained."""
     from transformers import BitsAndBytesConfig
 
+    skip = {"llm_int8_skip_modules": keep} if keep else {}
     if bits == 8:
-        return BitsAndBytesConfig(load_in_8bit=True)
+        return BitsAndBytesConfig(load_in_8bit=True, **skip)
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                              bnb_4bit_compute_dtype=compute_dtype, bnb_4bit_quant_storage=storage)
+                              bnb_4bit_compute_dtype=compute_dtype, bnb_4bit_quant_storage=storage, **skip)
+
+
+def unquantized_modules(name: str, trust_remote_code: bool = False) -> list[str] | None:
+    """A vision-language model's modules outside its language model (the vision tower, the projector) and its LM
+    head: QLoRA keeps them in 16 bits, as peers do (the tower is small, and frozen). None for a text model."""
+    config = model_config_object(name, trust_remote_code)
+    if config is None or not vision_language(config):
+        return None
+    model = empty_model(config, trust_remote_code)
+    decoder = model.get_decoder()
+    path = next(module_name for module_name, module in model.named_modules() if module is decoder)
+    parent = path.rpartition(".")[0]
+    holder = model.get_submodule(parent) if parent else model
+    head = next(module_name for module_name, module in model.named_modules() if module is model.get_output_embeddings())
+    return [f"{parent}.{child}" if parent else child for child, module in holder.named_children()
+            if module is not decoder] + [head]

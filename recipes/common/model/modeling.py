@@ -15,7 +15,8 @@ import torch
 from ..data.formats import DEFAULT_CHAT_TEMPLATE
 from ..refusal import refuse
 from .model_config import (DEFAULT_MODEL, REPO_ROOT, bits_config, default_model_needs_building, empty_model,
-                           is_default_model, model_config_object)
+                           is_default_model, model_class, model_config_object, unquantized_modules,
+                           vision_language)
 from .pipeline_layout import layout_of
 from .stage_loading import load_stage, refuse_a_changed_forward
 
@@ -57,6 +58,30 @@ def load_tokenizer(name: str, trust_remote_code: bool = False, chat_template: st
     return tokenizer
 
 
+def lora_targets(model, targets):
+    """peft's target_modules: `targets` ("all-linear" or layer names) as given, and for a vision-language model the
+    full names of those linear layers of its language model only (its vision tower and projector stay frozen)."""
+    if not vision_language(model.config):
+        return targets
+    decoder = model.get_decoder()
+    prefix = next(name for name, module in model.named_modules() if module is decoder)
+    return [f"{prefix}.{name}" for name, module in decoder.named_modules() if isinstance(module, torch.nn.Linear)
+            and (targets == "all-linear" or name.rsplit(".", 1)[-1] in targets)]
+
+
+def freeze_vision_parts(model) -> int:
+    """Full fine-tuning of a vision-language model trains its language model (and LM head); its vision tower and
+    projector stay as loaded, as peers default to. Returns how many parameters were frozen (0 for a text model)."""
+    if not vision_language(model.config):
+        return 0
+    decoder, head = model.get_decoder(), model.get_output_embeddings()
+    kept = {id(param) for module in (decoder, head) for param in module.parameters()}
+    frozen = [param for param in model.parameters() if id(param) not in kept]
+    for param in frozen:
+        param.requires_grad_(False)
+    return sum(param.numel() for param in frozen)
+
+
 def load_model(name: str, accelerator, launch, *, frozen: bool, quantization=None, trust_remote_code: bool = False,
                attention: str | None = None, liger: bool = False):
     """The model placed for the launched strategy, with the attention kernel asked for (default:
@@ -77,8 +102,6 @@ def load_model(name: str, accelerator, launch, *, frozen: bool, quantization=Non
     - everything else loads on CPU and `accelerator.prepare` places or shards it.
     Host RAM per machine at load: planner.load_bytes_per_machine, printed in the `plan:` line.
     """
-    from transformers import AutoModelForCausalLM
-
     # where loading frees layers as it goes (read or sent as shards, partitioned, quantized) or leaves unread
     # weights behind: their memory is given back rather than reused, page by page, by later steps
     if (launch.reads_shards or launch.main_process_loads or launch.zero_stage == 3
@@ -111,7 +134,7 @@ def load_model(name: str, accelerator, launch, *, frozen: bool, quantization=Non
             # (there, or for ZeRO-3 just below; 4-bit weights are quantized as each process loads)
             model = shape_only(name, kwargs)
         if model is None:
-            model = AutoModelForCausalLM.from_pretrained(name, **kwargs)
+            model = model_class(model_config_object(name, trust_remote_code)).from_pretrained(name, **kwargs)
     if zero3_partitions_here:
         partition_for_zero3(model)
     if quantization is not None and not quantized_weights(model):  # preflight's check, confirmed on what loaded
@@ -124,7 +147,18 @@ def load_model(name: str, accelerator, launch, *, frozen: bool, quantization=Non
 
         apply_liger_kernel(model, {"fused_linear_cross_entropy": False, "cross_entropy": False})
     accept_logits_to_keep(model)
+    keep_present_layer_classes(model)
     return model
+
+
+def keep_present_layer_classes(model) -> None:
+    """The layer classes FSDP wraps as units (the model's `_no_split_modules`, which accelerate reads) cut to those
+    the model holds: a vision-language model inherits its towers' lists whole (LLaVA's CLIP vision tower names
+    CLIP's text embeddings too), and accelerate stops at a class it cannot find."""
+    classes = getattr(model, "_no_split_modules", None)
+    if classes:
+        present = {type(module).__name__ for module in model.modules()}
+        model._no_split_modules = {name for name in classes if name in present}
 
 
 @contextlib.contextmanager
@@ -401,12 +435,14 @@ def quantized_weights(model) -> int:
                if type(module).__module__.startswith("bitsandbytes") and type(module).__name__ in ("Linear4bit", "Linear8bitLt"))
 
 
-def quantization_config(launch, bits: int):
-    """NF4 with double quantisation (QLoRA), or 8-bit, computing in the run's float dtype.
+def quantization_config(launch, bits: int, model: str | None = None, trust_remote_code: bool = False):
+    """NF4 with double quantisation (QLoRA), or 8-bit, computing in the run's float dtype; a vision-language
+    `model`'s vision tower and projector left in it (model_config.unquantized_modules).
 
     Under FSDP and ZeRO-3 the packed 4-bit weights are stored in that float dtype too: both
     shard flat tensors of one dtype, and integer storage breaks them (or silently zeroes the loss).
     """
     compute_dtype = launch.float_dtype(frozen=True)
     storage = compute_dtype if launch.shards_parameters else torch.uint8
-    return bits_config(bits, compute_dtype, storage)
+    keep = unquantized_modules(model, trust_remote_code) if model else None
+    return bits_config(bits, compute_dtype, storage, keep)

@@ -8,16 +8,18 @@ from pathlib import Path
 import torch
 
 from ..data.formats import IGNORE
+from ..data.images import load_image
 from ..launching.args import FEEDBACK_RECIPES, ONLINE_RECIPES, PREFERENCE_RECIPES, REWARD_RECIPES
 from ..model import adapters
 
 
 @torch.no_grad()
 def sample_generations(accelerator, launch, model, stages, tokenizer, eval_set, output_dir, count: int = 3,
-                       max_new_tokens: int = 32) -> list[dict]:
+                       max_new_tokens: int = 32, processor=None) -> list[dict]:
     """Greedy answers of the trained model to the first evaluation prompts; printed and saved
     to samples.jsonl. Every rank generates (sharded weights need every rank's forward; under pipeline
-    parallel, the first pipeline's `stages`)."""
+    parallel, the first pipeline's `stages`). A vision-language model's `processor` gives a row's images
+    with its prompt; the line names them after the prompt, whose placeholders show where they stand."""
     if stages and stages.layout.replica:  # the other pipelines hold the same weights
         return []
     generator = accelerator.unwrap_model(model)
@@ -27,14 +29,15 @@ def sample_generations(accelerator, launch, model, stages, tokenizer, eval_set, 
     # Under the run's mixed precision, as training ran (the adapters take their inputs in its 16 bits).
     with torch.compiler.set_stance("force_eager"), accelerator.autocast():
         samples = [generate_one(accelerator, generator, tokenizer, row, max_new_tokens, launch.shards_parameters,
-                                stages) for row in eval_set.select(range(min(count, len(eval_set))))]
+                                stages, processor) for row in eval_set.select(range(min(count, len(eval_set))))]
     generator.train()
     if accelerator.is_main_process:
         with open(Path(output_dir) / "samples.jsonl", "w") as file:
             for sample in samples:
                 file.write(json.dumps(sample) + "\n")
         for sample in samples:  # (samples.jsonl holds them whole; a console line a few hundred characters)
-            print(f"sample: {shortened(sample['prompt'])!r} -> {shortened(sample['generated'])!r} "
+            shown = f" [images: {', '.join(Path(path).name for path in sample['images'])}]" if sample.get("images") else ""
+            print(f"sample: {shortened(sample['prompt'])!r}{shown} -> {shortened(sample['generated'])!r} "
                   f"(reference {shortened(sample['reference'])!r})")
     return samples
 
@@ -44,10 +47,23 @@ def shortened(text: str, keep: int = 120) -> str:
     return text if len(text) <= keep else f"{text[:keep // 2]} ... {text[-keep // 2:]}"
 
 
-def generate_one(accelerator, generator, tokenizer, row, max_new_tokens: int, sharded: bool, stages=None) -> dict:
-    """The greedy answer to one evaluation row's prompt (the tokens before its first target token)."""
+def generate_one(accelerator, generator, tokenizer, row, max_new_tokens: int, sharded: bool, stages=None,
+                 processor=None) -> dict:
+    """The greedy answer to one evaluation row's prompt (the tokens before its first target token; with a
+    vision-language model's `processor`, the row's images with it, their placeholders expanded)."""
     prompt_length = next((i for i, label in enumerate(row["labels"]) if label != IGNORE), len(row["labels"]))
     prompt = torch.tensor([row["input_ids"][:prompt_length]], device=accelerator.device)
+    if processor is not None:
+        files = row.get("images") or []
+        inputs = processor(text=[tokenizer.decode(prompt[0])], images=[load_image(path) for path in files] or None,
+                           add_special_tokens=False, return_tensors="pt").to(accelerator.device)
+        expanded = inputs["input_ids"].shape[1]
+        output = generator.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
+                                    pad_token_id=tokenizer.pad_token_id, synced_gpus=sharded)
+        reference = [t for t, label in zip(row["input_ids"], row["labels"]) if label != IGNORE]
+        return {"prompt": tokenizer.decode(prompt[0]), "images": files,
+                "reference": tokenizer.decode(reference, skip_special_tokens=True),
+                "generated": tokenizer.decode(output[0, expanded:], skip_special_tokens=True)}
     if stages:  # through the stages, token by token
         stop = generator.generation_config.eos_token_id
         output = stages.generate(prompt, max_new_tokens, stop if isinstance(stop, list) else [stop])

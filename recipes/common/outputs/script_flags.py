@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from ..launching.args import SAVE_DTYPES, OneLineErrors
 
@@ -35,6 +36,8 @@ def generate_flags(doc: str) -> argparse.ArgumentParser:
     parser.add_argument("--top-p", type=float, default=1.0, help="sampling: keep the smallest set of tokens whose "
                         "probabilities add up to P (default: 1.0, all)")
     parser.add_argument("--seed", type=int, default=None, help="sampling: the same seed gives the same answers")
+    parser.add_argument("--image", action="append", metavar="FILE",
+                        help="an image given with every prompt, before its text (repeatable; a vision-language model)")
     return parser
 
 
@@ -48,6 +51,9 @@ def generate_problem(args: argparse.Namespace) -> str | None:
         return "--top-p must be in (0, 1]"
     if args.temperature == 0 and (args.top_p != 1.0 or args.seed is not None):
         return "--top-p and --seed apply to sampling: add --temperature T > 0"
+    missing = [path for path in args.image or () if not Path(path).expanduser().is_file()]
+    if missing:
+        return f"--image {missing[0]} does not exist; give an image file"
     return None
 
 

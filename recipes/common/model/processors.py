@@ -1,0 +1,70 @@
+"""A vision-language model's processor: it turns a row's images into the model's pixel inputs and expands their
+placeholders into image tokens (data/images.py calls it as the loader collates), and it is saved with the model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..data.formats import DEFAULT_CHAT_TEMPLATE
+from .model_config import model_config_object, vision_language
+
+
+def load(name: str, tokenizer, trust_remote_code: bool = False, config_from: str | None = None):
+    """A vision-language model's processor (it turns a row's images into the model's pixel inputs and expands
+    their placeholders), sharing the run's `tokenizer`; None for a model that reads text only. Where the
+    processor's video part cannot load (it needs torchvision), the processor is built without it: images only.
+    A tokenizer left with the plain default template takes the processor's chat template. `config_from`: the folder
+    or id whose config says whether the model reads images (default `name`: an adapter folder has none)."""
+    config = model_config_object(config_from or name, trust_remote_code)
+    if config is None or not vision_language(config):
+        return None
+    from transformers import AutoProcessor
+
+    try:
+        processor = AutoProcessor.from_pretrained(name, trust_remote_code=trust_remote_code)
+    except ImportError as error:
+        if "torchvision" not in str(error).lower():
+            raise
+        processor = without_video(name, config, trust_remote_code)
+    if tokenizer.chat_template == DEFAULT_CHAT_TEMPLATE and getattr(processor, "chat_template", None):
+        tokenizer.chat_template = processor.chat_template
+    processor.tokenizer, processor.chat_template = tokenizer, tokenizer.chat_template  # one template, saved with both
+    return processor
+
+
+def without_video(name: str, config, trust_remote_code: bool = False):
+    """The model's processor built from its image processor and tokenizer, its video processor left out (it
+    needs torchvision, which the images do not): Qwen2-VL's family, for one."""
+    from unittest import mock
+
+    from transformers import AutoImageProcessor, AutoTokenizer
+    from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
+    from transformers.processing_utils import ProcessorMixin
+    import transformers
+
+    processor_class = getattr(transformers, PROCESSOR_MAPPING_NAMES[config.model_type])
+    check = ProcessorMixin.check_argument_for_proper_class
+    template = Path(name) / "chat_template.jinja"
+    with mock.patch.object(ProcessorMixin, "check_argument_for_proper_class",
+                           lambda self, key, value: None if value is None else check(self, key, value)):
+        processor = processor_class(
+            image_processor=AutoImageProcessor.from_pretrained(name, trust_remote_code=trust_remote_code),
+            tokenizer=AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code),
+            video_processor=None, chat_template=template.read_text() if template.is_file() else None)
+    # its own save_pretrained stops at the missing part: the parts it has are saved as the model's folder holds them
+    processor.save_pretrained = lambda path, **_: save_parts(processor, path)
+    return processor
+
+
+def save_parts(processor, path) -> None:
+    """A processor's tokenizer, image processor and chat template saved where from_pretrained (and
+    processors.load) finds them, with the processor's class named in processor_config.json."""
+    import json
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    processor.tokenizer.save_pretrained(path)
+    processor.image_processor.save_pretrained(path)
+    (path / "processor_config.json").write_text(json.dumps({"processor_class": type(processor).__name__}, indent=2) + "\n")
+    if processor.chat_template:
+        (path / "chat_template.jinja").write_text(processor.chat_template)

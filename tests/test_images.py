@@ -1,0 +1,279 @@
+"""Images in the rows: vision-language models trained by the supervised recipes (recipes/common/data/images.py).
+
+Two tiny random families built offline (scripts/build_tiny_model.py --family): Qwen2-VL (dynamic resolution: an
+image's tokens follow its size) and LLaVA (a fixed number of tokens an image), on the bundled vision task
+(data/vision: one shape, its colour or its kind the answer)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, TINY_MODEL, assert_the_refusal_ends_the_output, launch, long_test
+
+sys.path.insert(0, str(REPO / "recipes"))
+sys.path.insert(0, str(REPO / "scripts"))
+
+from build_tiny_model import build_tiny_vlm  # noqa: E402
+
+from common.data import formats, images, targets, tokens  # noqa: E402
+from common.data.formats import IGNORE  # noqa: E402
+from common.launching.preflight import Refusal  # noqa: E402
+
+VISION = REPO / "data" / "vision"
+FAMILIES = ("qwen2-vl", "llava")
+
+
+@pytest.fixture(scope="session")
+def vlm(tmp_path_factory):
+    """family -> the folder of its tiny random model, built once a session."""
+    built = {}
+
+    def build(family: str) -> Path:
+        if family not in built:
+            built[family] = build_tiny_vlm(family, tmp_path_factory.mktemp(family) / "model")
+        return built[family]
+
+    return build
+
+
+def vision_rows(path: Path, count: int, start: int = 0) -> Path:
+    """`count` rows of the bundled vision task, their images by absolute path, written to `path`."""
+    lines = (VISION / "train.jsonl").read_text().splitlines()[start:start + count]
+    rows = [json.loads(line) for line in lines]
+    for row in rows:
+        row["images"] = [str((VISION / name).resolve()) for name in row["images"]]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def processing(model: Path):
+    from common.model import modeling, processors
+
+    tokenizer = modeling.load_tokenizer(str(model))
+    return tokenizer, processors.load(str(model), tokenizer)
+
+
+# ---------------------------------------------------------------- what a row trains on
+
+
+def test_image_placeholders_in_text_become_image_parts():
+    assert formats.text_parts("<image>\nWhat is it?") == [{"type": "image"}, {"type": "text", "text": "\nWhat is it?"}]
+    assert formats.text_parts("a <image> b <image>") == [{"type": "text", "text": "a "}, {"type": "image"},
+                                                         {"type": "text", "text": " b "}, {"type": "image"}]
+    assert formats.places([{"role": "user", "content": "<image><image> two"}]) == 2
+
+
+def test_labels_follow_their_tokens_through_the_expansion():
+    ids, labels = [5, 9, 7, 8, 2], [IGNORE, IGNORE, IGNORE, 8, 2]  # 9: an image's one placeholder
+    expanded = [5, 9, 9, 9, 7, 8, 2]
+    assert images.carried_labels(ids, labels, expanded).tolist() == [IGNORE] * 5 + [8, 2]
+    with pytest.raises(ValueError, match="differ from its training tokens around a target"):
+        images.carried_labels(ids, labels, [5, 9, 9, 7, 8, 3])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_collated_row_is_what_the_processor_gives_at_inference(family, vlm, tmp_path):
+    """The batch's tokens are the processor's for the row's rendering and images; the targets are the reply and
+    its end-of-turn token only (no image, prompt or padding token); rows of two image sizes in one batch."""
+    import datasets
+    import torch
+    from PIL import Image
+
+    tokenizer, processor = processing(vlm(family))
+    wide = tmp_path / "wide.png"
+    Image.open(VISION / "images" / "train_00001.png").resize((56, 28)).save(wide)
+    rows = [{"messages": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour?"}]},
+                          {"role": "assistant", "content": [{"type": "text", "text": "red"}]}],
+             "images": [str(path)]} for path in (VISION / "images" / "train_00002.png", wide)]
+    table = datasets.Dataset.from_list(rows)
+    tokenised, fmt = tokens.tokenize_counted(table, tokenizer, 512, (images.ImageSizes(processor), tmp_path))
+    kept = tokens.kept_rows(tokenised)
+    batch = images.PadImageRows(processor)([kept[0], kept[1]])
+    for i, row in enumerate(rows):
+        text = processor.apply_chat_template([formats.with_parts(turn) for turn in
+                                             [{"role": t["role"], "content": "", "parts": t["content"]} for t in row["messages"]]],
+                                            tokenize=False)
+        alone = processor(text=[text], images=[Image.open(row["images"][0]).convert("RGB")], add_special_tokens=False,
+                          return_tensors="pt")
+        length = alone["input_ids"].shape[1]
+        assert batch["input_ids"][i, :length].tolist() == alone["input_ids"][0].tolist()
+        trained = batch["labels"][i][batch["labels"][i] != IGNORE].tolist()
+        assert tokenizer.decode(trained).strip() == "red" + targets.ChatTemplate(tokenizer).end_marker(text, text.rindex("red")).group()
+        assert (batch["labels"][i, length:] == IGNORE).all()
+    assert batch["pixel_values"].shape[0] > 0 and torch.is_tensor(batch["attention_mask"])
+    image_token = processor.tokenizer.convert_tokens_to_ids(processor.image_token)
+    counts = (batch["input_ids"] == image_token).sum(1).tolist()
+    assert counts == images.ImageSizes(processor).tokens([(56, 56), (28, 56)])  # as planned from the headers
+    if family == "qwen2-vl":  # dynamic resolution: an image's tokens follow its size
+        assert counts[1] < counts[0]
+
+
+def test_a_row_too_long_with_its_images_is_dropped_and_counted(vlm, tmp_path):
+    import datasets
+
+    tokenizer, processor = processing(vlm("qwen2-vl"))
+    rows = [json.loads(line) for line in vision_rows(tmp_path / "rows.jsonl", 4).read_text().splitlines()]
+    tokenised, _ = tokens.tokenize_counted(datasets.Dataset.from_list(rows), tokenizer, 20,
+                                           (images.ImageSizes(processor), tmp_path))
+    line = tokens.counted(tokenised)
+    assert "4 dropped (too long for --max-length 20 with its images: 4)" in line
+    assert "pass --max-length" in tokens.fixes(tokenised)[0]
+
+
+# ---------------------------------------------------------------- refused before the model loads
+
+
+def image_row(image: str, text: str = "<image> What colour?") -> dict:
+    return {"messages": [{"role": "user", "content": text}, {"role": "assistant", "content": "red"}], "images": [image]}
+
+
+@pytest.mark.parametrize("row, refusal", [
+    (image_row("missing.png"), "row 2: image missing.png does not exist (relative paths start at"),
+    (image_row("images/train_00001.png", "<image><image> two?"),
+     "row 2: its turns place 2 image(s) ({\"type\": \"image\"} parts or `<image>`) but `images` lists 1"),
+    (image_row("https://example.com/a.png"), "row 2: image https://example.com/a.png is a URL, which the run does not download"),
+    (image_row("not-an-image.txt"), "row 2: image not-an-image.txt cannot be read (UnidentifiedImageError"),
+])
+def test_unreadable_or_misplaced_images_are_refused_naming_the_row(row, refusal, tmp_path):
+    import datasets
+
+    (tmp_path / "images").mkdir()
+    (tmp_path / "images" / "train_00001.png").write_bytes((VISION / "images" / "train_00001.png").read_bytes())
+    (tmp_path / "not-an-image.txt").write_text("text")
+    data = tmp_path / "rows.jsonl"
+    data.write_text(json.dumps(image_row("images/train_00001.png")) + "\n" + json.dumps(row) + "\n")
+    rows = datasets.load_dataset("json", data_files=str(data), split="train", cache_dir=str(tmp_path / "cache"))
+    with pytest.raises(Refusal) as refused:
+        images.check_rows(rows, str(data))
+    assert refusal in str(refused.value) and str(data) in str(refused.value)
+
+
+def test_image_rows_given_to_a_text_model_are_refused_in_one_line(tmp_path):
+    done = launch("lora", tmp_path / "out", "--dataset", str(vision_rows(tmp_path / "rows.jsonl", 8)), "--max-steps", "1",
+                  config="ddp")
+    assert done.returncode != 0
+    assert_the_refusal_ends_the_output(done.output, f"error: --dataset holds images, but --model {TINY_MODEL} reads text "
+                                       "only; give an image-text-to-text model (Qwen2-VL, LLaVA, ...: its config names a "
+                                       "vision part), or drop the images column")
+
+
+@pytest.mark.parametrize("recipe, config, flags, refusal", [
+    ("dpo", "ddp", (), "which dpo.py does not train yet; recipes/lora.py, qlora.py and full.py do (docs/data.md#images)"),
+    pytest.param("lora", "pipeline", ("--pipeline-stages", "2"), "which 2-stage pipeline x 1 replica(s) does not run yet; use "
+     "accelerate_configs/ddp.yaml, fsdp.yaml or zero3.yaml (docs/data.md#images)", marks=long_test),
+])
+def test_what_images_cannot_run_yet_is_refused_before_loading(recipe, config, flags, refusal, vlm, tmp_path):
+    model = vlm("qwen2-vl")
+    data = REPO / "data" / "preferences" if recipe == "dpo" else vision_rows(tmp_path / "rows.jsonl", 8)
+    done = launch(recipe, tmp_path / "out", "--model", str(model), "--dataset", str(data), "--max-steps", "1",
+                  *flags, config=config)
+    assert done.returncode != 0
+    assert_the_refusal_ends_the_output(done.output, f"error: --model {model} is a vision-language model, {refusal}")
+
+
+# ---------------------------------------------------------------- the same numbers as TRL and as one process
+
+
+STEPS = ["--max-steps", "3", "--grad-accum", "2", "--lr", "5e-3"]
+NO_DROPOUT = {"lora": ["--lora-dropout", "0"], "qlora": ["--lora-dropout", "0"], "full": []}  # each rank its own masks
+
+
+@pytest.fixture(scope="module")
+def one_process(vlm, tmp_path_factory):
+    """(family, recipe) -> (the one-process run, its rows): 3 steps of 16 rows (8 x 2 micro-batches), every step the
+    whole dataset (--eval-dataset the same rows: none held out), so that any order of the rows gives its numbers."""
+    runs = {}
+
+    def run(family: str, recipe: str = "lora"):
+        if (family, recipe) not in runs:
+            folder = tmp_path_factory.mktemp(f"one-{family}-{recipe}")
+            data = vision_rows(folder / "rows.jsonl", 16)
+            done = launch(recipe, folder / "out", "--model", str(vlm(family)), "--dataset", str(data), "--eval-dataset",
+                          str(data), *STEPS, *NO_DROPOUT[recipe], "--batch-size", "8", processes=1)
+            assert done.returncode == 0, done.output[-3000:]
+            runs[family, recipe] = (done, data)
+        return runs[family, recipe]
+
+    return run
+
+
+def same_curve(mine: list[dict], theirs: list[dict]) -> None:
+    """The same loss and gradient norm at every step (1e-5), and a loss that fell: both trained."""
+    assert len(mine) == len(theirs) == 3
+    for ours, other in zip(mine, theirs):
+        assert ours["loss"] == pytest.approx(other["loss"], abs=1e-5), (ours, other)
+        assert ours["grad_norm"] == pytest.approx(other["grad_norm"], abs=1e-5), (ours, other)
+    assert mine[-1]["loss"] < mine[0]["loss"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_lora_equals_trls_sft_trainer_on_image_rows(family, one_process, vlm, tmp_path):
+    """The loss and gradient norm of 3 steps equal TRL's SFTTrainer on the same rows, model and adapter (float32,
+    one process, accumulation 2)."""
+    ours, data = one_process(family)
+    flags = ["--model", str(vlm(family)), "--dataset", str(data), *STEPS, *NO_DROPOUT["lora"], "--batch-size", "8"]
+    done = subprocess.run([sys.executable, str(REPO / "scripts" / "measure" / "trl_vlm_worker.py"), "--output-dir",
+                           str(tmp_path / "trl"), *flags], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    same_curve(ours.metrics(), [json.loads(line) for line in (tmp_path / "trl" / "metrics.jsonl").read_text().splitlines()])
+
+
+@pytest.mark.parametrize("family, recipe, config", [
+    ("qwen2-vl", "lora", "ddp"),
+    ("llava", "lora", "zero3"),
+    pytest.param("qwen2-vl", "lora", "fsdp", marks=long_test),
+    pytest.param("qwen2-vl", "lora", "zero3", marks=long_test),
+    pytest.param("llava", "lora", "ddp", marks=long_test),
+    pytest.param("llava", "lora", "fsdp", marks=long_test),
+    pytest.param("qwen2-vl", "full", "fsdp", marks=long_test),
+    pytest.param("qwen2-vl", "full", "zero3", marks=long_test),
+    pytest.param("qwen2-vl", "qlora", "ddp", marks=long_test),
+    pytest.param("llava", "lora", "zero3_offload", marks=long_test),
+])
+def test_every_strategy_trains_the_one_process_curve(family, recipe, config, one_process, vlm, tmp_path):
+    """2 processes x 4 rows x 2 micro-batches: the same loss and gradient norm as one process, step by step."""
+    single, data = one_process(family, recipe)
+    done = launch(recipe, tmp_path / "out", "--model", str(vlm(family)), "--dataset", str(data), "--eval-dataset",
+                  str(data), *STEPS, *NO_DROPOUT[recipe], "--batch-size", "4", config=config)
+    assert done.returncode == 0, done.output[-3000:]
+    assert done.run_json()["num_processes"] == 2
+    same_curve(done.metrics(), single.metrics())
+
+
+# ---------------------------------------------------------------- what a run leaves
+
+
+def test_merged_model_and_adapter_load_as_image_text_to_text_and_answer_as_trained(vlm, tmp_path):
+    """lora.py --merge on LLaVA under DDP: merged/ loads with AutoModelForImageTextToText and AutoProcessor, its
+    logits on image rows equal the adapter on its base (PeftModel), which the run trained; the sample lines name
+    the rows' images; the vision tower is untouched."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    model = vlm("llava")
+    data = vision_rows(tmp_path / "rows.jsonl", 64)
+    done = launch("lora", tmp_path / "out", "--model", str(model), "--dataset", str(data), "--max-steps", "4",
+                  "--batch-size", "4", "--lr", "5e-2", "--merge", config="ddp")
+    assert done.returncode == 0, done.output[-3000:]
+    assert "[images: train_000" in done.output
+    merged = AutoModelForImageTextToText.from_pretrained(tmp_path / "out" / "merged", dtype=torch.float32).eval()
+    processor = AutoProcessor.from_pretrained(tmp_path / "out" / "merged")
+    base = AutoModelForImageTextToText.from_pretrained(model, dtype=torch.float32)
+    adapted = PeftModel.from_pretrained(base, tmp_path / "out" / "adapter").eval()
+    row = json.loads(data.read_text().splitlines()[0])
+    text = processor.apply_chat_template(row["messages"], tokenize=False)
+    inputs = processor(text=[text], images=[images.load_image(row["images"][0])], add_special_tokens=False,
+                       return_tensors="pt")
+    untrained = AutoModelForImageTextToText.from_pretrained(model, dtype=torch.float32).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(merged(**inputs).logits, adapted(**inputs).logits, atol=1e-5, rtol=1e-5)
+        assert not torch.allclose(merged(**inputs).logits, untrained(**inputs).logits, atol=1e-4)
+    before = dict(untrained.named_parameters())
+    vision = [(name, tensor) for name, tensor in merged.named_parameters() if "vision_tower" in name]
+    assert vision and all(torch.equal(tensor, before[name]) for name, tensor in vision)
