@@ -153,6 +153,36 @@ def test_unreadable_or_misplaced_images_are_refused_naming_the_row(row, refusal,
     assert refusal in str(refused.value) and str(data) in str(refused.value)
 
 
+def test_images_stored_in_a_parquet_file_train_as_files_do(vlm, tmp_path, monkeypatch):
+    """A parquet file whose `images` column holds the images (datasets' Image feature, bytes): read undecoded, each
+    image written once to a file named by its hash, collated as the same rows with image files are."""
+    import datasets
+    from PIL import Image
+
+    from common.data.checked_rows import load_sources
+
+    monkeypatch.setenv("RECIPES_CACHE", str(tmp_path / "cache"))
+    rows = [json.loads(line) for line in vision_rows(tmp_path / "rows.jsonl", 4).read_text().splitlines()]
+    features = datasets.Features({"messages": datasets.Dataset.from_list(rows).features["messages"],
+                                  "images": datasets.List(datasets.Image())})
+    embedded = datasets.Dataset.from_dict({"messages": [row["messages"] for row in rows],
+                                           "images": [[Image.open(path).convert("RGB") for path in row["images"]] for row in rows]},
+                                          features=features)
+    embedded.to_parquet(str(tmp_path / "train.parquet"))
+    (parquet,), _ = load_sources(str(tmp_path / "train.parquet"), 0, eval_spec=str(tmp_path / "rows.jsonl"))
+    (files,), _ = load_sources(str(tmp_path / "rows.jsonl"), 0, eval_spec=str(tmp_path / "rows.jsonl"))
+    tokenizer, processor = processing(vlm("qwen2-vl"))
+    collated = []
+    for part in (parquet, files):
+        tokenised, _ = tokens.tokenize_counted(part.rows, tokenizer, 512, (images.ImageSizes(processor), tmp_path))
+        kept = tokens.kept_rows(tokenised)
+        collated.append(images.PadImageRows(processor)([kept[i] for i in range(4)]))
+    assert all(path.startswith(str(tmp_path / "cache" / "images")) for path in tokens.kept_rows(
+        tokens.tokenize_counted(parquet.rows, tokenizer, 512, (images.ImageSizes(processor), tmp_path))[0])["images"][0])
+    for key in ("input_ids", "labels", "pixel_values", "image_grid_thw"):
+        assert collated[0][key].tolist() == collated[1][key].tolist(), key
+
+
 def test_image_rows_given_to_a_text_model_are_refused_in_one_line(tmp_path):
     done = launch("lora", tmp_path / "out", "--dataset", str(vision_rows(tmp_path / "rows.jsonl", 8)), "--max-steps", "1",
                   config="ddp")

@@ -12,6 +12,7 @@ time as the loader collates (`PadImageRows`), so no image is held longer than it
 
 from __future__ import annotations
 
+import io
 import os
 from difflib import SequenceMatcher
 from pathlib import Path
@@ -52,15 +53,55 @@ def references(cell) -> list:
 
 
 def image_path(reference, folder: Path) -> str:
-    """One image's file, absolute. A URL or an image stored inside the data (bytes) is refused by `check_rows`."""
+    """One image's file, absolute; an image stored inside the data (datasets' {"bytes", "path"}: a hub dataset's
+    or a parquet file's Image column) is written once to a file of its own (`stored`). A URL is refused by
+    `check_rows`."""
+    if isinstance(reference, dict) and reference.get("bytes") is not None:
+        return stored(reference["bytes"])
     path = reference.get("path") if isinstance(reference, dict) else reference
     return str((folder / os.path.expanduser(path)).resolve())
 
 
+def stored(data: bytes) -> str:
+    """The file holding an image's bytes, named by their hash under <RECIPES_CACHE or ~/.cache/recipes>/images:
+    written whole or not at all (a temporary file renamed), once, whichever process or run needs it first. The
+    tokenised rows then list a path, as for images given as files, and the loader reads one batch at a time."""
+    import hashlib
+    import tempfile
+
+    digest = hashlib.sha256(data).hexdigest()
+    root = Path(os.environ.get("RECIPES_CACHE") or Path.home() / ".cache" / "recipes").expanduser() / "images"
+    path = root / digest[:2] / digest
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path.parent, delete=False) as file:
+            file.write(data)
+        os.replace(file.name, path)
+    return str(path)
+
+
+def undecoded(rows):
+    """`rows` with an image column of datasets' Image feature left undecoded ({"bytes", "path"} cells): reading
+    rows must not decode every image."""
+    from datasets import Image, List, Sequence
+
+    column = image_column(rows.column_names)
+    feature = rows.features.get(column) if column else None
+    if isinstance(feature, Image):
+        return rows.cast_column(column, Image(decode=False))
+    if isinstance(feature, (List, Sequence)) and isinstance(feature.feature, Image):
+        return rows.cast_column(column, List(Image(decode=False)))
+    return rows
+
+
 def reference_problem(reference, folder: Path) -> str | None:
     """Why one listed image cannot be read (None when it can): its size is read from the file's header."""
-    if isinstance(reference, dict) and reference.get("bytes") is not None and not reference.get("path"):
-        return "an image stored inside the data (bytes) is not read yet; save it as a file and list its path"
+    if isinstance(reference, dict) and reference.get("bytes") is not None:
+        try:
+            header_size(io.BytesIO(reference["bytes"]))
+        except OSError as error:
+            return f"an image stored in the data cannot be read ({type(error).__name__}: {str(error)[:80]})"
+        return None
     path = reference.get("path") if isinstance(reference, dict) else reference
     if not isinstance(path, str) or not path:
         return f"an image entry {reference!r} is no path"
@@ -76,7 +117,7 @@ def reference_problem(reference, folder: Path) -> str | None:
     return None
 
 
-def header_size(path: str) -> tuple[int, int]:
+def header_size(path) -> tuple[int, int]:
     """(height, width) of an image from its file's header, without decoding its pixels."""
     from PIL import Image
 

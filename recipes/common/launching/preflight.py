@@ -209,6 +209,9 @@ def check_vision_language(args, launch) -> None:
     if args.recipe not in VISION_RECIPES:
         refuse(f"--model {args.model} is a vision-language model, which {args.recipe}.py does not train yet; "
                "recipes/lora.py, qlora.py and full.py do (docs/data.md#images)")
+    if getattr(args, "eval_tasks", None):
+        refuse(f"--eval-tasks scores lm-eval's text tasks, which a vision-language model ({args.model}) does not run "
+               "here yet; leave --eval-tasks out (the run's own evaluation on held-out image rows still runs)")
     if launch.kind not in VISION_STRATEGIES or launch.pipeline_stages > 1 or launch.sequence_parallel > 1:
         refuse(f"--model {args.model} is a vision-language model, which {launch.name} does not run "
                "yet; use accelerate_configs/ddp.yaml, fsdp.yaml or zero3.yaml (docs/data.md#images)")
