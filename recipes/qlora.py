@@ -6,7 +6,8 @@ Launch (pick any file in accelerate_configs/, or your own `accelerate config` fi
         --model TinyLlama/TinyLlama-1.1B-Chat-v1.0 --dataset my_data.jsonl --output-dir outputs/qlora
 
 With no --model / --dataset it trains the bundled tiny model on the bundled data, also on a
-machine without GPUs (add `--num_processes 2 --mixed_precision no` to the launcher).
+machine without GPUs (add `--num_processes 2 --mixed_precision no` to the launcher). A vision-language
+model (Qwen2-VL, LLaVA, ...) trains on chat rows with images the same way (docs/data.md#images).
 
 Writes to --output-dir: run.json (what ran), metrics.jsonl (one line per step and per
 evaluation), checkpoints/step-N/ (resumable), adapter/ (PeftModel.from_pretrained) and, with

@@ -7,6 +7,7 @@ image's tokens follow its size) and LLaVA (a fixed number of tokens an image), o
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +24,7 @@ from build_tiny_model import build_tiny_vlm  # noqa: E402
 from common.data import formats, images, targets, tokens  # noqa: E402
 from common.data.formats import IGNORE  # noqa: E402
 from common.launching.preflight import Refusal  # noqa: E402
+from common.model import processors  # noqa: E402
 
 VISION = REPO / "data" / "vision"
 FAMILIES = ("qwen2-vl", "llava")
@@ -52,7 +54,7 @@ def vision_rows(path: Path, count: int, start: int = 0) -> Path:
 
 
 def processing(model: Path):
-    from common.model import modeling, processors
+    from common.model import modeling
 
     tokenizer = modeling.load_tokenizer(str(model))
     return tokenizer, processors.load(str(model), tokenizer)
@@ -125,6 +127,17 @@ def test_a_row_too_long_with_its_images_is_dropped_and_counted(vlm, tmp_path):
     assert "pass --max-length" in tokens.fixes(tokenised)[0]
 
 
+def test_a_row_that_places_images_without_listing_any_is_dropped_and_counted(vlm, tmp_path):
+    import datasets
+
+    tokenizer, processor = processing(vlm("llava"))
+    rows = [{"messages": [{"role": "user", "content": text}, {"role": "assistant", "content": "red"}]}
+            for text in ("<image> What colour?", "No image here?")]
+    tokenised, _ = tokens.tokenize_counted(datasets.Dataset.from_list(rows), tokenizer, 512,
+                                           (images.ImageSizes(processor), tmp_path))
+    assert "1 used, 1 dropped (its turns place images but it lists none (an `images` column): 1)" in tokens.counted(tokenised)
+
+
 # ---------------------------------------------------------------- refused before the model loads
 
 
@@ -183,6 +196,28 @@ def test_images_stored_in_a_parquet_file_train_as_files_do(vlm, tmp_path, monkey
         assert collated[0][key].tolist() == collated[1][key].tolist(), key
 
 
+@pytest.mark.parametrize("model, packing, refusal", [
+    ("text", False, "reads text only; give an image-text-to-text model (Qwen2-VL, LLaVA, ...: its config names a vision "
+                    "part), or drop the images column"),
+    ("qwen2-vl", True, "--packing does not keep a row's images with it; leave --packing out for rows with images"),
+])
+def test_image_rows_a_run_cannot_take_are_refused_before_tokenising(model, packing, refusal, vlm, tmp_path):
+    from types import SimpleNamespace
+
+    from common.data import preparation
+    from common.model import modeling
+
+    folder = str(TINY_MODEL) if model == "text" else str(vlm(model))
+    tokenizer = modeling.load_tokenizer(folder)
+    processor = None if model == "text" else processors.load(folder, tokenizer)
+    data = str(vision_rows(tmp_path / "rows.jsonl", 8))
+    args = SimpleNamespace(dataset=[data], eval_dataset=None, seed=0, columns=None, model=folder, packing=packing,
+                           max_length=512)
+    with pytest.raises(Refusal, match=re.escape(refusal)):
+        preparation.prepare(None, tokenizer, args, None, processor)
+
+
+@long_test  # ~10 s: the refusal above, through a launch
 def test_image_rows_given_to_a_text_model_are_refused_in_one_line(tmp_path):
     done = launch("lora", tmp_path / "out", "--dataset", str(vision_rows(tmp_path / "rows.jsonl", 8)), "--max-steps", "1",
                   config="ddp")
@@ -193,7 +228,8 @@ def test_image_rows_given_to_a_text_model_are_refused_in_one_line(tmp_path):
 
 
 @pytest.mark.parametrize("recipe, config, flags, refusal", [
-    ("dpo", "ddp", (), "which dpo.py does not train yet; recipes/lora.py, qlora.py and full.py do (docs/data.md#images)"),
+    pytest.param("dpo", "ddp", (), "which dpo.py does not train yet; recipes/lora.py, qlora.py and full.py do "
+                 "(docs/data.md#images)", marks=long_test),
     pytest.param("lora", "pipeline", ("--pipeline-stages", "2"), "which 2-stage pipeline x 1 replica(s) does not run yet; use "
      "accelerate_configs/ddp.yaml, fsdp.yaml or zero3.yaml (docs/data.md#images)", marks=long_test),
 ])
@@ -241,7 +277,7 @@ def same_curve(mine: list[dict], theirs: list[dict]) -> None:
     assert mine[-1]["loss"] < mine[0]["loss"]
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", [FAMILIES[0], pytest.param(FAMILIES[1], marks=long_test)])
 def test_lora_equals_trls_sft_trainer_on_image_rows(family, one_process, vlm, tmp_path):
     """The loss and gradient norm of 3 steps equal TRL's SFTTrainer on the same rows, model and adapter (float32,
     one process, accumulation 2)."""
@@ -255,7 +291,7 @@ def test_lora_equals_trls_sft_trainer_on_image_rows(family, one_process, vlm, tm
 
 @pytest.mark.parametrize("family, recipe, config", [
     ("qwen2-vl", "lora", "ddp"),
-    ("llava", "lora", "zero3"),
+    pytest.param("llava", "lora", "zero3", marks=long_test),
     pytest.param("qwen2-vl", "lora", "fsdp", marks=long_test),
     pytest.param("qwen2-vl", "lora", "zero3", marks=long_test),
     pytest.param("llava", "lora", "ddp", marks=long_test),
@@ -275,9 +311,30 @@ def test_every_strategy_trains_the_one_process_curve(family, recipe, config, one
     same_curve(done.metrics(), single.metrics())
 
 
+@long_test  # ~50 s: two launches
+def test_a_checkpoint_of_image_rows_continues_under_another_strategy(vlm, tmp_path):
+    """4 steps under DDP, a checkpoint at step 2; continued from it under ZeRO-3, steps 3 and 4 are the uninterrupted
+    run's (the loader skips the batches already seen, images and all)."""
+    import shutil
+
+    model, data = str(vlm("qwen2-vl")), vision_rows(tmp_path / "rows.jsonl", 64)
+    flags = ["--model", model, "--dataset", str(data), "--max-steps", "4", "--save-every", "2", "--batch-size", "4",
+             "--grad-accum", "2", "--lr", "5e-3", "--lora-dropout", "0"]
+    whole = launch("lora", tmp_path / "whole", *flags, config="ddp")
+    assert whole.returncode == 0, whole.output[-3000:]
+    shutil.copytree(tmp_path / "whole" / "checkpoints" / "step-2", tmp_path / "resumed" / "checkpoints" / "step-2")
+    resumed = launch("lora", tmp_path / "resumed", *flags, "--resume", "auto", config="zero3")
+    assert resumed.returncode == 0, resumed.output[-3000:]
+    assert [m["step"] for m in resumed.metrics()] == [3, 4]
+    for mine, uninterrupted in zip(resumed.metrics(), whole.metrics()[2:]):
+        assert mine["loss"] == pytest.approx(uninterrupted["loss"], abs=1e-5), (mine, uninterrupted)
+        assert mine["grad_norm"] == pytest.approx(uninterrupted["grad_norm"], abs=1e-5), (mine, uninterrupted)
+
+
 # ---------------------------------------------------------------- what a run leaves
 
 
+@long_test  # ~20 s: a launch and three loads
 def test_merged_model_and_adapter_load_as_image_text_to_text_and_answer_as_trained(vlm, tmp_path):
     """lora.py --merge on LLaVA under DDP: merged/ loads with AutoModelForImageTextToText and AutoProcessor, its
     logits on image rows equal the adapter on its base (PeftModel), which the run trained; the sample lines name

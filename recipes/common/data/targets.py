@@ -70,7 +70,10 @@ class ChatTemplate:
         self.opening_specials = set(self.special.findall(self.opening)) if self.special else set()
 
     def render(self, messages: list[dict], generation_prompt: bool = False, tools: list | None = None) -> str:
-        messages = [with_parts(message) if self.images else without_parts(message) for message in messages]
+        if self.images:
+            messages = [with_parts(message) for message in messages]
+        elif any("parts" in message for message in messages):
+            messages = [without_parts(message) for message in messages]
         try:
             return self.tokenizer.apply_chat_template(messages, tools=tools, chat_template=self.template, tokenize=False,
                                                       add_generation_prompt=generation_prompt)

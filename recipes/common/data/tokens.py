@@ -15,7 +15,7 @@ import pyarrow.compute as pc
 
 from ..refusal import refuse
 from .formats import IGNORE, detect_format, filled_columns, unread_columns
-from .images import header_size, image_column, image_path, references
+from .images import header_size, image_column, image_path, places_in_cell, references
 from .mixture import draw, drawn_words, joined, shares
 from .targets import NO_TOKENS, tokenize_row, tokenize_rows  # noqa: F401 (tokenize_row: one row, for scripts and tests)
 
@@ -158,8 +158,11 @@ def tokenize_counted(dataset, tokenizer, max_length: int, images=None):
             dropped = dropped_reason(row["problem"], needs, max_length)
             if images:
                 files = [image_path(reference, images[1]) for reference in references(source.get(column))]
-                needs = len(row["input_ids"]) if dropped else expanded_length(row["input_ids"], files, images[0])
-                dropped = row["problem"] or (f"too long for --max-length {max_length} with its images"
+                unlisted = column is None and places_in_cell(source.get("messages"))  # (listed: checked_rows')
+                needs = len(row["input_ids"]) if dropped or unlisted else expanded_length(row["input_ids"], files,
+                                                                                         images[0])
+                dropped = row["problem"] or ("its turns place images but it lists none (an `images` column)"
+                                             if unlisted else f"too long for --max-length {max_length} with its images"
                                              if needs > max_length else "")
                 out["text"].append(row["text"] if not dropped else "")
                 out["images"].append(files if not dropped else [])

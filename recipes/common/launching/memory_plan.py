@@ -11,7 +11,7 @@ import torch
 
 import planner
 
-from ..model.model_config import is_default_model
+from ..model.model_config import is_default_model, model_config_object, vision_language
 from ..refusal import refuse
 from .args import ONLINE_RECIPES, PREFERENCE_RECIPES
 
@@ -83,6 +83,9 @@ def announce_plan(args, recipe: str, launch) -> None:
     line = (f"plan: {name} with {strategy} on {gpus} process(es): {size(need['total'])} {per} ({parts}) "
             f"at --max-length {args.max_length}{' (two rows a pair)' if pairs else ''}{sliced}; host RAM to load the weights: {size(load['bytes'])} on this "
             f"machine ({load['why']})")
+    config = model_config_object(args.model, getattr(args, "trust_remote_code", False))
+    if config is not None and vision_language(config):  # the text part only, so far: said, not hidden
+        line += "; its vision tower, projector and images are not in this plan yet"
     if not launch.on_gpu:
         print(line, flush=True)
         return
