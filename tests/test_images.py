@@ -93,7 +93,7 @@ def test_a_collated_row_is_what_the_processor_gives_at_inference(family, vlm, tm
                           {"role": "assistant", "content": [{"type": "text", "text": "red"}]}],
              "images": [str(path)]} for path in (VISION / "images" / "train_00002.png", wide)]
     table = datasets.Dataset.from_list(rows)
-    tokenised, fmt = tokens.tokenize_counted(table, tokenizer, 512, (images.ImageSizes(processor), tmp_path))
+    tokenised, fmt = tokens.tokenize_counted(table, tokenizer, 512, images.ImageRows(processor, str(tmp_path)))
     kept = tokens.kept_rows(tokenised)
     batch = images.PadImageRows(processor)([kept[0], kept[1]])
     for i, row in enumerate(rows):
@@ -110,7 +110,7 @@ def test_a_collated_row_is_what_the_processor_gives_at_inference(family, vlm, tm
     assert batch["pixel_values"].shape[0] > 0 and torch.is_tensor(batch["attention_mask"])
     image_token = processor.tokenizer.convert_tokens_to_ids(processor.image_token)
     counts = (batch["input_ids"] == image_token).sum(1).tolist()
-    assert counts == images.ImageSizes(processor).tokens([(56, 56), (28, 56)])  # as planned from the headers
+    assert counts == images.ImageRows(processor, str(tmp_path)).tokens([(56, 56), (28, 56)])  # as planned from headers
     if family == "qwen2-vl":  # dynamic resolution: an image's tokens follow its size
         assert counts[1] < counts[0]
 
@@ -121,7 +121,7 @@ def test_a_row_too_long_with_its_images_is_dropped_and_counted(vlm, tmp_path):
     tokenizer, processor = processing(vlm("qwen2-vl"))
     rows = [json.loads(line) for line in vision_rows(tmp_path / "rows.jsonl", 4).read_text().splitlines()]
     tokenised, _ = tokens.tokenize_counted(datasets.Dataset.from_list(rows), tokenizer, 20,
-                                           (images.ImageSizes(processor), tmp_path))
+                                           images.ImageRows(processor, str(tmp_path)))
     line = tokens.counted(tokenised)
     assert "4 dropped (too long for --max-length 20 with its images: 4)" in line
     assert "pass --max-length" in tokens.fixes(tokenised)[0]
@@ -134,7 +134,7 @@ def test_a_row_that_places_images_without_listing_any_is_dropped_and_counted(vlm
     rows = [{"messages": [{"role": "user", "content": text}, {"role": "assistant", "content": "red"}]}
             for text in ("<image> What colour?", "No image here?")]
     tokenised, _ = tokens.tokenize_counted(datasets.Dataset.from_list(rows), tokenizer, 512,
-                                           (images.ImageSizes(processor), tmp_path))
+                                           images.ImageRows(processor, str(tmp_path)))
     assert "1 used, 1 dropped (its turns place images but it lists none (an `images` column): 1)" in tokens.counted(tokenised)
 
 
@@ -152,48 +152,21 @@ def image_row(image: str, text: str = "<image> What colour?") -> dict:
     (image_row("https://example.com/a.png"), "row 2: image https://example.com/a.png is a URL, which the run does not download"),
     (image_row("not-an-image.txt"), "row 2: image not-an-image.txt cannot be read (UnidentifiedImageError"),
 ])
-def test_unreadable_or_misplaced_images_are_refused_naming_the_row(row, refusal, tmp_path):
-    import datasets
+def test_unreadable_or_misplaced_images_are_refused_naming_the_row(row, refusal, vlm, tmp_path):
+    """Found while rank 0 tokenises (each image's header read once, cached with the tokens); refused on every rank
+    as it reads the tokenised rows, naming the row in the file, whichever split it fell in."""
+    from common.data.checked_rows import load_sources
 
     (tmp_path / "images").mkdir()
     (tmp_path / "images" / "train_00001.png").write_bytes((VISION / "images" / "train_00001.png").read_bytes())
     (tmp_path / "not-an-image.txt").write_text("text")
     data = tmp_path / "rows.jsonl"
     data.write_text(json.dumps(image_row("images/train_00001.png")) + "\n" + json.dumps(row) + "\n")
-    rows = datasets.load_dataset("json", data_files=str(data), split="train", cache_dir=str(tmp_path / "cache"))
+    (part,), _ = load_sources(str(data), 0, eval_spec=str(data))
+    tokenizer, processor = processing(vlm("llava"))
     with pytest.raises(Refusal) as refused:
-        images.check_rows(rows, str(data))
-    assert refusal in str(refused.value) and str(data) in str(refused.value)
-
-
-def test_images_stored_in_a_parquet_file_train_as_files_do(vlm, tmp_path, monkeypatch):
-    """A parquet file whose `images` column holds the images (datasets' Image feature, bytes): read undecoded, each
-    image written once to a file named by its hash, collated as the same rows with image files are."""
-    import datasets
-    from PIL import Image
-
-    from common.data.checked_rows import load_sources
-
-    monkeypatch.setenv("RECIPES_CACHE", str(tmp_path / "cache"))
-    rows = [json.loads(line) for line in vision_rows(tmp_path / "rows.jsonl", 4).read_text().splitlines()]
-    features = datasets.Features({"messages": datasets.Dataset.from_list(rows).features["messages"],
-                                  "images": datasets.List(datasets.Image())})
-    embedded = datasets.Dataset.from_dict({"messages": [row["messages"] for row in rows],
-                                           "images": [[Image.open(path).convert("RGB") for path in row["images"]] for row in rows]},
-                                          features=features)
-    embedded.to_parquet(str(tmp_path / "train.parquet"))
-    (parquet,), _ = load_sources(str(tmp_path / "train.parquet"), 0, eval_spec=str(tmp_path / "rows.jsonl"))
-    (files,), _ = load_sources(str(tmp_path / "rows.jsonl"), 0, eval_spec=str(tmp_path / "rows.jsonl"))
-    tokenizer, processor = processing(vlm("qwen2-vl"))
-    collated = []
-    for part in (parquet, files):
-        tokenised, _ = tokens.tokenize_counted(part.rows, tokenizer, 512, (images.ImageSizes(processor), tmp_path))
-        kept = tokens.kept_rows(tokenised)
-        collated.append(images.PadImageRows(processor)([kept[i] for i in range(4)]))
-    assert all(path.startswith(str(tmp_path / "cache" / "images")) for path in tokens.kept_rows(
-        tokens.tokenize_counted(parquet.rows, tokenizer, 512, (images.ImageSizes(processor), tmp_path))[0])["images"][0])
-    for key in ("input_ids", "labels", "pixel_values", "image_grid_thw"):
-        assert collated[0][key].tolist() == collated[1][key].tolist(), key
+        tokens.tokenize_counted(part.rows, tokenizer, 512, images.ImageRows(processor, part.name))
+    assert refusal in str(refused.value) and f"--dataset {data}, " in str(refused.value)
 
 
 @pytest.mark.parametrize("model, packing, refusal", [

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from ..refusal import refuse
 from .data_files import EVAL_SPLIT_NAMES, read_splits
-from .images import check_rows, undecoded
+from .images import numbered, undecoded
 from .formats import (
     FORMAT_KEYS,
     READ_COLUMNS,
@@ -49,9 +49,8 @@ def load_sources(given, seed: int, columns: str | None = None, eval_spec: str | 
     train, evaluation = [], []
     for source in sources_of(given):
         loaded, name = read_splits(source.spec, columns)
-        for split in list(loaded):  # a missing or unreadable image, or one too many: refused now, on every rank
-            loaded[split] = undecoded(loaded[split])
-            check_rows(loaded[split], name)
+        for split in list(loaded):  # rows with images: undecoded, each numbered in its file (images.py)
+            loaded[split] = numbered(undecoded(loaded[split]))
         rows = loaded["train"] if "train" in loaded else next(iter(loaded.values()))
         fmt = found_format(rows, name)  # no known columns, or rows of two formats: refused here, on every rank
         eval_name = next((split for split in EVAL_SPLIT_NAMES if split in loaded), None)
@@ -67,8 +66,7 @@ def load_sources(given, seed: int, columns: str | None = None, eval_spec: str | 
     if eval_spec:
         loaded, name = read_splits(eval_spec, columns)
         for split in list(loaded):
-            loaded[split] = undecoded(loaded[split])
-            check_rows(loaded[split], name)
+            loaded[split] = numbered(undecoded(loaded[split]))
         split = next((split for split in EVAL_SPLIT_NAMES if split in loaded),
                      "train" if "train" in loaded else next(iter(loaded)))
         fmt = found_format(loaded[split], name)

@@ -84,7 +84,7 @@ PAIRS_IMPLICIT_TEXT, PAIRS_IMPLICIT_CONVERSATIONAL = f"{PAIRS_TEXT}, implicit pr
 # Judged replies (feedback.py reads them), for KTO: TRL's unpaired preference rows (`prompt`, `completion`, `label`:
 # true for a reply to learn from, false for one to avoid), as text or as chat messages
 FEEDBACK_TEXT, FEEDBACK_CONVERSATIONAL = "judged replies, text", "judged replies, conversational"
-READ_COLUMNS = {"messages": ("messages", "tools", "images", "image"), "instruction": ("instruction", "input", "output", "response"),
+READ_COLUMNS = {"messages": ("messages", "tools", "images", "image", "row_in_file"), "instruction": ("instruction", "input", "output", "response"),
                 "prompt_completion": ("prompt", "completion"), "text": ("text",),
                 PAIRS_TEXT: ("prompt", "chosen", "rejected", "margin"),
                 PAIRS_CONVERSATIONAL: ("prompt", "chosen", "rejected", "tools", "margin"),

@@ -3,11 +3,11 @@ with them, and the micro-batches the model takes (its processor's pixels beside 
 
 A row holds its images in an `images` column (or `image`: one), as paths relative to the data file's folder
 or absolute; its chat turns mark each image's place with a `{"type": "image"}` part (TRL's layout) or with
-`<image>` in the text (LLaVA's and ShareGPT's). The rows are checked on every rank before anything else
-(`check_rows`: a missing or unreadable file, more or fewer places than images, is one line naming the row);
-tokens.py renders and tokenises each row with one placeholder token per image and reads each image's size
-from its header (nothing decoded); the processor decodes, resizes and expands the placeholders a batch at a
-time as the loader collates (`PadImageRows`), so no image is held longer than its batch.
+`<image>` in the text (LLaVA's and ShareGPT's). tokens.py renders and tokenises each row with one placeholder
+token per image and reads each image's size from its header (nothing decoded: `ImageRows`; a missing or unreadable
+file, or more or fewer places than images, is then one line naming the row, on every rank); the processor decodes,
+resizes and expands the placeholders a batch at a time as the loader collates (`PadImageRows`), so no image is held
+longer than its batch.
 """
 
 from __future__ import annotations
@@ -54,8 +54,7 @@ def references(cell) -> list:
 
 def image_path(reference, folder: Path) -> str:
     """One image's file, absolute; an image stored inside the data (datasets' {"bytes", "path"}: a hub dataset's
-    or a parquet file's Image column) is written once to a file of its own (`stored`). A URL is refused by
-    `check_rows`."""
+    or a parquet file's Image column) is written once to a file of its own (`stored`)."""
     if isinstance(reference, dict) and reference.get("bytes") is not None:
         return stored(reference["bytes"])
     path = reference.get("path") if isinstance(reference, dict) else reference
@@ -94,14 +93,13 @@ def undecoded(rows):
     return rows
 
 
-def reference_problem(reference, folder: Path) -> str | None:
-    """Why one listed image cannot be read (None when it can): its size is read from the file's header."""
+def reference_size(reference, folder: Path) -> tuple[int, int] | str:
+    """One listed image's (height, width), from its header; or why it cannot be read."""
     if isinstance(reference, dict) and reference.get("bytes") is not None:
         try:
-            header_size(io.BytesIO(reference["bytes"]))
+            return header_size(io.BytesIO(reference["bytes"]))
         except OSError as error:
             return f"an image stored in the data cannot be read ({type(error).__name__}: {str(error)[:80]})"
-        return None
     path = reference.get("path") if isinstance(reference, dict) else reference
     if not isinstance(path, str) or not path:
         return f"an image entry {reference!r} is no path"
@@ -109,12 +107,11 @@ def reference_problem(reference, folder: Path) -> str | None:
         return (f"image {path} is a URL, which the run does not download (there may be no network on the GPUs); "
                 "download the images and list their paths")
     try:
-        header_size(image_path(path, folder))
+        return header_size(image_path(path, folder))
     except FileNotFoundError:
         return f"image {path} does not exist (relative paths start at {folder})"
     except OSError as error:
         return f"image {path} cannot be read ({type(error).__name__}: {str(error)[:80]})"
-    return None
 
 
 def header_size(path) -> tuple[int, int]:
@@ -126,47 +123,68 @@ def header_size(path) -> tuple[int, int]:
     return height, width
 
 
-def check_rows(rows, name: str) -> None:
-    """Refuse, on every rank, the first row of `rows` (one split of --dataset `name`, in file order) whose images
-    cannot be read or do not match the places its turns give them: one line naming the row and the file."""
-    column = image_column(rows.column_names)
-    if column is None:
-        return
-    folder = folder_of(name)
-    has_messages = "messages" in rows.column_names
-    for number, row in enumerate(rows.select_columns([column] + (["messages"] if has_messages else [])), 1):
-        listed = references(row[column])
+ROW_NUMBER = "row_in_file"  # an image row's place in its file (1 first), for a refusal that names it
+
+
+def numbered(rows):
+    """`rows` (one split as read, in file order) with each row's place in it as a column, where they hold images: a
+    problem found with a row's images while tokenising (tokens.py) names the row in the file."""
+    if image_column(rows.column_names) is None or ROW_NUMBER in rows.column_names:
+        return rows
+    return rows.add_column(ROW_NUMBER, np.arange(1, len(rows) + 1))
+
+
+class ImageRows:
+    """What tokens.py needs of a source's rows with images: where relative paths start, the processor's count of an
+    image's tokens, and the source's name for a refusal. `read` is called on each row once, while rank 0 tokenises
+    (the result is cached with the tokens): each image's header is read there, never its pixels."""
+
+    def __init__(self, processor, name: str):
+        self.processor, self.name, self.folder = processor, name, folder_of(name)
+        self.counts = {}  # (height, width) -> the image's tokens, asked of the processor once a size
+
+    def read(self, row: dict, column: str | None) -> tuple[list[str], list[int] | None, str]:
+        """(the row's image files, the tokens each takes (None: the processor cannot tell before the pixels), why
+        they cannot train: "" when they can)."""
+        listed = references(row.get(column)) if column else []
+        sizes = []
         for reference in listed:
-            problem = reference_problem(reference, folder)
-            if problem:
-                refuse(f"--dataset {name}, row {number}: {problem}")
-        placed = places_in_cell(row["messages"]) if has_messages else len(listed)
+            size = reference_size(reference, self.folder)
+            if isinstance(size, str):
+                return [], None, size
+            sizes.append(size)
+        placed = places_in_cell(row.get("messages"))
         if placed != len(listed):
-            refuse(f"--dataset {name}, row {number}: its turns place {placed} image(s) ({{\"type\": \"image\"}} parts or "
-                   f"`{PLACEHOLDER}`) but `{column}` lists {len(listed)}; give one place per image")
+            return [], None, (f"its turns place {placed} image(s) ({{\"type\": \"image\"}} parts or `{PLACEHOLDER}`) but "
+                              f"`{column or 'images'}` lists {len(listed)}; give one place per image")
+        return [image_path(reference, self.folder) for reference in listed], self.tokens(sizes), ""
+
+    def tokens(self, sizes: list[tuple[int, int]]) -> list[int] | None:
+        """Tokens each image of these sizes takes, or None when the processor cannot tell before seeing the pixels."""
+        count = getattr(self.processor, "_get_num_multimodal_tokens", None)
+        try:
+            for size in set(sizes) - set(self.counts):
+                self.counts[size] = count(image_sizes=[size]).num_image_tokens[0] if count else None
+        except (NotImplementedError, TypeError, AttributeError, ValueError):
+            return None
+        counts = [self.counts[size] for size in sizes]
+        return None if None in counts else counts
+
+    def refuse_problems(self, tokenised) -> None:
+        """Refuse, on every rank (each reads the tokenised rows), the first row in the file whose images cannot
+        train: one line naming the row and the file."""
+        import pyarrow.compute as pc
+
+        table = tokenised.select_columns(["image_problem", ROW_NUMBER]).with_format("arrow")[:]
+        bad = table.filter(pc.not_equal(table["image_problem"], ""))
+        if bad.num_rows:
+            first = pc.index(bad[ROW_NUMBER], pc.min(bad[ROW_NUMBER])).as_py()
+            refuse(f"--dataset {self.name}, row {bad[ROW_NUMBER][first].as_py()}: {bad['image_problem'][first].as_py()}")
 
 
 def image_rows(parts) -> bool:
     """Whether any source's rows hold images."""
     return any(image_column(part.rows.column_names) for part in parts)
-
-
-class ImageSizes:
-    """How many tokens a processor expands each image of a row into, from the images' sizes (read from their
-    headers): what a row holds once collated, for the --max-length check before training."""
-
-    def __init__(self, processor):
-        self.processor = processor
-
-    def tokens(self, sizes: list[tuple[int, int]]) -> list[int] | None:
-        """Tokens each image takes, or None when the processor cannot tell before seeing the pixels."""
-        if not sizes:
-            return []
-        count = getattr(self.processor, "_get_num_multimodal_tokens", None)
-        try:
-            return list(count(image_sizes=sizes).num_image_tokens) if count else None
-        except (NotImplementedError, TypeError, AttributeError, ValueError):
-            return None
 
 
 class PadImageRows:

@@ -10,7 +10,7 @@ from . import batches
 from .checked_rows import load_sources
 from .formats import SPEAKERS, DataFormat, chat_template_line, conversation
 from ..refusal import refuse
-from .images import ImageSizes, folder_of, image_rows
+from .images import ImageRows, image_rows
 from .packing import pack
 from .pairs import renders_chat
 from .targets import require_offsets
@@ -108,7 +108,7 @@ def prepare(accelerator, tokenizer, args, launch, processor=None):
             refuse("--packing does not keep a row's images with it; leave --packing out for rows with images")
 
     def tokenised(part):
-        images = (ImageSizes(processor), folder_of(part.name)) if processor is not None else None
+        images = ImageRows(processor, part.name) if processor is not None else None
         return tokenize_counted(part.rows, tokenizer, args.max_length, images)[0]
 
     with accelerator.main_process_first():

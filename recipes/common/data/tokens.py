@@ -15,7 +15,7 @@ import pyarrow.compute as pc
 
 from ..refusal import refuse
 from .formats import IGNORE, detect_format, filled_columns, unread_columns
-from .images import header_size, image_column, image_path, places_in_cell, references
+from .images import ROW_NUMBER, image_column
 from .mixture import draw, drawn_words, joined, shares
 from .targets import NO_TOKENS, tokenize_row, tokenize_rows  # noqa: F401 (tokenize_row: one row, for scripts and tests)
 
@@ -140,32 +140,36 @@ def tokenize_counted(dataset, tokenizer, max_length: int, images=None):
     first `max_length` tokens only (the rest of its targets are lost), and what the data line reports
     (`eos_added`, `stops`, `boundary`: see targets.tokenize_rows).
 
-    `images` (a vision-language model's run: (images.ImageSizes, the folder relative image paths start at)):
-    each row keeps its rendering (`text`) and its images' files (`images`) for the processor, which expands
-    each image's placeholder token as it collates; a row is never cut (that could cut through an image), one
-    longer than `max_length` with its images' tokens is dropped."""
+    `images` (a vision-language model's run: an images.ImageRows of the source): each row keeps its rendering
+    (`text`) and its images' files (`images`) for the processor, which expands each image's placeholder token as
+    it collates; a row is never cut (that could cut through an image), one longer than `max_length` with its
+    images' tokens is dropped. A row whose images cannot train is refused, naming it, once the rows are tokenised
+    (every rank reads them)."""
     fmt = detect_format(filled_columns(dataset))
     column = image_column(dataset.column_names) if images else None
     if images and fmt != "messages":
         refuse(f"rows with images must be chat rows (`messages`, or TRL's conversational `prompt` / `completion`) "
                f"whose turns place them; these are {fmt} rows (docs/data.md#images)")
+    extra = ["text", "images", "image_problem", ROW_NUMBER] if images else []
 
     def batch_of_rows(columns: dict, code: str) -> dict:  # `code` only keys datasets' cache (see mapped)
         rows = [dict(zip(columns, values)) for values in zip(*columns.values())]
-        out = {key: [] for key in ["input_ids", "labels", *REPORT_COLUMNS, *(["text", "images"] if images else [])]}
+        out = {key: [] for key in ["input_ids", "labels", *REPORT_COLUMNS, *extra]}
         for source, row in zip(rows, tokenize_rows(rows, tokenizer, fmt, images=bool(images))):
             needs = needed_length(row["labels"])
             dropped = dropped_reason(row["problem"], needs, max_length)
             if images:
-                files = [image_path(reference, images[1]) for reference in references(source.get(column))]
-                unlisted = column is None and places_in_cell(source.get("messages"))  # (listed: checked_rows')
-                needs = len(row["input_ids"]) if dropped or unlisted else expanded_length(row["input_ids"], files,
-                                                                                         images[0])
-                dropped = row["problem"] or ("its turns place images but it lists none (an `images` column)"
-                                             if unlisted else f"too long for --max-length {max_length} with its images"
-                                             if needs > max_length else "")
-                out["text"].append(row["text"] if not dropped else "")
-                out["images"].append(files if not dropped else [])
+                files, counts, problem = images.read(source, column)
+                if problem and column is None:  # no images listed at all: a row of text with a stray place, dropped
+                    problem, stray = "", "its turns place images but it lists none (an `images` column)"
+                else:
+                    stray = ""
+                needs = len(row["input_ids"]) + (sum(counts) - len(files) if counts else 0)  # never cut: all of it
+                dropped = row["problem"] or stray or problem or (
+                    f"too long for --max-length {max_length} with its images" if needs > max_length else "")
+                for key, value in {"text": row["text"], "images": files, "image_problem": problem,
+                                   ROW_NUMBER: source.get(ROW_NUMBER, 0)}.items():
+                    out[key].append(value if not dropped or key in ("image_problem", ROW_NUMBER) else type(value)())
             keep = not dropped
             for key, value in {**kept_tokens(row, max_length if not images else None, keep=keep), "dropped": dropped,
                                "needs": needs}.items():
@@ -176,15 +180,12 @@ def tokenize_counted(dataset, tokenizer, max_length: int, images=None):
     if images:
         from datasets import List, Value
 
-        features["text"], features["images"] = Value("string"), List(Value("string"))
-    return mapped(dataset, batch_of_rows, features, data_path_code()), fmt
-
-
-def expanded_length(ids, files: list[str], sizes) -> int:
-    """A row's tokens once the processor has expanded each image's placeholder token into the image's tokens
-    (the images' sizes read from their headers); its tokens as they are where the processor cannot tell."""
-    tokens = sizes.tokens([header_size(path) for path in files])
-    return len(ids) if tokens is None else len(ids) + sum(tokens) - len(files)
+        features.update({"text": Value("string"), "images": List(Value("string")), "image_problem": Value("string"),
+                         ROW_NUMBER: Value("int64")})
+    tokenised = mapped(dataset, batch_of_rows, features, data_path_code())
+    if images:
+        images.refuse_problems(tokenised)
+    return tokenised, fmt
 
 
 def needed_length(labels: np.ndarray) -> int:
