@@ -19,10 +19,13 @@ import ast
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).parent))
+
+from timed_launch import timed_launch  # noqa: E402
+
 LOCAL_COPY = REPO / "models" / "smollm2-135m-instruct"
 
 
@@ -49,15 +52,9 @@ def main(argv=None) -> int:
                "--mixed_precision", "no", "recipes/lora.py", "--model", args.model, "--dataset", "data/chat",
                "--max-steps", str(args.steps), "--eval-every", str(max(1, args.steps // 2)), "--log-every", "5",
                "--output-dir", str(out / "run")]
-    print("$", " ".join(command), flush=True)
-    started = time.monotonic()
-    launch = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", *command[2:]], cwd=REPO,
-                            capture_output=True, text=True)
-    seconds = round(time.monotonic() - started, 1)
-    (out / "console.txt").write_text(launch.stdout + launch.stderr)
-    if launch.returncode != 0:
-        print((launch.stdout + launch.stderr)[-3000:])
-        return launch.returncode
+    seconds = timed_launch(command, out / "console.txt")
+    if seconds is None:
+        return 1
     run = json.loads((out / "run" / "run.json").read_text())
 
     with open(REPO / "data" / "chat" / "eval.jsonl") as f:

@@ -19,11 +19,13 @@ import argparse
 import json
 import subprocess
 import sys
-import time
 from collections import Counter
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).parent))
+
+from timed_launch import timed_launch  # noqa: E402
 VISION = REPO / "data" / "vision"
 
 
@@ -65,15 +67,9 @@ def main(argv=None) -> int:
                "--mixed_precision", "no", "recipes/lora.py", "--model", f"models/tiny-{args.family}", "--dataset",
                "data/vision", "--max-steps", str(args.steps), "--lr", "2e-3", "--batch-size", "8", "--grad-accum", "1",
                "--eval-every", str(max(1, args.steps // 4)), "--log-every", "25", "--output-dir", str(out / "run")]
-    print("$", " ".join(command), flush=True)
-    started = time.monotonic()
-    launch = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", *command[2:]], cwd=REPO,
-                            capture_output=True, text=True)
-    seconds = round(time.monotonic() - started, 1)
-    (out / "console.txt").write_text(launch.stdout + launch.stderr)
-    if launch.returncode != 0:
-        print((launch.stdout + launch.stderr)[-3000:])
-        return launch.returncode
+    seconds = timed_launch(command, out / "console.txt")
+    if seconds is None:
+        return 1
     run = json.loads((out / "run" / "run.json").read_text())
 
     sys.path.insert(0, str(REPO / "recipes"))
