@@ -138,6 +138,23 @@ def test_a_row_that_places_images_without_listing_any_is_dropped_and_counted(vlm
     assert "1 used, 1 dropped (its turns place images but it lists none (an `images` column): 1)" in tokens.counted(tokenised)
 
 
+@pytest.mark.parametrize("family, kept", [("qwen2-vl", ["model.visual", "lm_head"]),
+                                          ("llava", ["model.vision_tower", "model.multi_modal_projector", "lm_head"])])
+def test_qlora_keeps_the_vision_tower_and_projector_in_16_bits(family, kept, vlm):
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    from common.model.model_config import bits_config, unquantized_modules
+
+    assert unquantized_modules(str(vlm(family))) == kept
+    model = AutoModelForImageTextToText.from_pretrained(vlm(family), device_map={"": "cpu"},
+                                                        quantization_config=bits_config(4, torch.float32, keep=kept))
+    linears = {name: type(module).__name__ for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)}
+    vision = [kind for name, kind in linears.items() if name.startswith(tuple(kept))]
+    assert vision and set(vision) == {"Linear"}
+    assert {kind for name, kind in linears.items() if not name.startswith(tuple(kept))} == {"Linear4bit"}
+
+
 # ---------------------------------------------------------------- refused before the model loads
 
 
