@@ -48,13 +48,13 @@ def prompt_completion_rows(path: str, tokenizer) -> list[dict]:
     rows = []
     for number, line in enumerate(Path(path).read_text().splitlines(), 1):
         row = json.loads(line)
-        rendering = targets.render_chat(conversation(row["messages"]), chat)
+        rendering = targets.render_chat(conversation(row.get("messages", row.get("conversations"))), chat)
         if len(rendering.spans) != 1:
             refuse(f"{path} row {number}: the comparison takes rows of one reply")
         start, end = rendering.spans[0]
         rows.append({"prompt": rendering.text[:start], "completion": rendering.text[start:end],
                      "images": [images.load_image(images.image_path(reference, folder))
-                                for reference in images.references(row.get("images"))]})
+                                for reference in images.references(row.get(images.image_column(row) or "images"))]})
     return rows
 
 
