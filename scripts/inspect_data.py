@@ -66,9 +66,9 @@ def flags() -> argparse.ArgumentParser:
 
 answer_help_with(flags)  # before the tokenizer's libraries load (seconds)
 
-from common.data import checked_rows, data_files, formats, pairs, preferences, tokens  # noqa: E402
+from common.data import checked_rows, data_files, formats, images, pairs, preferences, tokens  # noqa: E402
 from common.launching import preflight  # noqa: E402
-from common.model import model_config, modeling  # noqa: E402
+from common.model import model_config, modeling, processors  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -104,10 +104,16 @@ def tokenised_splits(args, tokenizer, log=sys.stdout):
     paired = pairs.holds_pairs(first)  # preference pairs first: UltraFeedback also has SFT's `messages`
     fmt = pairs.pair_format_of(first, spec) if paired else checked_rows.format_of(first, spec)
     order = sorted(loaded, key=lambda name: (name != "train", name))
+    # a vision-language model's rows as its recipe reads them: one placeholder token an image (the processor expands
+    # each into the image's tokens as batches load; the `images` of a row are its files)
+    model = str(Path(args.model).expanduser()) if Path(args.model).expanduser().exists() else args.model
+    processor = None if paired else processors.load(model, tokenizer, args.trust_remote_code)
     if paired:
         splits = [(name, preferences.tokenize_pairs(loaded[name], fmt, tokenizer, args.max_length)) for name in order]
     else:
-        splits = [(name, tokens.tokenize_counted(loaded[name], tokenizer, args.max_length)[0]) for name in order]
+        splits = [(name, tokens.tokenize_counted(images.numbered(images.undecoded(loaded[name])), tokenizer,
+                                                 args.max_length, images.ImageRows(processor, spec) if processor else None
+                                                 )[0]) for name in order]
     unit = "pair" if paired else "row"
     line = f"data ({fmt}): " + "; ".join(f"{name} {tokens.counted(rows, unit)}" for name, rows in splits)
     return splits, fmt, line + formats.unread_columns(first.column_names, fmt)
