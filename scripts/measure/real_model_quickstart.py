@@ -24,7 +24,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).parent))
 
-from timed_launch import timed_launch  # noqa: E402
+from timed_launch import launched  # noqa: E402
 
 LOCAL_COPY = REPO / "models" / "smollm2-135m-instruct"
 
@@ -52,21 +52,16 @@ def main(argv=None) -> int:
                "--mixed_precision", "no", "recipes/lora.py", "--model", args.model, "--dataset", "data/chat",
                "--max-steps", str(args.steps), "--eval-every", str(max(1, args.steps // 2)), "--log-every", "5",
                "--output-dir", str(out / "run")]
-    seconds = timed_launch(command, out / "console.txt")
-    if seconds is None:
+    figures = launched(command, out)
+    if figures is None:
         return 1
-    run = json.loads((out / "run" / "run.json").read_text())
 
     with open(REPO / "data" / "chat" / "eval.jsonl") as f:
         rows = [json.loads(line)["messages"] for line in list(f)[:args.prompts]]
     prompts, expected = [row[0]["content"] for row in rows], [row[1]["content"] for row in rows]
     base, tuned = answers(Path(args.model), prompts), answers(out / "run", prompts)
-    evals = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
     summary = {
-        "command": " ".join(command),
-        "launch_to_adapter_s": seconds,
-        "host_peak_gib_by_rank": run["host_peak_gib_by_rank"],
-        "eval_exact_match_by_step": {r["step"]: r["eval_exact_match"] for r in evals if r["type"] == "eval"},
+        **figures,
         "held_out_prompts": len(prompts),
         "greedy_right": {"as_published": sum(a.strip() == e for a, e in zip(base, expected)),
                          "after_the_run": sum(a.strip() == e for a, e in zip(tuned, expected))},

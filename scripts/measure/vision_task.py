@@ -25,7 +25,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).parent))
 
-from timed_launch import timed_launch  # noqa: E402
+from timed_launch import launched  # noqa: E402
 VISION = REPO / "data" / "vision"
 
 
@@ -67,10 +67,9 @@ def main(argv=None) -> int:
                "--mixed_precision", "no", "recipes/lora.py", "--model", f"models/tiny-{args.family}", "--dataset",
                "data/vision", "--max-steps", str(args.steps), "--lr", "2e-3", "--batch-size", "8", "--grad-accum", "1",
                "--eval-every", str(max(1, args.steps // 4)), "--log-every", "25", "--output-dir", str(out / "run")]
-    seconds = timed_launch(command, out / "console.txt")
-    if seconds is None:
+    figures = launched(command, out)
+    if figures is None:
         return 1
-    run = json.loads((out / "run" / "run.json").read_text())
 
     sys.path.insert(0, str(REPO / "recipes"))
     rows = [json.loads(line) for line in (VISION / "eval.jsonl").read_text().splitlines()]
@@ -82,12 +81,8 @@ def main(argv=None) -> int:
         counts = Counter(q for q, reply, answer in zip(asked, replies, expected) if reply == answer)
         return {"all": sum(counts.values()), **{q: counts[q] for q in sorted(set(asked))}}
 
-    evals = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
     summary = {
-        "command": " ".join(command),
-        "launch_to_adapter_s": seconds,
-        "host_peak_gib_by_rank": run["host_peak_gib_by_rank"],
-        "eval_exact_match_by_step": {r["step"]: r["eval_exact_match"] for r in evals if r["type"] == "eval"},
+        **figures,
         "held_out_rows": len(rows), "questions": dict(Counter(asked)),
         "greedy_right": {"untrained": right(before), "after_the_run": right(after)},
         "examples": [{"question": q, "image": row["images"][0], "expected": e, "untrained": b, "after_the_run": a}
