@@ -37,7 +37,7 @@ if __name__ == "__main__":  # the flags read (--help, a mistyped one) before tor
 import torch  # noqa: E402
 
 from common.data.formats import IGNORE, PROMPT_TEMPLATE, RowProblem  # noqa: E402
-from common.data.images import load_image  # noqa: E402
+from common.data.images import prompt_inputs  # noqa: E402
 from common.data.pairs import renders_chat, row_formats  # noqa: E402
 from common.data.tokens import tokenize_row  # noqa: E402
 from common.model import adapters  # noqa: E402
@@ -160,8 +160,7 @@ def answer(model, tokenizer, ids: list[int], max_new_tokens: int, device: str, t
     vision-language model's `processor`, `image_files` go with the prompt, their placeholders expanded."""
     sampling = dict(do_sample=True, temperature=temperature, top_p=top_p) if temperature > 0 else dict(do_sample=False)
     if processor is not None:
-        inputs = processor(text=[tokenizer.decode(ids)], images=[load_image(path) for path in image_files] or None,
-                           add_special_tokens=False, return_tensors="pt").to(device)
+        inputs = prompt_inputs(processor, tokenizer.decode(ids), image_files).to(device)
     else:
         prompt = torch.tensor([ids], device=device)
         inputs = {"input_ids": prompt, "attention_mask": torch.ones_like(prompt)}

@@ -100,6 +100,7 @@ def tokenised_splits(args, tokenizer, log=sys.stdout):
         preflight.refuse(f"--dataset {args.dataset} does not exist; give a data file, a folder, or a hub id")
     with contextlib.redirect_stdout(log):  # the `files:` line of a folder
         loaded, spec = data_files.read_splits(args.dataset, args.columns)
+    loaded = images.as_read(loaded)
     first = next(iter(loaded.values()))
     paired = pairs.holds_pairs(first)  # preference pairs first: UltraFeedback also has SFT's `messages`
     fmt = pairs.pair_format_of(first, spec) if paired else checked_rows.format_of(first, spec)
@@ -111,9 +112,9 @@ def tokenised_splits(args, tokenizer, log=sys.stdout):
     if paired:
         splits = [(name, preferences.tokenize_pairs(loaded[name], fmt, tokenizer, args.max_length)) for name in order]
     else:
-        splits = [(name, tokens.tokenize_counted(images.numbered(images.undecoded(loaded[name])), tokenizer,
-                                                 args.max_length, images.ImageRows(processor, spec) if processor else None
-                                                 )[0]) for name in order]
+        splits = [(name, tokens.tokenize_counted(loaded[name], tokenizer, args.max_length,
+                                                 images.ImageRows(processor, spec) if processor else None)[0])
+                  for name in order]
     unit = "pair" if paired else "row"
     line = f"data ({fmt}): " + "; ".join(f"{name} {tokens.counted(rows, unit)}" for name, rows in splits)
     return splits, fmt, line + formats.unread_columns(first.column_names, fmt)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from ..refusal import refuse
 from .data_files import EVAL_SPLIT_NAMES, read_splits
-from .images import numbered, undecoded
+from .images import as_read
 from .formats import (
     FORMAT_KEYS,
     READ_COLUMNS,
@@ -49,8 +49,7 @@ def load_sources(given, seed: int, columns: str | None = None, eval_spec: str | 
     train, evaluation = [], []
     for source in sources_of(given):
         loaded, name = read_splits(source.spec, columns)
-        for split in list(loaded):  # rows with images: undecoded, each numbered in its file (images.py)
-            loaded[split] = numbered(undecoded(loaded[split]))
+        loaded = as_read(loaded)  # rows with images: undecoded, each numbered in its file (images.py)
         rows = loaded["train"] if "train" in loaded else next(iter(loaded.values()))
         fmt = found_format(rows, name)  # no known columns, or rows of two formats: refused here, on every rank
         eval_name = next((split for split in EVAL_SPLIT_NAMES if split in loaded), None)
@@ -65,8 +64,7 @@ def load_sources(given, seed: int, columns: str | None = None, eval_spec: str | 
             evaluation.append(SourceRows(name, fmt, held, source))
     if eval_spec:
         loaded, name = read_splits(eval_spec, columns)
-        for split in list(loaded):
-            loaded[split] = numbered(undecoded(loaded[split]))
+        loaded = as_read(loaded)
         split = next((split for split in EVAL_SPLIT_NAMES if split in loaded),
                      "train" if "train" in loaded else next(iter(loaded)))
         fmt = found_format(loaded[split], name)

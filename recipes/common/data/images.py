@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from ..refusal import refuse
-from .formats import IGNORE, PLACEHOLDER, conversation, places
+from .formats import IGNORE, PLACEHOLDER
 
 IMAGE_COLUMNS = ("images", "image")
 
@@ -28,12 +28,6 @@ IMAGE_COLUMNS = ("images", "image")
 def image_column(columns) -> str | None:
     """The column that holds the rows' images, or None."""
     return next((name for name in IMAGE_COLUMNS if name in columns), None)
-
-
-def places_in_cell(cell) -> int:
-    """How many images a row's `messages` cell places (0 for a cell that is no conversation)."""
-    turns = conversation(cell)
-    return places(turns) if turns else 0
 
 
 def folder_of(name: str) -> Path:
@@ -126,6 +120,11 @@ def header_size(path) -> tuple[int, int]:
 ROW_NUMBER = "row_in_file"  # an image row's place in its file (1 first), for a refusal that names it
 
 
+def as_read(loaded: dict) -> dict:
+    """Every split of a dataset as read (data_files.read_splits), rows with images `undecoded` and `numbered`."""
+    return {split: numbered(undecoded(rows)) for split, rows in loaded.items()}
+
+
 def numbered(rows):
     """`rows` (one split as read, in file order) with each row's place in it as a column, where they hold images: a
     problem found with a row's images while tokenising (tokens.py) names the row in the file."""
@@ -143,9 +142,9 @@ class ImageRows:
         self.processor, self.name, self.folder = processor, name, folder_of(name)
         self.counts = {}  # (height, width) -> the image's tokens, asked of the processor once a size
 
-    def read(self, row: dict, column: str | None) -> tuple[list[str], list[int] | None, str]:
+    def read(self, row: dict, column: str | None, placed: int) -> tuple[list[str], list[int] | None, str]:
         """(the row's image files, the tokens each takes (None: the processor cannot tell before the pixels), why
-        they cannot train: "" when they can)."""
+        they cannot train: "" when they can); `placed`: how many images its turns place (targets.tokenize_rows)."""
         listed = references(row.get(column)) if column else []
         sizes = []
         for reference in listed:
@@ -153,7 +152,6 @@ class ImageRows:
             if isinstance(size, str):
                 return [], None, size
             sizes.append(size)
-        placed = places_in_cell(row.get("messages"))
         if placed != len(listed):
             return [], None, (f"its turns place {placed} image(s) ({{\"type\": \"image\"}} parts or `{PLACEHOLDER}`) but "
                               f"`{column or 'images'}` lists {len(listed)}; give one place per image")
@@ -228,6 +226,13 @@ def carried_labels(ids, labels, expanded: list[int]) -> np.ndarray:
         raise ValueError("the processor's tokens of a row differ from its training tokens around a target; "
                          "its chat template or placeholders do not match the processor's")
     return carried
+
+
+def prompt_inputs(processor, text: str, files: list[str]):
+    """A prompt (its rendering, one placeholder an image) and its image files as the model takes them to generate:
+    the processor's tokens, the placeholders expanded, and its pixel tensors (batch of one)."""
+    return processor(text=[text], images=[load_image(path) for path in files] or None, add_special_tokens=False,
+                     return_tensors="pt")
 
 
 def load_image(path: str):

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from . import batches
 from .checked_rows import load_sources
-from .formats import SPEAKERS, DataFormat, chat_template_line, conversation
 from ..refusal import refuse
+from .formats import SPEAKERS, DataFormat, chat_template_line, conversation
 from .images import ImageRows, image_rows
 from .packing import pack
 from .pairs import renders_chat

@@ -30,6 +30,7 @@ from .formats import (
     conversation,
     conversation_problem,
     is_reply,
+    places,
     row_problem,
     split_prompt,
     tools_of,
@@ -249,15 +250,17 @@ def require_offsets(tokenizer) -> None:
 
 def tokenize_rows(rows: list[dict], tokenizer, fmt: str, images: bool = False) -> list[dict]:
     """Each row as {input_ids, labels, problem ("" or why it cannot train), eos_added, stops (its replies'
-    stop signals), boundary, text (the rendering)},
+    stop signals), boundary, text (the rendering), places (how many images its turns place)},
     all rows tokenised in one call. With `images` (a vision-language model's rows), each turn's content is
     given to the chat template as a list of parts, an image's part where the row has it (images.py); the
     rendering's image placeholders are then one token each, which the processor expands as it collates."""
     require_offsets(tokenizer)
     chat = ChatTemplate(tokenizer, images) if fmt == "messages" else None
     renderings: list[Rendering | str] = []
+    placed = []  # the images each row's turns place (counted for image rows only)
     for row in rows:
         turns = conversation(row["messages"]) if chat else None  # the cell read once, for the check and the rendering
+        placed.append(places(turns) if images and turns else 0)
         problem = conversation_problem(turns) if chat else row_problem(row, fmt)
         if problem is None:
             try:
@@ -270,10 +273,10 @@ def tokenize_rows(rows: list[dict], tokenizer, fmt: str, images: bool = False) -
     encodings = iter(encode(tokenizer, texts, special_tokens=fmt != "messages"))
     eos_id = tokenizer.eos_token_id
     out = []
-    for rendering in renderings:
+    for rendering, count in zip(renderings, placed):
         if not isinstance(rendering, Rendering):
             out.append({"input_ids": NO_TOKENS, "labels": NO_TOKENS, "problem": rendering, "eos_added": 0, "stops": [],
-                        "boundary": False, "text": ""})
+                        "boundary": False, "text": "", "places": count})
             continue
         encoding = next(encodings)
         ids = np.array(encoding.ids, dtype=np.int32)
@@ -288,7 +291,7 @@ def tokenize_rows(rows: list[dict], tokenizer, fmt: str, images: bool = False) -
             ids, labels = np.append(ids, np.int32(eos_id)), np.append(labels, np.int32(eos_id))
         out.append({"input_ids": ids, "labels": labels, "problem": "", "eos_added": rendering.eos_added,
                     "stops": [stop for stop in dict.fromkeys(rendering.stops) if stop], "boundary": rendering.boundary,
-                    "text": rendering.text})
+                    "text": rendering.text, "places": count})
     return out
 
 

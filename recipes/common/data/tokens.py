@@ -159,7 +159,7 @@ def tokenize_counted(dataset, tokenizer, max_length: int, images=None):
             needs = needed_length(row["labels"])
             dropped = dropped_reason(row["problem"], needs, max_length)
             if images:
-                files, counts, problem = images.read(source, column)
+                files, counts, problem = images.read(source, column, row["places"])
                 if problem and column is None:  # no images listed at all: a row of text with a stray place, dropped
                     problem, stray = "", "its turns place images but it lists none (an `images` column)"
                 else:
@@ -167,9 +167,10 @@ def tokenize_counted(dataset, tokenizer, max_length: int, images=None):
                 needs = len(row["input_ids"]) + (sum(counts) - len(files) if counts else 0)  # never cut: all of it
                 dropped = row["problem"] or stray or problem or (
                     f"too long for --max-length {max_length} with its images" if needs > max_length else "")
-                for key, value in {"text": row["text"], "images": files, "image_problem": problem,
-                                   ROW_NUMBER: source.get(ROW_NUMBER, 0)}.items():
-                    out[key].append(value if not dropped or key in ("image_problem", ROW_NUMBER) else type(value)())
+                out["text"].append("" if dropped else row["text"])
+                out["images"].append([] if dropped else files)
+                out["image_problem"].append(problem)
+                out[ROW_NUMBER].append(source.get(ROW_NUMBER, 0))
             keep = not dropped
             for key, value in {**kept_tokens(row, max_length if not images else None, keep=keep), "dropped": dropped,
                                "needs": needs}.items():

@@ -94,7 +94,7 @@ def merge(base: str, adapter: str, output: str, base_4bit: bool = False, dtype: 
     tokenizer_source = adapter if (Path(adapter) / "tokenizer_config.json").is_file() else base
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_source, trust_remote_code=trust_remote_code)
     processor = processors.load(tokenizer_source, tokenizer, trust_remote_code, config_from=base)  # a VLM's too
-    (processor or tokenizer).save_pretrained(output)
+    processors.save(processor or tokenizer, output)
     if reward:
         as_sequence_classifier(Path(output), head_key, tokenizer.pad_token_id)
 

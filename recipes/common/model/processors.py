@@ -47,24 +47,25 @@ def without_video(name: str, config, trust_remote_code: bool = False):
     template = Path(name) / "chat_template.jinja"
     with mock.patch.object(ProcessorMixin, "check_argument_for_proper_class",
                            lambda self, key, value: None if value is None else check(self, key, value)):
-        processor = processor_class(
+        return processor_class(
             image_processor=AutoImageProcessor.from_pretrained(name, trust_remote_code=trust_remote_code),
             tokenizer=AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code),
             video_processor=None, chat_template=template.read_text() if template.is_file() else None)
-    # its own save_pretrained stops at the missing part: the parts it has are saved as the model's folder holds them
-    processor.save_pretrained = lambda path, **_: save_parts(processor, path)
-    return processor
 
 
-def save_parts(processor, path) -> None:
-    """A processor's tokenizer, image processor and chat template saved where from_pretrained (and
-    processors.load) finds them, with the processor's class named in processor_config.json."""
+def save(processing, path) -> None:
+    """The run's tokenizer, or a vision-language model's processor, saved where from_pretrained (and `load`) finds
+    it. A processor built `without_video` saves its parts (its own save_pretrained stops at the missing one): the
+    tokenizer, the image processor, the chat template, and its class named in processor_config.json."""
     import json
 
+    if getattr(processing, "video_processor", False) is not None:  # a tokenizer, or a whole processor
+        processing.save_pretrained(path)
+        return
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    processor.tokenizer.save_pretrained(path)
-    processor.image_processor.save_pretrained(path)
-    (path / "processor_config.json").write_text(json.dumps({"processor_class": type(processor).__name__}, indent=2) + "\n")
-    if processor.chat_template:
-        (path / "chat_template.jinja").write_text(processor.chat_template)
+    processing.tokenizer.save_pretrained(path)
+    processing.image_processor.save_pretrained(path)
+    (path / "processor_config.json").write_text(json.dumps({"processor_class": type(processing).__name__}, indent=2) + "\n")
+    if processing.chat_template:
+        (path / "chat_template.jinja").write_text(processing.chat_template)

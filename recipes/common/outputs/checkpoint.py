@@ -25,7 +25,7 @@ import torch
 from ..launching.args import SAVE_DTYPES
 from ..launching.batch_size import rows_per_step
 from ..launching.launch_config import launched_by_accelerate, launcher_argv
-from ..model import adapters
+from ..model import adapters, processors
 from . import reshard
 from ..refusal import refuse
 
@@ -423,7 +423,7 @@ def save_full_model(accelerator, model, stages, tokenizer, path: Path, dtype: st
         config_file = Path(path) / "config.json"
         config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "dtype": SAVE_DTYPES[dtype]}, indent=2))
     if accelerator.is_main_process:
-        tokenizer.save_pretrained(path)
+        processors.save(tokenizer, path)  # (a vision-language model's processor, where the recipe passes one)
     accelerator.wait_for_everyone()
 
 

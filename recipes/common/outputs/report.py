@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from ..data.formats import IGNORE
-from ..data.images import load_image
+from ..data.images import prompt_inputs
 from ..launching.args import FEEDBACK_RECIPES, ONLINE_RECIPES, PREFERENCE_RECIPES, REWARD_RECIPES
 from ..model import adapters
 
@@ -55,8 +55,7 @@ def generate_one(accelerator, generator, tokenizer, row, max_new_tokens: int, sh
     prompt = torch.tensor([row["input_ids"][:prompt_length]], device=accelerator.device)
     if processor is not None:
         files = row.get("images") or []
-        inputs = processor(text=[tokenizer.decode(prompt[0])], images=[load_image(path) for path in files] or None,
-                           add_special_tokens=False, return_tensors="pt").to(accelerator.device)
+        inputs = prompt_inputs(processor, tokenizer.decode(prompt[0]), files).to(accelerator.device)
         expanded = inputs["input_ids"].shape[1]
         output = generator.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
                                     pad_token_id=tokenizer.pad_token_id, synced_gpus=sharded)
