@@ -12,15 +12,11 @@ The output folder is written atomically: everything is built in a temporary
 folder next to the target and then renamed into place, so concurrent builders
 never leave a half-written model behind.
 
-``--family qwen2-vl`` / ``--family llava`` (or :func:`build_tiny_vlm`) build a
-tiny random-init vision-language model on the same text model instead
-(models/tiny-qwen2-vl, models/tiny-llava): the tokenizer with the family's
-special tokens and a chat template of its layout, a PIL image processor (no
-torchvision needed), and the processor's config, so that
-``AutoModelForImageTextToText``, ``AutoImageProcessor`` and ``AutoTokenizer``
-load the folder (and ``AutoProcessor`` for LLaVA; Qwen2VLProcessor needs
-torchvision for its video processor, so build it from the parts with
-``video_processor=None``).
+``--family NAME`` (or :func:`build_tiny_vlm`) builds a tiny random-init
+vision-language model on the same text model instead (models/tiny-NAME): the
+families are qwen2-vl, qwen3-vl, llava, llava-next, gemma3, smolvlm and
+mllama, each with its tokenizer, PIL image processor (no
+torchvision needed), processor config and a chat template in its layout.
 
 Usage::
 
@@ -30,6 +26,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import tempfile
@@ -118,90 +115,106 @@ def build_tiny_model(output_dir: str | Path = DEFAULT_OUTPUT_DIR, seed: int = 0)
 
 # --- tiny vision-language models ------------------------------------------------------------------------------
 
-FAMILIES = ("llama", "qwen2-vl", "llava")
-VLM_OUTPUT_DIRS = {
-    "qwen2-vl": REPO_ROOT / "models" / "tiny-qwen2-vl",
-    "llava": REPO_ROOT / "models" / "tiny-llava",
-}
+# ---------------------------------------------------------------- vision-language families
+# Each is the family's own model class on a small vision tower and a 2-layer text model the size of
+# data/tiny-llama-config.json's, with data/tokenizer and the family's special tokens added (ids 301, 302, ... in the
+# order listed), a PIL image processor sized for data/vision's 56x56 images, the processor's own settings and a chat
+# template in the family's layout: a message's content, a string or {"type": "image"} / {"type": "text"} parts,
+# rendered in order, the assistant's reply inside {% generation %} (for `return_assistant_tokens_mask=True`).
 
-# Both templates are written for this repository, in their family's layout. A message's content is a string or a
-# list of parts, {"type": "image"} and {"type": "text", "text": ...}, rendered in their order. The assistant's
-# reply is wrapped in {% generation %} so that `return_assistant_tokens_mask=True` finds it; a rendering with the
-# generation prompt is a prefix of the rendering with the reply.
-QWEN2_VL_CHAT_TEMPLATE = (
-    "{%- macro content_of(content) -%}"
-    "{%- if content is string -%}{{ content }}"
-    "{%- else -%}{%- for part in content -%}"
-    "{%- if part['type'] == 'image' -%}{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
-    "{%- elif part['type'] == 'text' -%}{{ part['text'] }}"
-    "{%- endif -%}{%- endfor -%}{%- endif -%}"
-    "{%- endmacro -%}"
-    "{%- for message in messages -%}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' }}"
-    "{%- if message['role'] == 'assistant' -%}"
-    "{% generation %}{{ content_of(message['content']) + '<|im_end|>' }}{% endgeneration %}{{ '\\n' }}"
-    "{%- else -%}{{ content_of(message['content']) + '<|im_end|>\\n' }}{%- endif -%}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}"
-)
-LLAVA_CHAT_TEMPLATE = (
-    "{%- macro content_of(content) -%}"
-    "{%- if content is string -%}{{ content }}"
-    "{%- else -%}{%- for part in content -%}"
-    "{%- if part['type'] == 'image' -%}{{ '<image>\\n' }}"
-    "{%- elif part['type'] == 'text' -%}{{ part['text'] }}"
-    "{%- endif -%}{%- endfor -%}{%- endif -%}"
-    "{%- endmacro -%}"
-    "{%- for message in messages -%}"
-    "{%- if message['role'] == 'assistant' -%}"
-    "{{ 'ASSISTANT:' }}{% generation %}{{ ' ' + content_of(message['content']) + '</s>' }}{% endgeneration %}"
-    "{%- elif message['role'] == 'user' -%}{{ 'USER: ' + content_of(message['content']) + ' ' }}"
-    "{%- else -%}{{ content_of(message['content']) + ' ' }}{%- endif -%}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{ 'ASSISTANT:' }}{%- endif -%}"
-)
-
-# Added after the bundled tokenizer's 301 tokens, in this order (so their ids are fixed: 301, 302, ...).
-QWEN2_VL_TOKENS = ["<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
-LLAVA_TOKENS = ["<image>"]
-VLM_VOCAB_MULTIPLE = 32
+VOCAB_MULTIPLE = 32
 
 
-def _vlm_tokenizer(tokens: list[str], chat_template: str):
+def content_of(image: str) -> str:
+    """The templates' macro rendering a message's content: a string, or its parts in order, `image` for an image."""
+    return ("{%- macro content_of(content) -%}"
+            "{%- if content is string -%}{{ content }}"
+            "{%- else -%}{%- for part in content -%}"
+            "{%- if part['type'] == 'image' -%}{{ '" + image + "' }}"
+            "{%- elif part['type'] == 'text' -%}{{ part['text'] }}"
+            "{%- endif -%}{%- endfor -%}{%- endif -%}"
+            "{%- endmacro -%}")
+
+
+def turns(start: str, reply: str, other: str, prompt: str) -> str:
+    """The loop over the messages: `start` once, an assistant's message as `reply`, any other as `other`; `prompt`
+    (the generation prompt) at the end when asked."""
+    return (start + "{%- for message in messages -%}"
+            "{%- if message['role'] == 'assistant' -%}" + reply + "{%- else -%}" + other + "{%- endif -%}"
+            "{%- endfor -%}"
+            "{%- if add_generation_prompt -%}{{ '" + prompt + "' }}{%- endif -%}")
+
+
+QWEN_TEMPLATE = content_of("<|vision_start|><|image_pad|><|vision_end|>") + turns(
+    "", "{{ '<|im_start|>' + message['role'] + '\\n' }}"
+        "{% generation %}{{ content_of(message['content']) + '<|im_end|>' }}{% endgeneration %}{{ '\\n' }}",
+    "{{ '<|im_start|>' + message['role'] + '\\n' + content_of(message['content']) + '<|im_end|>\\n' }}",
+    "<|im_start|>assistant\\n")
+LLAVA_TEMPLATE = content_of("<image>\\n") + turns(
+    "", "{{ 'ASSISTANT:' }}{% generation %}{{ ' ' + content_of(message['content']) + '</s>' }}{% endgeneration %}",
+    "{%- if message['role'] == 'user' -%}{{ 'USER: ' + content_of(message['content']) + ' ' }}"
+    "{%- else -%}{{ content_of(message['content']) + ' ' }}{%- endif -%}",
+    "ASSISTANT:")
+GEMMA3_TEMPLATE = content_of("<start_of_image>") + turns(
+    "{{ bos_token }}", "{{ '<start_of_turn>model\\n' }}"
+    "{% generation %}{{ content_of(message['content']) + '<end_of_turn>' }}{% endgeneration %}{{ '\\n' }}",
+    "{{ '<start_of_turn>' + message['role'] + '\\n' + content_of(message['content']) + '<end_of_turn>\\n' }}",
+    "<start_of_turn>model\\n")
+SMOLVLM_TEMPLATE = content_of("<image>") + turns(
+    "{{ '<|im_start|>' }}", "{{ 'Assistant:' }}"
+    "{% generation %}{{ ' ' + content_of(message['content']) + '<end_of_utterance>' }}{% endgeneration %}{{ '\\n' }}",
+    "{{ message['role'] | capitalize + ':' + content_of(message['content']) + '<end_of_utterance>\\n' }}",
+    "Assistant:")
+MLLAMA_TEMPLATE = content_of("<|image|>") + turns(
+    "{{ bos_token }}", "{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}"
+    "{% generation %}{{ content_of(message['content']) + '<|eot_id|>' }}{% endgeneration %}",
+    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + content_of(message['content'])"
+    " + '<|eot_id|>' }}",
+    "<|start_header_id|>assistant<|end_header_id|>\\n\\n")
+
+QWEN_TOKENS = ["<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+
+
+def tokenizer_with(tokens: list[str], chat_template: str, **named: str):
+    """data/tokenizer with `tokens` added (ids 301, 302, ... in order) and `named` ones (e.g. image_token=...) set as
+    the tokenizer's named special tokens, which some processors read."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(str(TOKENIZER_DIR))
-    first = len(tokenizer)
+    tokenizer = AutoTokenizer.from_pretrained(str(TOKENIZER_DIR), **({"extra_special_tokens": named} if named else {}))
     tokenizer.add_special_tokens({"additional_special_tokens": tokens})
-    ids = tokenizer.convert_tokens_to_ids(tokens)
-    if ids != list(range(first, first + len(tokens))):
-        raise ValueError(f"added tokens got ids {ids}, expected {first}..{first + len(tokens) - 1}")
+    ids = tokenizer.convert_tokens_to_ids(tokens)  # `named` are among `tokens`, added first
+    if sorted(ids) != list(range(len(tokenizer) - len(tokens), len(tokenizer))):
+        raise ValueError(f"added tokens got ids {ids}, expected the last {len(tokens)} of {len(tokenizer)}")
     tokenizer.chat_template = chat_template
     return tokenizer
 
 
-def _text_config_dict(tokenizer) -> dict:
-    """data/tiny-llama-config.json's text model, its vocabulary grown to a multiple of 32 covering the added tokens."""
-    import json
-
+def text_config(tokenizer, drop=()) -> dict:
+    """data/tiny-llama-config.json's text model, its vocabulary a multiple of 32 covering the added tokens."""
     text = json.loads(CONFIG_PATH.read_text())
-    for key in ("architectures", "model_type"):
+    for key in ("architectures", "model_type", *drop):
         text.pop(key)
-    text["vocab_size"] = -(-len(tokenizer) // VLM_VOCAB_MULTIPLE) * VLM_VOCAB_MULTIPLE
+    text["vocab_size"] = -(-len(tokenizer) // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
     return text
 
 
-def _qwen2_vl(seed: int):
-    import torch
+def saved_in_parts(folder: Path, tokenizer, image_processor, processor_class: str, chat_template: str, **own) -> None:
+    """What a processor's save_pretrained writes, less its video processor (built only with torchvision)."""
+    tokenizer.save_pretrained(str(folder))
+    image_processor.save_pretrained(str(folder))
+    (folder / "processor_config.json").write_text(
+        json.dumps({"processor_class": processor_class, **own}, indent=2, sort_keys=True) + "\n")
+    (folder / "chat_template.jinja").write_text(chat_template)
+
+
+def qwen2_vl():
+    """Dynamic resolution: a 56x56 image is 4x4 patches of 14, merged 2x2: 4 tokens; larger ones shrink to 56*56."""
     from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    tokenizer = _vlm_tokenizer(QWEN2_VL_TOKENS, QWEN2_VL_CHAT_TEMPLATE)
-    ids = dict(zip(QWEN2_VL_TOKENS, tokenizer.convert_tokens_to_ids(QWEN2_VL_TOKENS)))
-    text = _text_config_dict(tokenizer)
-    text.pop("head_dim")  # Qwen2-VL's text model takes hidden_size / num_attention_heads (16)
-    for key in ("mlp_bias", "attention_bias"):
-        text.pop(key)
+    tokenizer = tokenizer_with(QWEN_TOKENS, QWEN_TEMPLATE)
+    ids = dict(zip(QWEN_TOKENS, tokenizer.convert_tokens_to_ids(QWEN_TOKENS)))
+    text = text_config(tokenizer, drop=("head_dim", "mlp_bias", "attention_bias"))  # head_dim: hidden / heads
     text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
     config = Qwen2VLConfig(
         text_config=text,
@@ -212,79 +225,203 @@ def _qwen2_vl(seed: int):
         vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
         tie_word_embeddings=False,
     )
-    torch.manual_seed(seed)
-    model = Qwen2VLForConditionalGeneration(config)
-    model.eval()
-    # Generation stops at the end of the assistant's turn as well as at </s>.
-    model.generation_config.eos_token_id = [text["eos_token_id"], ids["<|im_end|>"]]
-    model.generation_config.pad_token_id = text["pad_token_id"]
-    model.generation_config.bos_token_id = text["bos_token_id"]
-    # 56x56 images stay 56x56 (4x4 patches of 14, merged 2x2: 4 tokens); larger ones shrink to at most 56*56 pixels.
     image_processor = Qwen2VLImageProcessorPil(min_pixels=28 * 28, max_pixels=56 * 56)
-
-    def save(folder: Path) -> None:
-        import json
-
-        model.save_pretrained(str(folder), safe_serialization=True)
-        tokenizer.save_pretrained(str(folder))
-        image_processor.save_pretrained(str(folder))
-        # Qwen2VLProcessor cannot be built without torchvision (its video processor), so its parts are saved one
-        # by one: what its own save_pretrained writes, less the video processor.
-        (folder / "processor_config.json").write_text(
-            json.dumps({"processor_class": "Qwen2VLProcessor"}, indent=2, sort_keys=True) + "\n")
-        (folder / "chat_template.jinja").write_text(QWEN2_VL_CHAT_TEMPLATE)
-
-    return model, save
+    return (Qwen2VLForConditionalGeneration, config, tokenizer, [ids["<|im_end|>"]],
+            lambda folder: saved_in_parts(folder, tokenizer, image_processor, "Qwen2VLProcessor", QWEN_TEMPLATE))
 
 
-def _llava(seed: int):
-    import torch
-    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor
+def qwen3_vl():
+    """Qwen3-VL: patches of 16 (a 64x64 image is 4 tokens), deepstack features from a vision layer into the text."""
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    tokenizer = tokenizer_with(QWEN_TOKENS, QWEN_TEMPLATE)
+    ids = dict(zip(QWEN_TOKENS, tokenizer.convert_tokens_to_ids(QWEN_TOKENS)))
+    text = text_config(tokenizer, drop=("mlp_bias",))
+    text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
+                               "mrope_interleaved": True}
+    config = Qwen3VLConfig(
+        text_config=text,
+        vision_config={"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "patch_size": 16,
+                       "spatial_merge_size": 2, "temporal_patch_size": 2, "out_hidden_size": text["hidden_size"],
+                       "num_position_embeddings": 16, "deepstack_visual_indexes": [0]},
+        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=False,
+    )
+    image_processor = Qwen2VLImageProcessorPil(patch_size=16, merge_size=2, min_pixels=32 * 32, max_pixels=64 * 64,
+                                               image_mean=[0.5] * 3, image_std=[0.5] * 3)
+    return (Qwen3VLForConditionalGeneration, config, tokenizer, [ids["<|im_end|>"]],
+            lambda folder: saved_in_parts(folder, tokenizer, image_processor, "Qwen3VLProcessor", QWEN_TEMPLATE))
+
+
+def clip_tower():
+    from transformers import CLIPVisionConfig
+
+    return CLIPVisionConfig(image_size=56, patch_size=14, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                            intermediate_size=64, projection_dim=32)
+
+
+def llava():
+    """LLaVA-1.5's layout: a CLIP tower, 16 tokens an image (its CLS token dropped)."""
+    from transformers import LlamaConfig, LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor
     from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 
-    tokenizer = _vlm_tokenizer(LLAVA_TOKENS, LLAVA_CHAT_TEMPLATE)
-    image_token_id = tokenizer.convert_tokens_to_ids("<image>")
-    vision = CLIPVisionConfig(image_size=56, patch_size=14, hidden_size=32, num_hidden_layers=2,
-                              num_attention_heads=2, intermediate_size=64, projection_dim=32)
-    patches = (vision.image_size // vision.patch_size) ** 2  # 16; the tower adds a CLS token, which "default" drops
+    tokenizer = tokenizer_with(["<image>"], LLAVA_TEMPLATE)
+    vision = clip_tower()
     config = LlavaConfig(
-        vision_config=vision, text_config=LlamaConfig(**_text_config_dict(tokenizer)),
-        image_token_index=image_token_id, image_seq_length=patches,
+        vision_config=vision, text_config=LlamaConfig(**text_config(tokenizer)),
+        image_token_index=tokenizer.convert_tokens_to_ids("<image>"),
+        image_seq_length=(vision.image_size // vision.patch_size) ** 2,
         vision_feature_select_strategy="default", vision_feature_layer=-1,  # the last layer: no vision weight unused
         projector_hidden_act="gelu", tie_word_embeddings=False,
     )
-    torch.manual_seed(seed)
-    model = LlavaForConditionalGeneration(config)
-    model.eval()
-    image_processor = CLIPImageProcessorPil(size={"shortest_edge": vision.image_size},
-                                            crop_size={"height": vision.image_size, "width": vision.image_size})
-    processor = LlavaProcessor(image_processor=image_processor, tokenizer=tokenizer, patch_size=vision.patch_size,
-                               vision_feature_select_strategy="default", chat_template=LLAVA_CHAT_TEMPLATE,
+    image_processor = CLIPImageProcessorPil(size={"shortest_edge": 56}, crop_size={"height": 56, "width": 56})
+    processor = LlavaProcessor(image_processor=image_processor, tokenizer=tokenizer, patch_size=14,
+                               vision_feature_select_strategy="default", chat_template=LLAVA_TEMPLATE,
                                image_token="<image>", num_additional_image_tokens=1)
+    return LlavaForConditionalGeneration, config, tokenizer, [], lambda folder: whole(folder, processor)
+
+
+def llava_next():
+    """LLaVA-NeXT: the image cut into tiles of a grid chosen by its aspect ratio, plus the whole image: the tokens
+    follow its size (`image_sizes`)."""
+    from transformers import LlamaConfig, LlavaNextConfig, LlavaNextForConditionalGeneration, LlavaNextProcessor
+    from transformers.models.llava_next.image_processing_pil_llava_next import LlavaNextImageProcessorPil
+
+    tokenizer = tokenizer_with(["<image>"], LLAVA_TEMPLATE)
+    grid = [[56, 56], [56, 112], [112, 56], [112, 112]]
+    config = LlavaNextConfig(
+        vision_config=clip_tower(), text_config=LlamaConfig(**text_config(tokenizer)),
+        image_token_index=tokenizer.convert_tokens_to_ids("<image>"), image_grid_pinpoints=grid,
+        vision_feature_select_strategy="default", vision_feature_layer=-1, projector_hidden_act="gelu",
+        tie_word_embeddings=False, image_seq_length=16,
+    )
+    image_processor = LlavaNextImageProcessorPil(size={"shortest_edge": 56}, crop_size={"height": 56, "width": 56},
+                                                 image_grid_pinpoints=grid)
+    processor = LlavaNextProcessor(image_processor=image_processor, tokenizer=tokenizer, patch_size=14,
+                                   vision_feature_select_strategy="default", chat_template=LLAVA_TEMPLATE,
+                                   image_token="<image>", num_additional_image_tokens=1)
+    return LlavaNextForConditionalGeneration, config, tokenizer, [], lambda folder: whole(folder, processor)
+
+
+def gemma3():
+    """Gemma 3: a SigLIP tower pooled to 4 tokens an image, between <start_of_image> and <end_of_image>;
+    `token_type_ids` mark them (attended both ways)."""
+    from transformers import (Gemma3Config, Gemma3ForConditionalGeneration, Gemma3Processor, Gemma3TextConfig,
+                              SiglipVisionConfig)
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    named = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
+    tokenizer = tokenizer_with(["<start_of_turn>", "<end_of_turn>", *named.values()], GEMMA3_TEMPLATE, **named)
+    text = text_config(tokenizer, drop=("mlp_bias", "attention_bias"))
+    text.update(sliding_window=64, query_pre_attn_scalar=16, rope_parameters=None)
+    config = Gemma3Config(
+        text_config=Gemma3TextConfig(**text),
+        vision_config=SiglipVisionConfig(image_size=56, patch_size=14, hidden_size=32, num_hidden_layers=2,
+                                         num_attention_heads=2, intermediate_size=64),
+        mm_tokens_per_image=4, boi_token_index=tokenizer.boi_token_id, eoi_token_index=tokenizer.eoi_token_id,
+        image_token_index=tokenizer.image_token_id, tie_word_embeddings=False,
+    )
+    image_processor = Gemma3ImageProcessorPil(size={"height": 56, "width": 56})
+    processor = Gemma3Processor(image_processor=image_processor, tokenizer=tokenizer, chat_template=GEMMA3_TEMPLATE,
+                                image_seq_length=4)
+    end = tokenizer.convert_tokens_to_ids("<end_of_turn>")
+    return Gemma3ForConditionalGeneration, config, tokenizer, [end], lambda folder: whole(folder, processor)
+
+
+def smolvlm():
+    """SmolVLM (Idefics3's layout): an image resized to 112 on its long side, cut into 56x56 tiles (rows and columns
+    named by tokens) plus a global view, 4 tokens each."""
+    from transformers import LlamaConfig, SmolVLMConfig, SmolVLMForConditionalGeneration
+    from transformers.models.smolvlm.configuration_smolvlm import SmolVLMVisionConfig
+    from transformers.models.smolvlm.image_processing_pil_smolvlm import SmolVLMImageProcessorPil
+
+    tiles = [f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7)]
+    tokenizer = tokenizer_with(["<|im_start|>", "<end_of_utterance>", "<fake_token_around_image>", "<image>",
+                                "<global-img>", *tiles], SMOLVLM_TEMPLATE)
+    config = SmolVLMConfig(
+        text_config=LlamaConfig(**text_config(tokenizer)), scale_factor=2,
+        vision_config=SmolVLMVisionConfig(image_size=56, patch_size=14, hidden_size=32, num_hidden_layers=2,
+                                          num_attention_heads=2, intermediate_size=64),
+        image_token_id=tokenizer.convert_tokens_to_ids("<image>"), tie_word_embeddings=False,
+    )
+    image_processor = SmolVLMImageProcessorPil(size={"longest_edge": 112}, max_image_size={"longest_edge": 56})
+    end = tokenizer.convert_tokens_to_ids("<end_of_utterance>")
+    return (SmolVLMForConditionalGeneration, config, tokenizer, [end],
+            lambda folder: saved_in_parts(folder, tokenizer, image_processor, "SmolVLMProcessor", SMOLVLM_TEMPLATE,
+                                          image_seq_len=4))
+
+
+def mllama():
+    """Llama 3.2 Vision: the image is no tokens in the text (one <|image|> marks it); cross-attention layers read
+    its tiles' features (`cross_attention_mask`, `aspect_ratio_ids`)."""
+    from transformers import MllamaConfig, MllamaForConditionalGeneration, MllamaProcessor
+    from transformers.models.mllama.configuration_mllama import MllamaTextConfig, MllamaVisionConfig
+    from transformers.models.mllama.image_processing_pil_mllama import MllamaImageProcessorPil
+
+    tokens = ["<|image|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|python_tag|>"]
+    tokenizer = tokenizer_with(tokens, MLLAMA_TEMPLATE)
+    text = text_config(tokenizer, drop=("mlp_bias", "attention_bias", "head_dim", "attention_dropout"))
+    text.update(num_hidden_layers=3, cross_attention_layers=[1])
+    vision = MllamaVisionConfig(hidden_size=32, num_hidden_layers=2, num_global_layers=1, attention_heads=2,
+                                intermediate_size=64, image_size=56, patch_size=14, max_num_tiles=2,
+                                intermediate_layers_indices=[0], vision_output_dim=64,
+                                supported_aspect_ratios=[[1, 1], [1, 2], [2, 1]])
+    config = MllamaConfig(vision_config=vision, text_config=MllamaTextConfig(**text),
+                          image_token_index=tokenizer.convert_tokens_to_ids("<|image|>"))
+    image_processor = MllamaImageProcessorPil(size={"height": 56, "width": 56}, max_image_tiles=2)
+    processor = MllamaProcessor(image_processor=image_processor, tokenizer=tokenizer, chat_template=MLLAMA_TEMPLATE)
+    end = tokenizer.convert_tokens_to_ids("<|eot_id|>")
+    return MllamaForConditionalGeneration, config, tokenizer, [end], lambda folder: whole(folder, processor)
+
+
+def whole(folder: Path, processor) -> None:
+    processor.save_pretrained(str(folder))
+    processor.image_processor.save_pretrained(str(folder))  # preprocessor_config.json too, for AutoImageProcessor
+
+
+VLM_FAMILIES = {"qwen2-vl": qwen2_vl, "qwen3-vl": qwen3_vl, "llava": llava, "llava-next": llava_next, "gemma3": gemma3,
+            "smolvlm": smolvlm, "mllama": mllama}
+
+
+def build_vlm(family: str, seed: int = 0):
+    """(the model, a function saving it with its tokenizer and processor to a folder)."""
+    import torch
+
+    model_class, config, tokenizer, ends, save_processing = VLM_FAMILIES[family]()
+    torch.manual_seed(seed)
+    model = model_class(config)
+    model.eval()
+    text = json.loads(CONFIG_PATH.read_text())
+    # Generation stops at the end of the assistant's turn as well as at </s>.
+    model.generation_config.eos_token_id = [text["eos_token_id"], *ends] if ends else text["eos_token_id"]
+    model.generation_config.pad_token_id = text["pad_token_id"]
+    model.generation_config.bos_token_id = text["bos_token_id"]
 
     def save(folder: Path) -> None:
         model.save_pretrained(str(folder), safe_serialization=True)
-        processor.save_pretrained(str(folder))
-        image_processor.save_pretrained(str(folder))  # preprocessor_config.json too, for AutoImageProcessor
+        save_processing(folder)
 
     return model, save
 
 
-def build_tiny_vlm(family: str, output_dir: str | Path | None = None, seed: int = 0) -> Path:
-    """Create a tiny random-init vision-language model (``"qwen2-vl"`` or ``"llava"``) and save it with its
-    tokenizer, image processor, processor config and chat template; ``"llama"`` is :func:`build_tiny_model`.
+FAMILIES = ("llama", *VLM_FAMILIES)
 
-    The text model is data/tiny-llama-config.json's, the tokenizer data/tokenizer with the family's special
-    tokens added (vocabulary padded to a multiple of 32). ``output_dir`` defaults to models/tiny-<family> under
-    the repository root. Returns the absolute path of the saved folder, written atomically.
+
+def build_tiny_vlm(family: str, output_dir: str | Path | None = None, seed: int = 0) -> Path:
+    """Create a tiny random-init vision-language model of `family`  and save it with its
+    tokenizer, image processor, processor config and chat template; ``"llama"`` is :func:`build_tiny_model`.
+    ``output_dir`` defaults to models/tiny-<family> under the repository root. Returns the absolute path of the
+    saved folder, written atomically.
     """
     if family == "llama":
         return build_tiny_model(DEFAULT_OUTPUT_DIR if output_dir is None else output_dir, seed=seed)
-    if family not in VLM_OUTPUT_DIRS:
+    if family not in VLM_FAMILIES:
         raise ValueError(f"unknown family {family!r}; choose one of {', '.join(FAMILIES)}")
-    output_dir = _resolve(VLM_OUTPUT_DIRS[family] if output_dir is None else output_dir)
+    output_dir = _resolve(REPO_ROOT / "models" / f"tiny-{family}" if output_dir is None else output_dir)
     output_dir.parent.mkdir(parents=True, exist_ok=True)
-    _model, save = (_qwen2_vl if family == "qwen2-vl" else _llava)(seed)
+    _model, save = build_vlm(family, seed)
     _write_atomically(output_dir, save)
     return output_dir
 
@@ -299,13 +436,14 @@ def main(argv: list[str] | None = None) -> None:
         "--family",
         choices=FAMILIES,
         default="llama",
-        help="llama (default), qwen2-vl (Qwen2-VL layout) or llava (LLaVA-1.5 layout, CLIP vision tower)",
+        help="llama (default), or a vision-language family's layout on the same text model: "
+        + ", ".join(FAMILIES[1:]) + " ",
     )
     parser.add_argument(
         "--output-dir",
         default=None,
-        help="where to save the model (default: models/tiny-llama, models/tiny-qwen2-vl or models/tiny-llava "
-        "under the repository root, whatever the current directory)",
+        help="where to save the model (default: models/tiny-llama, or models/tiny-FAMILY, under the repository "
+        "root, whatever the current directory)",
     )
     parser.add_argument("--seed", type=int, default=0, help="torch seed for the random init (default: 0)")
     args = parser.parse_args(argv)

@@ -140,33 +140,65 @@ class ImageRows:
 
     def __init__(self, processor, name: str):
         self.processor, self.name, self.folder = processor, name, folder_of(name)
-        self.counts = {}  # (height, width) -> the image's tokens, asked of the processor once a size
+        self.counts = {}  # (height, width) -> the tokens such an image adds, found once a size
+        self.layouts, self.offset = {}, None  # see `added`
 
-    def read(self, row: dict, column: str | None, placed: int) -> tuple[list[str], list[int] | None, str]:
-        """(the row's image files, the tokens each takes (None: the processor cannot tell before the pixels), why
-        they cannot train: "" when they can); `placed`: how many images its turns place (targets.tokenize_rows)."""
+    def read(self, row: dict, column: str | None, placed: int) -> tuple[list[str], list[int], str]:
+        """(the row's image files, the tokens each adds to the row's rendering, why they cannot train: "" when they
+        can); `placed`: how many images its turns place (targets.tokenize_rows)."""
         listed = references(row.get(column)) if column else []
         sizes = []
         for reference in listed:
             size = reference_size(reference, self.folder)
             if isinstance(size, str):
-                return [], None, size
+                return [], [], size
             sizes.append(size)
         if placed != len(listed):
-            return [], None, (f"its turns place {placed} image(s) ({{\"type\": \"image\"}} parts or `{PLACEHOLDER}`) but "
-                              f"`{column or 'images'}` lists {len(listed)}; give one place per image")
+            return [], [], (f"its turns place {placed} image(s) ({{\"type\": \"image\"}} parts or `{PLACEHOLDER}`) but "
+                            f"`{column or 'images'}` lists {len(listed)}; give one place per image")
         return [image_path(reference, self.folder) for reference in listed], self.tokens(sizes), ""
 
-    def tokens(self, sizes: list[tuple[int, int]]) -> list[int] | None:
-        """Tokens each image of these sizes takes, or None when the processor cannot tell before seeing the pixels."""
+    def tokens(self, sizes: list[tuple[int, int]]) -> list[int]:
+        """The tokens an image of each of these sizes adds to its row: its expansion (image tokens and whatever the
+        family writes around them), less the one placeholder the rendering holds."""
+        return [self.added(size) for size in sizes]
+
+    def added(self, size: tuple[int, int]) -> int:
+        """The tokens an image of `size` adds, from the processor's own count where it has one (arithmetic: no
+        pixels), offset by what its expansion adds around the counted tokens (measured once); else measured on a
+        blank image once for each layout its image processor gives that size (SmolVLM's tiles, for one)."""
+        if size not in self.counts:
+            counted = self.counted(size)
+            if counted is not None:
+                if self.offset is None:
+                    self.offset = self.measured(size) - counted
+                self.counts[size] = counted + self.offset
+            else:
+                patches = getattr(self.processor.image_processor, "get_number_of_image_patches", None)
+                layout = patches(*size) if patches else size
+                if layout not in self.layouts:
+                    self.layouts[layout] = self.measured(size)
+                self.counts[size] = self.layouts[layout]
+        return self.counts[size]
+
+    def counted(self, size: tuple[int, int]) -> int | None:
+        """The processor's count of an image's tokens, or None where it has none."""
         count = getattr(self.processor, "_get_num_multimodal_tokens", None)
         try:
-            for size in set(sizes) - set(self.counts):
-                self.counts[size] = count(image_sizes=[size]).num_image_tokens[0] if count else None
-        except (NotImplementedError, TypeError, AttributeError, ValueError):
+            return count(image_sizes=[size]).num_image_tokens[0] if count else None
+        except (NotImplementedError, TypeError, AttributeError, ValueError, KeyError):
             return None
-        counts = [self.counts[size] for size in sizes]
-        return None if None in counts else counts
+
+    def measured(self, size: tuple[int, int]) -> int:
+        """The tokens a blank image of `size` adds to its placeholder's one, as the processor expands it."""
+        from PIL import Image
+
+        tokenizer = self.processor.tokenizer
+        text = (tokenizer.bos_token or "") + self.processor.image_token  # as a rendering starts (mllama adds a BOS)
+        alone = len(tokenizer(text, add_special_tokens=False)["input_ids"])
+        blank = Image.new("RGB", (size[1], size[0]))
+        expanded = self.processor(text=[text], images=[[blank]], add_special_tokens=False)["input_ids"][0]
+        return len(expanded) - alone
 
     def refuse_problems(self, tokenised) -> None:
         """Refuse, on every rank (each reads the tokenised rows), the first row in the file whose images cannot
@@ -200,8 +232,9 @@ class PadImageRows:
     def __call__(self, rows: list[dict]) -> dict:
         import torch
 
-        images = [load_image(path) for row in rows for path in row["images"]]
-        batch = self.processor(text=[row["text"] for row in rows], images=images or None, add_special_tokens=False,
+        images = [[load_image(path) for path in row["images"]] for row in rows]  # a list a row: every family takes it
+        batch = self.processor(text=[row["text"] for row in rows], images=images if any(images) else None,
+                               add_special_tokens=False,
                                padding=True, return_tensors="pt")
         batch = {key: value for key, value in batch.items() if torch.is_tensor(value)}
         ids, mask = batch["input_ids"], batch["attention_mask"]
@@ -231,8 +264,8 @@ def carried_labels(ids, labels, expanded: list[int]) -> np.ndarray:
 def prompt_inputs(processor, text: str, files: list[str]):
     """A prompt (its rendering, one placeholder an image) and its image files as the model takes them to generate:
     the processor's tokens, the placeholders expanded, and its pixel tensors (batch of one)."""
-    return processor(text=[text], images=[load_image(path) for path in files] or None, add_special_tokens=False,
-                     return_tensors="pt")
+    return processor(text=[text], images=[[load_image(path) for path in files]] if files else None,
+                     add_special_tokens=False, return_tensors="pt")
 
 
 def load_image(path: str):

@@ -164,7 +164,7 @@ def tokenize_counted(dataset, tokenizer, max_length: int, images=None):
                     problem, stray = "", "its turns place images but it lists none (an `images` column)"
                 else:
                     stray = ""
-                needs = len(row["input_ids"]) + (sum(counts) - len(files) if counts else 0)  # never cut: all of it
+                needs = len(row["input_ids"]) + sum(counts)  # never cut: all of it
                 dropped = row["problem"] or stray or problem or (
                     f"too long for --max-length {max_length} with its images" if needs > max_length else "")
                 out["text"].append("" if dropped else row["text"])

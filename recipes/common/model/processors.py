@@ -50,7 +50,27 @@ def without_video(name: str, config, trust_remote_code: bool = False):
         return processor_class(
             image_processor=AutoImageProcessor.from_pretrained(name, trust_remote_code=trust_remote_code),
             tokenizer=AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code),
-            video_processor=None, chat_template=template.read_text() if template.is_file() else None)
+            video_processor=None, chat_template=template.read_text() if template.is_file() else None,
+            **settings(name))
+
+
+def settings(name: str) -> dict:
+    """The processor's own settings in processor_config.json (SmolVLM's image_seq_len, for one): what its class
+    takes beside its parts, which `from_pretrained` would pass. A hub id is asked for the file (cached)."""
+    import json
+
+    path = Path(name) / "processor_config.json"
+    if not path.is_file():
+        from huggingface_hub import hf_hub_download
+
+        try:
+            path = Path(hf_hub_download(name, "processor_config.json"))
+        except Exception:  # no such file (or no hub): the class's defaults
+            return {}
+    return {key: value for key, value in json.loads(path.read_text()).items() if key not in PARTS}
+
+
+PARTS = ("processor_class", "image_processor", "video_processor", "tokenizer", "chat_template", "auto_map")
 
 
 def save(processing, path) -> None:
@@ -66,6 +86,8 @@ def save(processing, path) -> None:
     path.mkdir(parents=True, exist_ok=True)
     processing.tokenizer.save_pretrained(path)
     processing.image_processor.save_pretrained(path)
-    (path / "processor_config.json").write_text(json.dumps({"processor_class": type(processing).__name__}, indent=2) + "\n")
+    own = {key: value for key, value in processing.to_dict().items() if key not in PARTS}
+    (path / "processor_config.json").write_text(
+        json.dumps({"processor_class": type(processing).__name__, **own}, indent=2) + "\n")
     if processing.chat_template:
         (path / "chat_template.jinja").write_text(processing.chat_template)
