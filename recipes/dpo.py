@@ -43,10 +43,10 @@ from accelerate.utils import set_seed
 from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 from transformers import get_cosine_schedule_with_warmup
 
-from common.data import batches, preferences
+from common.data import batches, images, preferences
 from common.data.formats import IGNORE
 from common.launching import deepspeed_config, preflight, settle
-from common.model import loss_head, modeling
+from common.model import loss_head, modeling, processors
 from common.outputs import checkpoint, report
 from common.outputs.runlog import RunLog
 from common.training import benchmarks, runtime
@@ -61,7 +61,8 @@ def sequence_logps(accelerator, model, batch, head):
     (loss_head.py), only where some row has a target and a chunk of positions at a time."""
     labels, positions = batch["labels"][:, 1:], batch["target_positions"]  # position t predicts token t + 1
     outputs = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"),
-                    position_ids=batch.get("position_ids"), use_cache=False, **head.forward_arguments(positions))
+                    position_ids=batch.get("position_ids"), **images.model_inputs(batch),  # pixels: image pairs
+                    use_cache=False, **head.forward_arguments(positions))
     token_logps = head.apply(target_logps, outputs, batches.trained_targets(batch), positions)
     sft_logps = None
     if "sft_labels" in batch:  # ORPO: the chosen rows' prompts are scored too, for its SFT term
@@ -147,7 +148,8 @@ def main():
     # reply (through its stop signal) the only target. Pairs that cannot train are counted and dropped.
     modeling.ensure_default_model(run.model, accelerator)
     tokenizer = modeling.load_tokenizer(run.model, run.trust_remote_code, run.chat_template)
-    train_set, eval_set, data_format = preferences.prepare_pairs(accelerator, tokenizer, run, launch)
+    processor = processors.load(run.model, tokenizer, run.trust_remote_code)  # None: the model reads text only
+    train_set, eval_set, data_format = preferences.prepare_pairs(accelerator, tokenizer, run, launch, processor)
 
     # Model: the frozen base in 16 bits where mixed precision allows (quantized as it loads with --bits),
     # trainable adapters on top.
@@ -166,7 +168,7 @@ def main():
         r=run.lora_r,
         lora_alpha=run.lora_alpha,
         lora_dropout=run.lora_dropout,
-        target_modules=cli.lora_targets(run.lora_targets),
+        target_modules=modeling.lora_targets(model, cli.lora_targets(run.lora_targets)),  # a VLM: its language model's
         use_dora=run.use_dora,
         use_rslora=run.use_rslora,
         task_type="CAUSAL_LM",
@@ -178,7 +180,8 @@ def main():
                       else "reference: the base, i.e. this model with its adapters switched off (no second copy)")
 
     # Batches: shuffled micro-batches of pairs, each one batch of rows (chosen sides, then rejected sides).
-    collate = batches.PadPairs(tokenizer.pad_token_id, whole_chosen=run.loss == "orpo")  # (ORPO: the SFT term's rows)
+    collate = batches.PadPairs(tokenizer.pad_token_id, whole_chosen=run.loss == "orpo",  # (ORPO: the SFT term's rows)
+                               pad_rows=images.PadImageRows(processor) if processor else None)  # image pairs: pixels
     train_loader, eval_loader = batches.make_loaders(train_set, eval_set, collate, run.batch_size,
                                                   run.dataloader_workers)
     probe = next(iter(eval_loader))
@@ -276,9 +279,9 @@ def main():
     # Export: what the trained model computes, then the files that reproduce it.
     checkpoint.save_probe(accelerator, model, None, probe, run.output_dir)
     samples = report.sample_generations(accelerator, launch, model, None, tokenizer,
-                                        preferences.chosen_rows(eval_set), run.output_dir)
+                                        preferences.chosen_rows(eval_set), run.output_dir, processor=processor)
     adapter_dir = f"{run.output_dir}/adapter"
-    checkpoint.save_adapter(accelerator, model, None, tokenizer, adapter_dir)
+    checkpoint.save_adapter(accelerator, model, None, processor or tokenizer, adapter_dir)
     if run.merge:
         checkpoint.merge_adapter(accelerator, run.model, adapter_dir, f"{run.output_dir}/merged",
                                  base_4bit=run.bits == 4, dtype=run.save_dtype)

@@ -40,10 +40,10 @@ import torch.nn.functional as F
 from accelerate.utils import set_seed
 from transformers import get_cosine_schedule_with_warmup
 
-from common.data import batches, preferences
+from common.data import batches, images, preferences
 from common.data.formats import IGNORE
 from common.launching import deepspeed_config, preflight, settle
-from common.model import loss_head, modeling
+from common.model import loss_head, modeling, processors
 from common.outputs import checkpoint, report
 from common.outputs.runlog import RunLog
 from common.training import benchmarks, reference, runtime
@@ -58,7 +58,8 @@ def sequence_logps(accelerator, model, batch, head):
     (loss_head.py), only where some row has a target and a chunk of positions at a time."""
     labels, positions = batch["labels"][:, 1:], batch["target_positions"]  # position t predicts token t + 1
     outputs = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"),
-                    position_ids=batch.get("position_ids"), use_cache=False, **head.forward_arguments(positions))
+                    position_ids=batch.get("position_ids"), **images.model_inputs(batch),  # pixels: image pairs
+                    use_cache=False, **head.forward_arguments(positions))
     token_logps = head.apply(target_logps, outputs, batches.trained_targets(batch), positions)
     sft_logps = None
     if "sft_labels" in batch:  # ORPO: the chosen rows' prompts are scored too, for its SFT term
@@ -142,7 +143,8 @@ def main():
     # reply (through its stop signal) the only target. Pairs that cannot train are counted and dropped.
     modeling.ensure_default_model(run.model, accelerator)
     tokenizer = modeling.load_tokenizer(run.model, run.trust_remote_code, run.chat_template)
-    train_set, eval_set, data_format = preferences.prepare_pairs(accelerator, tokenizer, run, launch)
+    processor = processors.load(run.model, tokenizer, run.trust_remote_code)  # None: the model reads text only
+    train_set, eval_set, data_format = preferences.prepare_pairs(accelerator, tokenizer, run, launch, processor)
     train_set, eval_set = reference.indexed(train_set), reference.indexed(eval_set)  # where each pair's reference is
 
     # Model: every weight trained, in float32 (mixed precision computes in 16 bits).
@@ -151,11 +153,13 @@ def main():
     # A mixture of experts whose config asks for it (output_router_logits) also trains its router to spread
     # the tokens over the experts: transformers' load-balancing loss with this weight (0 for other models).
     router_weight = modeling.router_loss_weight(model)
+    modeling.freeze_vision_parts(model)  # a vision-language model's vision tower and projector stay as loaded
     if run.gradient_checkpointing:  # recompute every Nth layer's activations in the backward instead of keeping them
         modeling.checkpoint_activations(model, every_n_layers=run.gradient_checkpointing)
 
     # Batches: shuffled micro-batches of pairs, each one batch of rows (chosen sides, then rejected sides).
-    collate = batches.PadPairs(tokenizer.pad_token_id, whole_chosen=run.loss == "orpo")  # (ORPO: the SFT term's rows)
+    collate = batches.PadPairs(tokenizer.pad_token_id, whole_chosen=run.loss == "orpo",  # (ORPO: the SFT term's rows)
+                               pad_rows=images.PadImageRows(processor) if processor else None)  # image pairs: pixels
     train_loader, eval_loader = batches.make_loaders(train_set, eval_set, collate, run.batch_size,
                                                   run.dataloader_workers)
     probe = next(iter(eval_loader))
@@ -260,9 +264,9 @@ def main():
     # Export: what the trained model computes, then the files that reproduce it.
     checkpoint.save_probe(accelerator, model, None, probe, run.output_dir)
     samples = report.sample_generations(accelerator, launch, model, None, tokenizer,
-                                        preferences.chosen_rows(eval_set), run.output_dir)
+                                        preferences.chosen_rows(eval_set), run.output_dir, processor=processor)
     model_dir = f"{run.output_dir}/model"
-    checkpoint.save_full_model(accelerator, model, None, tokenizer, model_dir, run.save_dtype)
+    checkpoint.save_full_model(accelerator, model, None, processor or tokenizer, model_dir, run.save_dtype)
     report.write_model_card(accelerator, run, "dpo_full", "model", samples)
     log.close(f"done: {total_steps} steps; model saved to {model_dir}")
     accelerator.end_training()

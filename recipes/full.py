@@ -20,6 +20,7 @@ Flags: --model --dataset --eval-dataset --columns --chat-template --packing --ou
 Pipeline parallel: --pipeline-stages --pipeline-schedule --pipeline-chunks
 Speed: --compile --no-compile --liger --attention --dataloader-workers
 Benchmarks: --eval-tasks --eval-limit --eval-raw-prompts (lm-evaluation-harness tasks, scored where the eval runs)
+Images: --train-vision-tower --train-projector (a vision-language model's parts trained too; default: frozen)
 """
 
 import math
@@ -77,7 +78,8 @@ def main():
     # Model: every weight is trained, so it stays in fp32 (mixed precision runs the maths in 16 bits).
     model = modeling.load_model(run.model, accelerator, launch, frozen=False, attention=run.attention,
                                 liger=run.liger, trust_remote_code=run.trust_remote_code)
-    modeling.freeze_vision_parts(model)  # a vision-language model's vision tower and projector stay as loaded
+    # a vision-language model's vision tower and projector stay as loaded, unless --train-vision-tower / --train-projector
+    modeling.freeze_vision_parts(model, run.train_vision_tower, run.train_projector)
     # A mixture of experts whose config asks for it (output_router_logits) also trains its router to spread
     # the tokens over the experts: transformers' load-balancing loss with this weight (0 for other models).
     router_weight = modeling.router_loss_weight(model)

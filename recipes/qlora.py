@@ -23,6 +23,7 @@ Pipeline parallel: --pipeline-stages --pipeline-schedule --pipeline-chunks
 Speed: --compile --no-compile --liger --attention --dataloader-workers
 Benchmarks: --eval-tasks --eval-limit --eval-raw-prompts (lm-evaluation-harness tasks, scored where the eval runs)
 LoRA:  --lora-r --lora-alpha --lora-dropout --lora-targets --use-dora --use-rslora --merge
+Images: --train-vision-tower --train-projector (a vision-language model's parts trained too; default: frozen)
 QLoRA: --bits
 """
 
@@ -41,7 +42,7 @@ from transformers import get_cosine_schedule_with_warmup
 
 from common.data import batches, images, preparation
 from common.launching import batch_size, deepspeed_config, preflight, settle
-from common.model import loss_head, modeling, processors
+from common.model import loss_head, modeling, processors, vision
 from common.outputs import checkpoint, report
 from common.outputs.runlog import RunLog
 from common.training import benchmarks, pipeline, runtime
@@ -97,7 +98,10 @@ def main():
         r=run.lora_r,
         lora_alpha=run.lora_alpha,
         lora_dropout=run.lora_dropout,
-        target_modules=modeling.lora_targets(model, cli.lora_targets(run.lora_targets)),  # a VLM: its language model's
+        # a vision-language model: its language model's layers, and its vision tower's with --train-vision-tower
+        target_modules=modeling.lora_targets(model, cli.lora_targets(run.lora_targets), run.train_vision_tower),
+        # --train-projector: a vision-language model's projector trained whole, saved with the adapter
+        modules_to_save=vision.projector_modules(model) if run.train_projector else None,
         use_dora=run.use_dora,
         use_rslora=run.use_rslora,
         task_type="CAUSAL_LM",

@@ -24,6 +24,10 @@ Writes, relative to the repository root:
   never drawn for train): a vision task in TRL's conversational layout, one
   56x56 PNG per row under ``data/vision/images/`` showing one solid shape on
   white, asked its colour or its shape, answered in one word.
+* ``data/vision-pairs/train.jsonl`` and ``eval.jsonl``: the same rows as
+  preference pairs with images (TRL's vision DPO layout: ``prompt`` turns
+  placing the image, ``chosen`` the right answer, ``rejected`` a wrong one of
+  the same kind), the images those of ``data/vision/images/``.
 
 The task is a small mix of deterministic list operations over short digit
 sequences written with spaces (one correct response per instruction)::
@@ -229,6 +233,25 @@ def write_vision(vision_dir: Path, seed: int = 0) -> None:
         write_jsonl(vision_dir / f"{split}.jsonl", out)
 
 
+def vision_pair(row: dict, rng: random.Random) -> dict:
+    """A vision row as a preference pair: its answer chosen, another of the same kind (colour or shape) rejected;
+    the image's path from data/vision-pairs/."""
+    user, reply = row["messages"]
+    answer = reply["content"][0]["text"]
+    wrong = rng.choice([other for other in (sorted(COLOURS) if answer in COLOURS else SHAPES) if other != answer])
+    return {"prompt": [user], "chosen": [reply],
+            "rejected": [{"role": "assistant", "content": [{"type": "text", "text": wrong}]}],
+            "images": [f"../vision/{path}" for path in row["images"]]}
+
+
+def write_vision_pairs(data_dir: Path, seed: int = 0) -> None:
+    """data/vision-pairs/{train,eval}.jsonl from data/vision's rows (written first)."""
+    rng = random.Random(f"vision-pairs:{seed}")  # its own stream: the other files do not change with it
+    for split in ("train", "eval"):
+        rows = [json.loads(line) for line in (data_dir / "vision" / f"{split}.jsonl").read_text().splitlines()]
+        write_jsonl(data_dir / "vision-pairs" / f"{split}.jsonl", [vision_pair(row, rng) for row in rows])
+
+
 def write_jsonl(path: Path, rows: list[dict[str, str]]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w", encoding="utf-8", newline="\n") as f:
@@ -312,13 +335,14 @@ def main(argv: list[str] | None = None) -> None:
     write_jsonl(data_dir / "chat" / "eval.jsonl", [chat_row(row) for row in eval_rows])
 
     write_vision(data_dir / "vision", args.seed)
+    write_vision_pairs(data_dir, args.seed)
 
     tok_dir = data_dir / "tokenizer"
     build_tokenizer(train_rows, tok_dir)
     check_tokenizer(tok_dir, train_rows + eval_rows)
 
     print(f"wrote {len(train_rows)} train rows, {len(eval_rows)} eval rows, their preference pairs, prompts and "
-          f"conversations, {NUM_VISION_TRAIN} + {NUM_VISION_EVAL} vision rows with their images, and a tokenizer to {data_dir}")
+          f"conversations, {NUM_VISION_TRAIN} + {NUM_VISION_EVAL} vision rows with their images and pairs, and a tokenizer to {data_dir}")
 
 
 if __name__ == "__main__":

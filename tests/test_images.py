@@ -220,18 +220,39 @@ def test_image_rows_given_to_a_text_model_are_refused_in_one_line(tmp_path):
 
 
 @pytest.mark.parametrize("recipe, config, flags, refusal", [
-    pytest.param("dpo", "ddp", (), "which dpo.py does not train yet; recipes/lora.py, qlora.py and full.py do "
-                 "(docs/data.md#images)", marks=long_test),
+    pytest.param("kto", "ddp", (), "which kto.py does not train yet; recipes/lora.py, qlora.py, full.py, dpo.py and "
+                 "dpo_full.py do (docs/data.md#images)", marks=long_test),
+    pytest.param("dpo", "ddp", ("--loss", "orpo"), "", marks=long_test),
     pytest.param("lora", "pipeline", ("--pipeline-stages", "2"), "which 2-stage pipeline x 1 replica(s) does not run yet; use "
      "accelerate_configs/ddp.yaml, fsdp.yaml or zero3.yaml (docs/data.md#images)", marks=long_test),
 ])
 def test_what_images_cannot_run_yet_is_refused_before_loading(recipe, config, flags, refusal, vlm, tmp_path):
     model = vlm("qwen2-vl")
-    data = REPO / "data" / "preferences" if recipe == "dpo" else vision_rows(tmp_path / "rows.jsonl", 8)
+    data = REPO / "data" / "preferences" if recipe in ("dpo", "kto") else vision_rows(tmp_path / "rows.jsonl", 8)
     done = launch(recipe, tmp_path / "out", "--model", str(model), "--dataset", str(data), "--max-steps", "1",
                   *flags, config=config)
     assert done.returncode != 0
+    if not refusal:  # ORPO
+        refusal = (f"error: --loss orpo with a vision-language model ({model}) is not trained yet (its SFT term would "
+                   "score the image tokens); use --loss sigmoid, ipo or simpo, or SFT first with recipes/lora.py")
+        assert_the_refusal_ends_the_output(done.output, refusal)
+        return
     assert_the_refusal_ends_the_output(done.output, f"error: --model {model} is a vision-language model, {refusal}")
+
+
+def test_paligemma_is_refused_naming_what_trains(tmp_path):
+    """PaliGemma's prefix-LM layout is refused from its config alone, before anything loads."""
+    from types import SimpleNamespace
+
+    from transformers import PaliGemmaConfig
+
+    from common.launching import preflight
+
+    PaliGemmaConfig().save_pretrained(tmp_path)
+    args = SimpleNamespace(model=str(tmp_path), trust_remote_code=False, recipe="lora", train_vision_tower=False,
+                           train_projector=False)
+    with pytest.raises(Refusal, match="is PaliGemma, whose prefix-LM layout .* fine-tune Gemma 3"):
+        preflight.check_vision_language(args, None)
 
 
 # ---------------------------------------------------------------- the same numbers as TRL and as one process
@@ -367,3 +388,76 @@ def test_merged_model_and_adapter_load_as_image_text_to_text_and_answer_as_train
     before = dict(untrained.named_parameters())
     vision = [(name, tensor) for name, tensor in merged.named_parameters() if "vision_tower" in name]
     assert vision and all(torch.equal(tensor, before[name]) for name, tensor in vision)
+
+
+# ---------------------------------------------------------------- preference pairs with images (recipes/dpo.py)
+
+PAIRS = REPO / "data" / "vision-pairs"
+DPO_STEPS = ["--max-steps", "3", "--grad-accum", "2", "--lr", "5e-3", "--lora-dropout", "0"]
+
+
+def vision_pairs(path: Path, count: int) -> Path:
+    """The first `count` bundled vision pairs, their images by absolute path, written to `path`."""
+    rows = [json.loads(line) for line in (PAIRS / "train.jsonl").read_text().splitlines()[:count]]
+    for row in rows:
+        row["images"] = [str((PAIRS / name).resolve()) for name in row["images"]]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def test_a_pair_with_images_collates_both_sides_with_its_images(vlm, tmp_path):
+    """Each side of a pair is its rendering with the pair's images, expanded by the processor: the chosen sides, then
+    the rejected sides, each trained on its reply alone; pairs whose replies place images are dropped and counted."""
+    import datasets
+
+    from common.data import batches, preferences
+    from common.data.formats import PAIRS_CONVERSATIONAL
+
+    tokenizer, processor = processing(vlm("qwen2-vl"))
+    rows = [json.loads(line) for line in vision_pairs(tmp_path / "pairs.jsonl", 2).read_text().splitlines()]
+    placing = dict(rows[0], rejected=[{"role": "assistant", "content": [{"type": "image"}, {"type": "text", "text": "red"}]}])
+    pairs = preferences.tokenize_pairs(datasets.Dataset.from_list(rows + [placing]), PAIRS_CONVERSATIONAL, tokenizer,
+                                       512, images.ImageRows(processor, str(tmp_path)))
+    assert pairs["dropped"][2].startswith("its chosen and rejected replies place different images")
+    kept = pairs.select([0, 1])
+    batch = batches.PadPairs(tokenizer.pad_token_id, pad_rows=images.PadImageRows(processor))([kept[0], kept[1]])
+    assert batch["input_ids"].shape[0] == 4 and batch["image_grid_thw"].shape[0] == 4  # each pair's image, twice
+    replies = [tokenizer.decode(labels[labels != IGNORE]) for labels in batch["labels"]]
+    expected = [row[side][0]["content"][0]["text"] + "<|im_end|>" for side in ("chosen", "rejected") for row in rows]
+    assert replies == expected
+    assert set(images.model_inputs(batch)) == {"pixel_values", "image_grid_thw", "mm_token_type_ids"}
+
+
+@pytest.mark.parametrize("family", [pytest.param("qwen2-vl", marks=long_test), pytest.param("gemma3", marks=long_test)])
+def test_dpo_on_pairs_with_images_equals_trls_dpo_trainer(family, vlm, tmp_path):
+    """recipes/dpo.py (8 pairs x 2 micro-batches) and TRL 1.16's DPOTrainer (the 16 pairs at once) on the same pairs,
+    model and adapter: the loss, log-probabilities and rewards of 3 steps (1e-5)."""
+    model, data = str(vlm(family)), vision_pairs(tmp_path / "pairs.jsonl", 16)
+    ours = launch("dpo", tmp_path / "ours", "--model", model, "--dataset", str(data), "--eval-dataset", str(data),
+                  *DPO_STEPS, "--batch-size", "8", processes=1)
+    assert ours.returncode == 0, ours.output[-3000:]
+    done = subprocess.run([sys.executable, str(REPO / "scripts" / "measure" / "trl_dpo_worker.py"), "--model", model,
+                           "--dataset", str(data), "--output-dir", str(tmp_path / "trl"), *DPO_STEPS, "--batch-size",
+                           "16", "--grad-accum", "1"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    theirs = [json.loads(line) for line in (tmp_path / "trl" / "metrics.jsonl").read_text().splitlines()]
+    assert len(ours.metrics()) == len(theirs) == 3
+    for mine, other in zip(ours.metrics(), theirs):
+        for name in ("loss", "logps/chosen", "logps/rejected", "rewards/margins"):
+            assert mine[name] == pytest.approx(other[name], abs=1e-5), (name, mine, other)
+    assert ours.metrics()[-1]["rewards/margins"] > 0
+
+
+@pytest.mark.parametrize("recipe, family, config", [pytest.param("dpo", "qwen2-vl", "ddp", marks=long_test),
+                                                    pytest.param("dpo", "qwen2-vl", "zero3", marks=long_test),
+                                                    pytest.param("dpo_full", "gemma3", "fsdp", marks=long_test)])
+def test_dpo_on_pairs_with_images_trains_the_one_process_curve(recipe, family, config, vlm, tmp_path):
+    """2 processes x 4 pairs x 2 micro-batches give the one-process loss and gradient norm, step by step."""
+    model, data = str(vlm(family)), vision_pairs(tmp_path / "pairs.jsonl", 16)
+    flags = ["--model", model, "--dataset", str(data), "--eval-dataset", str(data), *DPO_STEPS[:-2]]
+    flags += ["--lora-dropout", "0"] if recipe == "dpo" else ["--lr", "1e-3"]
+    single = launch(recipe, tmp_path / "one", *flags, "--batch-size", "8", processes=1)
+    assert single.returncode == 0, single.output[-3000:]
+    done = launch(recipe, tmp_path / "two", *flags, "--batch-size", "4", config=config)
+    assert done.returncode == 0, done.output[-3000:]
+    same_curve(done.metrics(), single.metrics())

@@ -42,6 +42,8 @@ One module per job (every public name of each is importable from `planner` itsel
   FLOPs at an assumed share of the peak, the bytes each strategy moves, what it overlaps, and model
   parallel's idle GPUs;
 - `host_load`: the host RAM the weights take while they load, per machine (`load_bytes_per_machine`);
+- `vision`: a vision-language model's vision tower and projector (`VisionShape`) and what they add to a GPU
+  (`vision_bytes`): weights, what trains of them, the tower's activations on a micro-batch's images;
 - `choose`: the busiest GPU's total, what fits, the largest micro-batch, each strategy's fastest run
   of the asked global batch (`best_run`), and `plan()`.
 
@@ -141,6 +143,7 @@ from .strategies import (
     uneven_global_batch,
 )
 from .timing import Machine, data_parallel_size, epoch_time, flops_per_token, reference_pass_time, step_time
+from .vision import VisionShape, vision_activation_bytes, vision_bytes, vision_kept_bytes, vision_parameters
 
 __all__ = [
     "DEFAULT_GPU", "DEFAULT_MFU", "GPUS", "GPUS_PER_MACHINE", "INTERCONNECTS", "NETWORK", "MARGIN", "Gpu",
@@ -161,4 +164,5 @@ __all__ = [
     "quantization_constant_bytes", "quantized_bytes_per_weight", "resident_bytes", "state_bytes_per_parameter",
     "tensor_parallel_size", "usable_bytes", "weight_bytes",
     "load_bytes_per_machine", "model_bytes_as_loaded", "processes_per_machine",
+    "VisionShape", "vision_activation_bytes", "vision_bytes", "vision_kept_bytes", "vision_parameters",
 ]

@@ -27,6 +27,7 @@ from .strategies import (
     uneven_global_batch,
 )
 from .timing import Machine, data_parallel_size, epoch_time, reference_pass_time, step_time
+from .vision import VisionShape, vision_bytes
 
 # Keep 10% of every GPU free: the CUDA context (~0.5-1 GiB), NCCL buffers, the caching
 # allocator's fragmentation and the short-lived temporaries this model does not itemise.
@@ -50,7 +51,8 @@ def per_gpu_bytes(shape: ModelShape, method: str, strategy: str, gpus: int, batc
                   lora_dropout: float = 0.0, grad_accum: int = 1, pipeline_stages: int | None = None,
                   pipeline_chunks: int = 1, pairs: bool = False, dora: bool = False,
                   sequence_parallel: int | None = None, generation_rows: int = 0, starting_copy: bool = False,
-                  compiled: bool = False, padded: bool = True) -> dict:
+                  compiled: bool = False, padded: bool = True, vision: VisionShape | None = None,
+                  train_vision_tower: bool = False, train_projector: bool = False) -> dict:
     """Memory of the busiest GPU: {"weights", "gradients", "optimizer", "activations", "total"} in
     bytes; the total is their sum, except for full fine-tuning without a gradient wrapper (one process,
     model parallel), where gradients replace activations in the backward. `batch_size` is the micro-batch per GPU (the recipes' --batch-size), `seq_len` the
@@ -69,7 +71,9 @@ def per_gpu_bytes(shape: ModelShape, method: str, strategy: str, gpus: int, batc
     kept as the reference, `training.reference.StartingWeights`), "reference": one more copy of what the GPU holds
     of the weights, through the step and the sampling (none under offload: the copy stays in host RAM).
     `compiled`: each block compiled (--compile), which keeps less of a LoRA block; `padded=False`: rows all of the
-    micro-batch's length, no padding mask (activations.py)."""
+    micro-batch's length, no padding mask (activations.py). `vision`: a vision-language model's vision tower and
+    projector (vision.py), trained as `train_vision_tower` and `train_projector` say, added to each part on the GPU
+    that runs them (the first under model parallel); "vision" then says what they added in all."""
     _check(method, strategy, precision, attention)
     if gpus < 1 or batch_size < 1 or seq_len < 1:
         raise ValueError("gpus, batch_size and seq_len must be >= 1")
@@ -103,6 +107,12 @@ def per_gpu_bytes(shape: ModelShape, method: str, strategy: str, gpus: int, batc
                                             attention=attention, lora_dropout=lora_dropout, gpus=gpus, dora=dora,
                                             compiled=compiled, padded=padded, **common),
         }
+        added = {}
+        if vision is not None and stage.embedding:
+            added = vision_bytes(vision, method, strategy, gpus, batch_size * (2 if pairs else 1), seq_len, lora_rank,
+                                 precision, train_vision_tower, train_projector)
+            for part, value in added.items():
+                result[part] += value
         if starting_copy:  # kept where the shards are: in host RAM under the offload strategies
             result["reference"] = 0 if "offload" in strategy else result["weights"]
         result["total"] = sum(result.values())
@@ -120,6 +130,8 @@ def per_gpu_bytes(shape: ModelShape, method: str, strategy: str, gpus: int, batc
             result["generation"] = (result["gradients"] + result["optimizer"] + result.get("reference", 0)
                                     + sum(sampling.values()))
             result["total"] = max(result["total"], result["generation"])
+        if added:
+            result["vision"] = sum(added.values())
         if best is None or result["total"] > best["total"]:
             best = result
     return best

@@ -59,14 +59,17 @@ class PadPairs:
     """A micro-batch of preference pairs as one batch of rows: the pairs' chosen sides, then their
     rejected sides in the same order, all padded to the longest (one forward runs both). With
     `whole_chosen` (ORPO's SFT term), `sft_labels` too, laid out like the labels: each chosen row's every token,
-    its prompt's too (the rejected rows none)."""
+    its prompt's too (the rejected rows none). `pad_rows` (default PadToLongest): what makes the rows a batch;
+    pairs with images: images.PadImageRows, each side given its rendering and the pair's images."""
 
-    def __init__(self, pad_token_id: int, whole_chosen: bool = False):
-        self.pad_rows = PadToLongest(pad_token_id)
+    def __init__(self, pad_token_id: int, whole_chosen: bool = False, pad_rows=None):
+        self.pad_rows = pad_rows or PadToLongest(pad_token_id)
         self.whole_chosen = whole_chosen
 
     def __call__(self, pairs: list[dict]) -> dict:
-        batch = self.pad_rows([{"input_ids": pair[f"{side}_input_ids"], "labels": pair[f"{side}_labels"]}
+        images = "images" in pairs[0]
+        batch = self.pad_rows([{"input_ids": pair[f"{side}_input_ids"], "labels": pair[f"{side}_labels"],
+                                **({"text": pair[f"{side}_text"], "images": pair["images"]} if images else {})}
                                for side in ("chosen", "rejected") for pair in pairs])
         if self.whole_chosen:
             sft = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, IGNORE)

@@ -87,9 +87,10 @@ FEEDBACK_TEXT, FEEDBACK_CONVERSATIONAL = "judged replies, text", "judged replies
 READ_COLUMNS = {"messages": ("messages", "tools", "images", "image", "row_in_file"), "instruction": ("instruction", "input", "output", "response"),
                 "prompt_completion": ("prompt", "completion"), "text": ("text",),
                 PAIRS_TEXT: ("prompt", "chosen", "rejected", "margin"),
-                PAIRS_CONVERSATIONAL: ("prompt", "chosen", "rejected", "tools", "margin"),
+                PAIRS_CONVERSATIONAL: ("prompt", "chosen", "rejected", "tools", "margin", "images", "image", "row_in_file"),
                 PAIRS_IMPLICIT_TEXT: ("chosen", "rejected", "margin"),
-                PAIRS_IMPLICIT_CONVERSATIONAL: ("chosen", "rejected", "tools", "margin"),
+                PAIRS_IMPLICIT_CONVERSATIONAL: ("chosen", "rejected", "tools", "margin", "images", "image",
+                                                "row_in_file"),
                 FEEDBACK_TEXT: ("prompt", "completion", "label"),
                 FEEDBACK_CONVERSATIONAL: ("messages", "label", "tools")}
 FORMAT_KEYS = {"messages": "messages", "instruction": "instruction", "prompt_completion": "prompt", "text": "text"}
@@ -120,7 +121,7 @@ def conversation(cell) -> list | None:
             return None
         role = turn.get("role") or turn.get("from")
         content = turn.get("content") if turn.get("content") is not None else turn.get("value")
-        images = None
+        images = turn.get("parts")  # a turn read here before (a preference pair's side): its parts as read
         if isinstance(content, list):
             images = image_parts(content)
             parts = [part if isinstance(part, str) else part.get("text") for part in content

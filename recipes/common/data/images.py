@@ -217,6 +217,13 @@ def image_rows(parts) -> bool:
     return any(image_column(part.rows.column_names) for part in parts)
 
 
+def refuse_image_rows_without(processor, parts, model: str) -> None:
+    """Refuse sources holding images for a model that reads text only (no processor), on every rank."""
+    if processor is None and image_rows(parts):
+        refuse(f"--dataset holds images, but --model {model} reads text only; give an image-text-to-text "
+               "model (Qwen2-VL, LLaVA, ...: its config names a vision part), or drop the images column")
+
+
 class PadImageRows:
     """A micro-batch of image rows (and rows without images) as the model takes it: the processor renders each
     row's text with its images (decoded and resized now, a batch at a time), expanding each image's placeholder
@@ -244,6 +251,18 @@ class PadImageRows:
             labels[i, :length] = torch.from_numpy(carried_labels(row["input_ids"], row["labels"], ids[i, :length].tolist()))
         batch["labels"] = labels
         return batch
+
+
+# A batch's entries that are no image inputs: the tokens, and what the collators add for the loss
+RECIPE_ENTRIES = {"input_ids", "attention_mask", "position_ids", "labels", "target_positions", "loss_weights",
+                  "sft_labels", "pair_index", "margin", "desirable", "advantages"}
+
+
+def model_inputs(batch: dict) -> dict:
+    """The batch's inputs for the model's images as the processor made them (`pixel_values`, and `image_grid_thw`,
+    `token_type_ids`, `cross_attention_mask` or what else the family takes): everything beside the tokens and the
+    recipe's own entries; none for rows of text."""
+    return {key: value for key, value in batch.items() if key not in RECIPE_ENTRIES}
 
 
 def carried_labels(ids, labels, expanded: list[int]) -> np.ndarray:

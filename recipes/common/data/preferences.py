@@ -19,6 +19,7 @@ from .checked_rows import load_sources
 from .data_files import DEFAULT_PAIRS
 from .feedback import feedback_format_of, feedback_problem, judged_replies
 from .formats import IGNORE, DataFormat, chat_template_line
+from .images import ROW_NUMBER, ImageRows, image_column, refuse_image_rows_without
 from .pairs import (
     PAIR_FORMATS,
     SIDES,
@@ -46,12 +47,14 @@ PAIR_COLUMNS = [f"{side}_{column}" for side in SIDES for column in ("input_ids",
 UNTOKENISED = {"input_ids": NO_TOKENS, "labels": NO_TOKENS, "problem": "", "eos_added": 0, "stops": [], "boundary": False}
 
 
-def prepare_pairs(accelerator, tokenizer, args, launch):
+def prepare_pairs(accelerator, tokenizer, args, launch, processor=None):
     """(train set, eval set, format name) of preference pairs, as preparation.prepare makes them of
     supervised rows: every rank reads and checks the files, rank 0 tokenises first and the others reuse
     its cache, pairs that cannot train are dropped and counted in the `data (...)` line, none left is a
     refusal naming the fix. No packing: a pair's two sides are one example. The format carries the system
-    turn every conversational pair opened with (run.json records it, as for chat rows)."""
+    turn every conversational pair opened with (run.json records it, as for chat rows). `processor` (a
+    vision-language model's): pairs whose prompt holds images keep each side's rendering and the images' files,
+    which images.PadImageRows turns into the model's inputs as the loader collates."""
     given = args.dataset or [str(DEFAULT_PAIRS)]  # the bundled pairs by default
     train_parts, eval_parts = load_sources(given, args.seed, args.columns, getattr(args, "eval_dataset", None),
                                            pair_format_of, pair_problem)
@@ -60,9 +63,15 @@ def prepare_pairs(accelerator, tokenizer, args, launch):
         refuse("some --dataset / --eval-dataset sources have a `margin` column and some have none; give every source "
                "one (0 where you have no margin) or none")
     require_offsets(tokenizer)  # on every rank, before rank 0 tokenises
+    refuse_image_rows_without(processor, train_parts + eval_parts, args.model)
+
+    def tokenised(part):
+        images = ImageRows(processor, part.name) if processor is not None else None
+        return tokenize_pairs(part.rows, part.fmt, tokenizer, args.max_length, images)
+
     with accelerator.main_process_first():
-        train_tokens = [tokenize_pairs(part.rows, part.fmt, tokenizer, args.max_length) for part in train_parts]
-        eval_tokens = [tokenize_pairs(part.rows, part.fmt, tokenizer, args.max_length) for part in eval_parts]
+        train_tokens = [tokenised(part) for part in train_parts]
+        eval_tokens = [tokenised(part) for part in eval_parts]
     train_set, eval_set = training_sets(accelerator, args, train_parts, train_tokens, eval_parts, eval_tokens, "pair")
     data_format = DataFormat("+".join(sorted({part.fmt for part in train_parts})), shared_system_prompt(train_parts))
     chat_template_line(accelerator, tokenizer, args, renders_chat(data_format))
@@ -83,15 +92,22 @@ def shared_system_prompt(parts) -> str | None:
     return found.pop() if len(found) == 1 else None
 
 
-def tokenize_pairs(dataset, fmt: str, tokenizer, max_length: int):
+def tokenize_pairs(dataset, fmt: str, tokenizer, max_length: int, images=None):
     """Every pair tokenised: the 2N sides of a batch of N pairs in one targets.tokenize_rows call, then
     regrouped. Each pair also gets what tokens.tokenize_counted gives a row for the data line: `dropped`
     (the pair's problem, else a side's, else too long: `needs`, the larger side's, above `max_length`),
     `cut` (a side cut), and the two sides' `eos_added`, `stops` and `boundary`. A source with a `margin` column
     (a number a pair: how much better the chosen reply is, TRL's reward-model margin) keeps it; a pair without
-    a number there is dropped."""
+    a number there is dropped. `images` (a vision-language model's run: an images.ImageRows of the source): each
+    side keeps its rendering (`chosen_text`, `rejected_text`), the pair its images' files (`images`: placed in the
+    prompt, the same for both sides), and a pair is never cut, as tokens.tokenize_counted keeps a row."""
     supervised = side_format(fmt)
     margins = "margin" in dataset.column_names
+    column = image_column(dataset.column_names) if images else None
+    if images and supervised != "messages":
+        refuse(f"pairs with images must be conversational (a prompt of chat turns placing them); these are {fmt} "
+               "(docs/data.md#images)")
+    extra = ["chosen_text", "rejected_text", "images", "image_problem", ROW_NUMBER] if images else []
 
     def batch_of_pairs(columns: dict, code: str) -> dict:  # `code` only keys datasets' cache (see tokens.mapped)
         rows = [dict(zip(columns, values)) for values in zip(*columns.values())]
@@ -100,30 +116,66 @@ def tokenize_pairs(dataset, fmt: str, tokenizer, max_length: int):
             found = [pair if isinstance(pair, str) or isinstance(row["margin"], (int, float)) else "no margin"
                      for pair, row in zip(found, rows)]
         tokenised = iter(tokenize_rows([side for pair in found if not isinstance(pair, str) for side in pair],
-                                       tokenizer, supervised))
-        out = {key: [] for key in [*PAIR_COLUMNS, *REPORT_COLUMNS, *(["margin"] if margins else [])]}
+                                       tokenizer, supervised, images=bool(images)))
+        out = {key: [] for key in [*PAIR_COLUMNS, *REPORT_COLUMNS, *(["margin"] if margins else []), *extra]}
         if margins:
             out["margin"] = [float(row["margin"]) if isinstance(row["margin"], (int, float)) else 0.0 for row in rows]
-        for pair in found:
+        for row, pair in zip(rows, found):
             sides = (UNTOKENISED, UNTOKENISED) if isinstance(pair, str) else (next(tokenised), next(tokenised))
             lengths = [needed_length(side["labels"]) for side in sides]
             untrained = [f"{name}: no trained token" for name, length in zip(SIDES, lengths) if not length]
             problem = pair if isinstance(pair, str) else next(
                 (side["problem"] for side in sides if side["problem"]), untrained[0] if untrained else "")
             dropped = dropped_reason(problem, max(lengths), max_length)
-            kept = [kept_tokens(side, max_length, keep=not dropped) for side in sides]
+            needs = max(lengths)
+            if images:
+                files, counts, image_problem, dropped, needs = pair_images(row, sides, column, images, problem,
+                                                                           max_length)
+                for name, side in zip(SIDES, sides):
+                    out[f"{name}_text"].append("" if dropped else side.get("text", ""))
+                out["images"].append([] if dropped else files)
+                out["image_problem"].append(image_problem)
+                out[ROW_NUMBER].append(row.get(ROW_NUMBER, 0))
+            kept = [kept_tokens(side, None if images else max_length, keep=not dropped) for side in sides]
             for name, side in zip(SIDES, kept):
                 out[f"{name}_input_ids"].append(side["input_ids"])
                 out[f"{name}_labels"].append(side["labels"])
             out["dropped"].append(dropped)
-            out["needs"].append(max(lengths))
+            out["needs"].append(needs)
             out["cut"].append(any(side["cut"] for side in kept))
             out["eos_added"].append(sum(side["eos_added"] for side in kept))
             out["stops"].append(list(dict.fromkeys(stop for side in kept for stop in side["stops"])))
             out["boundary"].append(any(side["boundary"] for side in kept))
         return out
 
-    return mapped(dataset, batch_of_pairs, pair_features(margins), data_path_code("pairs.py", "preferences.py"))
+    features = pair_features(margins)
+    if images:
+        from datasets import List, Value
+
+        features.update({"chosen_text": Value("string"), "rejected_text": Value("string"),
+                         "images": List(Value("string")), "image_problem": Value("string"), ROW_NUMBER: Value("int64")})
+    tokenised = mapped(dataset, batch_of_pairs, features, data_path_code("pairs.py", "preferences.py"))
+    if images:
+        images.refuse_problems(tokenised)
+    return tokenised
+
+
+def pair_images(row: dict, sides, column, images, problem: str, max_length: int):
+    """(files, tokens each adds, why they cannot train, why the pair is dropped, the length it needs) of a pair with
+    images: placed in its prompt, the same for both sides (a reply placing an image is a problem of the pair's),
+    never cut: a pair whose longer side is longer than `max_length` with its images is dropped."""
+    if problem:
+        return [], [], "", problem, 0
+    places = [side["places"] for side in sides]
+    if places[0] != places[1]:
+        return [], [], "", "its chosen and rejected replies place different images (place them in the prompt)", 0
+    files, counts, image_problem = images.read(row, column, places[0])
+    if image_problem and column is None:  # no images listed at all: a pair of text with a stray place, dropped
+        return [], [], "", "its turns place images but it lists none (an `images` column)", 0
+    needs = max(len(side["input_ids"]) for side in sides) + sum(counts)  # never cut: all of it
+    dropped = image_problem or (f"too long for --max-length {max_length} with its images" if needs > max_length
+                                else "")
+    return files, counts, image_problem, dropped, needs
 
 
 def pair_features(margins: bool = False):
@@ -139,7 +191,8 @@ def pair_features(margins: bool = False):
 
 def chosen_rows(pairs):
     """The pairs' chosen sides as supervised rows (`input_ids`, `labels`): what a trained model should answer."""
-    return pairs.select_columns(["chosen_input_ids", "chosen_labels"]).rename_columns(
+    images = ["images"] if "images" in pairs.column_names else []  # pairs with images: the prompt's
+    return pairs.select_columns(["chosen_input_ids", "chosen_labels", *images]).rename_columns(
         {"chosen_input_ids": "input_ids", "chosen_labels": "labels"})
 
 

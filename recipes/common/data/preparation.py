@@ -10,7 +10,7 @@ from . import batches
 from .checked_rows import load_sources
 from ..refusal import refuse
 from .formats import SPEAKERS, DataFormat, chat_template_line, conversation
-from .images import ImageRows, image_rows
+from .images import ImageRows, image_rows, refuse_image_rows_without
 from .packing import pack
 from .pairs import renders_chat
 from .targets import require_offsets
@@ -100,12 +100,9 @@ def prepare(accelerator, tokenizer, args, launch, processor=None):
     """
     train_parts, eval_parts = load_sources(args.dataset, args.seed, args.columns, getattr(args, "eval_dataset", None))
     require_offsets(tokenizer)  # on every rank, before rank 0 tokenises (in worker processes for a large set)
-    if image_rows(train_parts + eval_parts):
-        if processor is None:
-            refuse(f"--dataset holds images, but --model {args.model} reads text only; give an image-text-to-text "
-                   "model (Qwen2-VL, LLaVA, ...: its config names a vision part), or drop the images column")
-        if args.packing:
-            refuse("--packing does not keep a row's images with it; leave --packing out for rows with images")
+    refuse_image_rows_without(processor, train_parts + eval_parts, args.model)
+    if args.packing and image_rows(train_parts + eval_parts):
+        refuse("--packing does not keep a row's images with it; leave --packing out for rows with images")
 
     def tokenised(part):
         images = ImageRows(processor, part.name) if processor is not None else None

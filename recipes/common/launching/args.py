@@ -56,6 +56,8 @@ def closest_flag(name: str, flags: dict, prefix: str = "") -> str:
     import difflib
 
     dest = name.lstrip("-").replace("-", "_")
+    if dest in VISION_FLAGS:
+        return "only recipes/lora.py, qlora.py and full.py train a vision tower or projector (docs/data.md#images)"
     ours = OTHER_NAMES.get(dest)
     if ours in flags:
         return (f"this recipe calls it `{prefix}{ours.replace('_', '-')}`"
@@ -184,6 +186,21 @@ def add_qlora_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bits", type=int, choices=(4, 8), default=4, help="4 = NF4 (QLoRA), 8 = LLM.int8()")
 
 
+def add_vision_args(parser: argparse.ArgumentParser, lora: bool) -> None:
+    """What trains of a vision-language model besides its language model (docs/data.md#images)."""
+    add = parser.add_argument
+    how = "LoRA on its linear layers, as --lora-targets picks them in the language model" if lora else "every weight"
+    add("--train-vision-tower", action="store_true",
+        help=f"a vision-language model: train its vision tower too ({how}; default: frozen)")
+    add("--train-projector", action="store_true",
+        help="a vision-language model: train its projector (the layers between the vision tower and the language "
+             "model) too, every weight of it (default: frozen)")
+
+
+VISION_FLAGS = ("train_vision_tower", "train_projector")
+VISION_RECIPES = ("lora", "qlora", "full")  # the recipes that train on rows with images
+
+
 PREFERENCE_RECIPES = ("dpo", "dpo_full")  # recipes that train on pairs: two rows in one forward
 FEEDBACK_RECIPES = ("kto", "kto_full")  # recipes that train on replies judged one at a time (KTO)
 REWARD_RECIPES = ("reward", "reward_full")  # recipes that train a reward model (a score a row) on pairs
@@ -268,6 +285,8 @@ def recipe_flags(recipe: str, doc: str = "recipe\n") -> argparse.ArgumentParser:
     without running it use the same parser."""
     parser = recipe_parser(doc)
     parser.set_defaults(recipe=recipe)  # not a flag: what checkpoints and run.json record
+    if recipe in VISION_RECIPES:
+        add_vision_args(parser, lora=recipe != "full")
     if recipe == "full":
         parser.set_defaults(lr=2e-5)  # every weight moves: a LoRA-sized step would wreck the model
     elif recipe == "lora":

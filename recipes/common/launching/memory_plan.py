@@ -11,9 +11,11 @@ import torch
 
 import planner
 
-from ..model.model_config import is_default_model, model_config_object, vision_language
+from ..model.model_config import is_default_model, meta_model, model_config_object, vision_language
+from ..model.vision import tower_linears, vision_parameters, vision_parts
 from ..refusal import refuse
 from .args import ONLINE_RECIPES, PREFERENCE_RECIPES
+from .args import lora_targets as target_names
 
 
 def planner_inputs(args, recipe: str, launch) -> tuple:
@@ -32,7 +34,78 @@ def planner_inputs(args, recipe: str, launch) -> tuple:
     if recipe != "full":
         inputs.update(lora_rank=args.lora_r, lora_targets=args.lora_targets, lora_dropout=args.lora_dropout,
                       dora=args.use_dora)
+    try:
+        vision = vision_shape(args, recipe)
+    except Exception:  # noqa: BLE001  (a family whose tower cannot be measured so: the line says it is not counted)
+        vision = None
+    if vision is not None:
+        inputs.update(vision=vision, train_vision_tower=bool(getattr(args, "train_vision_tower", False)),
+                      train_projector=bool(getattr(args, "train_projector", False)))
     return shape, inputs
+
+
+def vision_shape(args, recipe: str) -> planner.VisionShape | None:
+    """A vision-language model's vision tower and projector as the planner takes them (planner/vision.py), counted
+    on the model built from its config (no weights): their parameters, the tower's blocks (their width: the
+    narrowest input of their linear layers; their MLP's: the widest), the values of a patch its first layer reads,
+    and the patches it encodes for each image token of a row. None for a text model, or where the tower is not found."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    config = model_config_object(args.model, getattr(args, "trust_remote_code", False))
+    if config is None or not vision_language(config):
+        return None
+    model = meta_model(args.model, getattr(args, "trust_remote_code", False))
+    parts = vision_parts(model) if model is not None else None
+    if parts is None:
+        return None
+    tower_name, projector = parts
+    tower, params = model.get_submodule(tower_name), vision_parameters(model)
+    inside = tuple(f"{name}." for name in projector)
+    named = [(name, module) for name, module in tower.named_modules(prefix=tower_name) if not f"{name}.".startswith(inside)]
+    blocks = [module for _, module in named if isinstance(module, GradientCheckpointingLayer)]
+    if not blocks:  # (mllama's) the most numerous of the classes FSDP wraps whole
+        kinds = [type(module).__name__ for _, module in named if type(module).__name__ in model._no_split_modules]
+        blocks = [module for _, module in named if kinds and type(module).__name__ == max(kinds, key=kinds.count)]
+    widths = [layer.in_features for layer in (blocks[0].modules() if blocks else ()) if isinstance(layer, torch.nn.Linear)]
+    if not widths:
+        return None
+    first = next((module for module in tower.modules()
+                  if isinstance(module, (torch.nn.Conv2d, torch.nn.Conv3d, torch.nn.Linear))), None)
+    adapted = ()
+    if recipe != "full" and getattr(args, "train_vision_tower", False):
+        chosen = set(tower_linears(model, target_names(args.lora_targets)))
+        adapted = tuple((module.in_features, module.out_features) for name, module in model.named_modules()
+                        if name in chosen)
+    return planner.VisionShape(
+        tower=sum(param.numel() for param in params["tower"]), projector=sum(param.numel() for param in params["projector"]),
+        unread=sum(param.numel() for param in params["unread"]),
+        hidden=min(widths), ffn=max(widths), layers=len(blocks),
+        patch_values=first.weight[0].numel() if first is not None else min(widths),
+        patches_per_token=patches_per_token(config), patches_per_row=patches_per_row(config), adapted=adapted)
+
+
+def patches_per_token(config) -> float:
+    """The patches a vision tower encodes for each image token it gives the language model, from the config: a
+    spatial merge (Qwen2-VL: 2 x 2 patches a token), Gemma 3's pooling to mm_tokens_per_image, Idefics3's and
+    SmolVLM's pixel shuffle (scale_factor^2), else one token a patch (LLaVA, PaliGemma)."""
+    vision = config.vision_config
+    if getattr(vision, "spatial_merge_size", None):
+        return float(vision.spatial_merge_size ** 2)
+    if getattr(config, "mm_tokens_per_image", None) and getattr(vision, "image_size", None):
+        return (vision.image_size // vision.patch_size) ** 2 / config.mm_tokens_per_image
+    if getattr(config, "scale_factor", None):
+        return float(config.scale_factor ** 2)
+    return 1.0
+
+
+def patches_per_row(config) -> int:
+    """A model whose language model reads the images through cross-attention (mllama), not as tokens of the row: the
+    patches of one image at its most tiles, taken as a row's; 0 for the others."""
+    vision = config.vision_config
+    if not getattr(config.get_text_config(), "cross_attention_layers", None):
+        return 0
+    per_tile = (vision.image_size // vision.patch_size) ** 2 + 1  # and its class token
+    return per_tile * getattr(vision, "max_num_tiles", 1)
 
 
 def card_flags(device_name: str, memory_gib: float) -> str:
@@ -83,9 +156,10 @@ def announce_plan(args, recipe: str, launch) -> None:
     line = (f"plan: {name} with {strategy} on {gpus} process(es): {size(need['total'])} {per} ({parts}) "
             f"at --max-length {args.max_length}{' (two rows a pair)' if pairs else ''}{sliced}; host RAM to load the weights: {size(load['bytes'])} on this "
             f"machine ({load['why']})")
-    config = model_config_object(args.model, getattr(args, "trust_remote_code", False))
-    if config is not None and vision_language(config):  # the text part only, so far: said, not hidden
-        line += "; its vision tower, projector and images are not in this plan yet"
+    if "vision" in need:
+        line += "; " + vision_words(inputs["vision"], need["vision"], args.batch_size, args.max_length, inputs)
+    elif vision_language_model(args):  # its tower could not be found and counted: said, not hidden
+        line += "; its vision tower, projector and images are not in this plan"
     if not launch.on_gpu:
         print(line, flush=True)
         return
@@ -96,6 +170,23 @@ def announce_plan(args, recipe: str, launch) -> None:
               f"--method {recipe} --gpus {gpus} {card_flags(torch.cuda.get_device_name(0), gpu_gib)} "
               f"--batch-size {args.batch_size} "
               f"--seq-len {args.max_length}{' --pairs' if pairs else ''}` for a config and micro-batch that fit", flush=True)
+
+
+def vision_words(vision: planner.VisionShape, added: int, batch_size: int, max_length: int, inputs: dict) -> str:
+    """What the plan counts of a vision-language model's vision side, in a few words."""
+    trained = [part for part, flag in (("tower", "train_vision_tower"), ("projector", "train_projector"))
+               if inputs.get(flag)]
+    how = f"the {' and '.join(trained)} trained" if trained else "frozen"
+    images = ("one image a row at its most tiles" if vision.patches_per_row
+              else "every position an image token, the worst --max-length allows")
+    return (f"the vision tower and projector ({how}) add {size(added)} of it, the tower's activations on up to "
+            f"{vision.patches(batch_size, max_length):,} patches a micro-batch ({images})")
+
+
+def vision_language_model(args) -> bool:
+    """Whether the run's model reads images (its config names a vision part)."""
+    config = model_config_object(args.model, getattr(args, "trust_remote_code", False))
+    return config is not None and vision_language(config)
 
 
 def host_load(shape, recipe: str, launch, precision: str) -> dict:

@@ -19,11 +19,12 @@ from ..data.data_files import looks_local, missing_source
 from ..data.mixture import sources_of
 from ..model.model_config import (is_default_model, meta_model, model_config_object, module_kinds, quantizable_weights,
                                   vision_language)
+from ..model.vision import tower_linears, vision_parts
 from ..model.pipeline_layout import check_layout, unstageable
 from ..model.score_head import why_not_a_reward_model
 from ..refusal import Refusal, refuse  # noqa: F401  (preflight.refuse and preflight.Refusal, as the recipes and tests use them)
 from ..rewards import BUNDLED_REWARD
-from .args import ONLINE_RECIPES, lora_targets
+from .args import ONLINE_RECIPES, VISION_FLAGS, VISION_RECIPES, lora_targets
 from .launch import DDP, DEEPSPEED, FSDP, MODEL_PARALLEL, SINGLE, TENSOR_PARALLEL
 from .launch import flag as env_flag  # (`flag` names the flags in the checks below)
 from .memory_plan import size
@@ -194,27 +195,59 @@ def check_pipeline_micro_batches(args, launch) -> None:
                "--pipeline-schedule gpipe")
 
 
-# the recipes that train a vision-language model (images in the rows); the others refuse one before it loads
-VISION_RECIPES = ("lora", "qlora", "full")
 # the strategies a vision-language model has run under (the others refuse it, naming these)
 VISION_STRATEGIES = (SINGLE, MODEL_PARALLEL, DDP, FSDP, DEEPSPEED)
 
 
 def check_vision_language(args, launch) -> None:
     """A vision-language model trains with the supervised recipes under the strategies listed above; anything
-    else is refused before it loads, naming what runs it."""
+    else is refused before it loads, naming what runs it. --train-vision-tower / --train-projector need a model with
+    those parts."""
     config = model_config_object(args.model, args.trust_remote_code)
+    asked = [f"--{flag.replace('_', '-')}" for flag in VISION_FLAGS if getattr(args, flag, False)]
+    if asked and config is not None and not vision_language(config):
+        refuse(f"{' and '.join(asked)}: --model {args.model} reads text only (its config names no vision part); "
+               f"drop {'them' if len(asked) > 1 else 'it'}, or give an image-text-to-text model")
     if config is None or not vision_language(config):
         return
-    if args.recipe not in VISION_RECIPES:
+    if config.model_type == "paligemma":
+        refuse(f"--model {args.model} is PaliGemma, whose prefix-LM layout (the prompt attended both ways, "
+               "token_type_ids marking the reply) these recipes do not train yet; fine-tune Gemma 3, its "
+               "chat-template successor, or another family in docs/data.md#images")
+    if args.recipe not in VISION_RECIPES + ("dpo", "dpo_full"):
         refuse(f"--model {args.model} is a vision-language model, which {args.recipe}.py does not train yet; "
-               "recipes/lora.py, qlora.py and full.py do (docs/data.md#images)")
+               "recipes/lora.py, qlora.py, full.py, dpo.py and dpo_full.py do (docs/data.md#images)")
+    if args.recipe in ("dpo", "dpo_full") and args.loss == "orpo":
+        refuse(f"--loss orpo with a vision-language model ({args.model}) is not trained yet (its SFT term would score "
+               "the image tokens); use --loss sigmoid, ipo or simpo, or SFT first with recipes/lora.py")
     if getattr(args, "eval_tasks", None):
         refuse(f"--eval-tasks scores lm-eval's text tasks, which a vision-language model ({args.model}) does not run "
                "here yet; leave --eval-tasks out (the run's own evaluation on held-out image rows still runs)")
     if launch.kind not in VISION_STRATEGIES or launch.pipeline_stages > 1 or launch.sequence_parallel > 1:
         refuse(f"--model {args.model} is a vision-language model, which {launch.name} does not run "
                "yet; use accelerate_configs/ddp.yaml, fsdp.yaml or zero3.yaml (docs/data.md#images)")
+    if asked:
+        check_vision_parts(args, asked)
+
+
+def check_vision_parts(args, asked: list[str]) -> None:
+    """The parts the flags train exist in the model (found as modeling.vision_parts finds them, on the model built
+    from its config: no weights), and under LoRA --lora-targets names some linear layer of the vision tower."""
+    model = meta_model(args.model, args.trust_remote_code)
+    if model is None:  # a hub model not in the cache: found again when it loads
+        return
+    parts = vision_parts(model)
+    if parts is None:
+        refuse(f"{' and '.join(asked)}: transformers finds no vision tower in {args.model} "
+               f"({type(model).__name__}.get_encoder(modality='image')); drop {'them' if len(asked) > 1 else 'it'}")
+    tower, projector = parts
+    if args.train_projector and not projector:
+        refuse(f"--train-projector: {args.model} has no projector beside its vision tower {tower} and its language "
+               "model; drop --train-projector (--train-vision-tower trains the tower)")
+    if args.train_vision_tower and args.recipe != "full" and not tower_linears(model, lora_targets(args.lora_targets)):
+        leaves = sorted({name.rsplit(".", 1)[-1] for name in tower_linears(model, "all-linear")})
+        refuse(f"--train-vision-tower: --lora-targets {args.lora_targets} names no linear layer of {args.model}'s "
+               f"vision tower, whose linear layers are {', '.join(leaves)}; add some of them, or use all-linear")
 
 
 def check_strategy(args, recipe: str, launch) -> None:

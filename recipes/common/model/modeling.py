@@ -19,6 +19,7 @@ from .model_config import (DEFAULT_MODEL, REPO_ROOT, bits_config, default_model_
                            vision_language)
 from .pipeline_layout import layout_of
 from .stage_loading import load_stage, refuse_a_changed_forward
+from .vision import linear_layers, tower_linears, vision_parameters
 
 def ensure_default_model(name: str, accelerator) -> None:
     """Build the bundled tiny model the first time it is asked for (random init, a few seconds)."""
@@ -58,24 +59,29 @@ def load_tokenizer(name: str, trust_remote_code: bool = False, chat_template: st
     return tokenizer
 
 
-def lora_targets(model, targets):
+def lora_targets(model, targets, vision_tower: bool = False):
     """peft's target_modules: `targets` ("all-linear" or layer names) as given, and for a vision-language model the
-    full names of those linear layers of its language model only (its vision tower and projector stay frozen)."""
+    full names of those linear layers of its language model, and with `vision_tower` of its vision tower too (not
+    of its projector, which trains whole: vision.projector_modules). Without, the vision side stays frozen."""
     if not vision_language(model.config):
         return targets
     decoder = model.get_decoder()
     prefix = next(name for name, module in model.named_modules() if module is decoder)
-    return [f"{prefix}.{name}" for name, module in decoder.named_modules() if isinstance(module, torch.nn.Linear)
-            and (targets == "all-linear" or name.rsplit(".", 1)[-1] in targets)]
+    return linear_layers(decoder, prefix, targets) + (tower_linears(model, targets) if vision_tower else [])
 
 
-def freeze_vision_parts(model) -> int:
+def freeze_vision_parts(model, vision_tower: bool = False, projector: bool = False) -> int:
     """Full fine-tuning of a vision-language model trains its language model (and LM head); its vision tower and
-    projector stay as loaded, as peers default to. Returns how many parameters were frozen (0 for a text model)."""
+    projector stay as loaded, as peers default to, unless `vision_tower` / `projector` asks them trained too (the
+    tower's modules the model never reads stay frozen: vision.unread_modules). Returns how many parameters were
+    frozen (0 for a text model)."""
     if not vision_language(model.config):
         return 0
     decoder, head = model.get_decoder(), model.get_output_embeddings()
     kept = {id(param) for module in (decoder, head) for param in module.parameters()}
+    parts = vision_parameters(model)
+    kept |= {id(param) for part, wanted in (("tower", vision_tower), ("projector", projector)) if wanted
+             for param in parts[part]}
     frozen = [param for param in model.parameters() if id(param) not in kept]
     for param in frozen:
         param.requires_grad_(False)

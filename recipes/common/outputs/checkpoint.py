@@ -25,6 +25,7 @@ import torch
 from ..launching.args import SAVE_DTYPES
 from ..launching.batch_size import rows_per_step
 from ..launching.launch_config import launched_by_accelerate, launcher_argv
+from ..data.images import model_inputs
 from ..model import adapters, processors
 from . import reshard
 from ..refusal import refuse
@@ -176,7 +177,7 @@ def damage(path: Path) -> str | None:
 # Flags a resumed run cannot change: the adapter's shape (the checkpoint would not load), and what the optimizer
 # and scheduler states restore over the flag (a new value would be ignored without a word).
 KEPT_SETTINGS = ("lora_r", "lora_alpha", "lora_targets", "use_dora", "use_rslora", "bits", "lr", "warmup_ratio",
-                 "weight_decay")
+                 "weight_decay", "train_vision_tower", "train_projector")
 
 
 def same_model(a: str, b: str) -> bool:
@@ -498,7 +499,8 @@ def merge_adapter(accelerator, base_model: str, adapter, merged, base_4bit: bool
 def probe_logits(model, batch: dict) -> torch.Tensor:
     """Logits of the trained model on a fixed batch, to compare with the saved model reloaded."""
     model.eval()
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.float().cpu()
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                   **model_inputs(batch)).logits.float().cpu()  # (image rows: their pixels)
     model.train()
     return logits
 
@@ -515,6 +517,7 @@ def save_probe(accelerator, model, stages, batch: dict, output_dir) -> None:
     else:
         logits, writer = probe_logits(model, batch), accelerator.is_main_process
     if writer:
-        save_file({"input_ids": batch["input_ids"].cpu(), "attention_mask": batch["attention_mask"].cpu(),
-                   "logits": logits}, str(Path(output_dir) / "probe_logits.safetensors"))
+        inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"], **model_inputs(batch)}
+        save_file({**{key: value.cpu().contiguous() for key, value in inputs.items()}, "logits": logits},
+                  str(Path(output_dir) / "probe_logits.safetensors"))  # (image rows: their pixel inputs too)
     accelerator.wait_for_everyone()

@@ -7,6 +7,7 @@ import torch
 
 from ..data.batches import target_weights
 from ..data.formats import IGNORE
+from ..data.images import model_inputs
 from ..model.loss_head import figures_of
 
 
@@ -28,7 +29,7 @@ def evaluate(accelerator, model, eval_loader, token_losses, head, stages) -> dic
     for batch in eval_loader:
         labels, positions = batch["labels"][:, 1:], batch["target_positions"]  # position t predicts token t + 1
         outputs = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False,
-                        **head.forward_arguments(positions))
+                        **model_inputs(batch), **head.forward_arguments(positions))  # (image rows: their pixels)
         per_position = head.apply(lambda logits, chunk_labels, chunk_weights=None:
                                   position_figures(logits, chunk_labels, token_losses, chunk_weights),
                                   outputs, labels, positions, target_weights(batch.get("loss_weights")))

@@ -54,8 +54,10 @@ def make_accelerator(args, launch: Launch) -> Accelerator:
                                                 **restart_rendezvous(args.output_dir)),
                          # DDP would broadcast rank 0's buffers before every forward: a hidden collective
                          # each step that moves nothing, since a causal LM's buffers (rotary frequencies)
-                         # are the same constants on every rank.
-                         DistributedDataParallelKwargs(broadcast_buffers=False)],
+                         # are the same constants on every rank. A trained vision side gets no gradient from a
+                         # micro-batch without images: DDP must then look for the parameters a step left unused.
+                         DistributedDataParallelKwargs(broadcast_buffers=False, find_unused_parameters=bool(
+                             getattr(args, "train_vision_tower", False) or getattr(args, "train_projector", False)))],
     )
     tracker = chosen_tracker(args.report_to)
     if tracker is not None:
