@@ -461,3 +461,15 @@ def test_dpo_on_pairs_with_images_trains_the_one_process_curve(recipe, family, c
     done = launch(recipe, tmp_path / "two", *flags, "--batch-size", "4", config=config)
     assert done.returncode == 0, done.output[-3000:]
     same_curve(done.metrics(), single.metrics())
+
+
+@long_test  # ~25 s: a launch
+def test_a_projector_trained_whole_is_read_from_the_files_shard_by_shard(vlm, tmp_path):
+    """fsdp.yaml with SmolVLM (whose files each process reads its shards from) and --train-projector: both copies
+    of the projector peft keeps (the original, the trained one) are filled from the files, and the run trains."""
+    model, data = str(vlm("smolvlm")), vision_rows(tmp_path / "rows.jsonl", 8)
+    done = launch("lora", tmp_path / "out", "--model", model, "--dataset", str(data), "--eval-dataset", str(data),
+                  "--max-steps", "2", "--batch-size", "2", "--train-projector", config="fsdp")
+    assert done.returncode == 0, done.output[-3000:]
+    assert "each process reads its shards from the files" in done.output
+    assert [m["step"] for m in done.metrics()] == [1, 2]

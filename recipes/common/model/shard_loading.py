@@ -64,10 +64,13 @@ def why_not_read_shards(name: str, trust_remote_code: bool) -> str | None:
 
 def name_in_files(parameter_name: str) -> str:
     """The name the files give a parameter of the model as the recipe prepares it: peft's wrapper and
-    torch.compile's add to the names from_pretrained reads."""
+    torch.compile's add to the names from_pretrained reads; a module peft trains whole (`modules_to_save`: a
+    vision-language model's projector under --train-projector) is read into both its copies."""
     name = parameter_name.replace("_orig_mod.", "")
     name = name[len(PEFT_PREFIX):] if name.startswith(PEFT_PREFIX) else name
-    return name.replace(".base_layer.", ".")
+    for wrapped in (".base_layer.", ".modules_to_save.default.", ".original_module."):
+        name = name.replace(wrapped, ".")
+    return name
 
 
 def read_shards(model: torch.nn.Module, name: str, trust_remote_code: bool) -> None:
