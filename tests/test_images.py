@@ -335,19 +335,22 @@ def test_every_strategy_trains_the_one_process_curve(family, recipe, config, one
     same_curve(done.metrics(), single.metrics())
 
 
-@long_test  # ~50 s: two launches
-def test_a_checkpoint_of_image_rows_continues_under_another_strategy(vlm, tmp_path):
-    """4 steps under DDP, a checkpoint at step 2; continued from it under ZeRO-3, steps 3 and 4 are the uninterrupted
-    run's (the loader skips the batches already seen, images and all)."""
+@pytest.mark.parametrize("config, processes, batch", [pytest.param("zero3", 2, "4", marks=long_test),
+                                                      pytest.param(None, 1, "8", marks=long_test)])
+def test_a_checkpoint_of_image_rows_continues_under_another_strategy(config, processes, batch, vlm, tmp_path):
+    """4 steps under DDP (2 processes x 4 rows x 2 micro-batches), a checkpoint at step 2; continued from it under
+    ZeRO-3, or by one process taking 8 rows a micro-batch (the same global batch), steps 3 and 4 are the
+    uninterrupted run's (the loader skips the batches already seen, images and all)."""
     import shutil
 
     model, data = str(vlm("qwen2-vl")), vision_rows(tmp_path / "rows.jsonl", 64)
-    flags = ["--model", model, "--dataset", str(data), "--max-steps", "4", "--save-every", "2", "--batch-size", "4",
-             "--grad-accum", "2", "--lr", "5e-3", "--lora-dropout", "0"]
-    whole = launch("lora", tmp_path / "whole", *flags, config="ddp")
+    flags = ["--model", model, "--dataset", str(data), "--max-steps", "4", "--save-every", "2", "--grad-accum", "2",
+             "--lr", "5e-3", "--lora-dropout", "0"]
+    whole = launch("lora", tmp_path / "whole", *flags, "--batch-size", "4", config="ddp")
     assert whole.returncode == 0, whole.output[-3000:]
     shutil.copytree(tmp_path / "whole" / "checkpoints" / "step-2", tmp_path / "resumed" / "checkpoints" / "step-2")
-    resumed = launch("lora", tmp_path / "resumed", *flags, "--resume", "auto", config="zero3")
+    resumed = launch("lora", tmp_path / "resumed", *flags, "--batch-size", batch, "--resume", "auto", config=config,
+                     processes=processes)
     assert resumed.returncode == 0, resumed.output[-3000:]
     assert [m["step"] for m in resumed.metrics()] == [3, 4]
     for mine, uninterrupted in zip(resumed.metrics(), whole.metrics()[2:]):
