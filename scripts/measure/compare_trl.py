@@ -53,6 +53,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -184,32 +185,55 @@ def failure_cause(lines: list[str]) -> str:
     return (raised or lines or ["no output on stderr"])[-1]
 
 
-def run_side(side: str, round_number: int, args) -> dict:
-    output_dir = Path(args.output_dir).resolve() / f"round{round_number}-{side}"
+def launched(command: list[str], output_dir: Path, label: str, processes: int, timeout: int) -> dict:
+    """Run one launch whose program writes metrics.jsonl to `output_dir` (emptied first): its records, the seconds
+    from the launch to its end (what the user waits for: start-up, loading, tokenising, the loop, saving), when each
+    line of its stdout came (seconds since the launch), and how busy the CPU was just before. A launch that fails
+    raises LaunchFailed, named by `label`."""
     if output_dir.exists():
         shutil.rmtree(output_dir)  # a fresh run: no stale metrics
     output_dir.mkdir(parents=True)
-    command = launch_command(side, output_dir, args, free_port())
     busy = cpu_busy_fraction()
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    lines = []  # (seconds since the launch, line)
     started = time.monotonic()
     with open(output_dir / "stdout.log", "w") as stdout, open(output_dir / "stderr.log", "w") as stderr:
+        process = subprocess.Popen(command, cwd=REPO, env=launch_env(processes), stdout=subprocess.PIPE, stderr=stderr,
+                                   text=True, errors="replace")
+
+        def read():
+            for line in process.stdout:
+                lines.append((round(time.monotonic() - started, 3), line.rstrip("\n")))
+                stdout.write(line)
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
         try:
-            done = subprocess.run(command, cwd=REPO, env=launch_env(args.processes), stdout=stdout,
-                                  stderr=stderr, timeout=args.timeout)
-            failure = f"exit status {done.returncode}" if done.returncode != 0 else None
+            code = process.wait(timeout=timeout)
+            failure = f"exit status {code}" if code != 0 else None
         except subprocess.TimeoutExpired:
-            failure = f"no end after {args.timeout} s"
+            process.kill()
+            process.wait()
+            failure = f"no end after {timeout} s"
+        end_to_end = time.monotonic() - started
+        reader.join(timeout=10)
     metrics = output_dir / "metrics.jsonl"
     if failure is None and not metrics.exists():
         failure = "no metrics.jsonl written"
     if failure is not None:
         tail = stderr_tail(output_dir / "stderr.log")
-        raise LaunchFailed(tail, f"the {SIDES[side][0]} launch of round {round_number} failed ({failure}): "
-                                 f"{failure_cause(tail)}; logs in {output_dir}")
-    records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-    # end to end: what the user waits for, from the launch to the adapter saved (start-up, loading, tokenising)
-    run = {"round": round_number, "side": side, "output_dir": str(output_dir), "cpu_busy_before": busy,
-           "end_to_end_s": round(time.monotonic() - started, 3), **timed_part(records)}
+        raise LaunchFailed(tail, f"{label} failed ({failure}): {failure_cause(tail)}; logs in {output_dir}")
+    return {"records": [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()],
+            "end_to_end_s": round(end_to_end, 3), "stdout_lines": lines, "cpu_busy_before": busy,
+            "load_1min_before": load}
+
+
+def run_side(side: str, round_number: int, args) -> dict:
+    output_dir = Path(args.output_dir).resolve() / f"round{round_number}-{side}"
+    done = launched(launch_command(side, output_dir, args, free_port()), output_dir,
+                    f"the {SIDES[side][0]} launch of round {round_number}", args.processes, args.timeout)
+    run = {"round": round_number, "side": side, "output_dir": str(output_dir), "cpu_busy_before": done["cpu_busy_before"],
+           "end_to_end_s": done["end_to_end_s"], **timed_part(done["records"])}
     if side == "trl":
         trl_run = json.loads((output_dir / "trl_run.json").read_text())
         run.update(mean_loss=trl_run.get("train_loss"), torch_threads=trl_run.get("torch_threads"),

@@ -6,9 +6,9 @@ of importance, and writes each result as soon as it has it.
 
 A lent GPU comes for 15 minutes of device time in all (the box's start, the transfers and its idle
 time included), 10 a call: one call of about 9 minutes is what it reliably gives. The default is that
-call; a second (--parts memory,planner,recipes,reference,options,reference34b,headline_levers,trl_liger) runs the
-rest when time is
-left; a part cut short is rerun with --parts NAME, never by hand (the wheels are on its PYTHONPATH only).
+call; a second (--parts vision,memory,planner,recipes,reference,options,reference34b,headline_levers,trl_liger)
+runs the rest when time is left; a part cut short is rerun with --parts NAME, never by hand (the wheels are on its
+PYTHONPATH only).
 Each call reinstalls the wheels (skipped when the box still has them) and starts no part it has no time
 left for (--budget-s).
 
@@ -36,6 +36,12 @@ preference, grpo, core; then the others in the order listed):
   core       tests/gpu/test_gpu_recipes.py for the three recipes under fsdp, zero3 and ddp (9 launches, the
              sharded ones first): the loss goes down, the saved adapter / model reloads to the same logits,
              each rank's host RAM by the first step
+  vision     tests/gpu/test_gpu_vision.py: a vision-language model's LoRA step at Qwen2-VL-2B's shape, built on the GPU
+             with random weights, bf16, a 448 x 448 image a row (256 image tokens), 10 steps of lora.py through the
+             launch (ddp.yaml, one process): seconds a step, target and input tokens/s, peak memory beside the plan
+             line's figure (and what the plan says it leaves out). The second call's first part: the first call's
+             budget is spent before its own last parts (2026-11-28: preference cut short, core not started), and the
+             second call's few minutes reach one part
   memory     the 4-bit path and the planner: qlora.py and full.py at TinyLlama-1.1B's full shape for 2 steps
              each, the measured peak beside the planner's, tokens/s
   planner    the rest of tests/gpu/test_gpu_planner.py (other micro-batches, gradient checkpointing)
@@ -89,6 +95,7 @@ RECIPE_TESTS = "tests/gpu/test_gpu_recipes.py"
 PLANNER_TESTS = "tests/gpu/test_gpu_planner.py"
 PREFERENCE_TESTS = "tests/gpu/test_gpu_preferences.py"
 GRPO_TESTS = "tests/gpu/test_gpu_grpo.py"
+VISION_TESTS = "tests/gpu/test_gpu_vision.py"
 # The order is the order of importance: pytest runs listed cases in the order given, and a part stopped by the
 # budget keeps the cases it finished. The 4-bit path first (bitsandbytes' CUDA kernels: no CPU run checks them).
 MEMORY_CASES = [f"{PLANNER_TESTS}::test_planned_peak_matches_the_measured_one[{case}]"
@@ -128,6 +135,9 @@ PARTS = {
     "memory": ([*PYTEST, *MEMORY_CASES], 240, 60),
     "core": ([*PYTEST, *CORE_CASES], 420, 45),
     # call 2: the rest, in order of what it proves; each part's limit from call 1's measured launches
+    # images in the rows, never run on a GPU: the 2B-shaped model built on the GPU and saved (~4.4 GB), then one
+    # launch of 10 steps with its start-up, data and evaluation (estimated 1-2 min, not measured yet)
+    "vision": ([*PYTEST, VISION_TESTS], 300, 150),
     # the planner's other peaks: 7 launches at 1.1B x ~45 s
     "planner": ([*PYTEST, PLANNER_TESTS, *(f"--deselect={case}" for case in MEMORY_CASES)], 360, 60),
     # the other configs one GPU can run: 18 cases x ~35 s (a call's 10 minutes at most)
@@ -341,6 +351,8 @@ def summary_markdown(record: dict) -> str:
         ended = (f"not started: {result['why']}" if result["returncode"] == "not started"
                  else f"exit {result['returncode']} after {result['seconds']} s")
         lines += [f"## {part}", "", ended, ""]
+        if result["returncode"] != "not started" and result.get("why"):
+            lines += [f"**{result['why']}**", ""]
         cases = result.get("cases", [])
         if cases:
             keys = sorted({k for c in cases for k in c} - {"name", "outcome", "seconds"})
@@ -455,6 +467,8 @@ def main(argv=None) -> int:
             if part in ("trl", "trl_liger") and (scratch / part / "summary.json").exists():
                 result["summary"] = json.loads((scratch / part / "summary.json").read_text())
             result["cases"] = junit_cases(junit)
+            if command[-1] == f"--junitxml={junit}" and not result["cases"]:  # a test file missing, a collection error
+                result["why"] = f"no test case ran (pytest exit {result['returncode']}): its output is in log.txt"
             if part in BENCHMARKS:
                 copy_benchmark(part, scratch / part, results_dir, result)
             if part in STEP_TABLES and (scratch / part / "step_speed.md").exists():
@@ -462,7 +476,8 @@ def main(argv=None) -> int:
                 (results_dir / f"{part}.json").write_text((scratch / part / "step_speed.json").read_text())
             record["results"][part] = result
             save()
-            print(f"{part}: exit {result['returncode']} after {result['seconds']} s", flush=True)
+            print(f"{part}: exit {result['returncode']} after {result['seconds']} s"
+                  + (f"; {result['why']}" if result.get("why") else ""), flush=True)
     print(f"results in {results_dir}")
     return 0
 
