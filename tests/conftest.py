@@ -155,3 +155,52 @@ def trained(tmp_path_factory):
         return runs[recipe, config]
 
     return run
+
+
+# ---------------------------------------------------------------- vision-language models (test_images, test_vision_training)
+
+VISION = REPO / "data" / "vision"
+LLAVA_1_5 = "llava-1.5-layout"  # the tiny LLaVA with LLaVA-1.5's vision_feature_layer -2: its last block unread
+
+
+@pytest.fixture(scope="session")
+def vlm(tmp_path_factory):
+    """family -> the folder of its tiny random model (scripts/build_tiny_model.py --family), built once a session."""
+    import shutil
+
+    sys.path.insert(0, str(REPO / "scripts"))
+    from build_tiny_model import build_tiny_vlm
+
+    built = {}
+
+    def build(family: str) -> Path:
+        if family not in built and family == LLAVA_1_5:  # LLaVA reading its tower's last-but-one hidden state
+            folder = tmp_path_factory.mktemp(family) / "model"
+            shutil.copytree(build("llava"), folder)
+            config = json.loads((folder / "config.json").read_text())
+            (folder / "config.json").write_text(json.dumps({**config, "vision_feature_layer": -2}))
+            built[family] = folder
+        if family not in built:
+            built[family] = build_tiny_vlm(family, tmp_path_factory.mktemp(family) / "model")
+        return built[family]
+
+    return build
+
+
+def vision_rows(path: Path, count: int, start: int = 0) -> Path:
+    """`count` rows of the bundled vision task, their images by absolute path, written to `path`."""
+    lines = (VISION / "train.jsonl").read_text().splitlines()[start:start + count]
+    rows = [json.loads(line) for line in lines]
+    for row in rows:
+        row["images"] = [str((VISION / name).resolve()) for name in row["images"]]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def same_curve(mine: list[dict], theirs: list[dict]) -> None:
+    """The same loss and gradient norm at every step (1e-5), and a loss that fell: both trained."""
+    assert len(mine) == len(theirs) == 3
+    for ours, other in zip(mine, theirs):
+        assert ours["loss"] == pytest.approx(other["loss"], abs=1e-5), (ours, other)
+        assert ours["grad_norm"] == pytest.approx(other["grad_norm"], abs=1e-5), (ours, other)
+    assert mine[-1]["loss"] < mine[0]["loss"]

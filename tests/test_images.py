@@ -15,44 +15,17 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, TINY_MODEL, assert_the_refusal_ends_the_output, launch, long_test
+from conftest import (REPO, TINY_MODEL, VISION, assert_the_refusal_ends_the_output, launch, long_test,  # noqa: F401
+                      same_curve, vision_rows)
 
 sys.path.insert(0, str(REPO / "recipes"))
-sys.path.insert(0, str(REPO / "scripts"))
-
-from build_tiny_model import build_tiny_vlm  # noqa: E402
-
 from common.data import formats, images, targets, tokens  # noqa: E402
 from common.data.formats import IGNORE  # noqa: E402
 from common.launching.preflight import Refusal  # noqa: E402
 from common.model import processors  # noqa: E402
 
-VISION = REPO / "data" / "vision"
 FAMILIES = ("qwen2-vl", "llava")
 MORE_FAMILIES = ("qwen3-vl", "llava-next", "gemma3", "smolvlm", "mllama")
-
-
-@pytest.fixture(scope="session")
-def vlm(tmp_path_factory):
-    """family -> the folder of its tiny random model, built once a session."""
-    built = {}
-
-    def build(family: str) -> Path:
-        if family not in built:
-            built[family] = build_tiny_vlm(family, tmp_path_factory.mktemp(family) / "model")
-        return built[family]
-
-    return build
-
-
-def vision_rows(path: Path, count: int, start: int = 0) -> Path:
-    """`count` rows of the bundled vision task, their images by absolute path, written to `path`."""
-    lines = (VISION / "train.jsonl").read_text().splitlines()[start:start + count]
-    rows = [json.loads(line) for line in lines]
-    for row in rows:
-        row["images"] = [str((VISION / name).resolve()) for name in row["images"]]
-    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    return path
 
 
 def processing(model: Path):
@@ -279,15 +252,6 @@ def one_process(vlm, tmp_path_factory):
         return runs[family, recipe]
 
     return run
-
-
-def same_curve(mine: list[dict], theirs: list[dict]) -> None:
-    """The same loss and gradient norm at every step (1e-5), and a loss that fell: both trained."""
-    assert len(mine) == len(theirs) == 3
-    for ours, other in zip(mine, theirs):
-        assert ours["loss"] == pytest.approx(other["loss"], abs=1e-5), (ours, other)
-        assert ours["grad_norm"] == pytest.approx(other["grad_norm"], abs=1e-5), (ours, other)
-    assert mine[-1]["loss"] < mine[0]["loss"]
 
 
 # Not mllama: TRL's collator builds its cross_attention_mask from the prompt alone and the model refuses the longer

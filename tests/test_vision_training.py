@@ -8,19 +8,15 @@ offline (scripts/build_tiny_model.py --family), on the bundled vision task (data
 from __future__ import annotations
 
 import json
-import shutil
 import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-from conftest import REPO, TINY_MODEL, launch, long_test
+from conftest import LLAVA_1_5, REPO, TINY_MODEL, VISION, launch, long_test, same_curve, vision_rows
 
 sys.path.insert(0, str(REPO / "recipes"))
-sys.path.insert(0, str(REPO / "scripts"))
-
-from build_tiny_model import build_tiny_vlm  # noqa: E402
 
 import planner  # noqa: E402
 from common.launching import args as cli  # noqa: E402
@@ -29,38 +25,8 @@ from common.launching.launch import DDP, Launch  # noqa: E402
 from common.model import modeling, vision  # noqa: E402
 from common.refusal import Refusal  # noqa: E402
 
-VISION = REPO / "data" / "vision"
 FAMILIES = ("qwen2-vl", "llava")
-LLAVA_1_5 = "llava-1.5-layout"  # the tiny LLaVA with LLaVA-1.5's vision_feature_layer -2: its last block unread
 BOTH = [(False, False), (True, False), (False, True), (True, True)]  # (--train-vision-tower, --train-projector)
-
-
-@pytest.fixture(scope="session")
-def vlm(tmp_path_factory):
-    """family -> the folder of its tiny random model, built once a session."""
-    built = {}
-
-    def build(family: str) -> Path:
-        if family not in built and family == LLAVA_1_5:  # LLaVA reading its tower's last-but-one hidden state
-            folder = tmp_path_factory.mktemp(family) / "model"
-            shutil.copytree(build("llava"), folder)
-            config = json.loads((folder / "config.json").read_text())
-            (folder / "config.json").write_text(json.dumps({**config, "vision_feature_layer": -2}))
-            built[family] = folder
-        if family not in built:
-            built[family] = build_tiny_vlm(family, tmp_path_factory.mktemp(family) / "model")
-        return built[family]
-
-    return build
-
-
-def vision_rows(path: Path, count: int) -> Path:
-    """`count` rows of the bundled vision task, their images by absolute path, written to `path`."""
-    rows = [json.loads(line) for line in (VISION / "train.jsonl").read_text().splitlines()[:count]]
-    for row in rows:
-        row["images"] = [str((VISION / name).resolve()) for name in row["images"]]
-    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    return path
 
 
 def flags(tower: bool, projector: bool) -> list[str]:
@@ -381,13 +347,7 @@ def one_process(vlm, tmp_path_factory):
     return run
 
 
-def same_curve(mine: list[dict], theirs: list[dict]) -> None:
-    """The same loss and gradient norm at every step (1e-5), and a loss that fell: both trained."""
-    assert len(mine) == len(theirs) == 3
-    for ours, other in zip(mine, theirs):
-        assert ours["loss"] == pytest.approx(other["loss"], abs=1e-5), (ours, other)
-        assert ours["grad_norm"] == pytest.approx(other["grad_norm"], abs=1e-5), (ours, other)
-    assert mine[-1]["loss"] < mine[0]["loss"]
+
 
 
 @long_test
