@@ -29,6 +29,8 @@ def test_formats_are_detected_from_columns():
     assert formats.detect_format(["text", "id"]) == "text"
     with pytest.raises(Refusal, match="no usable text columns"):
         formats.detect_format(["question", "answer_id"])
+    with pytest.raises(Refusal, match=r"these rows are preference pairs .*: train them with recipes/dpo.py"):
+        formats.detect_format(["prompt", "chosen", "rejected"])
 
 
 def test_only_the_response_and_eos_are_targets(tokenizer):

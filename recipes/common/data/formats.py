@@ -65,6 +65,10 @@ def detect_format(columns) -> str:
         return "prompt_completion"
     if "text" in columns:
         return "text"
+    if {"chosen", "rejected"} <= columns:  # preference pairs given to a supervised recipe
+        refuse(f"these rows are preference pairs (found {sorted(columns)}): train them with recipes/dpo.py (DPO, IPO, "
+               "SimPO, ORPO) or reward.py (a reward model); the supervised recipes take `messages`, `text`, "
+               "`instruction` + `output`/`response`, or `prompt` + `completion`")
     refuse(f"the dataset has no usable text columns (found {sorted(columns)}); expected `messages`, `text`, "
            "`instruction` + `output`/`response`, or `prompt` + `completion` (map yours with --columns)")
 
