@@ -117,6 +117,10 @@ def tokenised_splits(args, tokenizer, log=sys.stdout):
                   for name in order]
     unit = "pair" if paired else "row"
     line = f"data ({fmt}): " + "; ".join(f"{name} {tokens.counted(rows, unit)}" for name, rows in splits)
+    if len(splits) == 1:  # as a recipe would split them: its counts, not these, are what trains
+        held = checked_rows.held_out_count(len(first))
+        line += (f" (a recipe given these alone holds out {held} {unit}{'s' if held > 1 else ''} for evaluation and "
+                 f"trains on the other {len(first) - held:,}; --eval-dataset names others)")
     return splits, fmt, line + formats.unread_columns(first.column_names, fmt)
 
 

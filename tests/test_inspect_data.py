@@ -162,6 +162,9 @@ def test_the_script_as_a_user_runs_it(model_folders, chat_file):
     lines = result.stdout.splitlines()
     assert lines[0].startswith("--- train row 1: ") and "[[" in result.stdout
     assert lines[-1].startswith("data (messages): train 18 rows: 16 used, 2 dropped")
+    # one file alone: what a recipe would hold out of it (5%, at least 1), as checked_rows.held_out holds it
+    assert lines[-1].endswith("(a recipe given these alone holds out 1 row for evaluation and trains on the other "
+                              "17; --eval-dataset names others)")
     missing = subprocess.run([sys.executable, str(SCRIPT), "--dataset", "missing.jsonl"], capture_output=True,
                              text=True, timeout=300)
     assert missing.returncode == 2

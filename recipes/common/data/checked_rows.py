@@ -86,12 +86,17 @@ def load_splits(spec: str | None, seed: int, columns: str | None = None, eval_sp
     return train[0].rows, evaluation[0].rows
 
 
+def held_out_count(rows: int) -> int:
+    """How many of a source's `rows` are held out for evaluation when it has no evaluation split: 5%, 1 to 256."""
+    return max(1, min(256, rows // 20))
+
+
 def held_out(train, fmt: str, name: str, seed: int, problem=row_problem):
     """(training rows, evaluation rows): 5% of the rows (1 to 256) held out, chosen by the seed among
     the rows that can train (`problem(row, fmt)`: why one cannot)."""
     if len(train) < 2:
         refuse(f"--dataset {name} has {len(train)} rows; it needs at least 2 (some are held out for evaluation)")
-    held = max(1, min(256, len(train) // 20))
+    held = held_out_count(len(train))
     split = train.train_test_split(test_size=held, seed=seed)
     if all(problem(row, fmt) is None for row in split["test"]):
         return split["train"], split["test"]
