@@ -103,12 +103,16 @@ def test_a_runs_plan_hint_names_its_card_as_plan_py_takes_it(device, card):
 def test_a_long_sample_is_one_short_console_line():
     """A row of 16,000 tokens as its own reference (plain text, no prompt) printed whole filled pages of the
     console; the line keeps its start and its end (samples.jsonl keeps it whole)."""
-    from common.outputs.report import shortened
+    from common.data.formats import shortened
 
     text = "start " + "word " * 20_000 + "end"
     line = shortened(text)
-    assert len(line) <= 130 and line.startswith("start ") and line.endswith("end") and " ... " in line
+    assert len(line) <= 160 and line.startswith("start ") and line.endswith(" word end")
+    assert "[... 100,009 characters in all ...]" in line
+    assert all(word in ("start", "word", "end") for word in line.replace("[... 100,009 characters in all ...]", "").split())
     assert shortened("1 2 4") == "1 2 4"
+    system = "You are a careful assistant who answers in one word only, " * 2  # cut at a word, never mid-word
+    assert shortened(system, 80).startswith("You are a careful assistant who answers ")
 
 
 def test_run_json_names_the_program_its_hash_and_its_git_state(tmp_path):

@@ -55,6 +55,17 @@ def chat_template_line(accelerator, tokenizer, args, chat: bool) -> None:
     print(f"data: chat rows rendered with {which}; the tokenizer saved with the model carries it", flush=True)
 
 
+def shortened(text: str, keep: int = 120) -> str:
+    """`text` for a console line: whole when it has at most `keep` characters, else its start and its end cut at
+    word boundaries around how long it is in all (samples.jsonl and run.json keep texts whole)."""
+    if len(text) <= keep:
+        return text
+    head, tail = text[:keep // 2], text[-(keep // 2):]
+    head = head[:head.rfind(" ")] if " " in head.strip() else head  # no word cut in two
+    tail = tail[tail.find(" ") + 1:] if " " in tail.strip() else tail
+    return f"{head} [... {len(text):,} characters in all ...] {tail}"
+
+
 def detect_format(columns) -> str:
     columns = set(columns)
     if "messages" in columns:

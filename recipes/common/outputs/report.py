@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from ..data.formats import IGNORE
+from ..data.formats import IGNORE, shortened
 from ..data.images import prompt_inputs
 from ..launching.args import FEEDBACK_RECIPES, ONLINE_RECIPES, PREFERENCE_RECIPES, REWARD_RECIPES
 from ..model import adapters
@@ -40,11 +40,6 @@ def sample_generations(accelerator, launch, model, stages, tokenizer, eval_set, 
             print(f"sample: {shortened(sample['prompt'])!r}{shown} -> {shortened(sample['generated'])!r} "
                   f"(reference {shortened(sample['reference'])!r})")
     return samples
-
-
-def shortened(text: str, keep: int = 120) -> str:
-    """`text`, or its start and end around an ellipsis when it is longer than `keep` characters."""
-    return text if len(text) <= keep else f"{text[:keep // 2]} ... {text[-keep // 2:]}"
 
 
 def generate_one(accelerator, generator, tokenizer, row, max_new_tokens: int, sharded: bool, stages=None,

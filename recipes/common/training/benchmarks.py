@@ -25,6 +25,7 @@ import numpy
 import torch
 from torch.distributed.fsdp import FSDPModule
 
+from ..data.formats import shortened
 from ..data.pairs import renders_chat
 from ..launching.eval_tasks import EvalTasks, parse
 
@@ -38,7 +39,7 @@ class Prompts:
     def describe(self) -> str:
         if not self.chat:
             return "raw prompts"
-        return "chat template" + (f", system prompt {self.system[:40]!r}" if self.system else "")
+        return "chat template" + (f", system prompt {shortened(self.system, 80)!r}" if self.system else "")
 
 
 def run_prompts(data_format: str, system: str | None, raw: bool) -> Prompts:
