@@ -113,7 +113,7 @@ def test_a_checkpoint_continues_under_another_strategy_on_the_same_curve(recipe,
     resumed = launch(recipe, tmp_path, *same_global_batch(recipe, config, processes), "--resume", "auto",
                      config=config, processes=processes)
     assert resumed.returncode == 0, resumed.output[-3000:]
-    assert f"note: {checkpoint} was written by" in resumed.output
+    assert f"note: {checkpoint} holds " in resumed.output
     assert "its trained state is read parameter by parameter into this launch" in resumed.output
     assert "torch.distributed is disabled" not in resumed.output  # torch's note on a checkpoint read in one process
     assert_same_curve(resumed, whole, SAVE_EVERY)

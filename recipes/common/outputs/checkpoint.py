@@ -216,9 +216,11 @@ def launch_layout(distributed_type: str, launch) -> str:
 
 
 # What writes each layout, as a note names it
-WRITTEN_BY = {"zero": "DeepSpeed ZeRO-1/2", "zero3": "DeepSpeed ZeRO-3", "fsdp": "FSDP",
-              "fsdp_full": "FSDP with FULL_STATE_DICT", "split": "tensor parallel",
-              "whole": "one process, DDP or model parallel", "pipeline": "pipeline parallel"}
+# what a checkpoint's layout holds, as its resume line says it (the processes that wrote it are said apart)
+WRITTEN_BY = {"zero": "DeepSpeed ZeRO-1/2's partitions", "zero3": "DeepSpeed ZeRO-3's partitions",
+              "fsdp": "FSDP's shards", "fsdp_full": "FSDP's whole state dict", "split": "tensor parallel's splits",
+              "whole": "whole weights (as one process, DDP and model parallel write them)",
+              "pipeline": "pipeline parallel's stages"}
 
 
 def read_by_name(written: str, count: int | None, layout: str, processes: int) -> bool:
@@ -319,8 +321,8 @@ def resume_point(accelerator, args, launch) -> Resume | None:
             found, count = written_as(chosen)
             resume = Resume(chosen, found, read_by_name(found, count, layout, accelerator.num_processes))
             if resume.by_name:
-                lines.append(f"note: {chosen} was written by {WRITTEN_BY[found]}"
-                             f"{f' on {count} processes' if count else ''}: its trained state is read parameter by "
+                lines.append(f"note: {chosen} holds {WRITTEN_BY[found]}"
+                             f"{f' of {count} processes' if count else ''}: its trained state is read parameter by "
                              "parameter into this launch")
         decision = [(resume, lines, refusal)]
     if accelerator.num_processes > 1:
