@@ -204,3 +204,22 @@ def same_curve(mine: list[dict], theirs: list[dict]) -> None:
         assert ours["loss"] == pytest.approx(other["loss"], abs=1e-5), (ours, other)
         assert ours["grad_norm"] == pytest.approx(other["grad_norm"], abs=1e-5), (ours, other)
     assert mine[-1]["loss"] < mine[0]["loss"]
+
+
+def merged_beside_adapter(model: Path, output_dir: Path, rows: Path):
+    """(merged/ as AutoModelForImageTextToText, adapter/ on `model` through PeftModel, the first row of `rows` as the
+    merged folder's AutoProcessor makes it): a vision-language run's exports, to compare on an image row."""
+    import torch
+    from peft import PeftModel
+    from PIL import Image
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    merged = AutoModelForImageTextToText.from_pretrained(output_dir / "merged", dtype=torch.float32).eval()
+    processor = AutoProcessor.from_pretrained(output_dir / "merged")
+    base = AutoModelForImageTextToText.from_pretrained(model, dtype=torch.float32)
+    adapted = PeftModel.from_pretrained(base, output_dir / "adapter").eval()
+    row = json.loads(rows.read_text().splitlines()[0])
+    text = processor.apply_chat_template(row["messages"], tokenize=False)
+    with Image.open(row["images"][0]) as image:
+        inputs = processor(text=[text], images=[image.convert("RGB")], add_special_tokens=False, return_tensors="pt")
+    return merged, adapted, inputs

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from conftest import (REPO, TINY_MODEL, VISION, assert_the_refusal_ends_the_output, launch, long_test,  # noqa: F401
-                      same_curve, vision_rows)
+                      merged_beside_adapter, same_curve, vision_rows)
 
 sys.path.insert(0, str(REPO / "recipes"))
 from common.data import formats, images, targets, tokens  # noqa: E402
@@ -331,8 +331,7 @@ def test_merged_model_and_adapter_load_as_image_text_to_text_and_answer_as_train
     logits on image rows equal the adapter on its base (PeftModel), which the run trained; the sample lines name
     the rows' images; the vision tower is untouched."""
     import torch
-    from peft import PeftModel
-    from transformers import AutoModelForImageTextToText, AutoProcessor
+    from transformers import AutoModelForImageTextToText
 
     model = vlm("llava")
     data = vision_rows(tmp_path / "rows.jsonl", 64)
@@ -340,14 +339,7 @@ def test_merged_model_and_adapter_load_as_image_text_to_text_and_answer_as_train
                   "--batch-size", "4", "--lr", "5e-2", "--merge", config="ddp")
     assert done.returncode == 0, done.output[-3000:]
     assert "[images: train_000" in done.output
-    merged = AutoModelForImageTextToText.from_pretrained(tmp_path / "out" / "merged", dtype=torch.float32).eval()
-    processor = AutoProcessor.from_pretrained(tmp_path / "out" / "merged")
-    base = AutoModelForImageTextToText.from_pretrained(model, dtype=torch.float32)
-    adapted = PeftModel.from_pretrained(base, tmp_path / "out" / "adapter").eval()
-    row = json.loads(data.read_text().splitlines()[0])
-    text = processor.apply_chat_template(row["messages"], tokenize=False)
-    inputs = processor(text=[text], images=[images.load_image(row["images"][0])], add_special_tokens=False,
-                       return_tensors="pt")
+    merged, adapted, inputs = merged_beside_adapter(model, tmp_path / "out", data)
     untrained = AutoModelForImageTextToText.from_pretrained(model, dtype=torch.float32).eval()
     with torch.no_grad():
         torch.testing.assert_close(merged(**inputs).logits, adapted(**inputs).logits, atol=1e-5, rtol=1e-5)

@@ -14,7 +14,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from conftest import LLAVA_1_5, REPO, TINY_MODEL, VISION, launch, long_test, same_curve, vision_rows
+from conftest import (LLAVA_1_5, REPO, TINY_MODEL, VISION, launch, long_test, merged_beside_adapter,
+                      same_curve, vision_rows)
 
 sys.path.insert(0, str(REPO / "recipes"))
 
@@ -389,23 +390,13 @@ def test_merged_model_carries_the_trained_vision_side(vlm, tmp_path):
     """lora.py --merge with both flags on LLaVA under DDP: merged/ answers on an image row as the adapter on its base,
     and its vision tower and projector are no longer the base's."""
     import torch
-    from peft import PeftModel
-    from transformers import AutoModelForImageTextToText, AutoProcessor
-
-    from common.data import images
+    from transformers import AutoModelForImageTextToText
 
     model, data = vlm("llava"), vision_rows(tmp_path / "rows.jsonl", 16)
     done = launch("lora", tmp_path / "out", "--model", str(model), "--dataset", str(data), "--max-steps", "2",
                   "--batch-size", "4", "--lr", "5e-2", "--merge", *flags(True, True), config="ddp")
     assert done.returncode == 0, done.output[-3000:]
-    merged = AutoModelForImageTextToText.from_pretrained(tmp_path / "out" / "merged", dtype=torch.float32).eval()
-    processor = AutoProcessor.from_pretrained(tmp_path / "out" / "merged")
-    base = AutoModelForImageTextToText.from_pretrained(model, dtype=torch.float32)
-    adapted = PeftModel.from_pretrained(base, tmp_path / "out" / "adapter").eval()
-    row = json.loads(data.read_text().splitlines()[0])
-    text = processor.apply_chat_template(row["messages"], tokenize=False)
-    inputs = processor(text=[text], images=[images.load_image(row["images"][0])], add_special_tokens=False,
-                       return_tensors="pt")
+    merged, adapted, inputs = merged_beside_adapter(model, tmp_path / "out", data)
     with torch.no_grad():
         torch.testing.assert_close(merged(**inputs).logits, adapted(**inputs).logits, atol=1e-5, rtol=1e-5)
     before = dict(AutoModelForImageTextToText.from_pretrained(model, dtype=torch.float32).named_parameters())
