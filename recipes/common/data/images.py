@@ -158,6 +158,19 @@ class ImageRows:
                             f"`{column or 'images'}` lists {len(listed)}; give one place per image")
         return [image_path(reference, self.folder) for reference in listed], self.tokens(sizes), ""
 
+    def fitted(self, row: dict, column: str | None, placed: int, length: int,
+               max_length: int) -> tuple[list[str], str, str, int]:
+        """(the row's image files, why they cannot train ("" when they can: refused by `refuse_problems`), why the
+        row is dropped ("" when kept), the length it needs with its images) of a row `length` tokens long placing
+        `placed` images. A row is never cut (that could cut through an image): one longer than `max_length` with
+        its images is dropped; a row placing images that lists none (no images column) is dropped too."""
+        files, counts, problem = self.read(row, column, placed)
+        if problem and column is None:  # no images listed at all: a row of text with a stray place, dropped
+            return [], "", "its turns place images but it lists none (an `images` column)", length
+        needs = length + sum(counts)  # never cut: all of it
+        return files, problem, problem or (f"too long for --max-length {max_length} with its images"
+                                           if needs > max_length else ""), needs
+
     def tokens(self, sizes: list[tuple[int, int]]) -> list[int]:
         """The tokens an image of each of these sizes adds to its row: its expansion (image tokens and whatever the
         family writes around them), less the one placeholder the rendering holds."""

@@ -129,8 +129,7 @@ def tokenize_pairs(dataset, fmt: str, tokenizer, max_length: int, images=None):
             dropped = dropped_reason(problem, max(lengths), max_length)
             needs = max(lengths)
             if images:
-                files, counts, image_problem, dropped, needs = pair_images(row, sides, column, images, problem,
-                                                                           max_length)
+                files, image_problem, dropped, needs = pair_images(row, sides, column, images, problem, max_length)
                 for name, side in zip(SIDES, sides):
                     out[f"{name}_text"].append("" if dropped else side.get("text", ""))
                 out["images"].append([] if dropped else files)
@@ -161,21 +160,15 @@ def tokenize_pairs(dataset, fmt: str, tokenizer, max_length: int, images=None):
 
 
 def pair_images(row: dict, sides, column, images, problem: str, max_length: int):
-    """(files, tokens each adds, why they cannot train, why the pair is dropped, the length it needs) of a pair with
-    images: placed in its prompt, the same for both sides (a reply placing an image is a problem of the pair's),
-    never cut: a pair whose longer side is longer than `max_length` with its images is dropped."""
+    """(files, why they cannot train, why the pair is dropped, the length it needs) of a pair with images
+    (images.ImageRows.fitted, for its longer side): placed in its prompt, the same for both sides (a reply placing
+    an image is a problem of the pair's)."""
     if problem:
-        return [], [], "", problem, 0
+        return [], "", problem, 0
     places = [side["places"] for side in sides]
     if places[0] != places[1]:
-        return [], [], "", "its chosen and rejected replies place different images (place them in the prompt)", 0
-    files, counts, image_problem = images.read(row, column, places[0])
-    if image_problem and column is None:  # no images listed at all: a pair of text with a stray place, dropped
-        return [], [], "", "its turns place images but it lists none (an `images` column)", 0
-    needs = max(len(side["input_ids"]) for side in sides) + sum(counts)  # never cut: all of it
-    dropped = image_problem or (f"too long for --max-length {max_length} with its images" if needs > max_length
-                                else "")
-    return files, counts, image_problem, dropped, needs
+        return [], "", "its chosen and rejected replies place different images (place them in the prompt)", 0
+    return images.fitted(row, column, places[0], max(len(side["input_ids"]) for side in sides), max_length)
 
 
 def pair_features(margins: bool = False):

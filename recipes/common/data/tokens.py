@@ -159,14 +159,9 @@ def tokenize_counted(dataset, tokenizer, max_length: int, images=None):
             needs = needed_length(row["labels"])
             dropped = dropped_reason(row["problem"], needs, max_length)
             if images:
-                files, counts, problem = images.read(source, column, row["places"])
-                if problem and column is None:  # no images listed at all: a row of text with a stray place, dropped
-                    problem, stray = "", "its turns place images but it lists none (an `images` column)"
-                else:
-                    stray = ""
-                needs = len(row["input_ids"]) + sum(counts)  # never cut: all of it
-                dropped = row["problem"] or stray or problem or (
-                    f"too long for --max-length {max_length} with its images" if needs > max_length else "")
+                files, problem, why, needs = images.fitted(source, column, row["places"], len(row["input_ids"]),
+                                                           max_length)
+                dropped = row["problem"] or why
                 out["text"].append("" if dropped else row["text"])
                 out["images"].append([] if dropped else files)
                 out["image_problem"].append(problem)

@@ -51,23 +51,18 @@ def without_video(name: str, config, trust_remote_code: bool = False):
             image_processor=AutoImageProcessor.from_pretrained(name, trust_remote_code=trust_remote_code),
             tokenizer=AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code),
             video_processor=None, chat_template=template.read_text() if template.is_file() else None,
-            **settings(name))
+            **settings(processor_class, name, trust_remote_code))
 
 
-def settings(name: str) -> dict:
-    """The processor's own settings in processor_config.json (SmolVLM's image_seq_len, for one): what its class
-    takes beside its parts, which `from_pretrained` would pass. A hub id is asked for the file (cached)."""
-    import json
-
-    path = Path(name) / "processor_config.json"
-    if not path.is_file():
-        from huggingface_hub import hf_hub_download
-
-        try:
-            path = Path(hf_hub_download(name, "processor_config.json"))
-        except Exception:  # no such file (or no hub): the class's defaults
-            return {}
-    return {key: value for key, value in json.loads(path.read_text()).items() if key not in PARTS}
+def settings(processor_class, name: str, trust_remote_code: bool = False) -> dict:
+    """The processor's own settings in its processor_config.json (SmolVLM's image_seq_len, for one), as
+    `from_pretrained` reads them (`get_processor_dict`: a folder or a hub id): what its class takes beside its
+    parts."""
+    try:
+        found = processor_class.get_processor_dict(name, trust_remote_code=trust_remote_code)[0]
+    except OSError:  # a hub id that cannot be reached: the class's defaults
+        return {}
+    return {key: value for key, value in found.items() if key not in PARTS}
 
 
 PARTS = ("processor_class", "image_processor", "video_processor", "tokenizer", "chat_template", "auto_map")
