@@ -14,9 +14,10 @@ never leave a half-written model behind.
 
 ``--family NAME`` (or :func:`build_tiny_vlm`) builds a tiny random-init
 vision-language model on the same text model instead (models/tiny-NAME): the
-families are qwen2-vl, qwen3-vl, llava, llava-next, gemma3, smolvlm and
-mllama, each with its tokenizer, PIL image processor (no
-torchvision needed), processor config and a chat template in its layout.
+families are qwen2-vl, qwen3-vl, llava, llava-next, gemma3, smolvlm,
+mllama and paligemma, each with its tokenizer, PIL image processor (no
+torchvision needed), processor config and a chat template in its layout (PaliGemma: none, as
+its pretrained checkpoints).
 
 Usage::
 
@@ -376,13 +377,36 @@ def mllama():
     return MllamaForConditionalGeneration, config, tokenizer, [end], lambda folder: whole(folder, processor)
 
 
+def paligemma():
+    """PaliGemma: a SigLIP tower, 16 tokens an image, a Gemma text model, and no chat template (as its pretrained
+    checkpoints): its processor lays the prompt out itself (the images' tokens, BOS, the prompt, "\\n") and takes
+    the reply as `suffix`; `token_type_ids` mark the reply (attended causally, the prefix both ways)."""
+    from transformers import GemmaConfig, PaliGemmaConfig, PaliGemmaForConditionalGeneration, PaliGemmaProcessor
+    from transformers.models.siglip.image_processing_pil_siglip import SiglipImageProcessorPil
+
+    tokenizer = tokenizer_with(["<image>"], None, image_token="<image>")
+    image_processor = SiglipImageProcessorPil(size={"height": 56, "width": 56}, image_seq_length=16)
+    processor = PaliGemmaProcessor(image_processor=image_processor, tokenizer=tokenizer)  # adds its <loc>, <seg> tokens
+    text = text_config(tokenizer, drop=("mlp_bias", "attention_bias"))
+    text.update(hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=False)
+    config = PaliGemmaConfig(
+        text_config=GemmaConfig(**text),
+        vision_config={"model_type": "siglip_vision_model", "image_size": 56, "patch_size": 14, "hidden_size": 32,
+                       "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 64,
+                       "vision_use_head": False},  # as PaliGemma's: the patches' features, no pooling head
+        image_token_index=tokenizer.image_token_id, projection_dim=text["hidden_size"], hidden_size=text["hidden_size"],
+        vocab_size=text["vocab_size"], tie_word_embeddings=False,
+    )
+    return PaliGemmaForConditionalGeneration, config, tokenizer, [], lambda folder: whole(folder, processor)
+
+
 def whole(folder: Path, processor) -> None:
     processor.save_pretrained(str(folder))
     processor.image_processor.save_pretrained(str(folder))  # preprocessor_config.json too, for AutoImageProcessor
 
 
 VLM_FAMILIES = {"qwen2-vl": qwen2_vl, "qwen3-vl": qwen3_vl, "llava": llava, "llava-next": llava_next, "gemma3": gemma3,
-            "smolvlm": smolvlm, "mllama": mllama}
+            "smolvlm": smolvlm, "mllama": mllama, "paligemma": paligemma}
 
 
 def build_vlm(family: str, seed: int = 0):

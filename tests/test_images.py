@@ -2,8 +2,9 @@
 
 Tiny random families built offline (scripts/build_tiny_model.py --family): Qwen2-VL (dynamic resolution: an image's
 tokens follow its size) and LLaVA (a fixed number of tokens an image) in every run, and Qwen3-VL, LLaVA-NeXT (tiles),
-Gemma 3 (token types), SmolVLM (tiles named by tokens) and Llama 3.2 Vision (cross-attention) beside them, on the
-bundled vision task (data/vision: one shape, its colour or its kind the answer)."""
+Gemma 3 (token types), SmolVLM (tiles named by tokens), Llama 3.2 Vision (cross-attention) and PaliGemma (a
+prefix-LM its processor lays out) beside them, on the bundled vision task (data/vision: one shape, its colour or its
+kind the answer)."""
 
 from __future__ import annotations
 
@@ -213,19 +214,77 @@ def test_what_images_cannot_run_yet_is_refused_before_loading(recipe, config, fl
     assert_the_refusal_ends_the_output(done.output, f"error: --model {model} is a vision-language model, {refusal}")
 
 
-def test_paligemma_is_refused_naming_what_trains(tmp_path):
-    """PaliGemma's prefix-LM layout is refused from its config alone, before anything loads."""
+def test_paligemma_preference_pairs_are_refused_naming_what_trains(vlm):
+    """PaliGemma's prefix-LM layout trains with the supervised recipes; its pairs are refused from the config alone."""
     from types import SimpleNamespace
 
-    from transformers import PaliGemmaConfig
-
     from common.launching import preflight
+    from common.launching.launch import DDP, Launch
 
-    PaliGemmaConfig().save_pretrained(tmp_path)
-    args = SimpleNamespace(model=str(tmp_path), trust_remote_code=False, recipe="lora", train_vision_tower=False,
-                           train_projector=False)
-    with pytest.raises(Refusal, match="is PaliGemma, whose prefix-LM layout .* fine-tune Gemma 3"):
-        preflight.check_vision_language(args, None)
+    args = dict(model=str(vlm("paligemma")), trust_remote_code=False, train_vision_tower=False, train_projector=False)
+    ddp = Launch(DDP, 2, False, 0, "no")
+    preflight.check_vision_language(SimpleNamespace(recipe="lora", **args), ddp)
+    with pytest.raises(Refusal, match="is PaliGemma, whose preference pairs dpo.py does not train yet .* SFT PaliGemma"):
+        preflight.check_vision_language(SimpleNamespace(recipe="dpo", loss="sigmoid", **args), ddp)
+
+
+# ---------------------------------------------------------------- PaliGemma: a prefix-LM, laid out by its processor
+
+
+def paligemma_call(processor, row: dict, answer: bool = True):
+    """PaliGemma's own fine-tuning (and inference) call on a row of the vision task, read from its turns: the image's
+    token and the question as `text`, the answer as `suffix`."""
+    from PIL import Image
+
+    question = row["messages"][0]["content"][1]["text"]
+    with Image.open(row["images"][0]) as image:
+        return processor(text=[processor.image_token + question], images=[[image.convert("RGB")]],
+                         suffix=[row["messages"][1]["content"][0]["text"]] if answer else None, return_tensors="pt")
+
+
+def test_paligemma_rows_are_laid_out_as_its_processor_lays_them(vlm, tmp_path):
+    """A collated PaliGemma row is what its processor's `suffix` path gives for the row's question and answer (the
+    image's tokens, BOS, the question and "\\n", the answer and EOS): the same tokens, `token_type_ids` 1 on the
+    answer alone (causal) and 0 on the image and question (attended both ways) and the padding, the answer and EOS
+    the only targets; its length the one counted from the image's header. A prompt to generate from is the
+    processor's own prompt, all 0."""
+    import datasets
+
+    tokenizer, processor = processing(vlm("paligemma"))
+    rows = [json.loads(line) for line in vision_rows(tmp_path / "rows.jsonl", 2).read_text().splitlines()]
+    rows[1]["messages"][0]["content"][1]["text"] = "What shape\nis it? Answer in one word."  # rows of two lengths
+    tokenised, _ = tokens.tokenize_counted(datasets.Dataset.from_list(rows), tokenizer, 512,
+                                           images.ImageRows(processor, str(tmp_path)))
+    kept = tokens.kept_rows(tokenised)
+    batch = images.PadImageRows(processor)([kept[0], kept[1]])
+    lengths = batch["attention_mask"].sum(1).tolist()
+    assert lengths[0] != lengths[1]
+    for i, row in enumerate(rows):
+        own = paligemma_call(processor, row)
+        length = own["input_ids"].shape[1]
+        assert lengths[i] == length == len(kept[i]["input_ids"]) + images.ImageRows(processor, "").tokens([(56, 56)])[0]
+        for key in ("input_ids", "token_type_ids", "labels"):
+            assert batch[key][i, :length].tolist() == own[key][0].tolist(), key
+        assert (batch["labels"][i, length:] == IGNORE).all() and (batch["token_type_ids"][i, length:] == 0).all()
+        assert tokenizer.decode(batch["labels"][i][batch["token_type_ids"][i] == 1]) == (
+            row["messages"][1]["content"][0]["text"] + tokenizer.eos_token)
+        first = kept[i]["labels"].index(next(label for label in kept[i]["labels"] if label != IGNORE))
+        prompt = images.prompt_inputs(processor, tokenizer.decode(kept[i]["input_ids"][:first]), kept[i]["images"])
+        asked = paligemma_call(processor, row, answer=False)
+        assert "labels" not in prompt and not prompt["token_type_ids"].any()
+        assert prompt["input_ids"].tolist() == asked["input_ids"].tolist()
+
+
+@long_test  # ~15 s; every run keeps the rows' layout (above), equal to its processor's own
+def test_paligemma_trains_under_ddp(vlm, tmp_path):
+    """lora.py on PaliGemma rows under DDP: it trains, and its sample lines show the prompt in PaliGemma's layout."""
+    data = vision_rows(tmp_path / "rows.jsonl", 8)
+    done = launch("lora", tmp_path / "out", "--model", str(vlm("paligemma")), "--dataset", str(data),
+                  "--eval-dataset", str(data), "--max-steps", "1", "--batch-size", "2", config="ddp")
+    assert done.returncode == 0, done.output[-3000:]
+    assert "replies end with </s>" in done.output
+    assert "sample: '<image><s>What shape is it?\\n' [images: train_00001.png]" in done.output
+    assert [m["step"] for m in done.metrics()] == [1]
 
 
 # ---------------------------------------------------------------- the same numbers as TRL and as one process
@@ -257,7 +316,7 @@ def one_process(vlm, tmp_path_factory):
 # Not mllama: TRL's collator builds its cross_attention_mask from the prompt alone and the model refuses the longer
 # prompt + completion (its runs are checked against one process below).
 @pytest.mark.parametrize("family", [FAMILIES[0], *[pytest.param(family, marks=long_test)
-                                                    for family in FAMILIES[1:] + MORE_FAMILIES[:-1]]])
+                                                    for family in FAMILIES[1:] + MORE_FAMILIES[:-1] + ("paligemma",)]])
 def test_lora_equals_trls_sft_trainer_on_image_rows(family, one_process, vlm, tmp_path):
     """The loss and gradient norm of 3 steps equal TRL's SFTTrainer on the same rows, model and adapter (float32,
     one process, accumulation 2)."""
@@ -288,6 +347,10 @@ def test_lora_equals_trls_sft_trainer_on_image_rows(family, one_process, vlm, tm
     pytest.param("mllama", "lora", "ddp", marks=long_test),
     pytest.param("llava-next", "full", "zero3", marks=long_test),
     pytest.param("qwen3-vl", "lora", "fsdp", marks=long_test),
+    pytest.param("paligemma", "lora", "ddp", marks=long_test),
+    pytest.param("paligemma", "lora", "zero3", marks=long_test),
+    pytest.param("paligemma", "full", "ddp", marks=long_test),
+    pytest.param("paligemma", "qlora", "ddp", marks=long_test),
 ])
 def test_every_strategy_trains_the_one_process_curve(family, recipe, config, one_process, vlm, tmp_path):
     """2 processes x 4 rows x 2 micro-batches: the same loss and gradient norm as one process, step by step."""
@@ -347,6 +410,46 @@ def test_merged_model_and_adapter_load_as_image_text_to_text_and_answer_as_train
     before = dict(untrained.named_parameters())
     vision = [(name, tensor) for name, tensor in merged.named_parameters() if "vision_tower" in name]
     assert vision and all(torch.equal(tensor, before[name]) for name, tensor in vision)
+
+
+@long_test  # ~40 s: a launch, generate.py and three loads
+def test_paligemma_merged_answers_as_trained_with_its_own_processor(vlm, tmp_path):
+    """lora.py --merge on PaliGemma under DDP: merged/ loads with AutoModelForImageTextToText and AutoProcessor
+    (PaliGemma's), and on the inputs its processor makes for a row (`suffix`: `token_type_ids` marking the answer)
+    its logits equal the adapter on its base, which the run trained; asked the row's question the way PaliGemma
+    is asked (`token_type_ids` 0 on the whole prompt), the adapter answers what the run's sample line answered, and
+    merged/ what scripts/generate.py --image answers with it."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    model = vlm("paligemma")
+    data = vision_rows(tmp_path / "rows.jsonl", 64)
+    done = launch("lora", tmp_path / "out", "--model", str(model), "--dataset", str(data), "--eval-dataset",
+                  str(data), "--max-steps", "4", "--batch-size", "4", "--lr", "5e-2", "--merge", config="ddp")
+    assert done.returncode == 0, done.output[-3000:]
+    merged = AutoModelForImageTextToText.from_pretrained(tmp_path / "out" / "merged", dtype=torch.float32).eval()
+    processor = AutoProcessor.from_pretrained(tmp_path / "out" / "merged")
+    adapted = PeftModel.from_pretrained(AutoModelForImageTextToText.from_pretrained(model, dtype=torch.float32),
+                                        tmp_path / "out" / "adapter").eval()
+    untrained = AutoModelForImageTextToText.from_pretrained(model, dtype=torch.float32).eval()
+    row = json.loads(data.read_text().splitlines()[0])
+    trained = {key: value for key, value in paligemma_call(processor, row).items() if key != "labels"}
+    asked = {key: value for key, value in paligemma_call(processor, row, answer=False).items() if key != "labels"}
+    sample = json.loads((tmp_path / "out" / "samples.jsonl").read_text().splitlines()[0])
+    with torch.no_grad():
+        torch.testing.assert_close(merged(**trained).logits, adapted(**trained).logits, atol=1e-5, rtol=1e-5)
+        assert not torch.allclose(merged(**trained).logits, untrained(**trained).logits, atol=1e-4)
+        answers = {name: processor.decode(generator.generate(**asked, max_new_tokens=32, do_sample=False)[
+            0, asked["input_ids"].shape[1]:], skip_special_tokens=True) for name, generator in
+            (("adapter", adapted), ("merged", merged))}
+    assert answers["adapter"] == sample["generated"]
+    question = row["messages"][0]["content"][1]["text"]
+    generated = subprocess.run([sys.executable, str(REPO / "scripts" / "generate.py"), str(tmp_path / "out"),
+                                "--artifact", "merged", "--prompt", question, "--image", row["images"][0],
+                                "--max-new-tokens", "32"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert generated.returncode == 0, generated.stderr[-3000:]
+    assert generated.stdout.strip() == f"{question!r} -> {answers['merged']!r}"
 
 
 # ---------------------------------------------------------------- preference pairs with images (recipes/dpo.py)

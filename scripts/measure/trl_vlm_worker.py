@@ -17,7 +17,9 @@ with the recipe's lr, int(warmup_ratio x steps) warm-up steps, cosine decay, max
 evaluation, checkpoints or reporting; find_unused_parameters off (every adapter gets a gradient). Each chat row (one
 reply, its images in the user's turns) is given to TRL as a prompt / completion row of text: the prompt the recipe's
 rendering up to where the reply starts, the completion the reply through its end-of-turn token (what the recipe
-trains), its images beside; TRL's vision collator expands the images and trains the completion only.
+trains), its images beside; TRL's vision collator expands the images and trains the completion only. PaliGemma's
+rows go through its processor's `suffix` instead (TRL's collator calls it on completions without images, which it
+refuses): its documented fine-tuning, read from the turns.
 
 Rows and order: by default the rows of --dataset (one file) in TRL's own shuffled order: compare steps whose batch is
 the whole dataset (--batch-size = the number of rows). With --recipe-order, the recipe's training rows (its split of
@@ -58,7 +60,7 @@ if __name__ == "__main__":
     cli.answer_help_with(flags)  # before the libraries below load (seconds)
 
 from common.data import checked_rows, images, targets  # noqa: E402
-from common.data.formats import conversation  # noqa: E402
+from common.data.formats import conversation, lays_out_prompt, text_parts  # noqa: E402
 from common.model import modeling, processors  # noqa: E402
 from common.refusal import refuse  # noqa: E402
 from common.training import runtime  # noqa: E402
@@ -67,25 +69,46 @@ from trl_sft_worker import (CountingCollator, launched_in_bf16, logging_interval
 from trl_steps import step_recorder  # noqa: E402
 
 
-def prompt_completion_row(row: dict, chat, folder: Path, where: str) -> dict:
-    """One chat row as TRL's prompt / completion row of text, rendered as the recipe renders it, its images beside."""
-    rendering = targets.render_chat(conversation(row.get("messages", row.get("conversations"))), chat)
+def prompt_completion_row(row: dict, chat, folder: Path, where: str, processor=None) -> dict:
+    """One chat row as TRL's prompt / completion row of text, rendered as the recipe renders it, its images beside.
+    For a processor that lays its prompt out itself (PaliGemma), the row as its own fine-tuning takes it, read from
+    the turns (not from the recipe's rendering): the prompt its images' tokens then the user's text, the reply the
+    completion (`suffix_collator`)."""
+    turns = conversation(row.get("messages", row.get("conversations")))
+    files = [images.load_image(images.image_path(reference, folder))
+             for reference in images.references(row.get(images.image_column(row) or "images"))]
+    if processor is not None and lays_out_prompt(processor):
+        if [turn["role"] for turn in turns] != ["user", "assistant"]:
+            refuse(f"{where}: the comparison takes rows of one user turn and one reply")
+        parts = turns[0].get("parts") or text_parts(turns[0]["content"])
+        prompt = processor.image_token * len(files) + "".join(part.get("text", "") for part in parts)
+        return {"prompt": prompt, "completion": turns[1]["content"], "images": files}
+    rendering = targets.render_chat(turns, chat)
     if len(rendering.spans) != 1:
         refuse(f"{where}: the comparison takes rows of one reply")
     start, end = rendering.spans[0]
-    return {"prompt": rendering.text[:start], "completion": rendering.text[start:end],
-            "images": [images.load_image(images.image_path(reference, folder))
-                       for reference in images.references(row.get(images.image_column(row) or "images"))]}
+    return {"prompt": rendering.text[:start], "completion": rendering.text[start:end], "images": files}
 
 
-def prompt_completion_rows(path: str, tokenizer) -> list[dict]:
+def prompt_completion_rows(path: str, tokenizer, processor=None) -> list[dict]:
     """The chat rows of the file `path`, in file order, as TRL's rows."""
     chat, folder = targets.ChatTemplate(tokenizer, images=True), images.folder_of(path)
-    return [prompt_completion_row(json.loads(line), chat, folder, f"{path} row {number}")
+    return [prompt_completion_row(json.loads(line), chat, folder, f"{path} row {number}", processor)
             for number, line in enumerate(Path(path).read_text().splitlines(), 1)]
 
 
-def recipe_rows(run, tokenizer, processes: int) -> list[dict]:
+def suffix_collator(processor):
+    """TRL's vision collator calls the processor on the completions alone, which PaliGemma's refuses (it takes no
+    text without images): its fine-tuning as its processor documents it instead, the prompt and images as `text`
+    and `images`, the completion as `suffix` (its tokens, `token_type_ids` and `labels` the processor's)."""
+    def collate(rows: list[dict]) -> dict:
+        return processor(text=[row["prompt"] for row in rows], images=[row["images"] for row in rows],
+                         suffix=[row["completion"] for row in rows], padding=True, return_tensors="pt")
+
+    return collate
+
+
+def recipe_rows(run, tokenizer, processes: int, processor=None) -> list[dict]:
     """The recipe's training rows of --dataset, as TRL's rows, in the order the recipe's loader deals them."""
     if len(run.dataset or []) != 1:
         refuse("--recipe-order takes one --dataset (a file or a folder), as the comparison gives it")
@@ -95,7 +118,8 @@ def recipe_rows(run, tokenizer, processes: int) -> list[dict]:
     rendered = {}  # a row read again in a later epoch is rendered once
     for index in set(order):
         row = rows[index]
-        rendered[index] = prompt_completion_row(row, chat, folder, f"{run.dataset[0]} row {row.get(images.ROW_NUMBER)}")
+        rendered[index] = prompt_completion_row(row, chat, folder, f"{run.dataset[0]} row {row.get(images.ROW_NUMBER)}",
+                                                processor)
     return [rendered[index] for index in order]
 
 
@@ -134,7 +158,8 @@ def main(argv=None) -> None:
     processor = processors.load(run.model, tokenizer, run.trust_remote_code)
     if processor is None:
         refuse(f"--model {run.model} reads text only; the comparison is of a vision-language model")
-    rows = recipe_rows(run, tokenizer, processes) if run.recipe_order else prompt_completion_rows(run.dataset[0], tokenizer)
+    rows = (recipe_rows(run, tokenizer, processes, processor) if run.recipe_order
+            else prompt_completion_rows(run.dataset[0], tokenizer, processor))
     model = AutoModelForImageTextToText.from_pretrained(
         run.model, dtype=torch.bfloat16 if launched_in_bf16() else torch.float32)
     model = get_peft_model(model, LoraConfig(r=run.lora_r, lora_alpha=run.lora_alpha, lora_dropout=run.lora_dropout,
@@ -160,7 +185,8 @@ def main(argv=None) -> None:
     )
     recorder, clock = step_recorder(("loss", "grad_norm")), make_step_clock()
     trainer = SFTTrainer(model=model, args=config, train_dataset=datasets.Dataset.from_list(rows),
-                         processing_class=processor, callbacks=[recorder, clock, announcer()])
+                         processing_class=processor, callbacks=[recorder, clock, announcer()],
+                         data_collator=suffix_collator(processor) if lays_out_prompt(processor) else None)
     counter = CountingCollator(trainer.data_collator)
     trainer.data_collator = counter  # the train loader is built in train(), with this collator
     train_output = trainer.train()

@@ -27,6 +27,37 @@ DEFAULT_CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
 )
 
+# Opens the template of a processor that lays its prompt out itself (PaliGemma's: `prefix_template`)
+PREFIX_LAYOUT = "{#- the processor's own layout: the images, BOS, the prompt and a newline; the reply and EOS -#}"
+
+
+def lays_out_prompt(processor) -> bool:
+    """Whether the processor lays a prompt out itself and takes the reply apart, as `suffix`: PaliGemma's writes the
+    images' tokens, BOS, the prompt and "\\n", then the suffix and EOS, and marks the suffix in `token_type_ids`. Its
+    rows are rendered in that layout (`prefix_template`: what the loss sees is what the model reads at inference)
+    and given back to it split into prompt and suffix (images.prompt_and_suffix)."""
+    import inspect
+
+    return "suffix" in inspect.signature(processor.__call__).parameters
+
+
+def prefix_template(image_token: str) -> str:
+    """The chat template of a processor that lays its prompt out itself (`lays_out_prompt`), for a model with
+    none of its own (PaliGemma's checkpoints): the processor's layout of one user turn and the reply, the turn's
+    images first (a placeholder each), BOS, its text and "\\n"; the reply and EOS after it, the reply's part trained."""
+    text_of = ("{%- macro text_of(content) -%}{%- if content is string -%}{{ content }}{%- else -%}"
+               "{%- for part in content if part['type'] == 'text' -%}{{ part['text'] }}{%- endfor -%}"
+               "{%- endif -%}{%- endmacro -%}")
+    return (PREFIX_LAYOUT + text_of +
+            "{%- if messages[0]['role'] != 'user' or messages | length > 2 or (messages | length == 2 and "
+            "messages[1]['role'] != 'assistant') -%}{{ raise_exception('the model reads one prompt and one reply: a "
+            "user turn, then an assistant turn') }}{%- endif -%}"
+            "{%- if messages[0]['content'] is not string -%}{%- for part in messages[0]['content'] "
+            "if part['type'] == 'image' -%}{{ '" + image_token + "' }}{%- endfor -%}{%- endif -%}"
+            "{{ bos_token + text_of(messages[0]['content']) + '\\n' }}"
+            "{%- if messages | length == 2 -%}{% generation %}{{ text_of(messages[1]['content']) + eos_token }}"
+            "{% endgeneration %}{%- endif -%}")
+
 
 # GRPO's prompt formats (data/prompts.py), and the supervised format whose rendering each shares (pairs.row_formats:
 # how a run is scored)
@@ -50,6 +81,8 @@ def chat_template_line(accelerator, tokenizer, args, chat: bool) -> None:
     elif tokenizer.chat_template == DEFAULT_CHAT_TEMPLATE:
         which = (f"the plain default (`<|user|>` / `<|assistant|>` turns), as {args.model}'s tokenizer has none "
                  "(--chat-template FILE for another)")
+    elif tokenizer.chat_template.startswith(PREFIX_LAYOUT):
+        which = f"{args.model}'s processor's own layout (the images, BOS, the prompt and a newline; then the reply)"
     else:
         which = f"{args.model}'s own chat template"
     print(f"data: chat rows rendered with {which}; the tokenizer saved with the model carries it", flush=True)

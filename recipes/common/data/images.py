@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from ..refusal import refuse
-from .formats import IGNORE, PLACEHOLDER
+from .formats import IGNORE, PLACEHOLDER, lays_out_prompt
 
 IMAGE_COLUMNS = ("images", "image")
 
@@ -206,12 +206,13 @@ class ImageRows:
         """The tokens a blank image of `size` adds to its placeholder's one, as the processor expands it."""
         from PIL import Image
 
-        tokenizer = self.processor.tokenizer
-        text = (tokenizer.bos_token or "") + self.processor.image_token  # as a rendering starts (mllama adds a BOS)
+        tokenizer, image = self.processor.tokenizer, self.processor.image_token
+        text = (tokenizer.bos_token or "") + image  # as a rendering starts (mllama adds a BOS)
+        if lays_out_prompt(self.processor):  # as its layout starts, for a processor that lays its prompt out itself
+            text = image + tokenizer.bos_token + "\n"
         alone = len(tokenizer(text, add_special_tokens=False)["input_ids"])
         blank = Image.new("RGB", (size[1], size[0]))
-        expanded = self.processor(text=[text], images=[[blank]], add_special_tokens=False)["input_ids"][0]
-        return len(expanded) - alone
+        return len(processed(self.processor, [text], [[blank]])["input_ids"][0]) - alone
 
     def refuse_problems(self, tokenised) -> None:
         """Refuse, on every rank (each reads the tokenised rows), the first row in the file whose images cannot
@@ -243,7 +244,9 @@ class PadImageRows:
     into the image's tokens as it does at inference, and makes the family's pixel tensors (`pixel_values`, and
     `image_grid_thw`, `image_sizes` or what else the family takes). The labels are the row's as tokens.py found
     them, carried over the expanded tokens (an image's tokens are never targets); padding on the right, masked
-    out of attention and loss."""
+    out of attention and loss. A processor that lays its prompt out itself (PaliGemma: `lays_out_prompt`) takes each
+    row as its prompt and its reply (`suffix`), and marks the reply in `token_type_ids` (1 from its first token, 0
+    on the images, the prompt and the padding), which the model reads as a prefix-LM's mask."""
 
     def __init__(self, processor):
         self.processor = processor
@@ -253,9 +256,10 @@ class PadImageRows:
         import torch
 
         images = [[load_image(path) for path in row["images"]] for row in rows]  # a list a row: every family takes it
-        batch = self.processor(text=[row["text"] for row in rows], images=images if any(images) else None,
-                               add_special_tokens=False,
-                               padding=True, return_tensors="pt")
+        texts = [row["text"] for row in rows]
+        starts = target_starts(self.processor, texts, rows) if lays_out_prompt(self.processor) else None
+        batch = processed(self.processor, texts, images if any(images) else None, starts, padding=True,
+                          return_tensors="pt")
         batch = {key: value for key, value in batch.items() if torch.is_tensor(value)}
         ids, mask = batch["input_ids"], batch["attention_mask"]
         labels = torch.full_like(ids, IGNORE)
@@ -263,7 +267,19 @@ class PadImageRows:
             length = int(mask[i].sum())
             labels[i, :length] = torch.from_numpy(carried_labels(row["input_ids"], row["labels"], ids[i, :length].tolist()))
         batch["labels"] = labels
+        if starts is not None and not torch.equal(batch.get("token_type_ids", mask), reply_marks(labels, mask)):
+            raise ValueError("the processor's token_type_ids do not mark the reply alone (its tokenizer gives a "
+                             "suffix no type 1): the model would read the reply both ways")
         return batch
+
+
+def reply_marks(labels, mask):
+    """1 from each row's first target token through its last token, 0 before it and on the padding: where a
+    prefix-LM reads causally (PaliGemma's `token_type_ids`)."""
+    import torch
+
+    first = torch.where(labels != IGNORE, torch.arange(labels.shape[1]), labels.shape[1]).min(1, keepdim=True).values
+    return ((torch.arange(labels.shape[1]) >= first) & (mask == 1)).long()
 
 
 # A batch's entries that are no image inputs: the tokens, and what the collators add for the loss
@@ -295,9 +311,45 @@ def carried_labels(ids, labels, expanded: list[int]) -> np.ndarray:
 
 def prompt_inputs(processor, text: str, files: list[str]):
     """A prompt (its rendering, one placeholder an image) and its image files as the model takes them to generate:
-    the processor's tokens, the placeholders expanded, and its pixel tensors (batch of one)."""
-    return processor(text=[text], images=[[load_image(path) for path in files]] if files else None,
-                     add_special_tokens=False, return_tensors="pt")
+    the processor's tokens, the placeholders expanded, and its pixel tensors (batch of one): PaliGemma's
+    `token_type_ids` 0 on the whole prompt, as in training (generate marks each new token 1)."""
+    inputs = processed(processor, [text], [[load_image(path) for path in files]] if files else None,
+                       return_tensors="pt")
+    inputs.pop("labels", None)  # PaliGemma's processor gives some (none a target): not a generation input
+    return inputs
+
+
+def prompt_and_suffix(processor, text: str, start: int) -> tuple[str, str]:
+    """(prompt, suffix) as a processor that lays its prompt out itself takes them, of a rendering `text` in its
+    layout whose target starts at character `start` (len(text): a prompt alone, suffix ""): the BOS and the "\\n" the
+    processor writes around the prompt, and the EOS after the suffix, left to it. ValueError where `text` is not in
+    that layout (a chat template of another layout)."""
+    tokenizer = processor.tokenizer
+    prompt, suffix = text[:start], text[start:]
+    images, bos, words = prompt.partition(tokenizer.bos_token)
+    if not bos or images.replace(processor.image_token, "") or not words.endswith("\n") or (
+            suffix and not suffix.endswith(tokenizer.eos_token)):
+        raise ValueError(f"{type(processor).__name__} lays a row out as its images, BOS, the prompt and \"\\n\", "
+                         f"then the reply and EOS, but the row's rendering is {text[:80]!r}; leave --chat-template "
+                         "out (or give one in that layout)")
+    return images + words[:-1], suffix[:-len(tokenizer.eos_token)] if suffix else ""
+
+
+def target_starts(processor, texts: list[str], rows: list[dict]) -> list[int]:
+    """Where each row's target starts in its rendering: the first character of its first trained token."""
+    offsets = processor.tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+    return [offsets[i][int(np.flatnonzero(np.asarray(row["labels"]) != IGNORE)[0])][0] for i, row in enumerate(rows)]
+
+
+def processed(processor, texts: list[str], images, starts: list[int] | None = None, **settings):
+    """The processor's inputs of renderings `texts` (one placeholder an image) and their `images`: the tokens, the
+    placeholders expanded, and the pixel tensors. A processor that lays its prompt out itself takes each text
+    split into its prompt and its suffix, the target from character `starts[i]` (None: prompts alone)."""
+    if not lays_out_prompt(processor):
+        return processor(text=texts, images=images, add_special_tokens=False, **settings)
+    split = [prompt_and_suffix(processor, text, start) for text, start in zip(texts, starts or map(len, texts))]
+    return processor(text=[prompt for prompt, _ in split], images=images, add_special_tokens=False,
+                     suffix=[suffix for _, suffix in split] if starts is not None else None, **settings)
 
 
 def load_image(path: str):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..data.formats import DEFAULT_CHAT_TEMPLATE
+from ..data.formats import DEFAULT_CHAT_TEMPLATE, lays_out_prompt, prefix_template
 from .model_config import model_config_object, vision_language
 
 
@@ -13,7 +13,8 @@ def load(name: str, tokenizer, trust_remote_code: bool = False, config_from: str
     """A vision-language model's processor (it turns a row's images into the model's pixel inputs and expands
     their placeholders), sharing the run's `tokenizer`; None for a model that reads text only. Where the
     processor's video part cannot load (it needs torchvision), the processor is built without it: images only.
-    A tokenizer left with the plain default template takes the processor's chat template. `config_from`: the folder
+    A tokenizer left with the plain default template takes the processor's chat template, or where the processor
+    lays its prompt out itself and has none (PaliGemma), a template in that layout. `config_from`: the folder
     or id whose config says whether the model reads images (default `name`: an adapter folder has none)."""
     config = model_config_object(config_from or name, trust_remote_code)
     if config is None or not vision_language(config):
@@ -28,6 +29,8 @@ def load(name: str, tokenizer, trust_remote_code: bool = False, config_from: str
         processor = without_video(name, config, trust_remote_code)
     if tokenizer.chat_template == DEFAULT_CHAT_TEMPLATE and getattr(processor, "chat_template", None):
         tokenizer.chat_template = processor.chat_template
+    elif tokenizer.chat_template == DEFAULT_CHAT_TEMPLATE and lays_out_prompt(processor):  # PaliGemma's checkpoints
+        tokenizer.chat_template = prefix_template(processor.image_token)
     processor.tokenizer, processor.chat_template = tokenizer, tokenizer.chat_template  # one template, saved with both
     return processor
 
