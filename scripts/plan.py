@@ -10,6 +10,11 @@ whether each has run on a GPU in this project or is an estimate only; the sequen
 the ranking holds for; and the host RAM each needs per machine while the weights load. Nothing is
 downloaded and no GPU is needed: the arithmetic (recipes/planner/) works from the model's config.json.
 
+A vision-language model (its config names a vision part) is planned as the recipes' start-up `plan:` line plans
+it: its vision tower and projector (counted on the model built from the config on the meta device, which needs
+torch), frozen or trained (--train-vision-tower, --train-projector), and the tower's activations on a row's image
+tokens (--image-tokens; default: every position of --seq-len, the worst, as the start-up line).
+
 Examples:
     python scripts/plan.py --model tinyllama-1.1b --method lora --gpus 4 --gpu rtx6000-ada \\
         --batch-size 16 --grad-accum 2 --seq-len 1024
@@ -18,6 +23,7 @@ Examples:
     python scripts/plan.py --model codellama-34b --gpus 4 --batch-size 4 --global-batch-size 64
     python scripts/plan.py --model path/to/model_folder --method full --json
     python scripts/plan.py --model llama-3.1-8b --gpus 8 --pairs --batch-size 4 --seq-len 2048
+    python scripts/plan.py --model path/to/qwen2-vl-72b/config.json --gpus 8 --seq-len 2048 --image-tokens 1024
 
 --gpu names the card (its memory, peak and usual link); --gpu-memory only changes the memory of the card
 named (an unknown card: the closest known one, with --gpu-memory, --mfu and --bandwidth).
@@ -32,6 +38,7 @@ local model folder, or a hub id (read with transformers.AutoConfig: needs the ne
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shlex
 import sys
@@ -113,6 +120,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     add("--pairs", action="store_true",
         help="preference tuning (recipes/dpo.py, dpo_full.py): batches and --rows count pairs of two rows, "
              "and LoRA / QLoRA run the reference's forward in each step")
+    add("--train-vision-tower", action="store_true",
+        help="a vision-language model: the recipes' --train-vision-tower (LoRA: adapters on the tower; full: all of it)")
+    add("--train-projector", action="store_true", help="a vision-language model: the recipes' --train-projector")
+    add("--image-tokens", type=int, default=None, metavar="N",
+        help="a vision-language model: image tokens in a row, which the vision tower encodes (default: every "
+             "position of --seq-len, the worst, as the recipes' start-up plan line)")
     add("--json", action="store_true", help="print the plan as JSON instead of the table")
     args = parser.parse_args(argv)
     if args.global_batch_size is not None and args.grad_accum is not None:
@@ -121,9 +134,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.grad_accum = RECIPE_DEFAULTS["grad_accum"]
     if args.host_ram is not None and args.host_ram <= 0:
         parser.error("--host-ram must be > 0")
-    for name in ("gpus", "batch_size", "seq_len", "lora_r", "grad_accum", "rows", "global_batch_size"):
+    for name in ("gpus", "batch_size", "seq_len", "lora_r", "grad_accum", "rows", "global_batch_size", "image_tokens"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.image_tokens is not None and args.image_tokens > args.seq_len:
+        parser.error(f"--image-tokens {args.image_tokens} is more than a row holds (--seq-len {args.seq_len})")
     if args.gpu_memory is not None and args.gpu is None:
         parser.error(memory_without_card(args.gpu_memory))
     args.gpu = args.gpu or planner.DEFAULT_GPU
@@ -173,6 +188,59 @@ def count(value: int) -> str:
     return f"{value / 1e9:.2f} B" if value >= 1e9 else f"{value / 1e6:.2f} M"
 
 
+def vision_side(shape, args):
+    """A vision-language model's vision tower and projector as the recipes' start-up plan line counts them
+    (memory_plan.vision_shape: on the model built from its config on the meta device, no weights); None for a text
+    model or where transformers finds no tower (`vision_line` says so). Raises ValueError, as the recipes refuse,
+    for a vision flag on a text model or a tower --lora-targets adapts nothing of."""
+    asked = [flag for flag, on in (("--train-vision-tower", args.train_vision_tower),
+                                   ("--train-projector", args.train_projector)) if on]
+    if not shape.reads_images:
+        if asked:
+            raise ValueError(f"{' and '.join(asked)}: --model {args.model} reads text only (its config names no "
+                             f"vision part); drop {'them' if len(asked) > 1 else 'it'}, or give an image-text-to-text "
+                             "model")
+        return None
+    # torch and transformers load here only: a text model's plan needs neither
+    from common.launching.memory_plan import vision_shape
+
+    asks = argparse.Namespace(model=planner.config_source(args.model), trust_remote_code=False,
+                              lora_targets=args.lora_targets, train_vision_tower=args.train_vision_tower,
+                              train_projector=args.train_projector)
+    try:
+        vision = vision_shape(asks, args.method)
+    except Exception:  # noqa: BLE001  (a family whose tower cannot be measured so, as the start-up line: said)
+        return None
+    if vision is not None and args.train_vision_tower and args.method != "full" and not vision.adapted:
+        raise ValueError(f"--train-vision-tower: --lora-targets {args.lora_targets} names no linear layer of the "
+                         "vision tower; add some of them, or use all-linear")
+    return vision
+
+
+def vision_line(shape, vision, args) -> list[str]:
+    """What the plan counts of a vision-language model's vision side, in a line ([] for a text model)."""
+    if not shape.reads_images:
+        return []
+    if vision is None:
+        return ["vision: its vision tower, projector and images are not in this plan (transformers finds no tower "
+                "in the model built from its config)"]
+    trained = [part for part, on in (("tower", args.train_vision_tower), ("projector", args.train_projector)) if on]
+    count_ = planner.vision_parameters(vision, args.method, args.lora_r, args.train_vision_tower,
+                                       args.train_projector)["trained"]
+    how = f"the {' and '.join(trained)} trained ({count(count_)} trainable parameters)" if trained else "frozen"
+    rows = args.batch_size * (2 if args.pairs else 1)
+    if vision.patches_per_row:
+        images = "one image a row at its most tiles, read beside the row by cross-attention"
+    elif args.image_tokens:
+        images = f"--image-tokens {args.image_tokens} a row"
+    else:
+        images = ("every position of --seq-len an image token, the worst, as the recipes' start-up line; "
+                  "--image-tokens N plans N a row")
+    return [f"vision: tower {count(vision.tower + vision.unread)}, projector {count(vision.projector)} parameters, "
+            f"{how}; the tower encodes up to {vision.patches(rows, args.image_tokens or args.seq_len):,} patches a "
+            f"micro-batch ({images}); in every memory and host RAM figure below, not in the time"]
+
+
 def describe(shape, args) -> list[str]:
     method = args.method
     if method != "full":
@@ -193,13 +261,14 @@ def describe(shape, args) -> list[str]:
                    (", the reference scored once before training" if args.method == "full" else
                     ", the reference's forward (adapters off) in every micro-batch"))
     return [
-        f"model: {shape.name} ({count(shape.parameters)} parameters); method: {method}",
+        f"model: {shape.name} ({count(shape.parameters)} parameters{' in its language model' * shape.reads_images}); "
+        f"method: {method}",
         f"workload: {micro} x {args.seq_len} tokens per GPU{accum}, {args.precision}, "
         f"{args.attention} attention, {checkpointing}",
         f"GPUs: {args.gpus} x {args.machine.gpu.name}, {args.gpu_memory:g} GB each ({args.memory_gib:.2f} GiB as CUDA "
         f"gives it); a plan may use {gib(planner.usable_bytes(args.memory_gib))} GiB of each (10% stays free for the "
         "CUDA context and fragmentation)",
-    ]
+    ] + vision_line(shape, args.vision, args)
 
 
 def aligned(header: list[str], rows: list[list[str]], left: set[int]) -> list[str]:
@@ -217,23 +286,34 @@ def checkpointing(every: int) -> str:
 
 
 def table(plan: dict, args) -> list[str]:
-    header = ["strategy", "config", "checkpointing", "weights", "grads", "optimizer", "activations", "total", "fits",
-              "max micro-batch"]
+    vision = args.vision is not None  # a column of what the vision side adds, already in the others
+    header = ["strategy", "config", "checkpointing", "weights", "grads", "optimizer", "activations", "total",
+              *["of it vision"] * vision, "fits", "max micro-batch"]
     rows = []
     for entry in plan["strategies"]:
         usage = entry["per_gpu_bytes"]
         rows.append([entry["strategy"], entry["config"], checkpointing(entry["gradient_checkpointing"]),
                      gib(usage["weights"]), gib(usage["gradients"]), gib(usage["optimizer"]),
-                     gib(usage["activations"]), gib(usage["total"]), "yes" if entry["fits"] else "no",
-                     str(entry["max_micro_batch"] or "-")])
+                     gib(usage["activations"]), gib(usage["total"]), *[gib(usage.get("vision", 0))] * vision,
+                     "yes" if entry["fits"] else "no", str(entry["max_micro_batch"] or "-")])
     # the time table's checkpointing, so that neither says what the other does not plan
-    title = (f"GiB per GPU (the busiest one) at micro-batch {args.batch_size}, each config with the gradient "
-             "checkpointing its time below is planned with"
-             + ("" if args.gradient_checkpointing else " (one that does not fit: with it)"))
+    title = (f"Memory of the busiest GPU in GiB, at micro-batch {args.batch_size}, with gradient checkpointing as the "
+             "time table below plans it" + ("" if args.gradient_checkpointing else " (on only where a config fits "
+                                            "with it alone)"))
     if plan["gpus"] == 1:
         title += ("; one GPU runs ddp.yaml as a single process, or an offload config: ZeRO, FSDP's sharding and "
                   "model parallel have nothing to divide on one")
-    return [title + ":"] + aligned(header, rows, {0, 1, 2, 8})
+    return [title + ":"] + aligned(header, rows, {0, 1, 2, 9 if vision else 8}) + grad_op_note(plan)
+
+
+def grad_op_note(plan: dict) -> list[str]:
+    """Why fsdp_grad_op plans more weight memory than ddp, where it does: [] otherwise."""
+    weights = {entry["strategy"]: entry["per_gpu_bytes"]["weights"] for entry in plan["strategies"]}
+    if weights.get("fsdp_grad_op", 0) <= weights.get("ddp", float("inf")):
+        return []
+    return ["fsdp_grad_op's weights: its shard of every weight, and the whole weights gathered at the forward and "
+            "kept to the backward (not freed layer by layer as fsdp.yaml does): more than ddp's one copy; it saves "
+            "on gradients and optimizer state"]
 
 
 def plural(gpus: int) -> str:
@@ -348,6 +428,7 @@ def recommended_launch(rec: dict, args) -> str:
             recipe.append("--use-dora")
     if args.attention in RECIPE_ATTENTION:
         recipe.append(f"--attention {RECIPE_ATTENTION[args.attention]}")
+    recipe += ["--train-vision-tower"] * args.train_vision_tower + ["--train-projector"] * args.train_projector
     return f"accelerate launch {' '.join(launcher)} {recipe_file(args)} {' '.join(recipe)}"
 
 
@@ -465,7 +546,7 @@ def sentences(shape, plan: dict, args) -> list[str]:
         if rec and rec["strategy"] in planner.OFFLOADED and (rec["strategy"], rec["gpus"]) not in said:
             said.add((rec["strategy"], rec["gpus"]))
             ram = planner.cpu_offload_bytes(shape, args.method, rec["strategy"], rec["gpus"], args.lora_r,
-                                            args.lora_targets, args.precision)
+                                            args.lora_targets, args.precision) + offloaded_vision(args, rec["strategy"])
             machines = -(-rec["gpus"] // args.machine.gpus_per_machine)
             where = "CPU RAM" if machines == 1 else f"the CPU RAM of each of its {machines} machines"
             lines.append(f"{rec['strategy']} on {plural(rec['gpus'])} keeps about {gib(ram / machines)} GiB of "
@@ -485,22 +566,35 @@ def sentences(shape, plan: dict, args) -> list[str]:
     return lines
 
 
+def offloaded_vision(args, strategy: str) -> int:
+    """The training state of a vision-language model's vision side an offload config keeps in CPU RAM: all of it,
+    as its twin (fsdp.yaml, zero3.yaml) holds it on one rank."""
+    if args.vision is None:
+        return 0
+    state = planner.vision_bytes(args.vision, args.method, planner.OFFLOADED[strategy], 1, 1, 1, args.lora_r,
+                                 args.precision, args.train_vision_tower, args.train_projector)
+    return state["weights"] + state["gradients"] + state["optimizer"]
+
+
 def host_load(shape, args, strategy: str, gpus: int) -> dict:
     """The host RAM the weights take while they load on the busiest machine (planner.load_bytes_per_machine)."""
     return planner.load_bytes_per_machine(shape, args.method, strategy, gpus, args.machine.gpus_per_machine,
-                                          args.precision)
+                                          args.precision, vision=args.vision)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
         shape = planner.load_shape(args.model)
+        args.vision = vision_side(shape, args)
     except ValueError as error:
         print(f"plan.py: {error}", file=sys.stderr)
         return 2
     settings = dict(seq_len=args.seq_len, gradient_checkpointing=args.gradient_checkpointing, lora_rank=args.lora_r,
                     lora_targets=args.lora_targets, precision=args.precision, attention=args.attention,
-                    lora_dropout=args.lora_dropout, dora=args.use_dora and args.method != "full")
+                    lora_dropout=args.lora_dropout, dora=args.use_dora and args.method != "full", vision=args.vision,
+                    train_vision_tower=args.train_vision_tower, train_projector=args.train_projector,
+                    image_tokens=args.image_tokens)
     plan = planner.plan(shape, args.method, args.gpus, args.memory_gib, batch_size=args.batch_size,
                         grad_accum=args.grad_accum, machine=args.machine, rows=args.rows,
                         global_batch=args.global_batch_size, host_ram_gb=args.host_ram, pairs=args.pairs, **settings)
@@ -517,6 +611,12 @@ def main(argv=None) -> int:
         plan["gpu_memory_gb"] = args.gpu_memory  # as sold; the plan divides gpu_memory_gib
         plan["host_ram_at_load"] = {entry["strategy"]: host_load(shape, args, entry["strategy"], args.gpus)
                                     for entry in plan["strategies"]}
+        if shape.reads_images:  # the vision side as planned (None: not counted)
+            plan["vision"] = args.vision and {
+                **dataclasses.asdict(args.vision), "image_tokens": args.image_tokens or args.seq_len,
+                "train_vision_tower": args.train_vision_tower, "train_projector": args.train_projector,
+                **planner.vision_parameters(args.vision, args.method, args.lora_r, args.train_vision_tower,
+                                            args.train_projector)}
         print(json.dumps(plan, indent=2))
         return 0
     print("\n".join(describe(shape, args) + [""] + table(plan, args) + [""] + time_table(plan, args) + [""]

@@ -61,6 +61,23 @@ def test_qlora_is_a_4_bit_copy_per_cpu_process_and_the_files_on_gpus(shape):
     assert gpu["copies"] == 1 and gpu["bytes"] == shape.parameters * 2
 
 
+def test_a_vision_language_models_tower_and_projector_load_with_it_in_the_dtype_of_its_floats(shape):
+    """Never quantized: QLoRA's vision side loads in bf16 beside its 4-bit linears; full fine-tuning's in fp32
+    (DeepSpeed's bf16: 2 bytes), as its language model's."""
+    side = planner.VisionShape(tower=600_000_000, projector=40_000_000, unread=10_000_000, hidden=1024, ffn=4096,
+                               layers=24, patch_values=588, patches_per_token=1.0)
+    held = side.tower + side.projector + side.unread
+    for method, strategy, per in (("lora", "ddp", 2), ("full", "ddp", 4), ("full", "zero1", 2),
+                                  ("lora", "fsdp_full_shard", 2)):
+        text = planner.load_bytes_per_machine(shape, method, strategy, gpus=4)
+        both = planner.load_bytes_per_machine(shape, method, strategy, gpus=4, vision=side)
+        assert both["bytes"] - text["bytes"] == text["copies"] * per * held, (method, strategy)
+    cpu = planner.load_bytes_per_machine(shape, "qlora", "ddp", gpus=2, on_gpu=False, vision=side)
+    assert cpu["bytes"] == 2 * (planner.model_bytes_as_loaded(shape, "qlora") + 2 * held)
+    gpu = planner.load_bytes_per_machine(shape, "qlora", "ddp", gpus=4, vision=side)
+    assert gpu["bytes"] == (shape.parameters + held) * 2  # the files' bf16 pages, once
+
+
 def test_the_refusal_names_the_fix_and_a_fitting_launch_passes(shape):
     ddp = planner.load_bytes_per_machine(shape, "lora", "ddp", gpus=4)
     with pytest.raises(Refusal) as refusal:

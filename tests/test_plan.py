@@ -600,3 +600,13 @@ def test_cli_does_not_import_torch():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().splitlines()[-1] == "False"
+
+
+def test_the_plan_says_why_grad_op_holds_more_weight_memory_than_ddp(tmp_path):
+    """fsdp_grad_op keeps its shard beside the whole gathered weights: more than ddp's one copy, said under the
+    table whenever the plan shows it (and not where it does not: one GPU plans no grad-op)."""
+    done = run_plan("--model", "tinyllama-1.1b", "--json", cwd=tmp_path)
+    weights = {entry["strategy"]: entry["per_gpu_bytes"]["weights"] for entry in json.loads(done.stdout)["strategies"]}
+    assert weights["fsdp_grad_op"] > weights["ddp"]
+    assert "fsdp_grad_op's weights: its shard of every weight" in run_plan("--model", "tinyllama-1.1b", cwd=tmp_path).stdout
+    assert "fsdp_grad_op's weights" not in run_plan("--model", "tinyllama-1.1b", "--gpus", "1", cwd=tmp_path).stdout

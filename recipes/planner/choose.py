@@ -52,7 +52,8 @@ def per_gpu_bytes(shape: ModelShape, method: str, strategy: str, gpus: int, batc
                   pipeline_chunks: int = 1, pairs: bool = False, dora: bool = False,
                   sequence_parallel: int | None = None, generation_rows: int = 0, starting_copy: bool = False,
                   compiled: bool = False, padded: bool = True, vision: VisionShape | None = None,
-                  train_vision_tower: bool = False, train_projector: bool = False) -> dict:
+                  train_vision_tower: bool = False, train_projector: bool = False,
+                  image_tokens: int | None = None) -> dict:
     """Memory of the busiest GPU: {"weights", "gradients", "optimizer", "activations", "total"} in
     bytes; the total is their sum, except for full fine-tuning without a gradient wrapper (one process,
     model parallel), where gradients replace activations in the backward. `batch_size` is the micro-batch per GPU (the recipes' --batch-size), `seq_len` the
@@ -73,7 +74,8 @@ def per_gpu_bytes(shape: ModelShape, method: str, strategy: str, gpus: int, batc
     `compiled`: each block compiled (--compile), which keeps less of a LoRA block; `padded=False`: rows all of the
     micro-batch's length, no padding mask (activations.py). `vision`: a vision-language model's vision tower and
     projector (vision.py), trained as `train_vision_tower` and `train_projector` say, added to each part on the GPU
-    that runs them (the first under model parallel); "vision" then says what they added in all."""
+    that runs them (the first under model parallel); "vision" then says what they added in all. `image_tokens`: the
+    image tokens of a row (None: every position of `seq_len`, the worst it allows)."""
     _check(method, strategy, precision, attention)
     if gpus < 1 or batch_size < 1 or seq_len < 1:
         raise ValueError("gpus, batch_size and seq_len must be >= 1")
@@ -109,8 +111,9 @@ def per_gpu_bytes(shape: ModelShape, method: str, strategy: str, gpus: int, batc
         }
         added = {}
         if vision is not None and stage.embedding:
-            added = vision_bytes(vision, method, strategy, gpus, batch_size * (2 if pairs else 1), seq_len, lora_rank,
-                                 precision, train_vision_tower, train_projector)
+            added = vision_bytes(vision, method, strategy, gpus, batch_size * (2 if pairs else 1),
+                                 min(image_tokens or seq_len, seq_len), lora_rank, precision, train_vision_tower,
+                                 train_projector)
             for part, value in added.items():
                 result[part] += value
         if starting_copy:  # kept where the shards are: in host RAM under the offload strategies
@@ -151,14 +154,17 @@ def max_micro_batch(shape: ModelShape, method: str, strategy: str, gpus: int, gp
                     seq_len: int = 512, gradient_checkpointing: int = 0, lora_rank: int = 16,
                     lora_targets="all-linear", precision: str = "bf16", attention: str = "sdpa",
                     lora_dropout: float = 0.0, grad_accum: int = 1, pairs: bool = False, dora: bool = False,
-                    compiled: bool = False, **pipeline_layout) -> int:
+                    compiled: bool = False, vision: VisionShape | None = None, train_vision_tower: bool = False,
+                    train_projector: bool = False, image_tokens: int | None = None, **pipeline_layout) -> int:
     """The largest micro-batch (1..256) that fits, by bisection (memory grows with the batch);
     0 when not even one sequence fits. `pipeline_layout`: `per_gpu_bytes`'s pipeline_stages and
-    pipeline_chunks, or sequence_parallel."""
+    pipeline_chunks, or sequence_parallel; `vision` and the rest: its vision side's."""
     def ok(batch: int) -> bool:
         total = per_gpu_bytes(shape, method, strategy, gpus, batch, seq_len, gradient_checkpointing, lora_rank,
                               lora_targets, precision, attention, lora_dropout, grad_accum,
-                              **pipeline_layout, pairs=pairs, dora=dora, compiled=compiled)["total"]
+                              **pipeline_layout, pairs=pairs, dora=dora, compiled=compiled, vision=vision,
+                              train_vision_tower=train_vision_tower, train_projector=train_projector,
+                              image_tokens=image_tokens)["total"]
         return fits(total, gpu_memory_gib)
 
     if not ok(1):
@@ -305,7 +311,8 @@ def plan(shape: ModelShape, method: str, gpus: int, gpu_memory_gib: float, batch
          lora_targets="all-linear", precision: str = "bf16", attention: str = "sdpa",
          lora_dropout: float = 0.0, grad_accum: int = 1, machine: Machine | None = None, rows: int = 1024,
          global_batch: int | None = None, host_ram_gb: float | None = None, pairs: bool = False,
-         dora: bool = False) -> dict:
+         dora: bool = False, vision: VisionShape | None = None, train_vision_tower: bool = False,
+         train_projector: bool = False, image_tokens: int | None = None) -> dict:
     """Every strategy on `gpus` GPUs of `gpu_memory_gib`, its time on `machine` (default: H100s over
     NVLink), and the two recommendations.
 
@@ -329,11 +336,15 @@ def plan(shape: ModelShape, method: str, gpus: int, gpu_memory_gib: float, batch
     With `pairs` (the preference recipes) batches and `rows` count pairs (`per_gpu_bytes`, `step_time`), pipeline
     parallel is left out (they do not run it), and under full fine-tuning each recommendation has
     `reference_pass_seconds`: the reference's scoring of the `rows` pairs before training.
+    A vision-language model (`shape.reads_images`): its `vision` side (`per_gpu_bytes`), trained as
+    `train_vision_tower` and `train_projector` say, on `image_tokens` a row, in every memory and in the host RAM at
+    load; the time counts the language model's only.
     """
     machine = machine or Machine.of()
     gradient_checkpointing = int(gradient_checkpointing)
     memory = dict(lora_rank=lora_rank, lora_targets=lora_targets, precision=precision, attention=attention,
-                  lora_dropout=lora_dropout, pairs=pairs, dora=dora)
+                  lora_dropout=lora_dropout, pairs=pairs, dora=dora, vision=vision,
+                  train_vision_tower=train_vision_tower, train_projector=train_projector, image_tokens=image_tokens)
     settings = dict(batch_size=batch_size, seq_len=seq_len, gradient_checkpointing=gradient_checkpointing, **memory)
     asked = dict(settings, grad_accum=grad_accum, global_batch=global_batch)
 
@@ -354,7 +365,8 @@ def plan(shape: ModelShape, method: str, gpus: int, gpu_memory_gib: float, batch
                      and not (dora and s in ("tp", "fsdp_tp")))  # the recipes refuse DoRA under tensor parallel
 
     def host_bytes(strategy: str, n: int) -> int:
-        return load_bytes_per_machine(shape, method, strategy, n, machine.gpus_per_machine, precision)["bytes"]
+        return load_bytes_per_machine(shape, method, strategy, n, machine.gpus_per_machine, precision,
+                                      vision=vision)["bytes"]
 
     def loads(strategy: str, n: int) -> bool:  # its weights fit the machine's RAM while they load
         return host_ram_gb is None or host_bytes(strategy, n) <= host_ram_gb * GiB

@@ -68,6 +68,7 @@ class ModelShape:
     experts_per_token: int = 0
     shared_ffn: int = 0
     logits_after_head: bool = False  # a softcap or scale after the LM head (Gemma-2, Cohere, Granite)
+    reads_images: bool = False  # the language model of a vision-language model (its config names a vision part)
 
     def __post_init__(self):
         if self.head_dim is None:
@@ -78,7 +79,11 @@ class ModelShape:
         """From a transformers config object or a config.json dict (a multimodal config's text part)."""
         if not isinstance(config, dict):
             config = config.to_dict() if hasattr(config, "to_dict") else vars(config)
-        if "hidden_size" not in config and isinstance(config.get("text_config"), dict):
+        reads_images = config.get("vision_config") is not None  # as model_config.vision_language decides
+        # the text part where the top level lacks a decoder's sizes (PaliGemma's top-level hidden_size is its
+        # projector's, beside no heads or layers)
+        decoder = {"hidden_size", "num_attention_heads", "num_hidden_layers"}
+        if not decoder <= set(config) and isinstance(config.get("text_config"), dict):
             config = config["text_config"]
         try:
             heads = int(config["num_attention_heads"])
@@ -105,6 +110,7 @@ class ModelShape:
                 name=name or str(config.get("_name_or_path") or ""),
                 logits_after_head=bool(config.get("final_logit_softcapping")) or config.get("logit_scale") not in (
                     None, 1, 1.0) or config.get("logits_scaling") not in (None, 1, 1.0),
+                reads_images=reads_images,
             )
         except KeyError as missing:
             raise ValueError(f"not a Llama-style decoder config: {missing} is missing") from None
@@ -205,6 +211,13 @@ def load_shape(model: str) -> ModelShape:
             f"offline alias ({', '.join(ALIASES)}), a config .json or a local model folder"
         ) from None
     return ModelShape.from_config(config, name=key)
+
+
+def config_source(model: str) -> str:
+    """What transformers' AutoConfig reads for the planner's `model` (`load_shape`'s): an alias's config .json,
+    else the config .json, folder or hub id as given."""
+    key = model.strip()
+    return str(ALIASES.get(key.lower(), Path(key).expanduser()))
 
 
 def launch_model(model: str) -> str:

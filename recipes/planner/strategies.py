@@ -57,6 +57,11 @@ ZERO3 = ("zero3", "zero3_offload", "sp")
 FSDP = ("fsdp_full_shard", "fsdp_grad_op", "fsdp_hybrid", "fsdp_offload")
 TENSOR_PARALLEL = ("tp", "fsdp_tp")
 METHODS = ("full", "lora", "qlora")
+# What a vision-language model trains under (the recipes refuse the others before loading:
+# launching/preflight.py's VISION_STRATEGIES, one process, model parallel, DDP, FSDP and DeepSpeed without sequence
+# parallel)
+VISION_STRATEGIES = ("ddp", "zero1", "zero2", "fsdp_grad_op", "fsdp_hybrid", "fsdp_full_shard", "zero3",
+                     "fsdp_offload", "zero3_offload", "model_parallel")
 ATTENTIONS = ("sdpa", "flash", "eager")
 
 
@@ -114,6 +119,8 @@ def check_pipeline_layout(gpus: int, stages: int, chunks: int, layers: int | Non
 
 def impossible(method: str, strategy: str, gpus: int, shape=None, lora_targets="all-linear") -> str | None:
     """Why the recipes refuse `method` under `strategy` on `gpus` GPUs (None: they run it)."""
+    if shape is not None and shape.reads_images and strategy not in VISION_STRATEGIES:
+        return f"the recipes train a vision-language model under DDP, ZeRO, FSDP or model parallel, not {strategy}"
     if strategy == "pipeline":
         if gpus < 2:
             return "pipeline needs 2 GPUs or more (one stage each)"

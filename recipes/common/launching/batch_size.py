@@ -21,7 +21,7 @@ from ..model import loss_head
 from ..refusal import refuse
 from .args import AUTO
 from .launch import DEEPSPEED
-from .memory_plan import card_flags, planner_inputs
+from .memory_plan import card_flags, planner_inputs, vision_flags
 from .settled import Run
 
 
@@ -63,7 +63,8 @@ def planned_micro_batch(args, recipe: str, launch) -> dict:
     if fit == 0:
         refuse(f"the plan says not even one sequence of --max-length {args.max_length} fits in {gib:.0f} GiB "
                f"({device}) with {launch.planner_strategy}; see `python scripts/plan.py --model {args.model} "
-               f"--method {recipe} --gpus {launch.gpus} {card_flags(device, gib)} --seq-len {args.max_length}`")
+               f"--method {recipe} --gpus {launch.gpus} {card_flags(device, gib)} --seq-len {args.max_length}"
+               f"{vision_flags(inputs)}`")
     return {"fits": fit, "memory_gib": round(gib, 3), "device": device, "strategy": launch.planner_strategy}
 
 

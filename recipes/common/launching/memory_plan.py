@@ -125,7 +125,7 @@ def announce_plan(args, recipe: str, launch) -> None:
         if main:
             print(f"plan: skipped ({reason})", flush=True)
         return
-    load = host_load(shape, recipe, launch, inputs["precision"])
+    load = host_load(shape, recipe, launch, inputs["precision"], inputs.get("vision"))
     check_host_ram(load, machine_ram_bytes(), args.model)
     if not main:
         return
@@ -169,7 +169,8 @@ def announce_plan(args, recipe: str, launch) -> None:
         print(f"warning: the plan says this will not fit; see `python scripts/plan.py --model {args.model} "
               f"--method {recipe} --gpus {gpus} {card_flags(torch.cuda.get_device_name(0), gpu_gib)} "
               f"--batch-size {args.batch_size} "
-              f"--seq-len {args.max_length}{' --pairs' if pairs else ''}` for a config and micro-batch that fit", flush=True)
+              f"--seq-len {args.max_length}{' --pairs' if pairs else ''}{vision_flags(inputs)}` for a config and "
+              "micro-batch that fit", flush=True)
 
 
 def vision_words(vision: planner.VisionShape, added: int, batch_size: int, max_length: int, inputs: dict) -> str:
@@ -183,19 +184,26 @@ def vision_words(vision: planner.VisionShape, added: int, batch_size: int, max_l
             f"{vision.patches(batch_size, max_length):,} patches a micro-batch ({images})")
 
 
+def vision_flags(inputs: dict) -> str:
+    """plan.py's flags for what this run trains of a vision-language model ('' for none)."""
+    return "".join(f" --{flag.replace('_', '-')}" for flag in ("train_vision_tower", "train_projector")
+                   if inputs.get(flag))
+
+
 def vision_language_model(args) -> bool:
     """Whether the run's model reads images (its config names a vision part)."""
     config = model_config_object(args.model, getattr(args, "trust_remote_code", False))
     return config is not None and vision_language(config)
 
 
-def host_load(shape, recipe: str, launch, precision: str) -> dict:
-    """The planner's host RAM at load for this launch, on this machine (LOCAL_WORLD_SIZE processes)."""
+def host_load(shape, recipe: str, launch, precision: str, vision: planner.VisionShape | None = None) -> dict:
+    """The planner's host RAM at load for this launch, on this machine (LOCAL_WORLD_SIZE processes), a
+    vision-language model's tower and projector (`vision`) with the rest."""
     on_this_machine = int(os.environ.get("LOCAL_WORLD_SIZE", launch.processes))
     return planner.load_bytes_per_machine(
         shape, recipe, launch.planner_strategy, launch.gpus, gpus_per_machine=on_this_machine, precision=precision,
         every_process_reads=launch.every_process_reads, fsdp_reads_shards=launch.reads_shards,
-        on_gpu=launch.on_gpu)
+        on_gpu=launch.on_gpu, vision=vision)
 
 
 def machine_ram_bytes() -> int | None:
