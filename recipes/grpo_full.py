@@ -6,25 +6,21 @@ Launch (pick any file in accelerate_configs/, or your own `accelerate config` fi
     accelerate launch --config_file accelerate_configs/zero3.yaml recipes/grpo_full.py \\
         --model my-sft-model --dataset prompts.jsonl --reward my_rewards.py:correct --output-dir outputs/grpo-full
 
-Each row of --dataset is a prompt (`prompt`: text, or chat messages); its other columns (an `answer`, test
-cases, ...) go to the reward functions. Each step samples --num-generations completions of each of its prompts
-from the model as it is, scores them with the --reward functions (TRL's signature: fn(prompts, completions,
-**columns) -> list[float | None]; recipes/rewards.py has examples), and trains each completion's tokens by its
-advantage: how much better its reward is than its group's, the other completions of the same prompt. With no
---model / --dataset / --reward it trains the bundled tiny model on the bundled prompts with the exact-answer
-reward, also on a machine without GPUs (add `--num_processes 2 --mixed_precision no` to the launcher).
+Each row of --dataset is a prompt (`prompt`: text or chat messages; its other columns go to the rewards). Each
+step samples --num-generations completions of each of its prompts from the model as it is, scores them with the
+--reward functions (TRL's signature: fn(prompts, completions, **columns) -> list[float | None]; examples in
+recipes/rewards.py), and trains each completion's tokens by its advantage: how much better its reward is than its
+group's (the other completions of its prompt). With no --model / --dataset / --reward it trains the bundled tiny
+model on the bundled prompts, also without GPUs (add `--num_processes 2 --mixed_precision no` to the launcher).
 
-Writes to --output-dir: run.json (what ran), metrics.jsonl (one line per step and per evaluation, with TRL's
-names: loss, reward, reward_std, rewards/<function>/mean and /std, frac_reward_zero_std, completions/mean_length,
-completions/clipped_ratio, kl, clip_ratio/region_mean), samples.jsonl (prompts, completions, rewards and
+Writes to --output-dir: run.json, metrics.jsonl (TRL's names: docs/grpo.md), samples.jsonl (completions, rewards,
 advantages every --samples-every steps), checkpoints/step-N/ (resumable) and model/
-(AutoModelForCausalLM.from_pretrained). Evaluation: each held-out prompt's greedy
-completion scored by the rewards (eval_reward, eval_rewards/<function>/mean).
+(AutoModelForCausalLM.from_pretrained). Evaluation: each held-out prompt's greedy completion scored by the rewards.
 
 Flags: --model --dataset --eval-dataset --columns --chat-template --output-dir --epochs --max-steps --batch-size
        --global-batch-size --grad-accum --lr --warmup-ratio --weight-decay --max-grad-norm --max-length --seed
        --eval-every --save-every --save-total-limit --resume --gradient-checkpointing --log-every --report-to
-       --save-dtype --trust-remote-code
+       --save-dtype --trust-remote-code --eval-on-start --no-eval-on-start
        --config (a YAML file of any of these flags)
 Speed: --compile --no-compile --liger --attention --dataloader-workers
 Benchmarks: --eval-tasks --eval-limit --eval-raw-prompts (lm-evaluation-harness tasks, scored where the eval runs)
@@ -40,10 +36,10 @@ Refused here: --packing --pipeline-stages --pipeline-schedule --pipeline-chunks,
 import math
 
 import common.quiet  # noqa: F401  (first: silences library notices nobody can act on)
-from common.launching import args as cli
+from common.launching import args as cli, quick_checks
 
-if __name__ == "__main__":  # --help answered now: the libraries below take seconds to load
-    cli.answer_help("grpo_full", __doc__)
+if __name__ == "__main__":  # --help, and a refusal that needs no library, now: the libraries below take seconds to load
+    quick_checks.refuse_before_loading("grpo_full", __doc__)
 
 import torch
 import torch.nn.functional as F
@@ -57,19 +53,17 @@ from common.launching import deepspeed_config, preflight, settle
 from common.model import loss_head, modeling
 from common.outputs import checkpoint, report
 from common.outputs.runlog import RunLog
-from common.training import benchmarks, online, rollouts, runtime
+from common.training import benchmarks, online, runtime
 from common.training.reference import StartingWeights
 
 
 def completion_logps(model, batch, head, temperature):
-    """Each completion token's log-probability under `model` ([rows, completion tokens]; 0 on padding), from
-    its logits over the sampling temperature (the distribution it was drawn from). `head`: the run's way to the
-    logits (loss_head.py), a chunk of positions at a time. And a mixture of experts' router loss (else None)."""
+    """Each completion token's log-probability ([rows, completion tokens]; 0 on padding) from its logits over the
+    sampling temperature (`head`: loss_head.py), and a mixture of experts' router loss (else None)."""
     targets, positions = batch["labels"][:, 1:], batch["target_positions"]  # position t predicts token t + 1
     outputs = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                     position_ids=batch["position_ids"], use_cache=False, **head.forward_arguments(positions))
-    logps = head.apply(lambda logits, targets: target_logps(logits / temperature, targets), outputs, targets,
-                       positions)
+    logps = head.apply(lambda logits, labels: target_logps(logits / temperature, labels), outputs, targets, positions)
     return logps, outputs.get("aux_loss")
 
 
@@ -81,9 +75,8 @@ def target_logps(logits, targets):
 
 def advantages_of(rewards_table, weights, group_size, run, kl_penalty=None):
     """Each completion's advantage, from the batch's rewards ([completions, functions], NaN where a function
-    returned None; completions prompt by prompt, `group_size` each). The reward is the weighted sum of the
+    returned None; `group_size` completions of each prompt in turn). The reward is the weighted sum of the
     functions'; a completion none applies to gets advantage 0 and stays out of its group's baseline.
-
     GRPO (every --loss but rloo): the reward minus its group's mean, over the group's spread (--scale-rewards
     group; batch: the whole batch's spread; none: not divided). RLOO: the reward (minus --beta x its KL to the
     reference, `kl_penalty`) minus the mean of the others in its group (leave-one-out)."""
@@ -107,14 +100,12 @@ def advantages_of(rewards_table, weights, group_size, run, kl_penalty=None):
 
 
 def completion_losses(logps, old_logps, reference_logps, advantages, mask, run):
-    """The loss of each completion token ([rows, tokens]; with --loss rloo, of each completion: [rows]), and the
-    figures of each: [which ratio was clipped, its KL to the reference as the loss weighs it]. Every path that
-    trains computes its loss here: edit it here.
-
-    The ratio of the policy to the one that sampled (1 at the first step on a batch: the gradient is then the
-    advantage's), clipped to [1 - epsilon, 1 + epsilon_high] where that lowers the objective (PPO's pessimism);
-    --beta adds the KL to the reference per token (k3, always >= 0), weighted by the ratio. RLOO clips one ratio per completion, of
-    its whole log-probability, and has its KL in the reward instead (advantages_of)."""
+    """The loss of each completion token ([rows, tokens]; --loss rloo: of each completion, [rows]) and its figures:
+    [which ratio was clipped, its KL to the reference as the loss weighs it]. Every path that trains computes its
+    loss here: edit it here. The ratio of the policy to the one that sampled (1 at a batch's first step: the
+    gradient is then the advantage's), clipped to [1 - epsilon, 1 + epsilon_high] where that lowers the objective
+    (PPO's pessimism); --beta adds the KL to the reference per token (k3, always >= 0), weighted by the ratio. RLOO
+    clips one ratio per completion, of its whole log-probability, and has its KL in the reward (advantages_of)."""
     low, high = 1 - run.epsilon, 1 + (run.epsilon_high if run.epsilon_high is not None else run.epsilon)
     if run.loss == "rloo":
         logps, old_logps = (logps * mask).sum(1), (old_logps * mask).sum(1)  # (its tokens that train)
@@ -126,18 +117,16 @@ def completion_losses(logps, old_logps, reference_logps, advantages, mask, run):
     kl = torch.zeros_like(ratio)
     if run.beta and run.loss != "rloo":
         kl = torch.exp(reference_logps - logps) - (reference_logps - logps) - 1
-        # times the ratio (1 in value on a fresh batch, not in gradient): the unbiased gradient of the reverse KL
-        # (DeepSeek-V3.2; TRL's use_bias_correction_kl, on by default)
-        losses = losses + run.beta * kl * ratio
+        # x the ratio (1 in value on a fresh batch, not in gradient): the reverse KL's unbiased gradient
+        losses = losses + run.beta * kl * ratio  # (DeepSeek-V3.2; TRL's use_bias_correction_kl, on by default)
     return losses, clipped.float(), (kl * ratio).detach()
 
 
 def share_of_step_loss(losses, mask, run, step_completions, step_tokens, micro_batches):
-    """This micro-batch's share of the step's loss, as TRL normalises each --loss (the shares of every
-    micro-batch on every rank sum to the step's loss). dapo: the token mean over the step's completions; grpo:
-    each completion's token mean, averaged over the step's completions; dr_grpo: the token sum over completions x
-    --max-completion-length; bnpo: each micro-batch's token mean, averaged over the step's micro-batches; rloo:
-    the mean over the step's completions of each one's loss."""
+    """This micro-batch's share of the step's loss, as TRL normalises each --loss (the shares of every micro-batch
+    on every rank sum to the step's loss). dapo: the token mean over the step's completions; grpo: each completion's
+    token mean, averaged over them; dr_grpo: the token sum over completions x --max-completion-length; bnpo: each
+    micro-batch's token mean, averaged over the step's micro-batches; rloo: each completion's loss, averaged."""
     if run.loss == "rloo":
         return losses.sum() / step_completions
     if run.loss == "grpo":
@@ -149,29 +138,22 @@ def share_of_step_loss(losses, mask, run, step_completions, step_tokens, micro_b
     return (losses * mask).sum() / max(step_tokens, 1)  # dapo
 
 
-def parse_args():
-    return cli.parse_args(cli.recipe_flags("grpo_full", __doc__))
-
-
 def main():
     # The run's settings, settled once (read-only from here); a launch that cannot work is refused here, in one
     # line, before the model loads: the reward functions are imported now, from your files. Settled as full
     # fine-tuning: every weight trains.
-    run, launch = settle.settle_launch(parse_args(), recipe="full")
+    run, launch = settle.settle_launch(cli.parse_args(cli.recipe_flags("grpo_full", __doc__)), recipe="full")
     reward_functions = rewards.load_rewards(run.reward)
     weights = rewards.weights_of(run.reward_weights, reward_functions)
     accelerator = runtime.make_accelerator(run, launch)
     resume = checkpoint.resume_point(accelerator, run, launch)  # the checkpoint to continue, checked before loading
     set_seed(run.seed)
 
-    # Prompts, before the model: each tokenised as the model will be asked it; every other column kept for the
-    # rewards. A step's global batch holds --batch-size x --grad-accum x processes completions: whole groups of
-    # --num-generations, of `prompts_per_step` prompts.
+    # Prompts, before the model, tokenised as the model will be asked them (other columns kept for the rewards).
     modeling.ensure_default_model(run.model, accelerator)
     tokenizer = modeling.load_tokenizer(run.model, run.trust_remote_code, run.chat_template)
     train_set, eval_set, data_format = prompts.prepare_prompts(accelerator, tokenizer, run)
-    chat = data_format == prompts.CHAT_PROMPTS
-    step_completions = run.batch_size * run.grad_accum * launch.data_parallel_size
+    step_completions = run.batch_size * run.grad_accum * launch.data_parallel_size  # whole groups of each prompt's
     prompts_per_step = step_completions // run.num_generations
     preflight.check_prompt_count(len(train_set), prompts_per_step, run)
 
@@ -182,9 +164,8 @@ def main():
     if run.gradient_checkpointing:  # recompute every Nth layer's activations in the backward instead of keeping them
         modeling.checkpoint_activations(model, every_n_layers=run.gradient_checkpointing)
 
-    optimizer = torch.optim.AdamW(
-        modeling.trained_parameter_groups(model), lr=run.lr, weight_decay=run.weight_decay, fused=True
-    )
+    optimizer = torch.optim.AdamW(modeling.trained_parameter_groups(model), lr=run.lr, weight_decay=run.weight_decay,
+                                  fused=True)
     batches_per_epoch = prompts.steps_per_epoch(len(train_set), prompts_per_step)
     total_steps = run.max_steps or math.ceil(run.epochs * batches_per_epoch) * run.num_iterations
     # compiled by default only where the planned steps repay compiling (a flag or a config file decides first)
@@ -206,63 +187,42 @@ def main():
     log = RunLog(accelerator, run, recipe="grpo_full", launch=launch)
     start_step = checkpoint.resume_from(accelerator, resume, model, optimizer, None)
     log.write_run_json(model, None, data_format, optimizer, total_steps, head.description)
-    # A checkpoint inside a batch of completions (--num-iterations > 1) keeps the batch: its steps left train on it
-    kept = checkpoint.read_kept(resume, online.ROLLOUT_FILE) if start_step % run.num_iterations else None
-
-    names = [function.name for function in reward_functions]
-
-    def roll_out(step):
-        """The generation batch that step `step` trains on (online.py: its prompts, this rank's share of its
-        completions sampled with the weights gathered once, every rank's rewards), with the advantages, the
-        log-probabilities the completions were sampled with (needed where the model moves before they train:
-        --num-iterations > 1; RLOO's KL) and the reference's (--beta), in --grad-accum micro-batches."""
-        fresh = not (kept and step == start_step + 1)  # else the batch the checkpoint kept, as it was sampled
-        rollout = online.sample_and_score(accelerator, model, launch, run, train_set, tokenizer, reward_functions,
-                                          (step - 1) // run.num_iterations, prompts_per_step, chat
-                                          ) if fresh else online.rollout_from(accelerator, run, kept)
-        if rollout.problem:  # a reward failed on some rank: every rank stops with its line, nothing lost
-            if step - 1 > start_step:
-                checkpoint.save_checkpoint(accelerator, run, launch, step - 1, None)
-            preflight.refuse(f"{rollout.problem} (at step {step}; fix it, then continue with --resume auto)")
-        with torch.no_grad():
-            for b in rollout.micro_batches if fresh else []:
-                if run.num_iterations > 1 or (run.loss == "rloo" and run.beta):
-                    b["old_logps"] = completion_logps(model, b, head, run.temperature)[0]
-            if reference and fresh:
-                with reference.swapped_in():  # once a batch: the weights as loaded, then the trained ones back
-                    for b in rollout.micro_batches:
-                        b["reference_logps"] = completion_logps(model, b, head, run.temperature)[0]
-        kl_penalty = None
-        if run.loss == "rloo" and run.beta:  # RLOO's KL in the reward: each completion's sum of log-ratios
-            kl_penalty = accelerator.gather(torch.cat([((b["old_logps"] - b["reference_logps"]) * b["completion_mask"])
-                                                       .sum(1) for b in rollout.micro_batches])).cpu().double()
-        advantages = advantages_of(rollout.rewards, weights, run.num_generations, run, kl_penalty)
-        online.hand_out(advantages, rollout, run.batch_size)
-        return rollout, advantages
-
-    def evaluate(step):
-        """The held-out prompts' greedy completions scored by the rewards, logged; the first few for the card."""
-        metrics, samples, problem = online.evaluate(accelerator, model, launch, run, eval_set, tokenizer,
-                                                    reward_functions, weights, chat)
-        if problem:
-            preflight.refuse(f"{problem} (scoring the held-out prompts)")
-        log.log_eval(step, metrics)
-        return samples
+    # Each step's completions sampled and scored (online.py), or the batch a checkpoint taken inside it kept
+    sampling = online.Sampling(accelerator, model, launch, run, tokenizer, reward_functions, weights, data_format,
+                               train_set, eval_set, prompts_per_step, start_step,
+                               checkpoint.read_kept(resume, online.ROLLOUT_FILE))
 
     # The loop: one iteration = one optimizer step over grad_accum micro-batches on every rank.
     model.train()
     sync = runtime.StepSync(accelerator, counts_tokens=False)  # the step's one all-reduce; SIGTERM / Ctrl-C stop cleanly
     log.start(start_step, total_steps)
     rollout, samples, learned = None, [], start_step > 0
-    if run.eval_every and start_step == 0:  # where the model starts: the baseline its rewards are compared with
-        evaluate(0)
+    if run.eval_on_start and start_step == 0:  # where the model starts: the baseline its rewards are compared with
+        log.log_eval(0, sampling.evaluate()[0])
     for step in range(start_step + 1, total_steps + 1):
         if rollout is None or (step - 1) % run.num_iterations == 0:  # a new batch of completions
-            rollout, advantages = roll_out(step)
-            epoch, step_tokens = rollout.epoch, rollout.tokens
-            figures = online.reward_figures(rollout, weights, names, run.num_generations)
+            rollout = sampling.batch(step)
+            if rollout.problem:  # a reward failed on some rank: every rank stops with its line, nothing lost
+                if step - 1 > start_step:
+                    checkpoint.save_checkpoint(accelerator, run, launch, step - 1, None)
+                preflight.refuse(f"{rollout.problem} (at step {step}; fix it, then continue with --resume auto)")
+            with torch.no_grad():  # (a batch a checkpoint kept has them, as sampled)
+                for b in rollout.micro_batches if rollout.fresh else []:
+                    # the sampling policy's, where the model moves before they train (--num-iterations > 1); RLOO's KL
+                    if run.num_iterations > 1 or (run.loss == "rloo" and run.beta):
+                        b["old_logps"] = completion_logps(model, b, head, run.temperature)[0]
+                if reference and rollout.fresh:
+                    with reference.swapped_in():  # once a batch: the weights as loaded, then the trained ones back
+                        for b in rollout.micro_batches:
+                            b["reference_logps"] = completion_logps(model, b, head, run.temperature)[0]
+            kl_penalty = None
+            if run.loss == "rloo" and run.beta:  # RLOO's KL is in the reward: each completion's summed log-ratio
+                kl_penalty = online.completion_sums(
+                    accelerator, rollout, lambda b: (b["old_logps"] - b["reference_logps"]) * b["completion_mask"])
+            advantages = advantages_of(rollout.rewards, weights, run.num_generations, run, kl_penalty)
+            online.hand_out(advantages, rollout, run.batch_size)
             if run.samples_every and step % run.samples_every == 0 and (step - 1) % run.num_iterations == 0:
-                lines = online.sample_lines(rollout, advantages, names)  # (a gather: every rank)
+                lines = sampling.sample_lines(rollout, advantages)  # (a gather: every rank)
                 if accelerator.is_main_process:
                     log.write_samples(step, lines)
         step_loss, step_sums, step_router_loss = 0.0, torch.zeros(2, dtype=torch.float64), 0.0
@@ -273,14 +233,13 @@ def main():
                 mask = batch["completion_mask"]
                 losses, clipped, kl = completion_losses(logps, old_logps, batch.get("reference_logps"),
                                                         batch["advantages"], mask, run)
-                share = share_of_step_loss(losses, mask, run, step_completions, step_tokens,
+                share = share_of_step_loss(losses, mask, run, step_completions, rollout.tokens,
                                            run.grad_accum * launch.data_parallel_size)
                 step_loss += share.detach()
                 # figures summed over the trained tokens (rloo: over completions): clipped ratios, KL
                 weight = mask if run.loss != "rloo" else torch.ones_like(clipped)
                 step_sums += torch.stack([(clipped * weight).sum(), (kl * weight).sum()]).double().cpu()
-                # The gradient of the step's loss: undo accelerate's division by grad_accum and the gradient
-                # all-reduce's mean over ranks.
+                # the step's gradient: undo accelerate's division by grad_accum and the all-reduce's mean over ranks
                 objective = share * run.grad_accum * accelerator.num_processes
                 if router_weight:  # the router's loss: its mean over micro-batches and ranks, as the backward scales it
                     objective = objective + router_weight * router_loss
@@ -294,39 +253,33 @@ def main():
         # The step's one collective: the loss and the figures summed over all ranks, and the stop flag.
         summed_loss, _, stopping, (clipped_sum, kl_sum, router_sum) = sync.end_of_step(
             step_loss, [], [*step_sums.tolist(), step_router_loss])
-        learned = learned or figures["frac_reward_zero_std"] < 1  # some group had a better completion than others
-        counted = step_tokens if run.loss != "rloo" else step_completions
+        learned = learned or rollout.figures["frac_reward_zero_std"] < 1  # some group's rewards differed
+        counted = max(rollout.tokens if run.loss != "rloo" else step_completions, 1)
         router_mean = router_sum / (run.grad_accum * accelerator.num_processes) if router_weight else None
         if step == start_step + 1:  # a gather (every rank takes part): what each rank holds, into run.json
             log.record_ranks()
-        log.log_step(step, epoch, summed_loss, scheduler.get_last_lr()[0], grad_norm, step_tokens, router_mean,
-                     figures={**figures, "clip_ratio/region_mean": clipped_sum / max(counted, 1),
-                              **({"kl": kl_sum / max(counted, 1)} if run.beta and run.loss != "rloo" else {})},
-                     shown=("reward", "reward_std", "frac_reward_zero_std", "completions/mean_length", "kl",
-                            "generation/tokens_per_s"))
+        log.log_step(step, rollout.epoch, summed_loss, scheduler.get_last_lr()[0], grad_norm, rollout.tokens,
+                     router_mean, figures={**rollout.figures, "clip_ratio/region_mean": clipped_sum / counted,
+                                           **({"kl": kl_sum / counted} if run.beta and run.loss != "rloo" else {})},
+                     shown=online.SHOWN_FIGURES)
         if not math.isfinite(summed_loss):  # stop before saving anything from a diverged model
             preflight.refuse(f"the loss became {summed_loss} at step {step}; lower --lr, or check the rewards, and "
                              "start in a new --output-dir (a checkpoint here may already hold the update that diverged)")
         if step == total_steps or (run.eval_every and step % run.eval_every == 0):
-            samples = evaluate(step)
+            metrics, samples = sampling.evaluate()  # each held-out prompt's greedy completion, scored
+            log.log_eval(step, metrics)
             if run.eval_tasks:  # lm-eval's tasks on the model as the launch holds it, each rank its share
                 log.log_benchmarks(step, benchmarks.score_run(accelerator, launch, run, model, tokenizer, data_format))
         if stopping or (run.save_every and step % run.save_every == 0):
-            inside = step % run.num_iterations  # steps left on this batch: the checkpoint keeps it (a gather)
-            checkpoint.save_checkpoint(accelerator, run, launch, step, None, {
-                online.ROLLOUT_FILE: online.kept_in_checkpoint(accelerator, rollout)} if inside else None)
+            checkpoint.save_checkpoint(accelerator, run, launch, step, None, sampling.kept_files(rollout, step))
         if stopping:
             log.close(f"stopped by {sync.signal_name} after step {step}; continue with --resume auto")
             return
 
     # Export: the model, and the model card with the held-out prompts' greedy completions.
     if not learned:
-        log.say("grpo_full: every group's completions tied on reward at every step, so no completion was better "
-                "than another and the model did not move; start from a model that sometimes earns the reward (an SFT "
-                "model as --model), or add a reward with partial credit (recipes/rewards.py:answer_similarity)")
-    probe = rollouts.probe_batch([row["prompt_ids"] for row in eval_set.select(range(min(4, len(eval_set))))],
-                                 tokenizer.pad_token_id)
-    checkpoint.save_probe(accelerator, model, None, probe, run.output_dir)  # what a reload must compute
+        log.say(online.nothing_learned("grpo_full", "model"))
+    checkpoint.save_probe(accelerator, model, None, sampling.probe(), run.output_dir)  # what a reload must compute
     model_dir = f"{run.output_dir}/model"
     checkpoint.save_full_model(accelerator, model, None, tokenizer, model_dir, run.save_dtype)
     report.write_model_card(accelerator, run, "grpo_full", "model", samples)

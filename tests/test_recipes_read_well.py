@@ -19,6 +19,7 @@ sys.path.insert(0, str(REPO / "recipes"))
 from common.launching.args import recipe_flags  # noqa: E402
 
 RECIPES = ["full", "lora", "qlora"]
+ALL_RECIPES = [*RECIPES, "dpo", "dpo_full", "kto", "kto_full", "reward", "reward_full", "grpo", "grpo_full"]
 
 
 def help_flags(recipe: str) -> set[str]:
@@ -37,9 +38,30 @@ def docstring_flags(recipe: str) -> set[str]:
     return set(re.findall(r"--[a-z][a-z0-9-]+", listed))
 
 
-@pytest.mark.parametrize("recipe", [*RECIPES, "dpo", "dpo_full", "kto", "kto_full", "reward", "reward_full", "grpo", "grpo_full"])
+@pytest.mark.parametrize("recipe", ALL_RECIPES)
 def test_docstring_lists_exactly_the_real_flags(recipe):
     assert docstring_flags(recipe) == help_flags(recipe) - {"--help"}
+
+
+@pytest.mark.parametrize("recipe", ALL_RECIPES)
+def test_every_recipe_reads_in_at_most_300_lines(recipe):
+    """A recipe is read top to bottom and copied whole: what nobody edits lives in recipes/common/."""
+    assert len((REPO / "recipes" / f"{recipe}.py").read_text().splitlines()) <= 300
+
+
+@pytest.mark.parametrize("recipe", ["grpo", "grpo_full"])
+def test_the_grpo_loss_is_written_out_in_each_recipe(recipe):
+    """What a copy of an online recipe edits stays in it, not in common/: the advantages, the per-token ratio and its
+    clipping, the KL term, each --loss's normalisation, the reference's log-probabilities, and the loop."""
+    source = (REPO / "recipes" / f"{recipe}.py").read_text()
+    for piece in ("def advantages_of(", "def completion_losses(", "def share_of_step_loss(", "def completion_logps(",
+                  "ratio = torch.exp(logps - old_logps)", "ratio.clamp(low, high)",
+                  "kl = torch.exp(reference_logps - logps) - (reference_logps - logps) - 1",
+                  'if run.loss == "grpo":', 'if run.loss == "dr_grpo":', 'if run.loss == "bnpo":',
+                  'b["reference_logps"] = completion_logps(', "advantages = advantages_of(",
+                  "accelerator.accumulate(model)", "completion_losses(logps, old_logps,", "share_of_step_loss(losses,",
+                  "accelerator.backward(", "clip_grad_norm_(", "optimizer.step()", "scheduler.step()"):
+        assert piece in source, f"{recipe}.py lost `{piece}`"
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
@@ -89,6 +111,9 @@ def launch_edited_copy(edits: list[tuple[str, str]], output_dir, steps: int, con
     assert program["path"] == str(copy) and program["sha256"] == hashlib.sha256(source.encode()).hexdigest()
     assert program["git"] is None or program["git"]["program"] == "untracked"
     assert f"fine-tuned with {copy.name}" in (Path(output_dir) / "README.md").read_text()
+    # and the start-up line says it is a copy, edited (the shipped recipe's own run says neither)
+    assert (program["copy_of"], program["edited"]) == (f"recipes/{recipe}.py", bool(edits))
+    assert f"{recipe} ({copy.name}, {'an edited' if edits else 'a'} copy of recipes/{recipe}.py): " in run.output
     return run
 
 
@@ -104,6 +129,7 @@ def test_a_copied_recipe_edited_in_its_loss_and_schedule_trains_on_the_edits(tra
          "get_constant_schedule(optimizer)"),
     ], tmp_path / "out", steps=3)
     reference = trained("lora", "model_parallel")
+    assert "copy_of" not in reference.run_json()["program"]  # the shipped recipe is no copy
     assert run.losses()[0] == pytest.approx(2 * reference.losses()[0], rel=1e-6)
     flags = matrix_args("lora", "model_parallel")
     lr = float(flags[flags.index("--lr") + 1])
@@ -115,7 +141,7 @@ DOUBLED_LOSS = ("    return losses if weights is None else losses * weights",
                 "    return 2.0 * (losses if weights is None else losses * weights)  # every token twice")
 
 
-@pytest.mark.parametrize("config", ["ddp", "fsdp", "zero3", "pipeline", pytest.param("sp", marks=long_test)])
+@pytest.mark.parametrize("config", ["ddp", "zero3", *(pytest.param(config, marks=long_test) for config in ("fsdp", "pipeline", "sp"))])
 def test_an_edited_loss_trains_under_every_strategy(config, trained, tmp_path):
     """The loss is written once, in the recipe's token_losses, and every path that trains uses it (the
     plain loop, ZeRO's engine, pipeline parallel's schedule, each rank's slice under sequence parallel):

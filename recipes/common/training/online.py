@@ -1,6 +1,7 @@
 """The plumbing of online training (grpo.py, grpo_full.py) that nobody edits: a step's batch of completions
-sampled and scored by the reward functions on every rank, cut into micro-batches; the figures TRL logs; the
-held-out prompts' evaluation. What a recipe edits (the advantages, the loss) stays in the recipe."""
+sampled and scored by the reward functions on every rank, cut into micro-batches, or the one a checkpoint kept;
+the figures TRL logs; the held-out prompts' evaluation (`Sampling` holds what each needs, for the recipe's
+loop). What a recipe edits (the log-probabilities, the reference, the advantages, the loss) stays in the recipe."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from accelerate.utils import gather_object
 from .. import rewards
 from ..data import prompts
 from ..data.formats import reward_columns
+from ..refusal import refuse
 from . import rollouts
 
 
@@ -30,6 +32,8 @@ class Rollout:
     lengths: torch.Tensor
     tokens: int  # the completion tokens that train, on all ranks (the dapo loss's divisor)
     problem: str | None
+    fresh: bool = True  # sampled now (else kept by a checkpoint, with the log-probabilities it was sampled with)
+    figures: dict | None = None  # the batch's figures under TRL's names (`reward_figures`)
 
 
 def sample_and_score(accelerator, model, launch, run, rows, tokenizer, reward_functions, batch: int,
@@ -107,7 +111,7 @@ def rollout_from(accelerator, run, kept: dict) -> Rollout:
     logps = [{name: row[name] for name in SAVED_LOGPS if name in row} for row in rows]
     table, lengths = (torch.tensor(kept[name], dtype=torch.float64) for name in ("rewards", "lengths"))
     return Rollout(kept["epoch"], completions, micro_batches_of(completions, run, accelerator.device, logps), table,
-                   lengths, kept["tokens"], None)
+                   lengths, kept["tokens"], None, fresh=False)
 
 
 def scored(reward_functions, prompt_cells: list, completions: list, columns: dict) -> tuple[list, str | None]:
@@ -116,6 +120,12 @@ def scored(reward_functions, prompt_cells: list, completions: list, columns: dic
         return rewards.score(reward_functions, prompt_cells, completions, columns), None
     except rewards.RewardProblem as error:
         return [[math.nan] * len(reward_functions)] * len(completions), str(error)
+
+
+def completion_sums(accelerator, rollout: Rollout, per_token) -> torch.Tensor:
+    """Each completion's sum of `per_token(micro-batch)` ([rows, tokens]) over its tokens, every rank's, in the
+    batch's order (float64, on the CPU)."""
+    return accelerator.gather(torch.cat([per_token(b).sum(1) for b in rollout.micro_batches])).cpu().double()
 
 
 def hand_out(advantages: torch.Tensor, rollout: Rollout, batch_size: int) -> None:
@@ -204,3 +214,71 @@ def evaluate(accelerator, model, launch, run, rows, tokenizer, reward_functions,
     samples = [{"prompt": tokenizer.decode(row["prompt_ids"], skip_special_tokens=True), "generated": text,
                 "reference": str(row.get("answer", ""))} for row, text in zip(mine[:3], texts[:3])]
     return metrics, samples, problems[0] if problems else None
+
+
+# The figures the progress line shows at each step (all of them go to metrics.jsonl)
+SHOWN_FIGURES = ("reward", "reward_std", "frac_reward_zero_std", "completions/mean_length", "kl",
+                 "generation/tokens_per_s")
+
+
+def nothing_learned(recipe: str, trained: str) -> str:
+    """The line a run whose groups all tied on reward at every step ends with (`trained`: "adapter" or "model")."""
+    return (f"{recipe}: every group's completions tied on reward at every step, so no completion was better than "
+            f"another and the {trained} did not move; start from a model that sometimes earns the reward (an SFT "
+            f"{trained} as --model), or add a reward with partial credit (recipes/rewards.py:answer_similarity)")
+
+
+class Sampling:
+    """An online run's sampling and scoring, for the recipe's loop: each step's batch of completions (`batch`), the
+    held-out prompts' evaluation (`evaluate`), samples.jsonl's lines, the probe the export keeps. Set up once the
+    model is prepared; `kept`: the batch a checkpoint taken inside it kept (the first step after `start_step` trains
+    on it again, as it was sampled)."""
+
+    def __init__(self, accelerator, model, launch, run, tokenizer, reward_functions, weights: list[float],
+                 data_format: str, train_set, eval_set, prompts_per_step: int, start_step: int, kept: dict | None):
+        self.accelerator, self.model, self.launch, self.run, self.tokenizer = accelerator, model, launch, run, tokenizer
+        self.reward_functions, self.weights = reward_functions, weights
+        self.names = [function.name for function in reward_functions]
+        self.chat = data_format == prompts.CHAT_PROMPTS
+        self.train_set, self.eval_set, self.prompts_per_step = train_set, eval_set, prompts_per_step
+        self.kept = kept if start_step % run.num_iterations else None
+        self.start_step = start_step
+
+    def batch(self, step: int) -> Rollout:
+        """The batch of completions step `step` trains on, with its figures: generation batch (step - 1) //
+        --num-iterations sampled and scored now, or at the first step after a checkpoint inside it, the one it kept.
+        `problem`: a reward function's failure on some rank (the recipe stops every rank)."""
+        run = self.run
+        if self.kept and step == self.start_step + 1:
+            rollout = rollout_from(self.accelerator, run, self.kept)
+        else:
+            rollout = sample_and_score(self.accelerator, self.model, self.launch, run, self.train_set, self.tokenizer,
+                                       self.reward_functions, (step - 1) // run.num_iterations, self.prompts_per_step,
+                                       self.chat)
+        rollout.figures = reward_figures(rollout, self.weights, self.names, run.num_generations)
+        return rollout
+
+    def kept_files(self, rollout: Rollout, step: int) -> dict | None:
+        """What a checkpoint at `step` keeps beside it (save_checkpoint's `kept`): the batch of completions where
+        steps are left on it (a gather: every rank calls it), else None."""
+        inside = step % self.run.num_iterations
+        return {ROLLOUT_FILE: kept_in_checkpoint(self.accelerator, rollout)} if inside else None
+
+    def sample_lines(self, rollout: Rollout, advantages: torch.Tensor) -> list[dict]:
+        """samples.jsonl's lines of the batch (a gather: every rank calls it)."""
+        return sample_lines(rollout, advantages, self.names)
+
+    def evaluate(self) -> tuple[dict, list[dict]]:
+        """({"eval_reward", "eval_rewards/<function>/mean"}, the first samples for the model card): each held-out
+        prompt's greedy completion scored by the rewards. A reward that fails stops every rank with its line."""
+        metrics, samples, problem = evaluate(self.accelerator, self.model, self.launch, self.run, self.eval_set,
+                                             self.tokenizer, self.reward_functions, self.weights, self.chat)
+        if problem:
+            refuse(f"{problem} (scoring the held-out prompts)")
+        return metrics, samples
+
+    def probe(self) -> dict:
+        """The first held-out prompts as a batch: what the export keeps the trained model's logits of (save_probe),
+        for a reload to compute again."""
+        first = self.eval_set.select(range(min(4, len(self.eval_set))))
+        return rollouts.probe_batch([row["prompt_ids"] for row in first], self.tokenizer.pad_token_id)
