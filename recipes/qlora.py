@@ -17,7 +17,7 @@ dequantized 4-bit base, i.e. onto the weights it was trained against.
 Flags: --model --dataset --eval-dataset --columns --chat-template --packing --output-dir --epochs --max-steps --batch-size --global-batch-size
        --grad-accum --lr --warmup-ratio --weight-decay --max-grad-norm --max-length --seed --eval-every
        --save-every --save-total-limit --resume --gradient-checkpointing --log-every --report-to --save-dtype
-       --trust-remote-code
+       --trust-remote-code --eval-on-start --no-eval-on-start
        --config (a YAML file of any of these flags)
 Pipeline parallel: --pipeline-stages --pipeline-schedule --pipeline-chunks
 Speed: --compile --no-compile --liger --attention --dataloader-workers
@@ -30,10 +30,10 @@ QLoRA: --bits
 import math
 
 import common.quiet  # noqa: F401  (first: silences library notices nobody can act on)
-from common.launching import args as cli
+from common.launching import args as cli, quick_checks
 
-if __name__ == "__main__":  # --help answered now: the libraries below take seconds to load
-    cli.answer_help("qlora", __doc__)
+if __name__ == "__main__":  # --help, and a refusal that needs no library, now: the libraries below take seconds to load
+    quick_checks.refuse_before_loading("qlora", __doc__)
 
 import torch
 from accelerate.utils import set_seed
@@ -161,6 +161,11 @@ def main():
     # after the resume: a failed load changes nothing
     log.write_run_json(model, stages, data_format, optimizer, total_steps, head.description)
 
+    def evaluate_now(step):  # the held-out loss and exact match (and --eval-tasks' scores) of the model as it is now
+        log.log_eval(step, evaluate(accelerator, model, eval_loader, token_losses, head, stages))
+        if run.eval_tasks:  # lm-eval's tasks on the model as the launch holds it, each rank its share
+            log.log_benchmarks(step, benchmarks.score_run(accelerator, launch, run, model, tokenizer, data_format))
+
     # The loop: one iteration = one optimizer step over grad_accum micro-batches on every rank.
     model.train()
     # The loop's collectives; SIGTERM / Ctrl-C stop it at the end of a step (a pipeline's last stage counts its tokens).
@@ -168,6 +173,9 @@ def main():
     # Clipping the norm of the whole model's gradient (under a pipeline: every stage's part of it).
     clip_grad_norm = stages.clip_grad_norm if stages else accelerator.clip_grad_norm_
     log.start(start_step, total_steps)
+    if run.eval_on_start and start_step == 0:  # a baseline, logged as step 0: what the steps then change
+        with runtime.same_random_state():  # (it draws nothing the steps would: the same curve without it)
+            evaluate_now(0)
     steps = batches.optimizer_steps(train_loader, run.grad_accum, start_step)
     epoch, micro_batches = next(steps)
     # A step's loss is the mean over every target token of the global batch (all micro-batches, all
@@ -219,9 +227,7 @@ def main():
             preflight.refuse(f"the loss became {loss} at step {step}; lower --lr or check the data, and start "
                              "in a new --output-dir (a checkpoint here may already hold the update that diverged)")
         if step == total_steps or (run.eval_every and step % run.eval_every == 0):
-            log.log_eval(step, evaluate(accelerator, model, eval_loader, token_losses, head, stages))
-            if run.eval_tasks:  # lm-eval's tasks on the model as the launch holds it, each rank its share
-                log.log_benchmarks(step, benchmarks.score_run(accelerator, launch, run, model, tokenizer, data_format))
+            evaluate_now(step)
         if stopping or (run.save_every and step % run.save_every == 0):
             checkpoint.save_checkpoint(accelerator, run, launch, step, stages)
         if stopping:

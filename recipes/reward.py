@@ -21,7 +21,7 @@ score head) and merged/ (always: AutoModelForSequenceClassification.from_pretrai
 Flags: --model --dataset --eval-dataset --columns --chat-template --output-dir --epochs --max-steps --batch-size
        --global-batch-size --grad-accum --lr --warmup-ratio --weight-decay --max-grad-norm --max-length --seed
        --eval-every --save-every --save-total-limit --resume --gradient-checkpointing --log-every --report-to
-       --save-dtype --trust-remote-code
+       --save-dtype --trust-remote-code --eval-on-start --no-eval-on-start
        --config (a YAML file of any of these flags)
 Speed: --compile --no-compile --liger --attention --dataloader-workers
 LoRA:  --lora-r --lora-alpha --lora-dropout --lora-targets --use-dora --use-rslora --merge --bits
@@ -33,10 +33,10 @@ Refused here: --packing --pipeline-stages --pipeline-schedule --pipeline-chunks,
 import math
 
 import common.quiet  # noqa: F401  (first: silences library notices nobody can act on)
-from common.launching import args as cli
+from common.launching import args as cli, quick_checks
 
-if __name__ == "__main__":  # --help answered now: the libraries below take seconds to load
-    cli.answer_help("reward", __doc__)
+if __name__ == "__main__":  # --help, and a refusal that needs no library, now: the libraries below take seconds to load
+    quick_checks.refuse_before_loading("reward", __doc__)
 
 import torch
 import torch.nn.functional as F
@@ -163,10 +163,17 @@ def main():
     # after the resume: a failed load changes nothing
     log.write_run_json(model, None, data_format, optimizer, total_steps, "the score head at each row's last token")
 
+    def evaluate_now(step):  # the held-out figures (and --eval-tasks' scores) of the model as it is now
+        log.log_eval(step, evaluate_pairs(accelerator, model, eval_loader,
+                                          lambda batch: score_pairs(model, batch, run, pad)[1]))
+
     # The loop: one iteration = one optimizer step over grad_accum micro-batches on every rank.
     model.train()
     sync = runtime.StepSync(accelerator)  # the step's one all-reduce; SIGTERM / Ctrl-C stop at the end of a step
     log.start(start_step, total_steps)
+    if run.eval_on_start and start_step == 0:  # a baseline, logged as step 0: what the steps then change
+        with runtime.same_random_state():  # (it draws nothing the steps would: the same curve without it)
+            evaluate_now(0)
     steps = batches.optimizer_steps(train_loader, run.grad_accum, start_step)
     epoch, micro_batches = next(steps)
     step_tokens = sync.count_tokens(micro_batches)  # the trained tokens of both sides (what tokens/s counts)
@@ -209,8 +216,7 @@ def main():
             preflight.refuse(f"the loss became {loss} at step {step}; lower --lr, or check the data, and start in a "
                              "new --output-dir (a checkpoint here may already hold the update that diverged)")
         if step == total_steps or (run.eval_every and step % run.eval_every == 0):
-            log.log_eval(step, evaluate_pairs(accelerator, model, eval_loader,
-                                              lambda batch: score_pairs(model, batch, run, pad)[1]))
+            evaluate_now(step)
         if stopping or (run.save_every and step % run.save_every == 0):
             checkpoint.save_checkpoint(accelerator, run, launch, step, None)
         if stopping:

@@ -47,7 +47,7 @@ def flags() -> argparse.ArgumentParser:
 
 answer_help_with(flags)  # before the checks' libraries load (seconds)
 
-from common.launching import launch_config, preflight  # noqa: E402
+from common.launching import launch_config, preflight, quick_checks  # noqa: E402
 from common.launching.batch_size import settle as settle_batch  # noqa: E402
 from common.launching.deepspeed_config import check_engine_config, deepspeed_source, edit_deepspeed  # noqa: E402
 from common.launching.launch import DEEPSPEED, TENSOR_PARALLEL, describe  # noqa: E402
@@ -146,7 +146,7 @@ def check(config_file: Path, recipe: str = "lora", recipe_argv: list[str] = (), 
             config = launch_config.read_config(path)  # accelerate starts one process, whatever was asked
             asked = num_processes or int(config.get("num_processes") or 1)
             launch_config.refuse_one_process_for_several(str(config.get("distributed_type", "NO")).upper(), asked)
-        preflight.check_ranges(run)  # values the file handed to the flags, too
+        quick_checks.check_ranges(run)  # values the file handed to the flags, too
         if shown in ONLINE_RECIPES:  # generation needs whole layers: no pipeline, tensor or sequence parallel
             preflight.check_online_strategy(run, launch)
         if shown in REWARD_RECIPES:  # what a reward model cannot run (packing, tp / sp / pipeline, --eval-tasks)

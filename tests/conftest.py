@@ -63,7 +63,9 @@ def launch_command(recipe: str, output_dir: Path, *recipe_args: str, config: str
         command += ["--config_file", config_file, "--num_processes", str(processes)]
     command += [*launcher_args, *(["--mixed_precision", mixed_precision] if mixed_precision else []),
                 str(REPO / "recipes" / f"{recipe}.py"), "--output-dir", str(output_dir)]
-    return command + list(recipe_args)
+    # The evaluation before step 1 (on by default) has its own tests (test_eval_on_start.py); the other launches
+    # leave it out, a few seconds each. A test that gives --eval-on-start has it (the last flag given wins).
+    return command + ["--no-eval-on-start", *recipe_args]
 
 
 def free_port() -> int:

@@ -18,7 +18,7 @@ from conftest import REPO, TINY_MODEL, assert_no_traceback_of_ours, assert_the_r
 
 sys.path.insert(0, str(REPO / "recipes"))
 from common.data import checked_rows, tokens  # noqa: E402
-from common.launching import preflight, settle  # noqa: E402
+from common.launching import preflight, quick_checks, settle  # noqa: E402
 from common.outputs import checkpoint  # noqa: E402
 from common.launching.args import parse_args, recipe_flags  # noqa: E402
 from common.launching.launch import Launch  # noqa: E402
@@ -277,7 +277,7 @@ def test_random_launches_train_or_stop_with_one_line_before_the_model_loads(tmp_
             continue
         refused += 1
         assert len(errors) == 1, (shape, flags, run.output[-3000:])
-        assert "Loading weights" not in run.output.split(errors[0])[0], (shape, flags)  # before the model loads
+        assert "model: loading the weights" not in run.output.split(errors[0])[0], (shape, flags)  # before the model loads
         assert not (tmp_path / f"out-{attempt}" / "run.json").exists()
         assert_no_traceback_of_ours(run.output)
         assert_the_refusal_ends_the_output(run.output, errors[0])
@@ -321,7 +321,7 @@ def test_every_case_through_the_launcher(flags, shape, refusal, tmp_path):
         assert DROPPED[shape] in run.output, run.output[-3000:]
         return
     assert run.returncode != 0 and len(errors) == 1 and refusal in errors[0], run.output[-3000:]
-    assert "Loading weights" not in run.output and not (output_dir / "run.json").exists()
+    assert "model: loading the weights" not in run.output and not (output_dir / "run.json").exists()
     assert_no_traceback_of_ours(run.output)
     assert_the_refusal_ends_the_output(run.output, errors[0])
 
@@ -446,7 +446,7 @@ def test_a_hub_that_does_not_answer_is_asked_once_and_a_model_it_lacks_is_one_li
     assert errors[0].startswith("error: --model org/not-downloaded is not in this machine's hub cache and the hub "
                                 "(http://127.0.0.1:9) did not answer: ")
     assert "hf download org/not-downloaded" in errors[0]
-    assert "Retrying" not in run.output and "Loading weights" not in run.output, run.output[-3000:]
+    assert "Retrying" not in run.output and "model: loading the weights" not in run.output, run.output[-3000:]
     assert_the_refusal_ends_the_output(run.output, errors[0])
 
 
@@ -480,5 +480,5 @@ def test_every_hub_id_a_launch_line_names_is_taken_as_one():
     for alias, hub_id in planner.HUB_IDS.items():
         if alias != "tiny-llama":  # (the bundled model's folder)
             assert not looks_local(hub_id), hub_id
-            preflight.check_paths(args_of("--model", hub_id))
+            quick_checks.check_paths(args_of("--model", hub_id))
     assert all(looks_local(path) for path in ("data/train.jsonl", "runs/rows.json.gz", "held_out/", "/abs", "x"))

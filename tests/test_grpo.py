@@ -341,10 +341,12 @@ def test_a_reward_that_raises_mid_run_stops_every_rank_with_one_line_and_keeps_t
     assert (tmp_path / "out" / "checkpoints" / "step-2").is_dir()
 
 
-def test_chat_prompts_keep_their_system_turn_and_the_rewards_get_messages(tmp_path):
+@pytest.mark.parametrize("tasks", [False, pytest.param(True, marks=long_test)], ids=["", "eval-tasks"])
+def test_chat_prompts_keep_their_system_turn_and_the_rewards_get_messages(tmp_path, tasks):
     """Chat prompts go through the chat template with the assistant's turn opened; the reward functions receive
     the prompts and completions as message lists, the other columns as lists; run.json records the system turn;
-    --eval-tasks asks lm-eval's prompts through the chat template and that system turn."""
+    --eval-tasks (long: lm-eval loads in ~15 s) asks lm-eval's prompts through the chat template and that system
+    turn."""
     data = tmp_path / "chat.jsonl"
     with open(data, "w") as file:
         for digits in ("3 1 2", "9 4 7", "5 0 8", "2 2 1"):
@@ -358,12 +360,13 @@ def test_chat_prompts_keep_their_system_turn_and_the_rewards_get_messages(tmp_pa
                     "    return [float(len(c[0]['content'])) for c in completions]\n")
     run = launch("grpo", tmp_path / "out", "--dataset", str(data), "--eval-dataset", str(data), "--reward",
                  f"{checked}:f", "--batch-size", "8", "--num-generations", "4", "--max-completion-length", "6",
-                 "--max-steps", "2", "--samples-every", "1", "--eval-tasks", str(REPO / "data" / "eval_tasks" /
-                                                                              "recipes_answer.yaml"),
-                 "--eval-limit", "4", processes=1)
+                 "--max-steps", "2", "--samples-every", "1",
+                 *(["--eval-tasks", str(REPO / "data" / "eval_tasks" / "recipes_answer.yaml"), "--eval-limit", "4"]
+                   if tasks else []), processes=1)
     assert run.returncode == 0, run.output[-3000:]
-    (scored,) = run.metrics("benchmarks")  # lm-eval's task, asked as the run trained: through the chat template
-    assert "recipes_answer" in scored and scored["prompts"].startswith("chat template"), scored
+    if tasks:
+        (scored,) = run.metrics("benchmarks")  # lm-eval's task, asked as the run trained: through the chat template
+        assert "recipes_answer" in scored and scored["prompts"].startswith("chat template"), scored
     record = run.run_json()
     assert record["data_format"] == "chat prompts" and record["system_prompt"] == "Answer with digits."
     assert "data: chat rows rendered with the plain default" in run.output

@@ -59,7 +59,7 @@ def test_a_second_run_into_the_same_folder_is_refused(whole, tmp_path):
     assert second.returncode != 0
     errors = [line for line in second.output.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and "already holds checkpoints of another run; pass --resume auto" in errors[0], errors
-    assert "Loading weights" not in second.output
+    assert "model: loading the weights" not in second.output
     assert_no_traceback_of_ours(second.output)
 
 

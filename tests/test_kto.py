@@ -150,6 +150,8 @@ def test_it_trains_and_says_what_it_read(trained, recipe):
     # The first step's policy is the reference: every reward 0, the KL estimate 0 and the loss 1 - sigmoid(0)
     assert records[0]["loss"] == pytest.approx(0.5, abs=1e-6) and records[0]["kl"] == pytest.approx(0, abs=1e-6)
     assert all(record["kl"] >= 0 for record in records) and records[-1]["logps/chosen"] < 0
+    # the estimate as clamped, and beside it as measured
+    assert all(record["kl"] == pytest.approx(max(record["kl_unclamped"], 0), abs=1e-6) for record in records)
     (evaluation,) = run.metrics("eval")
     assert {"eval_loss", "eval_kl", "eval_rewards/chosen", "eval_rewards/rejected"} <= set(evaluation)
     # the bundled pairs, each two judged replies

@@ -303,7 +303,7 @@ def test_a_precision_given_as_a_bare_switch_names_the_block_form(tmp_path):
 
 
 def test_a_value_the_file_sets_is_refused_under_the_files_key(tmp_path):
-    from common.launching.preflight import check_ranges
+    from common.launching.quick_checks import check_ranges
 
     _, args = adapt(deepspeed_env(tmp_path, {"gradient_clipping": 0.0}))
     with pytest.raises(Refusal, match=r"--max-grad-norm \(set by gradient_clipping in .*ds.json\) must be > 0"):

@@ -164,4 +164,4 @@ def test_a_missing_source_is_refused_before_the_model_loads(tmp_path):
     assert run.returncode != 0
     [line] = [line for line in run.output.splitlines() if line.startswith("error: ")]
     assert line.startswith(f"error: --dataset {tmp_path / 'nope.jsonl'} does not exist"), line
-    assert "Loading weights" not in run.output
+    assert "model: loading the weights" not in run.output

@@ -102,7 +102,7 @@ def test_qlora_of_a_model_bitsandbytes_would_not_quantize_is_refused_before_it_l
     errors = [line for line in run.output.splitlines() if line.startswith("error: ")]
     assert run.returncode != 0 and len(errors) == 1, run.output[-3000:]
     assert "bitsandbytes would quantize none of" in errors[0] and "(FalconLinear:" in errors[0]
-    assert "use recipes/lora.py" in errors[0] and "Loading weights" not in run.output
+    assert "use recipes/lora.py" in errors[0] and "model: loading the weights" not in run.output
 
 
 def test_qlora_says_which_layers_stay_unquantized_and_records_the_quantized_weights(tmp_path):

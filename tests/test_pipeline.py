@@ -283,7 +283,7 @@ def test_a_refused_pipeline_ends_the_launchers_output(tmp_path):
     refusal = "error: --pipeline-stages 3 is more than the model's 2 decoder layers: use at most 2"
     assert run.returncode != 0
     assert_the_refusal_ends_the_output(run.output, refusal)
-    assert "Loading weights" not in run.output  # before the model loads
+    assert "model: loading the weights" not in run.output  # before the model loads
 
 
 def test_check_config_answers_for_a_pipeline():

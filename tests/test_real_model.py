@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, launch
+from conftest import REPO, launch, long_test
 
 sys.path.insert(0, str(REPO / "recipes"))
 from common.data import batches, tokens  # noqa: E402
@@ -50,6 +50,7 @@ def test_a_row_trains_on_the_reply_the_model_writes_at_inference(smollm2):
         assert tok.decode(targets) == messages[1]["content"] + "<|im_end|>"
 
 
+@long_test  # ~35 s: a 2-process launch of a 135M model (results/2026-11-29_cpu_real-model-quickstart runs it longer)
 def test_lora_on_a_real_model_learns_the_bundled_task(smollm2, tmp_path):
     """The quickstart's command, shortened: its own chat template named, the loss falling, and the held-out
     answers (teacher-forced) mostly right after a few steps, which the model as published gets none of."""

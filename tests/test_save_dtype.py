@@ -48,4 +48,4 @@ def test_a_save_dtype_for_nothing_exported_is_refused_in_one_line(tmp_path):
     errors = [line for line in run.output.splitlines() if line.startswith("error: ")]
     assert run.returncode != 0 and len(errors) == 1, run.output[-3000:]
     assert errors[0].startswith("error: --save-dtype bf16 sets the dtype of merged/") and "add --merge" in errors[0]
-    assert "Loading weights" not in run.output
+    assert "model: loading the weights" not in run.output

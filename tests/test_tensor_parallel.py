@@ -116,8 +116,8 @@ def test_lora_splits_its_adapters_with_the_layers(tp_runs, tmp_path, record_prop
     assert torch.allclose(logits, trained_logits, atol=1e-4), (logits - trained_logits).abs().max()
 
 
-# Both go through torch's distributed checkpoint; the 2-process one in every run, the 4-process one in the long run.
-@pytest.mark.parametrize("config", ["tp", pytest.param("fsdp_tp", marks=long_test)])
+# Both go through torch's distributed checkpoint (every run resumes FSDP2 and ZeRO-3 in test_resume.py).
+@pytest.mark.parametrize("config", [pytest.param("tp", marks=long_test), pytest.param("fsdp_tp", marks=long_test)])
 def test_a_resumed_run_continues_the_same_curve(config, tp_runs, tmp_path):
     whole = tp_runs("full", config)
     assert whole.returncode == 0, whole.output[-3000:]

@@ -7,3 +7,7 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_MODEL = REPO_ROOT / "models" / "tiny-llama"
+
+
+def is_default_model(name: str) -> bool:
+    return Path(name).resolve() == DEFAULT_MODEL.resolve()

@@ -56,10 +56,23 @@ for name, starts in LOG_NOTICES.items():
     logging.getLogger(name).addFilter(DropNotices(starts))
 for pattern in WARNING_NOTICES:
     warnings.filterwarnings("ignore", message=pattern)
+# datasets' bars (tokenising, generating a split, mapping columns): the data line says what was read, and a long
+# tokenising says so in one line first (data/tokens.py)
+os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
 if int(os.environ.get("RANK", "0")) != 0:
-    # one "Loading weights" / "tokenising" bar per launch (rank 0's), not one per rank
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # one download bar per launch (rank 0's), not one per rank
+
+
+def loading_bars_off() -> None:
+    """transformers' "Loading weights" bar off (the recipe says what it loads in one line); the hub's download
+    bars, which the same switch turns off, put back as they were. Called once transformers is imported."""
+    from huggingface_hub.utils import are_progress_bars_disabled, enable_progress_bars
+    from transformers.utils import logging as transformers_logging
+
+    downloads_shown = not are_progress_bars_disabled()
+    transformers_logging.disable_progress_bar()
+    if downloads_shown:
+        enable_progress_bars()
 
 
 class DropPrinted:

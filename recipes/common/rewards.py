@@ -38,12 +38,8 @@ def load_rewards(specs: list[str]) -> list[Reward]:
     modules = {}
     rewards = []
     for spec in specs:
-        path, colon, name = spec.rpartition(":")
-        if not colon or not path or not name:
-            refuse(f"--reward {spec}: give FILE.py:NAME, the file with your reward function and its name")
-        file = Path(path).expanduser()
-        if not file.is_file():
-            refuse(f"--reward {spec}: {path} does not exist; give the Python file that defines {name}")
+        file, name = reward_file(spec)
+        path = spec.rpartition(":")[0]
         key = str(file.resolve())
         if key not in modules:
             modules[key] = imported(file, spec)
@@ -58,6 +54,17 @@ def load_rewards(specs: list[str]) -> list[Reward]:
         rewards.append(Reward(name if [r.name for r in rewards].count(name) == 0 else f"{name}_{len(rewards)}",
                               spec, function))
     return rewards
+
+
+def reward_file(spec: str) -> tuple[Path, str]:
+    """(the file, the function's name) of a `FILE.py:NAME` spec whose file exists; anything else refused."""
+    path, colon, name = spec.rpartition(":")
+    if not colon or not path or not name:
+        refuse(f"--reward {spec}: give FILE.py:NAME, the file with your reward function and its name")
+    file = Path(path).expanduser()
+    if not file.is_file():
+        refuse(f"--reward {spec}: {path} does not exist; give the Python file that defines {name}")
+    return file, name
 
 
 def imported(file: Path, spec: str):

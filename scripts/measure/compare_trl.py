@@ -125,7 +125,7 @@ def launch_command(side: str, output_dir: Path, args, port: int) -> list[str]:
                 "--batch-size", str(args.batch_size), "--grad-accum", str(args.grad_accum),
                 "--max-length", str(args.max_length), "--seed", str(args.seed), *(["--liger"] if args.liger else [])]
     if side == "ours":  # no tracker, no progress lines, evaluation only after the last (timed) step
-        command += ["--report-to", "none", "--log-every", "0", "--eval-every", "0"]
+        command += ["--report-to", "none", "--log-every", "0", "--eval-every", "0", "--no-eval-on-start"]
     return command
 
 

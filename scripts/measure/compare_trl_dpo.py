@@ -48,7 +48,8 @@ def run_side(side: str, folder: Path, flags: list[str], recipe: str = "dpo") -> 
     if side == "ours":
         command = [sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "1",
                    "--num_machines", "1", "--dynamo_backend", "no", "--mixed_precision", "no",
-                   str(REPO / "recipes" / f"{recipe}.py"), "--output-dir", str(folder), *flags, "--eval-every", "0"]
+                   str(REPO / "recipes" / f"{recipe}.py"), "--output-dir", str(folder), *flags, "--eval-every", "0",
+                   "--no-eval-on-start"]
     else:
         command = [sys.executable, str(REPO / "scripts" / "measure" / f"trl_{recipe}_worker.py"), "--output-dir",
                    str(folder), *flags]

@@ -97,7 +97,7 @@ def launch_command(side: str, output_dir: Path, args, processes: int) -> list[st
                 "--max-steps", str(args.steps), "--batch-size", str(args.batch_size), "--grad-accum",
                 str(args.grad_accum), "--seed", str(args.seed)]
     if side == "ours":  # no tracker, no progress lines, evaluation only after the last (timed) step
-        return command + ["--report-to", "none", "--log-every", "0", "--eval-every", "0"]
+        return command + ["--report-to", "none", "--log-every", "0", "--eval-every", "0", "--no-eval-on-start"]
     return command + ["--recipe-order"]
 
 

@@ -47,7 +47,23 @@ def missing_source(flag: str, spec: str) -> str | None:
     if spec == planner.DATASET_PLACEHOLDER:
         return (f"{flag} {spec} is the word plan.py's Launch line asks you to replace: give your data instead, "
                 "a .jsonl/.json/.parquet/.txt/.csv/.tsv file, a folder of them, or a hub id (org/name)")
-    return f"{flag} {spec} does not exist; give a .jsonl/.json/.parquet/.txt/.csv/.tsv file, a folder of them, or a hub id"
+    near = near_names(Path(spec).expanduser())
+    return (f"{flag} {spec} does not exist" + (f" (did you mean {' or '.join(near)}?)" if near else "")
+            + "; give a .jsonl/.json/.parquet/.txt/.csv/.tsv file, a folder of them, or a hub id")
+
+
+def near_names(path: Path) -> list[str]:
+    """Up to 3 names beside a missing `path` that are spelled like it (a typo, another extension), as paths
+    written the way `path` was; [] where its folder does not exist either."""
+    import difflib
+
+    folder = path.parent
+    if not folder.is_dir():
+        return []
+    names = sorted(entry.name for entry in folder.iterdir() if not entry.name.startswith("."))
+    near = difflib.get_close_matches(path.name, names, n=3, cutoff=0.75)
+    near += [name for name in names if name not in near and Path(name).stem == path.stem][:3 - len(near)]
+    return [str(path.with_name(name)) for name in near]
 
 
 def hub_not_read(spec: str, error: BaseException) -> str | None:
@@ -153,9 +169,10 @@ def check_mark(path: Path, renames: dict) -> Path | None:
     cache); None where that cache cannot be written."""
     import hashlib
 
-    try:
-        from datasets import config
+    from huggingface_hub import constants  # (not datasets.config: importing datasets takes seconds, and the
+    # recipes check files before loading any library)
 
+    try:
         stat = path.stat()
         with path.open("rb") as handle:  # its ends too: a file rewritten within the clock's tick keeps its time
             head = handle.read(1 << 16)
@@ -163,7 +180,8 @@ def check_mark(path: Path, renames: dict) -> Path | None:
             ends = head + handle.read()
         key = json.dumps([str(path.resolve()), stat.st_size, stat.st_mtime_ns, hashlib.sha256(ends).hexdigest(),
                           renames, hashlib.sha256(Path(__file__).read_bytes()).hexdigest()])
-        folder = Path(config.HF_DATASETS_CACHE) / "recipes-checked-files"
+        # datasets' cache folder by datasets' own rule: HF_DATASETS_CACHE, else HF_HOME/datasets
+        folder = Path(os.environ.get("HF_DATASETS_CACHE") or Path(constants.HF_HOME) / "datasets") / "recipes-checked-files"
         folder.mkdir(parents=True, exist_ok=True)
     except OSError:
         return None
@@ -362,20 +380,18 @@ def with_text_columns(loaded):
     return loaded
 
 
-def load_folder(folder: Path, columns: str | None = None, given: Path | None = None):
-    """The folder's splits: files named train* / eval* / validation* (val*, dev*) / test* (other files
-    are notes or configs), or, when nothing is named so, its data files as the training split. A folder
-    whose data files are all in one subfolder (a hub dataset as downloaded: README.md beside data/) is
-    read from that subfolder."""
-    import datasets
-
-    given = given or folder
+def folder_splits(folder: Path, columns: str | None = None) -> tuple[Path, dict[str, list[Path]], dict[Path, list]]:
+    """(the folder read, {split: its files}, each JSON file's columns) of a --dataset folder: files named train* /
+    eval* / validation* (val*, dev*) / test* (other files are notes or configs), or, when nothing is named so, its
+    data files as the training split. A folder whose data files are all in one subfolder (a hub dataset as
+    downloaded: README.md beside data/) is read from that subfolder. Reads no library: the recipes check a
+    folder with it before torch loads."""
     files = sorted(p for p in folder.iterdir() if p.is_file() and suffix(p) in FILE_LOADERS)
     if not files:
         inner = sorted(p.name for p in folder.iterdir() if p.is_dir() and any(
             suffix(f) in FILE_LOADERS for f in p.iterdir() if f.is_file()))
         if len(inner) == 1:
-            return load_folder(folder / inner[0], columns, given)
+            return folder_splits(folder / inner[0], columns)
         refuse(f"--dataset {folder} holds no .jsonl/.json/.parquet/.txt/.csv/.tsv file"
                + (f"; its folders {', '.join(f'{name}/' for name in inner)} do: point --dataset at the one to "
                   f"train on, e.g. {folder / inner[0]}" if inner else ""))
@@ -397,10 +413,19 @@ def load_folder(folder: Path, columns: str | None = None, given: Path | None = N
             refuse(f"--dataset {folder}: {group[0].name} and {differ[0].name} are both read as the {split} split "
                    f"but have different columns; move the file that is not {split} data out of the folder, or "
                    "point --dataset at one file")
+    return folder, by_split, columns_of
+
+
+def load_folder(given: Path, columns: str | None = None):
+    """A --dataset folder's splits (folder_splits), loaded one split at a time."""
+    import datasets
+
+    folder, by_split, _ = folder_splits(given, columns)
     if int(os.environ.get("RANK", "0")) == 0:  # which file is which split, and what was left out
         used = "; ".join(f"{split}: {', '.join(str(f.relative_to(given)) for f in group)}"
                          for split, group in sorted(by_split.items(), key=lambda item: item[0] != "train"))
-        left = [f.name for f in folder.iterdir() if f.is_file() and f not in (named or files)]
+        read = {f for group in by_split.values() for f in group}
+        left = [f.name for f in folder.iterdir() if f.is_file() and f not in read]
         print(f"files: {used}" + (f"; not read: {', '.join(sorted(left))}" if left else ""), flush=True)
     # one split at a time: datasets reads every split with the first split's columns otherwise
     loaded = datasets.DatasetDict({

@@ -33,6 +33,13 @@ def sources_of(given) -> list[Source]:
     return sources
 
 
+def data_specs(args) -> list[tuple[str, str | None]]:
+    """(flag, what it names) of each data source a run reads: every --dataset (a weight that is no weight is
+    refused here), then --eval-dataset."""
+    given = [("--dataset", source.spec) for source in sources_of(args.dataset)]
+    return given + [("--eval-dataset", getattr(args, "eval_dataset", None))]
+
+
 def source_of(text: str | None) -> Source:
     """`SPEC` or `SPEC:WEIGHT`; a path that exists with a colon in its name is a path."""
     if text is None:

@@ -112,6 +112,9 @@ def recipe_parser(doc: str) -> argparse.ArgumentParser:
              "target left is dropped (both counted at start-up)")
     add("--seed", type=int, default=42, help="model init of new weights, dropout, data order")
     add("--eval-every", type=int, default=0, help="evaluate every N steps (0: only at the end)")
+    add("--eval-on-start", action=argparse.BooleanOptionalAction, default=True,
+        help="evaluate the model as loaded before the first step (step 0 in metrics.jsonl, --eval-tasks too), so "
+             "the run shows what it changed; --no-eval-on-start skips it")
     add("--eval-tasks", default=None, metavar="TASKS",
         help="lm-evaluation-harness tasks scored with the eval rows: task or group names (arc_easy,hellaswag), task "
              "YAML files or folders of them (data/eval_tasks), comma-separated; needs `pip install lm-eval==0.4.13`")

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import planner
 
-from ..data.data_files import looks_local, missing_source
-from ..data.mixture import sources_of
+from ..data.data_files import looks_local
+from ..data.mixture import data_specs
 from ..model.model_config import (is_default_model, meta_model, model_config_object, module_kinds, quantizable_weights,
                                   vision_language)
 from ..model.vision import tower_linears, vision_parts
@@ -24,7 +24,7 @@ from ..model.pipeline_layout import check_layout, unstageable
 from ..model.score_head import why_not_a_reward_model
 from ..refusal import Refusal, refuse  # noqa: F401  (preflight.refuse and preflight.Refusal, as the recipes and tests use them)
 from ..rewards import BUNDLED_REWARD
-from .args import ONLINE_RECIPES, VISION_FLAGS, VISION_RECIPES, lora_targets
+from .args import VISION_FLAGS, VISION_RECIPES, lora_targets
 from .launch import DDP, DEEPSPEED, FSDP, MODEL_PARALLEL, SINGLE, TENSOR_PARALLEL
 from .launch import flag as env_flag  # (`flag` names the flags in the checks below)
 from .memory_plan import size
@@ -36,44 +36,6 @@ def check_versions() -> None:
     if old:
         refuse(f"too old for these recipes: {', '.join(old)}; pip install -r requirements.txt (the tested "
                "versions), or upgrade just these")
-
-
-def check_flags(args, recipe: str) -> None:
-    """The flags' own values: in range, not empty, something to train, nothing asked that this run cannot do."""
-    for flag in ("model", "dataset", "output_dir", "resume", "columns"):
-        values = getattr(args, flag)
-        if any(value is not None and not str(value).strip() for value in (values if isinstance(values, list) else [values])):
-            refuse(f"--{flag.replace('_', '-')} is empty (an unset shell variable?); give a value or leave the flag out")
-    check_ranges(args)
-    if args.max_steps == 0 and args.epochs == 0:
-        refuse("nothing to train: give --max-steps N or --epochs N (> 0)")
-    check_columns(args.columns)
-    if recipe != "full" and args.save_dtype != "auto" and not args.merge:
-        refuse(f"--save-dtype {args.save_dtype} sets the dtype of merged/ (and full.py's model/), which this run does "
-               "not write: add --merge, or drop --save-dtype (adapter/ keeps the adapter as trained)")
-
-
-def check_paths(args) -> None:
-    """--model, --dataset and --eval-dataset each name something here or a hub id: plan.py's placeholder words
-    left in, and paths that do not exist, are refused before anything asks the hub (which tries a missing
-    name 6 times over ~25 s, on every rank, before failing)."""
-    if args.model == planner.MODEL_PLACEHOLDER and not Path(args.model).exists():
-        refuse(f"--model {args.model} is the word plan.py's Launch line asks you to replace: give the hub id or "
-               "folder of the model's weights")
-    if looks_local(args.model) and not Path(args.model).expanduser().exists() and not is_default_model(args.model):
-        refuse(f"--model {args.model} does not exist; give a local folder or a hub id such as "
-               "TinyLlama/TinyLlama-1.1B-Chat-v1.0")
-    for flag, spec in data_specs(args):
-        missing = missing_source(flag, spec)
-        if missing:
-            refuse(missing)
-
-
-def data_specs(args) -> list[tuple[str, str | None]]:
-    """(flag, what it names) of each data source a run reads: every --dataset (a weight that is no weight is
-    refused here), then --eval-dataset."""
-    given = [("--dataset", source.spec) for source in sources_of(args.dataset)]
-    return given + [("--eval-dataset", getattr(args, "eval_dataset", None))]
 
 
 def hub_ids(args, model: str) -> dict[str, str]:
@@ -136,9 +98,8 @@ def go_offline() -> None:
 
 
 def check_inputs(args) -> None:
-    """The model and the data exist where they are given (check_paths), and the model can take --max-length
-    tokens."""
-    check_paths(args)
+    """The model's folder holds a model (quick_checks.check_paths: the paths exist), and the model can take
+    --max-length tokens."""
     check_model_folder(args.model)
     context = context_length(args.model)
     if context and args.max_length > context:
@@ -210,10 +171,10 @@ def check_vision_language(args, launch) -> None:
                f"drop {'them' if len(asked) > 1 else 'it'}, or give an image-text-to-text model")
     if config is None or not vision_language(config):
         return
-    if config.model_type == "paligemma":
-        refuse(f"--model {args.model} is PaliGemma, whose prefix-LM layout (the prompt attended both ways, "
-               "token_type_ids marking the reply) these recipes do not train yet; fine-tune Gemma 3, its "
-               "chat-template successor, or another family in docs/data.md#images")
+    if config.model_type == "paligemma" and args.recipe in ("dpo", "dpo_full"):
+        refuse(f"--model {args.model} is PaliGemma, whose preference pairs {args.recipe}.py does not train yet (its "
+               "prefix-LM layout is trained by recipes/lora.py, qlora.py and full.py); fine-tune Gemma 3 with "
+               f"{args.recipe}.py, or SFT PaliGemma (docs/data.md#images)")
     if args.recipe not in VISION_RECIPES + ("dpo", "dpo_full"):
         refuse(f"--model {args.model} is a vision-language model, which {args.recipe}.py does not train yet; "
                "recipes/lora.py, qlora.py, full.py, dpo.py and dpo_full.py do (docs/data.md#images)")
@@ -266,26 +227,6 @@ def check_strategy(args, recipe: str, launch) -> None:
                "DeepSpeed keeps partitioned; use accelerate_configs/fsdp_offload.yaml or zero2.yaml")
     if fsdp:
         check_layer_classes_to_wrap(args.model)
-
-
-# flag -> (low, high): a [low, high] or (low, high) bound on the value; None: unbounded
-RANGES = {
-    "max_steps": "[0, None)", "epochs": "[0, 1000000]", "batch_size": "[1, None)", "grad_accum": "[1, None)",
-    "global_batch_size": "[1, None)",
-    "max_length": "[1, None)", "lr": "(0, None)", "warmup_ratio": "[0, 1]", "weight_decay": "[0, None)",
-    "max_grad_norm": "(0, None)", "eval_every": "[0, None)", "save_every": "[0, None)",
-    "save_total_limit": "[0, None)", "log_every": "[0, None)", "gradient_checkpointing": "[0, None)",
-    "dataloader_workers": "[0, None)", "lora_r": "[1, None)", "lora_alpha": "(0, None)", "lora_dropout": "[0, 1)",
-    "seed": "[0, 4294967295]", "beta": "(0, None)", "simpo_gamma": "[0, None)",
-}
-# The online recipe's own bounds (grpo.py: --beta 0 is its default, no KL term)
-ONLINE_RANGES = {
-    "beta": "[0, None)", "num_generations": "[2, None)", "max_completion_length": "[1, None)", "temperature": "(0, None)",
-    "top_p": "(0, 1]", "top_k": "[0, None)", "epsilon": "[0, 1)", "epsilon_high": "[0, None)",
-    "num_iterations": "[1, None)", "samples_every": "[0, None)",
-}
-HINTS = {"max_grad_norm": " (clipping cannot be switched off, only raised: e.g. 1e9)",
-         "save_every": " (0: none)"}
 
 
 def check_preference_run(args, launch) -> None:
@@ -393,31 +334,6 @@ def check_prompt_count(prompts: int, per_step: int, args) -> None:
                "give more prompts")
 
 
-def check_ranges(args) -> None:
-    """Every number a flag takes, checked against what the recipe can do with it."""
-    import math
-
-    ranges = {**RANGES, **ONLINE_RANGES} if getattr(args, "recipe", None) in ONLINE_RECIPES else RANGES
-    for name, bounds in ranges.items():
-        value = getattr(args, name, None)
-        if value is None or value == "auto":
-            continue
-        flag = "--" + name.replace("_", "-")
-        origin = getattr(args, "settled_from", {}).get(name)  # a value a config file set, not a typed flag
-        flag += f" (set by {origin})" if origin else ""
-        if not math.isfinite(value):
-            refuse(f"{flag} must be a finite number, got {value}")
-        low, high = (None if part.strip() == "None" else float(part) for part in bounds[1:-1].split(","))
-        below = value < low or (value == low and bounds[0] == "(")
-        above = high is not None and (value > high or (value == high and bounds[-1] == ")"))
-        if below or above:
-            if high is None:
-                rule = f"{'>=' if bounds[0] == '[' else '>'} {low:g}"
-            else:
-                rule = f"in {bounds.replace('None', '')}".replace(".0", "")
-            refuse(f"{flag} must be {rule}{HINTS.get(name, '')}, got {value}")
-
-
 def check_tensor_parallel(args, recipe: str, launch) -> None:
     """What tensor parallel can split: the model's heads, and LoRA where peft splits the adapter too."""
     plain = "accelerate_configs/fsdp.yaml"
@@ -474,14 +390,6 @@ def check_lora_split(args, plan: dict) -> None:
         refuse(f"LoRA on {what} fails under tensor parallel (peft {version('peft')} splits an adapter only "
                f"with a column-split layer); pass --lora-targets {','.join(column)} (the column-split ones), or "
                "use accelerate_configs/fsdp.yaml")
-
-
-def check_columns(columns: str | None) -> None:
-    """--columns is a comma-separated list of NEW=OLD renames."""
-    for pair in (columns or "").split(",") if columns is not None else ():
-        new, _, old = pair.partition("=")
-        if not new.strip() or not old.strip():
-            refuse(f"--columns entry `{pair}` is not NEW=OLD; write e.g. --columns instruction=question,response=answer")
 
 
 # What a run writes at the top of its folder: in a folder that holds no run, they would be someone else's

@@ -15,7 +15,7 @@ from pathlib import Path
 from ..model.adapters import adapter_base, merged_start_model
 from ..model.modeling import compile_cache_dir
 from ..model.shard_loading import why_not_read_shards
-from . import eval_tasks, launch_config, memory_plan, preflight
+from . import eval_tasks, launch_config, memory_plan, preflight, quick_checks
 from .args import FEEDBACK_RECIPES, ONLINE_RECIPES, PREFERENCE_RECIPES, REWARD_RECIPES
 from .batch_size import settle as settle_batch
 from .launch import DDP, FSDP, READS_SHARDS, SINGLE, TENSOR_PARALLEL, Launch, describe
@@ -38,8 +38,8 @@ def settle_launch(args: Run, recipe: str) -> tuple[Run, Launch]:
         say(f"config: {'; '.join(notes)}")
     launch = describe()
     launch_config.check_process_count(launch)
-    preflight.check_flags(run, recipe)
-    preflight.check_paths(run)  # before anything below asks the hub
+    quick_checks.check_flags(run, recipe)  # (the recipe made these before loading torch: a config file may have set more)
+    quick_checks.check_paths(run)  # before anything below asks the hub
     preflight.check_hub(run, adapter_base(run.model) or run.model)
     preflight.check_speed_options(run, launch.on_gpu)
     run = settle_model(run)  # a LoRA adapter as --model: its base with the adapter merged in
@@ -71,6 +71,7 @@ def settle_launch(args: Run, recipe: str) -> tuple[Run, Launch]:
     preflight.check_strategy(run, recipe, launch)
 
     run = settle_paths(run)
+    quick_checks.check_paths(run)
     preflight.check_inputs(run)
     if recipe != "full":
         preflight.check_lora_targets(run)

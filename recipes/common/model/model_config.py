@@ -11,11 +11,7 @@ from pathlib import Path
 
 import torch
 
-from ..paths import DEFAULT_MODEL, REPO_ROOT
-
-
-def is_default_model(name: str) -> bool:
-    return Path(name).resolve() == DEFAULT_MODEL.resolve()
+from ..paths import DEFAULT_MODEL, REPO_ROOT, is_default_model  # noqa: F401  (model_config.is_default_model, as callers use it)
 
 
 def default_model_needs_building() -> bool:

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from ..data.formats import DEFAULT_CHAT_TEMPLATE
+from ..quiet import loading_bars_off
 from ..refusal import refuse
 from .model_config import (DEFAULT_MODEL, REPO_ROOT, bits_config, default_model_needs_building, empty_model,
                            is_default_model, model_class, model_config_object, unquantized_modules,
@@ -108,6 +109,9 @@ def load_model(name: str, accelerator, launch, *, frozen: bool, quantization=Non
     - everything else loads on CPU and `accelerator.prepare` places or shards it.
     Host RAM per machine at load: planner.load_bytes_per_machine, printed in the `plan:` line.
     """
+    loading_bars_off()
+    if accelerator.is_main_process:  # one line for the wait (transformers' bar is off)
+        print(f"model: loading the weights of {name}", flush=True)
     # where loading frees layers as it goes (read or sent as shards, partitioned, quantized) or leaves unread
     # weights behind: their memory is given back rather than reused, page by page, by later steps
     if (launch.reads_shards or launch.main_process_loads or launch.zero_stage == 3

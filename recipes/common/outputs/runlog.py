@@ -18,6 +18,7 @@ from ..launching.batch_size import rows_per_step
 from ..launching.deepspeed_config import schedule_settings
 from ..model.adapters import merged_start
 from ..model.modeling import parameter_counts
+from ..paths import REPO_ROOT
 from .drift import LikelihoodDrift
 
 LIBRARIES = ("torch", "transformers", "accelerate", "peft", "datasets", "bitsandbytes", "deepspeed")
@@ -35,15 +36,20 @@ def library_versions() -> dict:
     return found
 
 
-def program_record(program: str | None = None) -> dict:
-    """The program that ran (default: this process's script): its path and SHA-256, so an edited copy is told
-    from the recipe it was copied from; inside a git work tree, the commit, whether the tree had changes, and
-    the program's own state there ("committed", "changed" or "untracked")."""
+def program_record(program: str | None = None, recipe: str | None = None) -> dict:
+    """The program that ran (default: this process's script): its path and SHA-256; where it is not the shipped
+    recipes/<recipe>.py, `copy_of` names that one and `edited` says whether the copy differs from it; inside a git
+    work tree, the commit, whether the tree had changes, and the program's own state there ("committed",
+    "changed" or "untracked")."""
     import hashlib
     import subprocess
 
     path = Path(sys.argv[0] if program is None else program).resolve()
     record = {"path": str(path), "sha256": hashlib.sha256(path.read_bytes()).hexdigest(), "git": None}
+    shipped = REPO_ROOT / "recipes" / f"{recipe}.py"
+    if recipe and path != shipped.resolve():
+        record["copy_of"] = f"recipes/{recipe}.py"
+        record["edited"] = not shipped.is_file() or hashlib.sha256(shipped.read_bytes()).hexdigest() != record["sha256"]
 
     def git(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run(["git", "-C", str(path.parent), *args], capture_output=True, text=True, timeout=30)
@@ -201,7 +207,7 @@ class RunLog:
         start = merged_start(self.args.model)
         self.record = {
             "recipe": self.recipe,
-            "program": program_record() if self.main else None,  # the file that ran: an edited copy is its own
+            "program": program_record(recipe=self.recipe) if self.main else None,  # the file that ran (a copy?)
             "arguments": arguments_record(self.args, total_steps),
             "total_steps": total_steps,
             "base_model": start["base"] if start else self.args.model,
@@ -235,8 +241,11 @@ class RunLog:
         if self.main:
             self.save_record()
             share = self.held_parameters / max(counts["total"], 1)
+            program = self.record["program"]
+            copy = (f" ({Path(program['path']).name}, {'an edited' if program['edited'] else 'a'} copy of "
+                    f"{program['copy_of']})" if "copy_of" in program else "")
             self.say(
-                f"{self.recipe}: {self.accelerator.distributed_type.value} x {self.accelerator.num_processes} "
+                f"{self.recipe}{copy}: {self.accelerator.distributed_type.value} x {self.accelerator.num_processes} "
                 f"process(es){f' ({self.launch.name})' if self.launch.name != self.launch.planner_strategy else ''}, "
                 f"{ran['precision']} precision, {counts['total']:,} parameters "
                 f"({counts['trainable']:,} trainable, rank 0 holds {share:.0%}), data format: {data_format}"

@@ -99,9 +99,10 @@ def score(accelerator, launch, model, tokenizer, tasks: EvalTasks, limit: int | 
     was_training = model.training
     model.eval()
     # Eager even under --compile (every request length would be another graph), in the run's mixed precision;
-    # lm-eval's progress bars from the main process only (an error still ends the run with its traceback).
-    quiet = contextlib.nullcontext() if accelerator.is_main_process else contextlib.redirect_stderr(io.StringIO())
-    with torch.compiler.set_stance("force_eager"), accelerator.autocast(), quiet:
+    # lm-eval's progress bars and notices left out, one line instead (an error still ends the run with its traceback).
+    if accelerator.is_main_process:
+        print(f"benchmarks: scoring {', '.join(tasks.names)} with lm-eval", flush=True)
+    with torch.compiler.set_stance("force_eager"), accelerator.autocast(), contextlib.redirect_stderr(io.StringIO()):
         results = evaluator.simple_evaluate(model=lm, tasks=list(tasks.names), task_manager=manager, limit=limit,
                                             bootstrap_iters=0, log_samples=False, apply_chat_template=prompts.chat,
                                             system_instruction=prompts.system)

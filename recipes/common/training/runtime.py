@@ -91,6 +91,14 @@ def make_accelerator(args, launch: Launch) -> Accelerator:
     return accelerator
 
 
+@contextmanager
+def same_random_state():
+    """torch's random state (the CPU's and this process's GPU's) put back afterwards: what runs inside (a baseline
+    evaluation: a data loader draws its seed) leaves the steps' dropout and shuffling as they would be without it."""
+    with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
+        yield
+
+
 def scoring_accelerator(launch: Launch, batch_size: int) -> Accelerator:
     """An Accelerator for a model that is only scored (scripts/evaluate.py): the launch's strategy, on CPU
     processes too, without a loader for DeepSpeed to size its batch from."""
