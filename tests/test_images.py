@@ -273,6 +273,12 @@ def test_paligemma_rows_are_laid_out_as_its_processor_lays_them(vlm, tmp_path):
         asked = paligemma_call(processor, row, answer=False)
         assert "labels" not in prompt and not prompt["token_type_ids"].any()
         assert prompt["input_ids"].tolist() == asked["input_ids"].tolist()
+    # a row without an image (PaliGemma's processor takes none): dropped, and counted with its reason
+    question = rows[0]["messages"][0]["content"][1]
+    text_only = {**rows[0], "images": [], "messages": [{"role": "user", "content": [question]}, rows[0]["messages"][1]]}
+    both, _ = tokens.tokenize_counted(datasets.Dataset.from_list([rows[0], text_only]), tokenizer, 512,
+                                      images.ImageRows(processor, str(tmp_path)))
+    assert both[0]["dropped"] == "" and "an image in every prompt" in both[1]["dropped"], both[1]["dropped"]
 
 
 @long_test  # ~15 s; every run keeps the rows' layout (above), equal to its processor's own
@@ -351,6 +357,7 @@ def test_lora_equals_trls_sft_trainer_on_image_rows(family, one_process, vlm, tm
     pytest.param("paligemma", "lora", "zero3", marks=long_test),
     pytest.param("paligemma", "full", "ddp", marks=long_test),
     pytest.param("paligemma", "qlora", "ddp", marks=long_test),
+    pytest.param("paligemma", "full", "fsdp", marks=long_test),  # (ZeRO-3's norm: 1.05e-5 of it apart, measured)
 ])
 def test_every_strategy_trains_the_one_process_curve(family, recipe, config, one_process, vlm, tmp_path):
     """2 processes x 4 rows x 2 micro-batches: the same loss and gradient norm as one process, step by step."""
@@ -359,7 +366,8 @@ def test_every_strategy_trains_the_one_process_curve(family, recipe, config, one
                   str(data), *STEPS, *NO_DROPOUT[recipe], "--batch-size", "4", config=config)
     assert done.returncode == 0, done.output[-3000:]
     assert done.run_json()["num_processes"] == 2
-    same_curve(done.metrics(), single.metrics())
+    # every weight sharded: PaliGemma's norm (~2.5) sums its shards in another order (7e-6 of it, measured)
+    same_curve(done.metrics(), single.metrics(), relative_norm=(family, recipe) == ("paligemma", "full"))
 
 
 @pytest.mark.parametrize("config, processes, batch", [pytest.param("zero3", 2, "4", marks=long_test),
