@@ -13,6 +13,7 @@ from conftest import REPO, launch
 
 sys.path.insert(0, str(REPO / "recipes"))
 
+from common.data.data_files import LONG_WAIT_ROWS, say_long_wait  # noqa: E402
 from common.data.tokens import many  # noqa: E402
 from common.launching.args import parse_args, recipe_flags  # noqa: E402
 from common.refusal import Refusal  # noqa: E402
@@ -174,3 +175,14 @@ def test_a_library_notice_printed_on_every_rank_is_dropped_and_the_rest_kept(cap
         print("no newline yet", end="")
     print()
     assert capsys.readouterr().out == "plan: kept\nno newline yet\n"
+
+
+def test_a_long_tokenising_is_said_in_one_line_by_the_first_process(capsys, monkeypatch):
+    """datasets' bars are off: a tokenising of many rows says so once, before it starts; a short one says nothing."""
+    say_long_wait(LONG_WAIT_ROWS - 1, "rows")
+    assert capsys.readouterr().out == ""
+    say_long_wait(300_000, "prompts")
+    assert capsys.readouterr().out == "tokenising 300,000 prompts (a rerun reads datasets' cache)\n"
+    monkeypatch.setenv("RANK", "1")
+    say_long_wait(300_000, "prompts")
+    assert capsys.readouterr().out == ""

@@ -31,6 +31,9 @@ def test_the_newest_checkpoints_are_kept_and_the_output_is_quiet(whole):
     assert sorted(p.name for p in (whole.output_dir / "checkpoints").iterdir()) == ["step-6", "step-8"]
     assert steps_of(whole) == list(range(1, 9))
     assert "Setting accelerator to CPU" not in whole.output  # DeepSpeed's notice, printed by every DDP rank before
+    # the libraries' bars (loading weights, tokenising) left out: one line for the wait instead
+    assert "it/s]" not in whole.output and "examples/s]" not in whole.output, whole.output[:3000]
+    assert whole.output.count("model: loading the weights of ") == 1
     # no terminal here, so no progress bar: a line per step instead
     assert [line.split(":")[0] for line in whole.output.splitlines() if line.startswith("step ")] == [
         f"step {n}" for n in range(1, 9)]

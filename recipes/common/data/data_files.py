@@ -31,6 +31,16 @@ SPLIT_NAMES = {"train": ("train", "training"), "eval": ("eval", "evaluation"),
 EVAL_SPLIT_NAMES = ("eval", "validation", "test")
 
 
+LONG_WAIT_ROWS = 50_000  # rows whose tokenising is said in a line before it starts (seconds, or minutes)
+
+
+def say_long_wait(count: int, what: str) -> None:
+    """One line before tokenising `count` rows (or prompts) where that takes long: datasets' own bar is off
+    (quiet.py). The first process only."""
+    if count >= LONG_WAIT_ROWS and int(os.environ.get("RANK", "0")) == 0:
+        print(f"tokenising {count:,} {what} (a rerun reads datasets' cache)", flush=True)
+
+
 def looks_local(name: str) -> bool:
     """A path rather than a hub id (`org/name`; a name may hold dots: Qwen/Qwen2.5-7B, meta-llama/Llama-3.1-8B)."""
     org, _, repo = name.partition("/")

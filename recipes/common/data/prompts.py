@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..refusal import refuse
-from .data_files import DEFAULT_DATASET, EVAL_SPLIT_NAMES, read_splits
+from .data_files import DEFAULT_DATASET, EVAL_SPLIT_NAMES, read_splits, say_long_wait
 from .formats import (CHAT_PROMPTS, PROMPT_IDS, TEXT_PROMPTS, DataFormat, chat_template_line, conversation,
                       reward_columns)
 from .mixture import sources_of
@@ -105,6 +105,7 @@ def tokenised(rows, tokenizer, chat: bool):
             ids = tokenizer(columns["prompt"])["input_ids"]
         return {PROMPT_IDS: ids}
 
+    say_long_wait(len(rows), "prompts")
     return rows.map(batch, batched=True, batch_size=1_000, desc="tokenising prompts")
 
 

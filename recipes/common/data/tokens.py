@@ -14,6 +14,7 @@ import numpy as np
 import pyarrow.compute as pc
 
 from ..refusal import refuse
+from .data_files import say_long_wait
 from .formats import IGNORE, detect_format, filled_columns, unread_columns
 from .images import ROW_NUMBER, image_column
 from .mixture import draw, drawn_words, joined, shares
@@ -205,9 +206,6 @@ def kept_tokens(row: dict, max_length: int | None, keep: bool) -> dict:
             **{key: row[key] if keep else type(row[key])() for key in ("eos_added", "stops", "boundary")}}
 
 
-LONG_WAIT_ROWS = 50_000  # rows whose tokenising is said in a line before it starts (seconds, or minutes)
-
-
 def mapped(dataset, batch_function, features, code: str):
     """`batch_function` over the dataset in batches of 512 rows, in every core's process for a large set,
     cached by datasets.
@@ -216,9 +214,7 @@ def mapped(dataset, batch_function, features, code: str):
     included), but not by the code the function calls: `code`, a hash of that code, is an argument too, so
     a changed data path never reuses rows tokenised by an older one."""
     processes = preparing_processes(len(dataset))
-    if len(dataset) >= LONG_WAIT_ROWS and int(os.environ.get("RANK", "0")) == 0:  # (datasets' own bar is off: quiet.py)
-        print(f"tokenising {len(dataset):,} rows ({processes or 1} process(es); a rerun reads datasets' cache)",
-              flush=True)
+    say_long_wait(len(dataset), f"rows in {processes or 1} process(es)")
     threads = os.environ.get("TOKENIZERS_PARALLELISM")
     if processes:  # the work is split over processes: the tokenizer's own threads would only compete (and warn)
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
