@@ -17,6 +17,11 @@ recipe draws it. TRL reads the prompts in its own shuffled order: compare steps 
 (--batch-size x --grad-accum = prompts x --num-generations), and, for --loss bnpo (a mean per micro-batch),
 --grad-accum 1.
 
+`--trl-generation` (the TRL side of scripts/measure/compare_trl_grpo.py): TRL samples with its own generation
+(transformers' generate with GRPOConfig's temperature, top-k and top-p), the step clock starts when training does
+(the worker prints `trl: training` then), each step's line adds `generation_s` and `rewards_s` (rank 0's seconds
+in TRL's generation and reward scoring), and the adapter is saved to --output-dir/adapter at the end, as the recipe's.
+
 Writes --output-dir/metrics.jsonl: one line per optimizer step with TRL's logged names (loss, grad_norm, reward,
 reward_std, frac_reward_zero_std, kl, clip_ratio/region_mean, completions/mean_length) and `elapsed_s`.
 """
@@ -24,6 +29,7 @@ reward_std, frac_reward_zero_std, kl, clip_ratio/region_mean, completions/mean_l
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -48,6 +54,9 @@ def main(argv=None) -> None:
     full = "--full" in argv  # grpo_full.py's workload: every weight trains, no adapter (TRL loads a reference copy)
     if full:
         argv.remove("--full")
+    trl_generation = "--trl-generation" in argv  # TRL's own sampling, timed by part, the adapter saved
+    if trl_generation:
+        argv.remove("--trl-generation")
     run = cli.parse_args(cli.recipe_flags("grpo_full" if full else "grpo", __doc__), argv)
     import datasets
     import torch
@@ -105,10 +114,53 @@ def main(argv=None) -> None:
                                           pad_id=tokenizer.pad_token_id)
             return completions if rloo else (completions, None)  # (RLOO's returns the ids alone)
 
-    trainer = RecipeSampling(model=model, reward_funcs=functions, args=config, train_dataset=prompts,
-                             processing_class=tokenizer, callbacks=[recorder])
+    if trl_generation:
+        trainer = timed_trainer(trainer_class, recorder)(model=model, reward_funcs=functions, args=config,
+                                                         train_dataset=prompts, processing_class=tokenizer,
+                                                         callbacks=[recorder])
+    else:
+        trainer = RecipeSampling(model=model, reward_funcs=functions, args=config, train_dataset=prompts,
+                                 processing_class=tokenizer, callbacks=[recorder])
     trainer.train()
-    recorder.write(output_dir)
+    if trl_generation:
+        trainer.save_model(str(output_dir / "adapter"))
+        for record in recorder.records:  # rank 0's seconds in each step's generation and scoring
+            record.update(trainer.parts.get(record["step"], {}))
+    if trainer.accelerator.is_main_process:
+        recorder.write(output_dir)
+
+
+def timed_trainer(trainer_class, recorder):
+    """TRL's trainer with its own generation, timing each step's generation and reward scoring (`parts`: step ->
+    {"generation_s", "rewards_s"}), its step clock (`recorder`'s) started when training starts."""
+    from transformers import TrainerCallback
+
+    class ClockStart(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            recorder.started = time.perf_counter()
+            if state.is_world_process_zero:
+                print("trl: training", flush=True)
+
+    class Timed(trainer_class):
+        def __init__(self, *args, callbacks=(), **kwargs):
+            super().__init__(*args, callbacks=[ClockStart(), *callbacks], **kwargs)
+            self.parts = {}
+
+        def timed(self, name, call, *args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return call(*args, **kwargs)
+            finally:
+                part = self.parts.setdefault(self.state.global_step + 1, {})  # (the step it is for)
+                part[name] = part.get(name, 0.0) + time.perf_counter() - started
+
+        def _generate_single_turn(self, *args, **kwargs):
+            return self.timed("generation_s", super()._generate_single_turn, *args, **kwargs)
+
+        def _calculate_rewards(self, *args, **kwargs):
+            return self.timed("rewards_s", super()._calculate_rewards, *args, **kwargs)
+
+    return Timed
 
 
 if __name__ == "__main__":
