@@ -22,6 +22,7 @@ from common import rewards  # noqa: E402
 from common.launching import preflight, settle  # noqa: E402
 from common.launching.args import parse_args, recipe_flags  # noqa: E402
 from common.launching.launch import DDP, DEEPSPEED, TENSOR_PARALLEL, Launch  # noqa: E402
+from common.training.online import evaluation_chunk  # noqa: E402
 from common.refusal import Refusal  # noqa: E402
 
 PROMPTS = 4
@@ -429,6 +430,15 @@ def test_a_completion_depends_on_its_seed_not_its_batch(tmp_path):
     assert together == alone
     assert again == together  # the global RNG plays no part
     assert other != together
+
+
+def test_held_out_prompts_are_generated_in_the_kv_cache_a_rollout_is_planned_with():
+    """A rollout of --batch-size x --grad-accum completions is planned --max-length positions each: the held-out
+    prompts, shorter, go as many at once as that cache holds at their length, never fewer than a rollout."""
+    run = parse_args(recipe_flags("grpo"), ["--batch-size", "8", "--max-length", "1024", "--max-completion-length", "64"])
+    assert evaluation_chunk(run, 20) == 8 * 1024 // 84 == 97
+    assert evaluation_chunk(run, 1000) == 8  # a long prompt: a rollout's rows
+    assert evaluation_chunk(parse_args(recipe_flags("grpo"), ["--batch-size", "4", "--grad-accum", "2"]), 0) >= 8
 
 
 def test_the_plan_counts_what_sampling_holds():

@@ -184,12 +184,21 @@ def sample_lines(rollout: Rollout, advantages: torch.Tensor, names: list[str]) -
             for i, (prompt, completion) in enumerate(gathered)]
 
 
+def evaluation_chunk(run, longest_prompt: int) -> int:
+    """Held-out prompts generated at once: a step's rollout (--batch-size x --grad-accum completions) in the KV
+    cache the memory plan holds for it (every row --max-length positions), as many as fit there at the held-out
+    prompts' own length (the longest, and --max-completion-length after it). A generate call costs per position
+    more than per row: fewer, larger calls (the same on every rank: from every row's length)."""
+    rollout = run.batch_size * run.grad_accum
+    return max(rollout, rollout * run.max_length // max(1, longest_prompt + run.max_completion_length))
+
+
 def evaluate(accelerator, model, launch, run, rows, tokenizer, reward_functions, weights, chat: bool):
     """({"eval_reward", "eval_rewards/<function>/mean"}, the first samples, a failing reward's line or None):
     each held-out prompt's greedy completion scored by the rewards, each rank its share."""
     mine = rows.select(range(accelerator.process_index, len(rows), accelerator.num_processes)).to_list()
     stop_ids = rollouts.stop_tokens(tokenizer, accelerator.unwrap_model(model))
-    chunk = run.batch_size * run.grad_accum
+    chunk = evaluation_chunk(run, max(map(len, rows["prompt_ids"]), default=0))
     most = -(-len(rows) // accelerator.num_processes)  # the rank with the most rows decides the count
     chunks = -(-most // chunk)
     ids = []
