@@ -25,11 +25,12 @@ def test_what_runs_inside_leaves_the_random_state_as_it_was():
 
 
 def test_a_lora_run_logs_step_0_and_trains_the_curve_it_trains_without_it(tmp_path):
-    """Under DDP with dropout (the steps draw random numbers): the baseline is logged and said as step 0, the
-    curve is the one --no-eval-on-start gives, and the last evaluation is scored as the first was."""
+    """With dropout (the steps draw random numbers): the baseline is logged and said as step 0, the curve is the
+    one --no-eval-on-start gives, and the last evaluation is scored as the first was. (One process: the random
+    state is each process's own, and the suite's every other launch runs without the baseline.)"""
     flags = ["--max-steps", "2", "--batch-size", "4", "--lr", "5e-3", "--lora-dropout", "0.1"]
-    with_it = launch("lora", tmp_path / "with", *flags, "--eval-on-start", config="ddp")
-    without = launch("lora", tmp_path / "without", *flags, config="ddp")
+    with_it = launch("lora", tmp_path / "with", *flags, "--eval-on-start", processes=1)
+    without = launch("lora", tmp_path / "without", *flags, processes=1)
     assert with_it.returncode == without.returncode == 0, with_it.output[-3000:] + without.output[-3000:]
     first, last = with_it.metrics("eval")
     assert (first["step"], last["step"]) == (0, 2) and "eval at step 0: eval_loss" in with_it.output

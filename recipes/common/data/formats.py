@@ -84,7 +84,7 @@ def chat_template_line(accelerator, tokenizer, args, chat: bool) -> None:
     elif tokenizer.chat_template == DEFAULT_CHAT_TEMPLATE:
         which = (f"the plain default (`<|user|>` / `<|assistant|>` turns), as {args.model}'s tokenizer has none "
                  "(--chat-template FILE for another)")
-    elif tokenizer.chat_template.startswith(PREFIX_LAYOUT):
+    elif (tokenizer.chat_template or "").startswith(PREFIX_LAYOUT):
         which = f"{args.model}'s processor's own layout (the images, BOS, the prompt and a newline; then the reply)"
     else:
         which = f"{args.model}'s own chat template"
