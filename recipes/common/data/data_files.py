@@ -191,7 +191,8 @@ def check_mark(path: Path, renames: dict) -> Path | None:
         key = json.dumps([str(path.resolve()), stat.st_size, stat.st_mtime_ns, hashlib.sha256(ends).hexdigest(),
                           renames, hashlib.sha256(Path(__file__).read_bytes()).hexdigest()])
         # datasets' cache folder by datasets' own rule: HF_DATASETS_CACHE, else HF_HOME/datasets
-        folder = Path(os.environ.get("HF_DATASETS_CACHE") or Path(constants.HF_HOME) / "datasets") / "recipes-checked-files"
+        cache = os.environ.get("HF_DATASETS_CACHE") or Path(constants.HF_HOME) / "datasets"
+        folder = Path(cache) / "recipes-checked-files"
         folder.mkdir(parents=True, exist_ok=True)
     except OSError:
         return None

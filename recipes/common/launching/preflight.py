@@ -276,13 +276,11 @@ def check_reward_run(args, launch) -> None:
 
 def settle_online_run(args, launch):
     """grpo.py's defaults that depend on other flags, as (value, why) changes: the bundled prompts' reward when
-    no --reward is given on the bundled data; --beta 0.05 under --loss rloo (RLOOConfig's), else 0 (GRPOConfig's)
-    (grpo_full.py's reference above 0: the weights as loaded, one more copy of a process's share)."""
+    no --reward is given on the bundled data (your prompts without one: quick_checks.check_rewards refused them);
+    --beta 0.05 under --loss rloo (RLOOConfig's), else 0 (GRPOConfig's) (grpo_full.py's reference above 0: the
+    weights as loaded, one more copy of a process's share)."""
     changes = {}
     if not args.reward:
-        if args.dataset:
-            refuse("grpo.py needs a reward for your prompts: give --reward FILE.py:NAME, a function "
-                   "fn(prompts, completions, **columns) -> list[float | None] (recipes/rewards.py has examples)")
         changes["reward"] = ([BUNDLED_REWARD], "the bundled prompts' reward (no --dataset, no --reward)")
     if args.beta is None:
         changes["beta"] = (0.05 if args.loss == "rloo" else 0.0, f"TRL's default for --loss {args.loss}")

@@ -58,6 +58,7 @@ def settle_launch(args: Run, recipe: str) -> tuple[Run, Launch]:
     if run.recipe in FEEDBACK_RECIPES:
         preflight.check_feedback_run(run, launch)
     if run.recipe in ONLINE_RECIPES:
+        quick_checks.check_rewards(run)  # your prompts need a reward, in a file that exists
         changes = preflight.settle_online_run(run, launch)
         run = run.settled(changes) if changes else run
     run = settle_compile(run, recipe, launch)  # (after the pipeline's stages are known)
